@@ -1,0 +1,63 @@
+"""nbaccel.utils: every utility name of Accelerate's utilities reference, under the same names.
+
+Names are loaded from their home module on first use (see `nbaccel._lazy`). `utils` imports nothing of
+nbaccel above it: collectives here talk to `torch.distributed` directly, never to the state classes.
+"""
+
+from .._lazy import lazy_namespace
+
+_MODULES: dict[str, list[str]] = {
+    ".operations": [
+        "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32", "convert_to_fp32",
+        "copy_tensor_to_devices", "find_batch_size", "find_device", "gather", "gather_object",
+        "get_data_structure", "honor_type", "ignorant_find_batch_size", "initialize_tensors",
+        "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_across_processes",
+        "pad_input_tensors", "recursively_apply", "reduce", "send_to_device", "slice_tensors",
+        "wait_for_everyone", "DistributedOperationException", "debug_mode_enabled",
+    ],
+    ".dataclasses": [
+        "AutocastKwargs", "BnbQuantizationConfig", "ComputeEnvironment", "CustomDtype",
+        "DataLoaderConfiguration", "DDPCommunicationHookType", "DeepSpeedPlugin",
+        "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend", "FP8RecipeKwargs",
+        "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
+        "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType", "ProfileKwargs",
+        "ProjectConfiguration", "RNGType", "TensorInformation", "TorchDynamoPlugin",
+        "TorchTensorParallelPlugin",
+    ],
+    ".environment": [
+        "clear_environment", "get_int_from_env", "in_notebook", "is_colab", "is_kaggle",
+        "parse_choice_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
+    ],
+    ".imports": [
+        "is_aim_available", "is_bf16_available", "is_bnb_available", "is_clearml_available",
+        "is_comet_ml_available", "is_cuda_available", "is_datasets_available", "is_deepspeed_available",
+        "is_dvclive_available", "is_fp16_available", "is_fp8_available", "is_ipex_available",
+        "is_lomo_available", "is_mlflow_available", "is_mps_available", "is_npu_available",
+        "is_pandas_available", "is_peft_available", "is_rich_available", "is_safetensors_available",
+        "is_tensorboard_available", "is_torch_version", "is_torch_xla_available",
+        "is_transformer_engine_available", "is_transformers_available", "is_wandb_available",
+        "is_xpu_available", "compare_versions",
+    ],
+    ".random": ["set_seed", "synchronize_rng_state", "synchronize_rng_states"],
+    ".modeling": [
+        "calculate_maximum_sizes", "check_device_map", "compute_module_sizes", "convert_file_size_to_int",
+        "dtype_byte_size", "find_tied_parameters", "get_balanced_memory", "get_max_layer_size",
+        "get_max_memory", "id_tensor_storage", "infer_auto_device_map", "load_checkpoint_in_model",
+        "load_state_dict", "named_module_tensors", "retie_parameters", "set_module_tensor_to_device",
+    ],
+    ".offload": [
+        "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
+        "load_offloaded_weight", "load_offloaded_weights", "offload_state_dict", "offload_weight",
+    ],
+    ".other": [
+        "convert_bytes", "extract_model_from_parallel", "get_pretty_name", "is_port_in_use",
+        "merge_dicts", "save", "write_basic_config",
+    ],
+    ".memory": [
+        "clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size",
+    ],
+}
+
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS)

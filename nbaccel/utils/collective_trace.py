@@ -1,0 +1,107 @@
+"""Which collective this process is in right now.
+
+Every nbaccel collective wraps its communication in `in_collective(...)`. The record it leaves (operation,
+torch call, shapes, dtypes, call site, start time) is what the persistent ranks' hang report and the
+dashboard show when ranks diverge. Listeners (registered by `nbaccel.telemetry` when a launcher channel is
+attached) hear each enter and exit; with none registered the cost is a few attribute writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+CollectiveListener = Callable[[str, "CollectiveRecord"], None]
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective in progress: `op` is the nbaccel name (e.g. "gather"), `call` the torch call."""
+
+    op: str
+    call: str = ""
+    shapes: list[list[int]] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    site: str = ""
+    started: float = 0.0
+
+    def describe(self) -> str:
+        """One line for reports: `gather(all_gather_into_tensor, shape [2], float32) at cell line 4`."""
+        parts = [self.call] if self.call else []
+        if self.shapes:
+            parts.append("shape " + ", ".join(str(list(s)) for s in self.shapes))
+        if self.dtypes:
+            parts.append(", ".join(sorted(set(self.dtypes))))
+        text = f"{self.op}({', '.join(parts)})"
+        return f"{text} at {self.site}" if self.site else text
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_current: CollectiveRecord | None = None
+_listeners: list[CollectiveListener] = []
+_lock = threading.Lock()
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_MARKER = os.sep + "torch" + os.sep
+
+
+def current() -> CollectiveRecord | None:
+    """The collective this process is inside, or None."""
+    return _current
+
+
+def add_listener(listener: CollectiveListener) -> None:
+    """Call `listener("enter" | "exit", record)` around every traced collective."""
+    with _lock:
+        if listener not in _listeners:
+            _listeners.append(listener)
+
+
+def remove_listener(listener: CollectiveListener) -> None:
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
+
+
+def _caller_site() -> str:
+    """The first frame outside nbaccel and torch: the user's line that started the collective."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_PACKAGE_DIR) and _TORCH_MARKER not in filename and "contextlib" not in filename:
+            if filename.startswith("<") or "ipykernel" in filename:
+                return f"cell line {frame.f_lineno}"
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+@contextlib.contextmanager
+def in_collective(op: str, call: str = "", tensors: Any = ()) -> Iterator[CollectiveRecord]:
+    """Mark the body as collective `op` (torch call `call`) over `tensors` (a tensor or a list of them)."""
+    global _current
+    items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    record = CollectiveRecord(
+        op=op,
+        call=call,
+        shapes=[list(getattr(t, "shape", ())) for t in items],
+        dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
+        site=_caller_site() if _listeners else "",
+        started=time.time(),
+    )
+    previous, _current = _current, record
+    for listener in list(_listeners):
+        listener("enter", record)
+    try:
+        yield record
+    finally:
+        _current = previous
+        for listener in list(_listeners):
+            listener("exit", record)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The project's two entry points, each creating or reusing the local virtual environment .venv:
+#   ./run.sh demo   run the main job (the bundled example on 2 CPU processes)
+#   ./run.sh test   run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${NBACCEL_VENV:-.venv}"
+
+ensure_venv() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV" || {
+            echo "python3 -m venv failed; on Debian/Ubuntu install it with: apt-get install python3-venv" >&2
+            exit 1
+        }
+    fi
+    # Reinstall only when the dependency declarations changed since the last install.
+    local stamp="$VENV/.nbaccel-installed"
+    local want
+    want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+case "${1:-}" in
+    demo)
+        ensure_venv
+        shift
+        exec "$VENV/bin/python" -m nbaccel launch --num_processes 2 --cpu examples/hello_ranks.py "$@"
+        ;;
+    test)
+        ensure_venv
+        shift
+        set +e
+        "$VENV/bin/python" -m pytest "$@"
+        rc=$?
+        set -e
+        if [ "$rc" -eq 5 ]; then
+            echo "pytest collected no tests: treating that as a failure" >&2
+            exit 1
+        fi
+        exit "$rc"
+        ;;
+    *)
+        echo "usage: ./run.sh demo | ./run.sh test [pytest args]" >&2
+        exit 2
+        ;;
+esac
