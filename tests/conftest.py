@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core machines: keep each rank from oversubscribing
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("NBACCEL_CONFIG_FILE", str(ROOT / "test-output" / "no-config.yaml"))
 sys.path.insert(0, str(ROOT / "tests"))
