@@ -1,0 +1,72 @@
+"""Where the training modules get the states, the collectives and the configuration classes.
+
+TEMPORARY: while `nbaccel.state`, `nbaccel.utils.operations` and the configuration classes of
+`nbaccel.utils.dataclasses` are being written on other branches, missing names come from the private
+stand-ins in `nbaccel._standins`. Once they are merged every name below resolves to the real module and this
+file shrinks to plain imports.
+"""
+
+from __future__ import annotations
+
+try:
+    from .state import AcceleratorState, GradientState, PartialState
+except ImportError:  # stand-in until nbaccel.state lands
+    from ._standins import AcceleratorState, GradientState, PartialState
+
+try:
+    from .utils.operations import (
+        broadcast,
+        broadcast_object_list,
+        convert_outputs_to_fp32,
+        gather,
+        gather_object,
+        pad_across_processes,
+        recursively_apply,
+        reduce,
+        send_to_device,
+    )
+except ImportError:  # stand-in until nbaccel.utils.operations lands
+    from ._standins import (
+        broadcast,
+        broadcast_object_list,
+        convert_outputs_to_fp32,
+        gather,
+        gather_object,
+        pad_across_processes,
+        recursively_apply,
+        reduce,
+        send_to_device,
+    )
+
+try:
+    from .utils.dataclasses import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        KwargsHandler,
+        ProjectConfiguration,
+        TorchDynamoPlugin,
+    )
+except ImportError:  # stand-in until the configuration classes land
+    from ._standins import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        KwargsHandler,
+        ProjectConfiguration,
+        TorchDynamoPlugin,
+    )
+
+__all__ = [
+    "AcceleratorState", "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
+    "GradScalerKwargs", "GradientAccumulationPlugin", "GradientState", "InitProcessGroupKwargs",
+    "KwargsHandler", "PartialState", "ProjectConfiguration", "TorchDynamoPlugin", "broadcast",
+    "broadcast_object_list", "convert_outputs_to_fp32", "gather", "gather_object", "pad_across_processes",
+    "recursively_apply", "reduce", "send_to_device",
+]

@@ -1,0 +1,410 @@
+"""TEMPORARY private stand-ins, used only while `nbaccel.state` / `nbaccel.utils.operations` /
+the configuration classes of `nbaccel.utils.dataclasses` have not landed in this branch.
+
+`nbaccel.accelerator`, `nbaccel.data_loader`, `nbaccel.optimizer` and `nbaccel.scheduler` import the real
+modules first and fall back to these names only on ImportError. They follow Accelerate's documented API
+for the few members the training modules use. Delete this file once the real modules are merged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .utils.dataclasses import DistributedType
+
+# ----------------------------------------------------------------------------------------------- states
+
+
+class PartialState:
+    """Stand-in for nbaccel.state.PartialState: process group from the launcher's environment."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        if self.__dict__:
+            return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        use_cuda = torch.cuda.is_available() and not cpu and os.environ.get("NBACCEL_USE_CPU", "") not in ("1", "true")
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo")
+        self.num_processes = dist.get_world_size() if dist.is_initialized() else 1
+        self.process_index = dist.get_rank() if dist.is_initialized() else 0
+        self.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("cuda", self.local_process_index) if use_cuda else torch.device("cpu")
+        if self.num_processes > 1:
+            self.distributed_type = DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU
+        else:
+            self.distributed_type = DistributedType.NO
+        self.backend = dist.get_backend() if dist.is_initialized() else None
+        self.debug = False
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        n, i = self.num_processes, self.process_index
+        per, extra = divmod(len(inputs), n)
+        start = i * per + min(i, extra)
+        end = start + per + (1 if i < extra else 0)
+        yield inputs[start:end]
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def _on(self, flag: bool, function):
+        def wrapper(*args, **kwargs):
+            if flag:
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def on_main_process(self, function):
+        return self._on(self.is_main_process, function)
+
+    def on_local_main_process(self, function):
+        return self._on(self.is_local_main_process, function)
+
+    def on_last_process(self, function):
+        return self._on(self.is_last_process, function)
+
+    def on_process(self, function=None, process_index=None):
+        if function is None:
+            return lambda f: self.on_process(f, process_index)
+        return self._on(self.process_index == process_index, function)
+
+    def on_local_process(self, function=None, local_process_index=None):
+        if function is None:
+            return lambda f: self.on_local_process(f, local_process_index)
+        return self._on(self.local_process_index == local_process_index, function)
+
+    @staticmethod
+    def _reset_state() -> None:
+        PartialState._shared_state.clear()
+
+
+class AcceleratorState:
+    """Stand-in for nbaccel.state.AcceleratorState: PartialState plus the training configuration."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin=None,
+                 deepspeed_plugin=None, fsdp_plugin=None, torch_tp_plugin=None, megatron_lm_plugin=None,
+                 _from_accelerator: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        if self.__dict__:
+            return
+        self._partial = PartialState(cpu, **kwargs)
+        self._mixed_precision = str(mixed_precision or os.environ.get("NBACCEL_MIXED_PRECISION", "no"))
+        self.dynamo_plugin = dynamo_plugin
+        self.deepspeed_plugin = deepspeed_plugin
+        self.fsdp_plugin = fsdp_plugin
+        self.torch_tp_plugin = torch_tp_plugin
+        self.megatron_lm_plugin = megatron_lm_plugin
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._mixed_precision
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_partial":
+            raise AttributeError(name)
+        return getattr(self._partial, name)
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        AcceleratorState._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+
+class GradientState:
+    """Stand-in for nbaccel.state.GradientState (Accelerate's members, including the private setters)."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, gradient_accumulation_plugin=None) -> None:
+        self.__dict__ = self._shared_state
+        if not self.__dict__:
+            self.sync_gradients = True
+            self._refs = [None]
+            self.plugin_kwargs = {}
+        if gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = gradient_accumulation_plugin.to_kwargs()
+
+    num_steps = property(lambda self: self.plugin_kwargs.get("num_steps", 1))
+    adjust_scheduler = property(lambda self: self.plugin_kwargs.get("adjust_scheduler", False))
+    sync_with_dataloader = property(lambda self: self.plugin_kwargs.get("sync_with_dataloader", True))
+
+    @property
+    def active_dataloader(self):
+        ref = self._refs[-1]
+        return ref() if ref is not None else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self.active_dataloader.end_of_dataloader if self.in_dataloader else False
+
+    @property
+    def remainder(self) -> int:
+        return self.active_dataloader.remainder if self.in_dataloader else -1
+
+    def _set_sync_gradients(self, value: bool) -> None:
+        self.sync_gradients = value
+
+    def _add_dataloader(self, dataloader) -> None:
+        self._refs = self._refs + [weakref.ref(dataloader)]
+
+    def _remove_dataloader(self, dataloader) -> None:
+        self._refs = [r for r in self._refs if r is None or r() is not dataloader]
+
+    @staticmethod
+    def _reset_state() -> None:
+        GradientState._shared_state.clear()
+
+
+# ----------------------------------------------------------------------------------------------- operations
+
+
+def recursively_apply(func, data, *args, test_type=lambda t: isinstance(t, torch.Tensor), **kwargs):
+    if isinstance(data, (tuple, list)):
+        values = [recursively_apply(func, o, *args, test_type=test_type, **kwargs) for o in data]
+        return type(data)(*values) if hasattr(data, "_fields") else type(data)(values)
+    if isinstance(data, dict):
+        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type, **kwargs)
+                           for k, v in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    return data
+
+
+def send_to_device(tensor, device, non_blocking: bool = False, skip_keys=None):
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), tensor)
+
+
+def gather(tensor):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+
+    def _one(t):
+        t = t.contiguous() if t.dim() else t[None]
+        out = torch.empty((t.shape[0] * dist.get_world_size(), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t)
+        return out
+
+    return recursively_apply(_one, tensor)
+
+
+def gather_object(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return [x for y in out for x in y]
+
+
+def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
+    def _one(t):
+        t = t.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+            if reduction == "mean":
+                t /= dist.get_world_size()
+        return t * scale if scale != 1.0 else t
+
+    return recursively_apply(_one, tensor)
+
+
+def pad_across_processes(tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+
+    def _one(t):
+        size = torch.tensor(t.shape, device=t.device)[None]
+        sizes = gather(size)
+        longest = int(sizes[:, dim].max())
+        if longest == t.shape[dim]:
+            return t
+        new = list(t.shape)
+        new[dim] = longest
+        out = t.new_full(new, pad_index)
+        idx = [slice(None)] * t.dim()
+        idx[dim] = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+        out[tuple(idx)] = t
+        return out
+
+    return recursively_apply(_one, tensor)
+
+
+def broadcast_object_list(object_list, from_process: int = 0):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def broadcast(tensor, from_process: int = 0):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        recursively_apply(lambda t: dist.broadcast(t, src=from_process), tensor)
+    return tensor
+
+
+def convert_to_fp32(tensor):
+    return recursively_apply(lambda t: t.float(),
+                             tensor, test_type=lambda t: isinstance(t, torch.Tensor) and t.dtype in (
+                                 torch.float16, torch.bfloat16))
+
+
+class ConvertOutputsToFp32:
+    def __init__(self, model_forward):
+        self.model_forward = model_forward
+
+    def __call__(self, *args, **kwargs):
+        return convert_to_fp32(self.model_forward(*args, **kwargs))
+
+
+convert_outputs_to_fp32 = ConvertOutputsToFp32
+
+# ----------------------------------------------------------------------------------------------- configuration
+
+
+class KwargsHandler:
+    def to_kwargs(self) -> dict:
+        default = self.__class__()
+        return {k: v for k, v in self.__dict__.items() if getattr(default, k, None) != v}
+
+
+@dataclasses.dataclass
+class DataLoaderConfiguration:
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclasses.dataclass
+class ProjectConfiguration:
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self) -> None:
+        self.set_directories(self.project_dir)
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def to_kwargs(self) -> dict:  # the state reads every field
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class AutocastKwargs(KwargsHandler):
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclasses.dataclass
+class GradScalerKwargs(KwargsHandler):
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclasses.dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: Any = None
+
+
+@dataclasses.dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool = False
+
+    def to_kwargs(self) -> dict:
+        kwargs = {"backend": str(self.backend or "no").lower(), "mode": self.mode or "default",
+                  "fullgraph": self.fullgraph, "dynamic": self.dynamic, "options": self.options,
+                  "disable": self.disable}
+        return kwargs
