@@ -260,12 +260,19 @@ def _synchronize_rngs(rng_types: list[str], generator: torch.Generator | None) -
             getter, setter = torch.cuda.get_rng_state, torch.cuda.set_rng_state
         else:
             continue
-        state = [getter() if dist.get_rank() == 0 else None]
-        broadcast_object_list(state, from_process=0)
-        setter(state[0])
+        state = getter()
+        if dist.get_backend() == "gloo":
+            dist.broadcast(state, src=0)  # the state is a CPU byte tensor of fixed size: one plain broadcast
+        else:
+            boxed = [state]
+            broadcast_object_list(boxed, from_process=0)
+            state = boxed[0]
+        setter(state)
 
 
 # ----------------------------------------------------------------------------------------------- loaders
+
+_END = object()  # marks the end of the wrapped iterator
 
 
 class _PreparedLoaderMixin:
@@ -343,36 +350,27 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         elif skip and sharded and self.skip_batches and not self._batches_yielded:
             skip = 0  # a SkipBatchSampler already leaves them out
         self.begin()
+        move, device, non_blocking = self._move, self.device, self.non_blocking
         try:
             batches = DataLoader.__iter__(self)
             if skip:
                 batches = itertools.islice(batches, skip, None)
-            yield from self._iterate(batches)
+            # Look one batch ahead, so end_of_dataloader is already True while the last batch is used.
+            current = next(batches, _END)
+            while current is not _END:
+                if move:
+                    current = send_to_device(current, device, non_blocking=non_blocking)
+                upcoming = next(batches, _END)
+                if upcoming is _END:
+                    self.end_of_dataloader = True
+                self._batches_yielded += 1
+                yield current
+                current = upcoming
+            self.end_of_dataloader = True
             self.iteration += 1
             self._batches_yielded = 0
         finally:
             self.end()
-
-    def _iterate(self, batches: Iterator[Any]) -> Iterator[Any]:
-        move, device, non_blocking = self._move, self.device, self.non_blocking
-        try:
-            current = next(batches)
-        except StopIteration:
-            self.end_of_dataloader = True
-            return
-        while True:
-            if move:
-                current = send_to_device(current, device, non_blocking=non_blocking)
-            try:
-                upcoming = next(batches)  # look ahead so end_of_dataloader is right during the last batch
-            except StopIteration:
-                self.end_of_dataloader = True
-                self._batches_yielded += 1
-                yield current
-                return
-            self._batches_yielded += 1
-            yield current
-            current = upcoming
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: the seedable sampler, a sharded iterable dataset and datasets with set_epoch see it."""

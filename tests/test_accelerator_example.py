@@ -32,7 +32,7 @@ def training_function(rank):
     accuracy = None
     for epoch in range(4):
         model.train()
-        for step, (inputs, targets) in enumerate(train_dataloader):
+        for inputs, targets in train_dataloader:
             with accelerator.accumulate(model):
                 outputs = model(inputs)
                 loss = torch.nn.functional.cross_entropy(outputs, targets)
