@@ -348,6 +348,8 @@ class PartialState:
     # --- basic properties --------------------------------------------------------------------------------
 
     def __repr__(self) -> str:
+        if not self.initialized:
+            return "PartialState (not initialized)"
         backend = f"  Backend: {self.backend}" if self.backend else ""
         return (
             f"Distributed environment: {self.distributed_type}{backend}\n"
@@ -460,28 +462,28 @@ class PartialState:
 
     # --- decorators --------------------------------------------------------------------------------------
 
-    def _runs_here(self, runs: bool, function: Callable[..., Any] | None, name: str) -> Callable[..., Any]:
+    def _runs_here(self, runs: Callable[[], bool], function: Callable[..., Any] | None, name: str) -> Callable[..., Any]:
         if not self.initialized:
             raise ValueError(f"create PartialState() or Accelerator() before using {name}")
         if function is None:
             raise TypeError(f"{name} decorates a function: use @state.{name} (without parentheses)")
-        return function if runs or not self.use_distributed else _do_nothing
+        return function if not self.use_distributed or runs() else _do_nothing
 
     def on_main_process(self, function: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """Decorator: the function runs on the main process only (elsewhere it returns None)."""
         if function is None:
             return self.on_main_process
-        return self._runs_here(self.is_main_process, function, "on_main_process")
+        return self._runs_here(lambda: self.is_main_process, function, "on_main_process")
 
     def on_local_main_process(self, function: Callable[..., Any] | None = None) -> Callable[..., Any]:
         """Decorator: the function runs on each machine's local main process only."""
         if function is None:
             return self.on_local_main_process
-        return self._runs_here(self.is_local_main_process, function, "on_local_main_process")
+        return self._runs_here(lambda: self.is_local_main_process, function, "on_local_main_process")
 
     def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator: the function runs on the last process only."""
-        return self._runs_here(self.is_last_process, function, "on_last_process")
+        return self._runs_here(lambda: self.is_last_process, function, "on_last_process")
 
     def on_process(
         self, function: Callable[..., Any] | None = None, process_index: int | None = None
@@ -490,7 +492,7 @@ class PartialState:
         if function is None:
             return partial(self.on_process, process_index=process_index)
         _check_index(process_index, "process_index")
-        return self._runs_here(self.process_index == process_index, function, "on_process")
+        return self._runs_here(lambda: self.process_index == process_index, function, "on_process")
 
     def on_local_process(
         self, function: Callable[..., Any] | None = None, local_process_index: int | None = None
@@ -499,7 +501,9 @@ class PartialState:
         if function is None:
             return partial(self.on_local_process, local_process_index=local_process_index)
         _check_index(local_process_index, "local_process_index")
-        return self._runs_here(self.local_process_index == local_process_index, function, "on_local_process")
+        return self._runs_here(
+            lambda: self.local_process_index == local_process_index, function, "on_local_process"
+        )
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on each machine's local main process only."""
@@ -549,9 +553,9 @@ class PartialState:
             torch.distributed.destroy_process_group(group)
 
     def __getattr__(self, name: str) -> Any:
-        if name in type(self)._known_attrs:
+        if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):
             raise AttributeError(
-                f"{type(self).__name__} has no attribute {name!r}: the state was reset (_reset_state()) and no "
+                f"{type(self).__name__}.{name} is not available: the state was reset (_reset_state()) and no "
                 "PartialState or Accelerator was created since"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
