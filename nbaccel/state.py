@@ -253,7 +253,7 @@ class PartialState:
             if missing and backend != "mpi":
                 raise ValueError(
                     f"WORLD_SIZE={world_size} asks for a distributed run but {' and '.join(missing)} "
-                    "is not set: start the processes with nbaccel.notebook_launcher, `nbaccel launch` or torchrun, "
+                    f"{'are' if len(missing) > 1 else 'is'} not set: start the processes with nbaccel.notebook_launcher, `nbaccel launch` or torchrun, "
                     "or export rank 0's address as MASTER_ADDR and a free port as MASTER_PORT"
                 )
 

@@ -171,7 +171,7 @@ def test_world_size_without_rendezvous_address_fails_before_waiting(fresh):
     fresh.setenv("RANK", "0")
     fresh.setenv("WORLD_SIZE", "2")
     started = time.monotonic()
-    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT is not set.*notebook_launcher"):
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT are not set.*notebook_launcher"):
         PartialState()
     assert time.monotonic() - started < 5
     assert not torch.distributed.is_initialized() and not PartialState._shared_state
