@@ -88,6 +88,13 @@ def _shared_dict() -> Any:
     return _ThreadLocalDict() if is_torch_xla_available() and tpu_requested() else {}
 
 
+def _drop_if_inherited(shared: dict[str, Any]) -> None:
+    """Forget a state created in another process and inherited through `fork` (e.g. a `PartialState()` made
+    in the notebook kernel before `notebook_launcher` forked the workers): each process detects its own."""
+    if shared and shared.get("_pid") != os.getpid():
+        shared.clear()
+
+
 def _env_mixed_precision() -> str:
     return first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION", default="no")  # type: ignore[return-value]
 
@@ -169,6 +176,7 @@ class PartialState:
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         self.__dict__ = self._shared_state
+        _drop_if_inherited(self._shared_state)
         if not self.initialized:
             try:
                 self._initialize(bool(cpu), kwargs)
@@ -191,7 +199,7 @@ class PartialState:
         requested_backend = kwargs.pop("backend", None)
         timeout = _pg_timeout(kwargs.pop("timeout", None))
         debug = _read_debug_flag()
-        state: dict[str, Any] = {"_cpu": cpu, "pg_timeout": timeout, "device": None}
+        state: dict[str, Any] = {"_cpu": cpu, "pg_timeout": timeout, "device": None, "_pid": os.getpid()}
 
         use_xla = not cpu and tpu_requested()
         if use_xla and not is_torch_xla_available():
@@ -671,6 +679,7 @@ class AcceleratorState:
         **kwargs: Any,
     ) -> None:
         self.__dict__ = self._shared_state
+        _drop_if_inherited(self._shared_state)
         if parse_flag_from_env("NBACCEL_USE_CPU") or parse_flag_from_env("ACCELERATE_USE_CPU"):
             cpu = True
         if mixed_precision is not None:
@@ -699,8 +708,7 @@ class AcceleratorState:
         if use_megatron and not is_megatron_lm_available():
             raise ImportError("Megatron-LM was asked for but is not installed: pip install megatron-core")
 
-        if not PartialState._shared_state:
-            PartialState(cpu, **kwargs)
+        PartialState(cpu, **kwargs)  # detects the environment unless a PartialState of this process exists
         try:
             self._configure(
                 mixed_precision, cpu, dynamo_plugin, deepspeed_plugin, fsdp_plugin, torch_tp_plugin,
@@ -1003,7 +1011,9 @@ class GradientState:
 
     def __init__(self, gradient_accumulation_plugin: Any = None) -> None:
         self.__dict__ = self._shared_state
+        _drop_if_inherited(self._shared_state)
         if not self.initialized:
+            self._pid = os.getpid()
             self.sync_gradients = True
             self._dataloader_references_ref: list[Any] = [None]
             self.plugin_kwargs = _plugin_kwargs(gradient_accumulation_plugin)

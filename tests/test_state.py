@@ -472,6 +472,28 @@ def _mpi_checks(rank: int) -> tuple:
     return (state.distributed_type, state.num_processes, state.process_index, os.environ["MASTER_ADDR"])
 
 
+def test_a_launcher_world_of_one_is_a_single_process(fresh):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        fresh.setenv(key, value)
+    state = PartialState(cpu=True)
+    assert (state.distributed_type, state.num_processes, state.backend) == (DistributedType.NO, 1, None)
+    assert not torch.distributed.is_initialized()
+
+
+def _describe(rank: int) -> tuple:
+    from nbaccel.state import GradientState, PartialState
+
+    state = PartialState()
+    return state.distributed_type, state.process_index, GradientState().sync_gradients
+
+
+def test_states_made_in_the_kernel_do_not_leak_into_forked_workers(fresh):
+    assert PartialState(cpu=True).distributed_type == DistributedType.NO  # e.g. made in a notebook cell
+    GradientState()._set_sync_gradients(False)
+    assert run_ranks(_describe) == [(DistributedType.MULTI_CPU, 0, True), (DistributedType.MULTI_CPU, 1, True)]
+    assert PartialState().distributed_type == DistributedType.NO  # the kernel's own state is untouched
+
+
 def test_mpi_variables_start_a_gloo_group():
     results = run_ranks(_mpi_checks)
     assert results == [
