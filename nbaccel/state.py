@@ -261,8 +261,9 @@ class PartialState:
             if missing and backend != "mpi":
                 raise ValueError(
                     f"WORLD_SIZE={world_size} asks for a distributed run but {' and '.join(missing)} "
-                    f"{'are' if len(missing) > 1 else 'is'} not set: start the processes with nbaccel.notebook_launcher, `nbaccel launch` or torchrun, "
-                    "or export rank 0's address as MASTER_ADDR and a free port as MASTER_PORT"
+                    f"{'are' if len(missing) > 1 else 'is'} not set: start the processes with "
+                    "nbaccel.notebook_launcher, `nbaccel launch` or torchrun, or export rank 0's address as "
+                    "MASTER_ADDR and a free port as MASTER_PORT"
                 )
 
         if device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
@@ -272,7 +273,13 @@ class PartialState:
             torch.set_num_threads(max(1, cores // max(1, info.local_world_size)))
         if device_type not in ("cpu", "xla"):
             module = getattr(torch, device_type)
-            module.set_device(info.local_rank % max(1, module.device_count()))
+            count = module.device_count()
+            if "nccl" in backend and count < info.local_world_size:
+                raise ValueError(
+                    f"{info.local_world_size} processes on this machine but {count} CUDA device(s) visible: NCCL "
+                    f"needs one GPU per process. Start {count} process(es), or pass cpu=True to run on the CPU"
+                )
+            module.set_device(info.local_rank % max(1, count))
 
         kwargs.update(rank=rank, world_size=world_size)
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)

@@ -186,6 +186,18 @@ def test_nccl_backend_on_cpu_is_refused(fresh):
         PartialState(cpu=True, backend="nccl")
 
 
+def test_more_processes_than_gpus_is_refused_before_nccl_starts(fresh):
+    import nbaccel.state as state_module
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        fresh.setenv(key, value)
+    fresh.setattr(state_module, "is_cuda_available", lambda: True)  # pretend: one GPU for two processes
+    fresh.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 processes on this machine but 1 CUDA device.*one GPU per process"):
+        PartialState()
+    assert not torch.distributed.is_initialized()
+
+
 def test_tpu_requested_without_torch_xla(fresh):
     fresh.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(ImportError, match=r"pip install nbaccel\[tpu\].*torch_xla"):
