@@ -96,7 +96,11 @@ def _drop_if_inherited(shared: dict[str, Any]) -> None:
 
 
 def _env_mixed_precision() -> str:
-    return first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION", default="no")  # type: ignore[return-value]
+    """NBACCEL_MIXED_PRECISION, else ACCELERATE_MIXED_PRECISION, else "no"; checked, naming the variable."""
+    for key in ("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"):
+        if os.environ.get(key):
+            return _check_mixed_precision(os.environ[key], key)
+    return "no"
 
 
 def _check_mixed_precision(value: Any, source: str = "mixed_precision") -> str:
@@ -404,7 +408,7 @@ class PartialState:
         accelerator_state = AcceleratorState._shared_state
         if _ACCELERATOR_MARKER in accelerator_state:
             return _view(AcceleratorState).mixed_precision
-        return _check_mixed_precision(_env_mixed_precision(), "NBACCEL_MIXED_PRECISION")
+        return _env_mixed_precision()
 
     @property
     def use_distributed(self) -> bool:
@@ -700,7 +704,7 @@ class AcceleratorState:
                 "(or use PartialState() for process control alone)"
             )
         if mixed_precision is None:
-            mixed_precision = _check_mixed_precision(_env_mixed_precision(), "NBACCEL_MIXED_PRECISION")
+            mixed_precision = _env_mixed_precision()
         if mixed_precision == "fp8" and not is_fp8_available():
             raise ValueError(
                 "mixed_precision='fp8' needs an FP8 library: pip install transformer-engine (or torchao, or MS-AMP)"

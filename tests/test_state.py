@@ -210,6 +210,12 @@ def test_mixed_precision_from_environment_and_bad_values(fresh):
     assert PartialState().mixed_precision == "bf16"
     fresh.setenv("NBACCEL_MIXED_PRECISION", "FP16")
     assert PartialState().mixed_precision == "fp16"
+    fresh.setenv("ACCELERATE_MIXED_PRECISION", "fp32")
+    fresh.setenv("NBACCEL_MIXED_PRECISION", "fp16")
+    assert PartialState().mixed_precision == "fp16"  # nbaccel's name wins; the other is not looked at
+    fresh.delenv("NBACCEL_MIXED_PRECISION")
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION='fp32'"):
+        _ = PartialState().mixed_precision
     fresh.setenv("NBACCEL_MIXED_PRECISION", "half")
     with pytest.raises(ValueError, match=r"NBACCEL_MIXED_PRECISION='half'.*\['no', 'fp8', 'fp16', 'bf16'\]"):
         _ = PartialState().mixed_precision
