@@ -1,6 +1,6 @@
 """Where the training modules get the states, the collectives and the configuration classes.
 
-TEMPORARY: while `nbaccel.state`, `nbaccel.utils.operations` and the configuration classes of
+TEMPORARY: while `nbaccel.utils.operations` and the configuration classes of
 `nbaccel.utils.dataclasses` are being written on other branches, missing names come from the private
 stand-ins in `nbaccel._standins`. Once they are merged every name below resolves to the real module and this
 file shrinks to plain imports.
@@ -8,10 +8,7 @@ file shrinks to plain imports.
 
 from __future__ import annotations
 
-try:
-    from .state import AcceleratorState, GradientState, PartialState
-except ImportError:  # stand-in until nbaccel.state lands
-    from ._standins import AcceleratorState, GradientState, PartialState
+from .state import AcceleratorState, GradientState, PartialState
 
 try:
     from .utils.operations import (

@@ -134,17 +134,19 @@ class Accelerator:
             dynamo_plugin = TorchDynamoPlugin(backend=DynamoBackend(backend))
         self._dynamo_plugin = dynamo_plugin
 
+        # fp8 needs an external backend: say which to install before any process group starts.
+        effective = mixed_precision or _precision.validate_mixed_precision(
+            os.environ.get("NBACCEL_MIXED_PRECISION") or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no")
+        self._fp8_backend = None
+        if effective == "fp8":
+            self._fp8_backend = _precision.find_fp8_backend(
+                getattr(self.fp8_recipe_handler, "backend", None) if self.fp8_recipe_handler else None)
+
         # States (process group, device, precision, gradient accumulation)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         cpu = bool(cpu) or bool(_config_default("use_cpu"))
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
                                       _from_accelerator=True, **init_kwargs)
-        if self.state.mixed_precision == "fp8":
-            self._fp8_backend = _precision.find_fp8_backend(
-                getattr(self.fp8_recipe_handler, "backend", None) if self.fp8_recipe_handler else None)
-        else:
-            self._fp8_backend = None
-
         if gradient_accumulation_plugin is not None:
             if gradient_accumulation_steps != 1:
                 raise ValueError(
