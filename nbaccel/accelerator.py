@@ -212,9 +212,6 @@ class Accelerator:
         for rng in rng_types:
             if str(rng) not in RNGType:
                 raise ValueError(f"Unknown rng type {rng!r}: choose among {RNGType.list()}.")
-            if str(rng) not in ("torch", "cuda", "generator"):
-                raise ValueError(f"rng type {str(rng)!r} needs a device nbaccel does not drive here; use "
-                                 "'torch', 'cuda' or 'generator'.")
             checked.append(str(rng))
         return checked
 

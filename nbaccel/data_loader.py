@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from . import telemetry
-from ._deps import GradientState, PartialState, broadcast_object_list, send_to_device
+from ._deps import GradientState, PartialState, broadcast, broadcast_object_list, send_to_device
+from .utils.random import synchronize_rng_states
 
 # DataLoader arguments carried over when a loader is rebuilt around a new sampler or dataset.
 _LOADER_KWARGS = (
@@ -241,35 +242,6 @@ class IterableDatasetShard(IterableDataset):
             yield from buffer[lo:hi]
 
 
-# ----------------------------------------------------------------------------------------------- rng sync
-
-
-def _synchronize_rngs(rng_types: list[str], generator: torch.Generator | None) -> None:
-    """Give every process the RNG state of process 0 for `rng_types` ("torch", "cuda", "generator")."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for rng in rng_types:
-        rng = str(rng)
-        if rng == "generator":
-            if generator is None:
-                continue
-            getter, setter = generator.get_state, generator.set_state
-        elif rng == "torch":
-            getter, setter = torch.get_rng_state, torch.set_rng_state
-        elif rng == "cuda" and torch.cuda.is_available():
-            getter, setter = torch.cuda.get_rng_state, torch.cuda.set_rng_state
-        else:
-            continue
-        state = getter()
-        if dist.get_backend() == "gloo":
-            dist.broadcast(state, src=0)  # the state is a CPU byte tensor of fixed size: one plain broadcast
-        else:
-            boxed = [state]
-            broadcast_object_list(boxed, from_process=0)
-            state = boxed[0]
-        setter(state)
-
-
 # ----------------------------------------------------------------------------------------------- loaders
 
 _END = object()  # marks the end of the wrapped iterator
@@ -329,14 +301,15 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
                  total_dataset_length: int | None = None, even_batches: bool = True, **kwargs: Any) -> None:
         DataLoader.__init__(self, dataset, **kwargs)
         self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
-        self.rng_types = list(rng_types or [])
+        # Every process draws the same shuffling (and the RNG types asked for) from process 0, per epoch.
+        self.rng_types = [str(r) for r in rng_types or [] if synchronized_generator is not None or str(r) != "generator"]
         self.synchronized_generator = synchronized_generator
         self.skip_batches = skip_batches
         self._epoch_generator_state: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[Any]:
         if self.rng_types:
-            _synchronize_rngs(self.rng_types, self.synchronized_generator)
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
         if self.synchronized_generator is not None:
             self._epoch_generator_state = self.synchronized_generator.get_state()
         self.set_epoch(self.iteration)
@@ -568,7 +541,7 @@ def _receive(meta: Any, batch: Any, device: Any) -> Any:
     if isinstance(meta, _TensorSlot):
         tensor = batch.to(device).contiguous() if batch is not None else torch.empty(
             meta.shape, dtype=meta.dtype, device=device)
-        dist.broadcast(tensor, src=0)
+        broadcast(tensor, from_process=0)
         return tensor
     if isinstance(meta, dict):
         return type(meta)({k: _receive(v, None if batch is None else batch[k], device) for k, v in meta.items()})
@@ -674,8 +647,6 @@ def prepare_data_loader(
         if num_processes > 1:
             batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
                                               split_batches=split_batches, even_batches=even_batches)
-        if generator is not None and rng_types is not None and "generator" not in [str(r) for r in rng_types]:
-            generator = None if num_processes == 1 else generator
         sync = list(rng_types or [])
         if generator is not None and "generator" not in [str(r) for r in sync]:
             sync.append("generator")  # shuffling must agree across processes
