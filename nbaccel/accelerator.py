@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import os
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -589,7 +590,7 @@ class Accelerator:
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's model without DDP (and, on request, without the mixed-precision forward or compile)."""
-        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        compiled = model if _is_compiled(model) else None
         if compiled is not None:
             model = compiled._orig_mod
         while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
@@ -915,6 +916,12 @@ def _config_default(key: str) -> Any:
     if isinstance(values, dict):
         return values.get(key)
     return values
+
+
+def _is_compiled(model: Any) -> bool:
+    """Whether `model` came out of torch.compile (without importing torch._dynamo, which is slow to load)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
 
 
 def _only_tensors(data: Any) -> bool:

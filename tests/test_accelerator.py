@@ -282,3 +282,46 @@ def test_properties_processes_and_triggers():
     assert r0["mine"] + r1["mine"] == [0, 1, 2, 3, 4]
     assert r0["reduced"] == [3.0] and r0["padded"] == 2 == r1["padded"]
     assert r0["mp"] == "no" and r1["dp"] == 1 and r0["tp"] == 0 and r0["sync"] and r0["steps"] == 1
+
+
+def test_split_batches_two_processes_equal_one_process():
+    def body(rank):
+        from nbaccel._deps import DataLoaderConfiguration  # TEMPORARY: nbaccel.DataLoaderConfiguration
+
+        return _train(16, dataloader_config=DataLoaderConfiguration(split_batches=True))
+
+    expected = _reference_weights(16)
+    for weights in run_ranks(body):
+        for got, want in zip(weights, expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_compile_unwrap_lomo_and_telemetry():
+    def body(rank):
+        from nbaccel import Accelerator, telemetry
+
+        messages = []
+        telemetry.attach(messages.append, rank)
+        accelerator = Accelerator(dynamo_backend="eager")
+        model = _model()
+        prepared = accelerator.prepare(model)
+        compiled = isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+        plain = accelerator.unwrap_model(prepared, keep_torch_compile=False) is model
+        optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(_data(32), batch_size=8))
+        model(torch.ones(1, N_FEATURES)).sum().backward()
+        optimizer.step()
+        optimizer.step()
+        try:
+            accelerator.lomo_backward(torch.ones(()), 0.1)
+            lomo = "no error"
+        except ImportError as error:
+            lomo = str(error)
+        telemetry.detach()
+        kinds = [(m["kind"], m.get("step", m.get("total"))) for m in messages if m["kind"] in ("step", "total")]
+        return compiled, plain, lomo, kinds, len(loader)
+
+    compiled, plain, lomo, kinds, length = run_ranks(body, world_size=1)[0]
+    assert compiled and plain
+    assert "lomo-optim" in lomo
+    assert kinds == [("total", length), ("step", 1), ("step", 2)]
