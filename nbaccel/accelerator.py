@@ -767,28 +767,27 @@ class Accelerator:
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Save everything needed to resume: models, optimizers, schedulers, loader positions, scaler, RNGs,
-        registered objects. With automatic_checkpoint_naming the folder is chosen (and old ones rotated)."""
+        registered objects. With automatic_checkpoint_naming the folder is chosen (and old ones rotated).
+        Call it on every process; returns the folder."""
         from . import checkpointing
 
         config = self.project_configuration
+        total_limit = None
         if config.automatic_checkpoint_naming:
             output_dir = checkpointing.next_checkpoint_dir(config)
+            total_limit = config.total_limit
         elif output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
-        output_dir = os.fspath(output_dir)
-        self.wait_for_everyone()
-        weights = [self.get_state_dict(model) for model in self._models]
-        models = list(self._models)
-        for hook in self._save_model_state_pre_hook.values():
-            hook(models, weights, output_dir)
         location = checkpointing.save_accelerator_state(
-            output_dir, models=weights, optimizers=self._optimizers, schedulers=self._schedulers,
+            output_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
             dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
             process_index=self.process_index, num_processes=self.num_processes,
-            is_main_process=self.is_main_process, safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process, safe_serialization=safe_serialization, step=self.step,
+            pre_hooks=list(self._save_model_state_pre_hook.values()), total_limit=total_limit,
+            get_state_dict=self.get_state_dict,
         )
         config.iteration += 1
-        return location if location is not None else output_dir
+        return os.fspath(location)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
@@ -799,69 +798,50 @@ class Accelerator:
         if input_dir is None:
             if not config.automatic_checkpoint_naming:
                 raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
-            input_dir = _latest_checkpoint(os.path.join(config.project_dir, "checkpoints"))
-        input_dir = os.fspath(input_dir)
-        if not os.path.isdir(input_dir):
-            raise FileNotFoundError(f"load_state: no checkpoint folder at {input_dir!r}.")
-        models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models]
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, input_dir)
+            input_dir = checkpointing.latest_checkpoint_dir(config)
         load_kwargs = dict(load_kwargs or {})
-        map_location = load_kwargs.pop("map_location", "cpu")
-        checkpointing.load_accelerator_state(
-            input_dir, models=models, optimizers=self._optimizers, schedulers=self._schedulers,
+        map_location = load_kwargs.pop("map_location", None)
+        override = checkpointing.load_accelerator_state(
+            input_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
             dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
-            process_index=self.process_index, map_location=map_location, **load_kwargs, **load_model_func_kwargs,
+            process_index=self.process_index, map_location=map_location, device=self.device,
+            pre_hooks=list(self._load_model_state_pre_hook.values()), load_kwargs=load_kwargs,
+            **load_model_func_kwargs,
         )
-        match = re.search(r"checkpoint_(\d+)$", os.path.basename(os.path.normpath(input_dir)))
+        if override and "step" in override:
+            self.step = int(override["step"])
+        match = re.search(r"checkpoint_(\d+)$", os.path.basename(os.path.normpath(os.fspath(input_dir))))
         if config.automatic_checkpoint_naming and match:
             config.iteration = int(match.group(1)) + 1
 
     # ------------------------------------------------------------------------------------------- trackers
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Start the trackers of `log_with` on the main process and record `config`."""
+        """Start the trackers of `log_with` on the main process and record `config` (hyper-parameters)."""
         from . import tracking
 
-        init_kwargs = init_kwargs or {}
-        for tracker in tracking.filter_trackers(self.log_with, self.logging_dir):
-            if isinstance(tracker, tracking.GeneralTracker):
-                self.trackers.append(tracker)
-                continue
-            cls = tracking.LOGGER_TYPE_TO_CLASS[str(tracker)]
-            kwargs = init_kwargs.get(str(tracker), {})
-            if getattr(cls, "requires_logging_directory", False):
-                self.trackers.append(cls(project_name, self.logging_dir, **kwargs))
-            else:
-                self.trackers.append(cls(project_name, **kwargs))
-        for tracker in self.trackers:
-            if hasattr(tracker, "start"):
-                tracker.start()
-        if config is not None:
-            for tracker in self.trackers:
-                tracker.store_init_configuration(config)
+        chosen = tracking.filter_trackers(self.log_with, self.logging_dir)  # bad names fail on every process
+        if self.is_main_process:
+            self.trackers.extend(tracking.init_trackers(chosen, project_name, logging_dir=self.logging_dir,
+                                                        config=config, init_kwargs=init_kwargs))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker named `name` (its native run object with unwrap=True)."""
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
+        """The tracker named `name` (its native run object with unwrap=True); a do-nothing tracker on the
+        processes that have none."""
         from . import tracking
 
-        return tracking.GeneralTracker(_blank=True)
+        return tracking.get_tracker(self.trackers, name, unwrap=unwrap)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Record `values` in every tracker (main process) and in the notebook dashboard."""
-        from . import telemetry
+        """Record `values` in every tracker (main process) and in the notebook dashboard (every process)."""
+        from . import tracking
 
-        log_kwargs = log_kwargs or {}
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
-        telemetry.log_metrics(values, step)
+        tracking.log_to_trackers(self.trackers, values, step=step, log_kwargs=log_kwargs)
 
     def end_training(self) -> None:
-        """Finish every tracker; call at the end of training."""
-        for tracker in self.trackers:
-            tracker.finish()
+        """Finish every tracker; call it at the end of training, on every process."""
+        from . import tracking
+
+        tracking.finish_trackers(self.trackers)
         self.wait_for_everyone()
 
 
@@ -886,18 +866,6 @@ def _register_hook(hooks: OrderedDict, hook: Callable) -> _RemovableHandle:
     handle = _RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
-
-
-def _latest_checkpoint(folder: str) -> str:
-    numbered = []
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            match = re.fullmatch(r"checkpoint_(\d+)", name)
-            if match:
-                numbered.append((int(match.group(1)), name))
-    if not numbered:
-        raise FileNotFoundError(f"load_state: no checkpoint_<n> folder in {folder!r} to resume from.")
-    return os.path.join(folder, max(numbered)[1])
 
 
 def _config_default(key: str) -> Any:
