@@ -286,21 +286,31 @@ class Accelerator:
         """With data parallelism only, every replica holds the whole model: the local main process saves."""
         return self.is_local_main_process
 
+    # Parallel ranks, as Accelerate: they need a parallelism_config (which nbaccel does not drive), so the
+    # state raises RuntimeError (tensor/data parallel) or NotImplementedError (pipeline/context) saying so.
     @property
     def tensor_parallel_rank(self) -> int:
-        return 0
+        return self.state.tensor_parallel_rank
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        return 0
+        return self.state.pipeline_parallel_rank
 
     @property
     def context_parallel_rank(self) -> int:
-        return 0
+        return self.state.context_parallel_rank
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.process_index
+        return self.state.data_parallel_rank
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self.state.data_parallel_shard_rank
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
 
     @property
     def deepspeed_plugin(self) -> None:
@@ -703,6 +713,73 @@ class Accelerator:
         """True when `model` was dispatched over several devices (big-model inference), which training
         must not move."""
         return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
+        """Train on data that gives processes different numbers of batches: DDP's `Join` shadows the
+        collectives of processes that ran out. `even_batches` overrides the prepared loaders' setting inside."""
+        if not (self.use_distributed and self.distributed_type in _DDP_TYPES):
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        changed = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                sampler = getattr(loader, "batch_sampler", None)
+                if isinstance(sampler, _data_loader.BatchSamplerShard):
+                    changed.append((loader, sampler, sampler.even_batches, loader._even_batches))
+                    sampler.even_batches = even_batches
+                    loader._even_batches = even_batches
+        try:
+            with Join(joinables, throw_on_early_termination=False):
+                yield
+        finally:
+            for loader, sampler, sampler_even, loader_even in changed:
+                sampler.even_batches, loader._even_batches = sampler_even, loader_even
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list | None = None, buffer_seq_dims: list | None = None,
+                               no_restore_buffers: set | None = None) -> Iterator[None]:
+        """Context parallelism is off in nbaccel (no parallelism_config): the block runs as written."""
+        yield
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        raise _unsupported("deepspeed_ulysses_dl_adapter", "DeepSpeed")
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[Any]:
+        """`torch.profiler.profile` configured by `ProfileKwargs`; with its `output_trace_dir` each process
+        writes `trace_<process_index>.json` there (Chrome trace format)."""
+        handler = profile_handler or self.profile_handler
+        profiler = handler.build() if handler is not None and hasattr(handler, "build") else torch.profiler.profile()
+        with profiler as running:
+            yield running
+        trace_dir = getattr(handler, "output_trace_dir", None)
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            running.export_chrome_trace(os.path.join(trace_dir, f"trace_{self.process_index}.json"))
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save `obj` once (main process; local main processes with save_on_each_node): torch.save, or
+        safetensors for a dict of tensors with safe_serialization=True."""
+        try:
+            from .utils.other import save as _save
+        except ImportError:  # nbaccel.utils.other not merged yet
+            _save = None
+        on_each_node = getattr(self.project_configuration, "save_on_each_node", False)
+        if _save is not None:
+            _save(obj, f, save_on_each_node=on_each_node, safe_serialization=safe_serialization)
+            return
+        if not (self.is_local_main_process if on_each_node else self.is_main_process):
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, os.fspath(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
 
     # ------------------------------------------------------------------------------------------- memory
     def free_memory(self, *objects: Any) -> list:

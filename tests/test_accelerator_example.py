@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch._dynamo  # noqa: F401  DDP's constructor imports it (seconds); forked ranks inherit it
 from ranks_helper import run_ranks
 
 

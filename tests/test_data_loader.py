@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  DDP's constructor imports it (seconds); forked ranks inherit it
 from ranks_helper import run_ranks
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
