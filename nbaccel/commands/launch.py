@@ -250,6 +250,15 @@ _DYNAMO_ENV = {
 }
 
 
+def _source_checkout_root() -> str | None:
+    """The directory holding this nbaccel package when it runs from a source tree (not installed), so the
+    workers, whose sys.path starts at the script's folder, import the same nbaccel."""
+    root = Path(__file__).resolve().parent.parent.parent
+    if {"site-packages", "dist-packages"} & set(root.parts):
+        return None
+    return str(root)
+
+
 def worker_environment(s: LaunchSettings) -> dict[str, str]:
     """The variables (besides torchrun's) every worker gets; each nbaccel one also under its ACCELERATE_ name."""
     env: dict[str, str] = {}
@@ -282,6 +291,11 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(s.num_cpu_threads_per_process)
     elif "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.nproc_per_node))
+    source_root = _source_checkout_root()
+    if source_root is not None:
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if source_root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([source_root, *paths])
     if s.config_path is not None:
         env["NBACCEL_CONFIG_FILE_USED"] = str(s.config_path)
     return env
