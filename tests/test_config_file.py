@@ -9,7 +9,13 @@ import pytest
 import yaml
 
 from nbaccel.utils import config_file as cf
-from nbaccel.utils.config_file import ConfigError, LaunchConfig, default_config_file, find_config_file, load_config
+from nbaccel.utils.config_file import (
+    ConfigError,
+    LaunchConfig,
+    default_config_file,
+    find_config_file,
+    load_config,
+)
 from nbaccel.utils.other import write_basic_config
 
 

@@ -15,8 +15,8 @@ from ..utils.dataclasses import DynamoBackend
 class _Asker:
     """Asks questions with `input()`, re-asking until an answer is valid; Enter keeps the default."""
 
-    def __init__(self, read: Callable[[str], str] = input) -> None:
-        self.read = read
+    def __init__(self, read: Callable[[str], str] | None = None) -> None:
+        self.read = read or (lambda prompt: input(prompt))
 
     def ask(self, question: str, default, convert: Callable = str, error: str = "invalid answer"):
         while True:
@@ -55,7 +55,7 @@ class _Asker:
         return self.ask(question, default, convert, f"answer an integer >= {minimum}")
 
 
-def interactive_config(read: Callable[[str], str] = input) -> LaunchConfig:
+def interactive_config(read: Callable[[str], str] | None = None) -> LaunchConfig:
     """Ask for the launch settings and return the LaunchConfig (not saved)."""
     import torch
 

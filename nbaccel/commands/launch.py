@@ -127,15 +127,11 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
 
     use_cpu = bool(pick("cpu", None) if getattr(args, "cpu", None) is not None else cfg.use_cpu)
     num_machines = pick("num_machines", 1)
-    num_processes = pick("num_processes", None)
-    if num_processes is None:
-        devices = 0 if use_cpu else _device_count()
-        num_processes = max(devices, 1) * num_machines
     settings = LaunchSettings(
         script=args.training_script,
         script_args=list(args.training_script_args or []),
         module=bool(getattr(args, "module", False)),
-        num_processes=num_processes,
+        num_processes=pick("num_processes", 0),
         num_machines=num_machines,
         machine_rank=pick("machine_rank", 0),
         main_process_ip=pick("main_process_ip", None),
@@ -165,11 +161,15 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         settings.dynamo_config["dynamo_mode"] = args.dynamo_mode
     if args.fsdp_version is not None:
         settings.fsdp_config["fsdp_version"] = args.fsdp_version
-    _check(settings)
+    given = args.num_processes is not None or (config is not None and config.num_processes is not None)
+    _check(settings, given_processes=given)
+    if settings.num_processes == 0:  # unset: one process per GPU of each machine, else one (checked above)
+        devices = 0 if settings.use_cpu else _device_count()
+        settings.num_processes = max(devices, 1) * settings.num_machines
     return settings
 
 
-def _check(s: LaunchSettings) -> None:
+def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     def fail(message: str) -> None:
         raise LaunchOptionError(message)
 
@@ -180,7 +180,7 @@ def _check(s: LaunchSettings) -> None:
         fail(f"training script {s.script!r} not found" + (" (it is a directory)" if Path(s.script).is_dir() else ""))
     if s.num_machines < 1:
         fail(f"--num_machines must be >= 1, got {s.num_machines}")
-    if s.num_processes < 1:
+    if s.num_processes < 0 or (s.num_processes == 0 and given_processes):
         fail(f"--num_processes must be >= 1, got {s.num_processes}")
     if s.num_processes % s.num_machines:
         fail(f"--num_processes ({s.num_processes}, the total over all machines) must be a multiple of "
@@ -219,7 +219,10 @@ def _check(s: LaunchSettings) -> None:
 
 
 def _flag(value) -> str:
-    return "true" if value in (True, "true", "True", "yes", 1) else "false" if isinstance(value, bool) else str(value)
+    """Environment text for a config value: bools as true/false, everything else as str()."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 # fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
