@@ -52,7 +52,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True
                         help="torch.distributed.elastic rendezvous: static (default) or c10d (elastic, restarts).")
     parser.add_argument(*_opt("--rdzv_conf"), default="", help="Extra rendezvous settings, 'key1=value1,key2=value2'.")
     parser.add_argument(*_opt("--same_network"), action="store_true", default=None,
-                        help="Machines share a network: meet at main_process_ip:port with the static rendezvous.")
+                        help="Machines share a local network (kept for Accelerate compatibility).")
     parser.add_argument(*_opt("--max_restarts"), type=int, default=0, help="Restart the workers this many times on failure.")
     parser.add_argument(*_opt("--monitor_interval"), type=float, default=0.1, help="Seconds between worker health checks.")
     parser.add_argument(*_opt("--dynamo_backend"), default=None, help="torch.compile backend (e.g. inductor; 'no' turns it off).")
@@ -310,7 +310,7 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
             f"--max-restarts={s.max_restarts}", f"--monitor-interval={s.monitor_interval}"]
     if s.num_machines > 1:
         port = s.main_process_port or 29500
-        if s.rdzv_backend == "static" or s.same_network:
+        if s.rdzv_backend == "static":
             argv += ["--rdzv-backend=static", f"--node-rank={s.machine_rank}",
                      f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
         else:

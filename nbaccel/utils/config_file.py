@@ -97,7 +97,7 @@ class LaunchConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str = "static"
-    same_network: bool = True
+    same_network: bool = False
     main_training_function: str = "main"
     enable_cpu_affinity: bool = False
     downcast_bf16: str = "no"
@@ -155,7 +155,7 @@ class LaunchConfig:
         if isinstance(values.get("downcast_bf16"), bool):
             values["downcast_bf16"] = "yes" if values["downcast_bf16"] else "no"
         if "same_network" in values and values["same_network"] is None:
-            values["same_network"] = True
+            values["same_network"] = False
         for key in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
             if isinstance(values.get(key), str) and values[key].strip().lower() in _BOOL_TEXT:
                 values[key] = _BOOL_TEXT[values[key].strip().lower()]
