@@ -47,6 +47,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True
                         help="Port on the main machine (default: a free one on a single machine, 29500 on several).")
     parser.add_argument(*_opt("--mixed_precision"), default=None, choices=MIXED_PRECISION_CHOICES, help="Mixed precision mode.")
     parser.add_argument("--cpu", action="store_true", default=None, help="Run on the CPU even if GPUs are present.")
+    parser.add_argument(*_opt("--multi_gpu"), action="store_true", default=None,
+                        help="Accepted for Accelerate compatibility: the process count decides.")
     parser.add_argument(*_opt("--gpu_ids"), default=None, help="GPUs this machine uses: 'all' or e.g. '0,1'.")
     parser.add_argument(*_opt("--rdzv_backend"), default=None, choices=RDZV_BACKENDS,
                         help="torch.distributed.elastic rendezvous: static (default) or c10d (elastic, restarts).")
@@ -125,7 +127,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         from_config = getattr(cfg, name, None) if config is not None else None
         return default if from_config is None else from_config
 
-    use_cpu = bool(pick("cpu", None) if getattr(args, "cpu", None) is not None else cfg.use_cpu)
+    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu)
     num_machines = pick("num_machines", 1)
     settings = LaunchSettings(
         script=args.training_script,
