@@ -1,8 +1,7 @@
 """Where the training modules get the states, the collectives and the configuration classes.
 
-TEMPORARY: while `nbaccel.utils.operations` and the configuration classes of
-`nbaccel.utils.dataclasses` are being written on other branches, missing names come from the private
-stand-ins in `nbaccel._standins`. Once they are merged every name below resolves to the real module and this
+TEMPORARY: while `nbaccel.utils.operations` is being written on another branch, its names come from the
+private stand-ins in `nbaccel._standins`. Once they are merged every name below resolves to the real module and this
 file shrinks to plain imports.
 """
 
@@ -35,30 +34,17 @@ except ImportError:  # stand-in until nbaccel.utils.operations lands
         send_to_device,
     )
 
-try:
-    from .utils.dataclasses import (
-        AutocastKwargs,
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        GradientAccumulationPlugin,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        KwargsHandler,
-        ProjectConfiguration,
-        TorchDynamoPlugin,
-    )
-except ImportError:  # stand-in until the configuration classes land
-    from ._standins import (
-        AutocastKwargs,
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        GradientAccumulationPlugin,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        KwargsHandler,
-        ProjectConfiguration,
-        TorchDynamoPlugin,
-    )
+from .utils.dataclasses import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 
 __all__ = [
     "AcceleratorState", "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs",

@@ -104,7 +104,7 @@ class Accelerator:
         self.trackers: list = []
 
         # Precision
-        if mixed_precision is None:
+        if mixed_precision is None and not _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"):
             mixed_precision = _config_default("mixed_precision")
         if mixed_precision is not None:
             mixed_precision = _precision.validate_mixed_precision(mixed_precision)
@@ -120,14 +120,17 @@ class Accelerator:
 
         # Kwargs handlers: one of each kind
         self.ddp_handler = self.scaler_handler = self.init_handler = self.autocast_handler = None
-        self.fp8_recipe_handler = self.profile_handler = None
+        self.fp8_recipe_handler = self.ao_recipe_handler = self.te_recipe_handler = None
+        self.msamp_recipe_handler = self.profile_handler = None
         self._set_handlers(kwargs_handlers or [])
 
         # torch.compile
         if dynamo_plugin is not None and dynamo_backend is not None:
             raise ValueError("Pass dynamo_backend or dynamo_plugin, not both.")
         if dynamo_backend is None and dynamo_plugin is None:
-            dynamo_backend = _config_default("dynamo_backend")
+            dynamo_plugin = TorchDynamoPlugin()  # reads NBACCEL_/ACCELERATE_DYNAMO_* set by a launcher
+            if str(dynamo_plugin.backend) == "NO":
+                dynamo_backend = (_config_default("dynamo_config") or {}).get("dynamo_backend")
         if dynamo_backend is not None:
             backend = str(dynamo_backend).upper()
             if backend not in DynamoBackend:
@@ -137,11 +140,10 @@ class Accelerator:
 
         # fp8 needs an external backend: say which to install before any process group starts.
         effective = mixed_precision or _precision.validate_mixed_precision(
-            os.environ.get("NBACCEL_MIXED_PRECISION") or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no")
+            _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION") or "no")
         self._fp8_backend = None
         if effective == "fp8":
-            self._fp8_backend = _precision.find_fp8_backend(
-                getattr(self.fp8_recipe_handler, "backend", None) if self.fp8_recipe_handler else None)
+            self._fp8_backend = _precision.find_fp8_backend(self._preferred_fp8_backend())
 
         # States (process group, device, precision, gradient accumulation)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
@@ -183,19 +185,18 @@ class Accelerator:
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
 
     def _set_handlers(self, handlers: list) -> None:
+        from .utils import dataclasses as _dc
+
         kinds = {
             DistributedDataParallelKwargs: "ddp_handler", GradScalerKwargs: "scaler_handler",
             InitProcessGroupKwargs: "init_handler", AutocastKwargs: "autocast_handler",
+            _dc.FP8RecipeKwargs: "fp8_recipe_handler", _dc.AORecipeKwargs: "ao_recipe_handler",
+            _dc.TERecipeKwargs: "te_recipe_handler", _dc.MSAMPRecipeKwargs: "msamp_recipe_handler",
+            _dc.ProfileKwargs: "profile_handler",
         }
-        from .utils import dataclasses as _dc  # FP8RecipeKwargs / ProfileKwargs when they exist
-
-        for cls_name, attr in (("FP8RecipeKwargs", "fp8_recipe_handler"), ("ProfileKwargs", "profile_handler")):
-            cls = getattr(_dc, cls_name, None)
-            if cls is not None:
-                kinds[cls] = attr
         seen = set()
         for handler in handlers:
-            attr = next((a for cls, a in kinds.items() if isinstance(handler, cls)), None)
+            attr = kinds.get(type(handler)) or next((a for c, a in kinds.items() if isinstance(handler, c)), None)
             if attr is None:
                 raise TypeError(
                     f"Unsupported kwargs handler {handler!r}: pass instances of "
@@ -205,6 +206,16 @@ class Accelerator:
                 raise ValueError(f"Only one {type(handler).__name__} may be given in kwargs_handlers.")
             seen.add(attr)
             setattr(self, attr, handler)
+
+    def _preferred_fp8_backend(self) -> str | None:
+        """The fp8 backend a recipe handler asks for (AO, TE or MSAMP), if any."""
+        if self.ao_recipe_handler is not None:
+            return "AO"
+        if self.te_recipe_handler is not None:
+            return "TE"
+        if self.msamp_recipe_handler is not None:
+            return "MSAMP"
+        return getattr(self.fp8_recipe_handler, "backend", None)
 
     def _check_rng_types(self, rng_types: list | None) -> list[str]:
         if rng_types is None:
@@ -945,22 +956,23 @@ def _register_hook(hooks: OrderedDict, hook: Callable) -> _RemovableHandle:
     return handle
 
 
+def _first_env(*names: str) -> str | None:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
 def _config_default(key: str) -> Any:
-    """A default from the saved configuration file, when nbaccel.utils.config_file provides one."""
-    try:
-        from .utils import config_file
-    except ImportError:
-        return None
-    reader = getattr(config_file, "load_config_defaults", None) or getattr(config_file, "default_for", None)
-    if reader is None:
-        return None
-    try:
-        values = reader() if getattr(reader, "__name__", "") == "load_config_defaults" else reader(key)
-    except Exception:  # a missing or unreadable file means: no defaults
-        return None
-    if isinstance(values, dict):
-        return values.get(key)
-    return values
+    """`key` of the saved launch configuration (`nbaccel config`), or None without a config file.
+
+    Used only where neither an argument nor a launcher's environment variable decided: e.g. an Accelerator
+    created directly in a notebook picks up the precision saved with `config_widget()`.
+    """
+    from .utils.config_file import load_config
+
+    config = load_config()
+    return None if config is None else getattr(config, key, None)
 
 
 def _is_compiled(model: Any) -> bool:

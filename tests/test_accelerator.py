@@ -179,8 +179,7 @@ def test_bf16_autocast_trains_on_cpu():
 
 def test_fp16_with_grad_scaler_on_cpu_skips_overflowing_steps():
     def body(rank):
-        from nbaccel import Accelerator
-        from nbaccel._deps import GradScalerKwargs  # TEMPORARY: nbaccel.GradScalerKwargs once config lands
+        from nbaccel import Accelerator, GradScalerKwargs
 
         accelerator = Accelerator(mixed_precision="fp16", cpu=True,
                                   kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
@@ -286,7 +285,7 @@ def test_properties_processes_and_triggers():
 
 def test_split_batches_two_processes_equal_one_process():
     def body(rank):
-        from nbaccel._deps import DataLoaderConfiguration  # TEMPORARY: nbaccel.DataLoaderConfiguration
+        from nbaccel import DataLoaderConfiguration
 
         return _train(16, dataloader_config=DataLoaderConfiguration(split_batches=True))
 

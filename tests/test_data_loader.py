@@ -65,8 +65,7 @@ class _Stream(IterableDataset):
 @pytest.mark.parametrize("dispatch", [False, True])
 def test_iterable_dataset_two_processes(dispatch):
     def body(rank):
-        from nbaccel import Accelerator
-        from nbaccel._deps import DataLoaderConfiguration  # TEMPORARY: nbaccel.DataLoaderConfiguration
+        from nbaccel import Accelerator, DataLoaderConfiguration
 
         accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
         loader = accelerator.prepare(DataLoader(_Stream(11), batch_size=2))
@@ -86,8 +85,7 @@ def test_iterable_dataset_two_processes(dispatch):
 
 def test_shuffling_agrees_across_processes_and_seedable_sampler_follows_epochs():
     def body(rank):
-        from nbaccel import Accelerator
-        from nbaccel._deps import DataLoaderConfiguration  # TEMPORARY: nbaccel.DataLoaderConfiguration
+        from nbaccel import Accelerator, DataLoaderConfiguration
 
         torch.manual_seed(100 + rank)  # different seeds: the loaders must still agree
         out = {}
