@@ -345,3 +345,24 @@ def test_join_uneven_inputs_lets_processes_run_out_of_data():
         return steps, accelerator.even_batches, len(list(loader))
 
     assert run_ranks(body, timeout=30) == [(3, True, 3), (2, True, 3)]
+
+
+def test_defaults_come_from_the_config_file_unless_an_argument_or_launcher_decides(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: bf16\n")
+
+    def body(rank):
+        import os
+
+        from nbaccel import Accelerator
+        from nbaccel.state import AcceleratorState
+
+        seen = [Accelerator().mixed_precision]
+        AcceleratorState._reset_state(True)
+        seen.append(Accelerator(mixed_precision="no").mixed_precision)
+        AcceleratorState._reset_state(True)
+        os.environ["NBACCEL_MIXED_PRECISION"] = "fp16"
+        seen.append(Accelerator(cpu=True).mixed_precision)
+        return seen
+
+    assert run_ranks(body, world_size=1, env={"NBACCEL_CONFIG_FILE": str(config)})[0] == ["bf16", "no", "fp16"]
