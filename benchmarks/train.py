@@ -98,7 +98,7 @@ def _with_accelerator(accelerator_cls, steps: int, world: int, **kwargs):
     return run()
 
 
-def _worker(rank: int, world: int, port: int, rounds: int, steps: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, rounds: int, steps: int, floor_twice: bool, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -116,6 +116,8 @@ def _worker(rank: int, world: int, port: int, rounds: int, steps: int, queue) ->
             variants["accelerate"] = _with_accelerator(accelerate.Accelerator, steps, world, cpu=True)
         except ImportError:
             pass
+        if floor_twice:  # an A/A check: how far apart two identical variants come out on this machine
+            variants["floor-again"] = _floor(steps, world)
         names = list(variants)
         for _ in range(steps):  # warm-up: one epoch each
             for name in names:
@@ -137,12 +139,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="epochs timed per variant")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
+    parser.add_argument("--floor-twice", action="store_true", help="add a second floor variant (A/A check)")
     args = parser.parse_args()
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, args.steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, args.steps, args.floor_twice, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
     results = {}
@@ -170,6 +173,9 @@ def main() -> None:
         print(f"  nbaccel / accelerate = {rate['nbaccel'] / rate['accelerate']:.3f} overall, "
               f"{median['accelerate'] / median['nbaccel']:.3f} by median step  (goal >= 1.00)")
         print(f"  accelerate / floor   = {rate['accelerate'] / rate['floor']:.3f} overall")
+    if "floor-again" in times:
+        print(f"  floor-again / floor  = {rate['floor-again'] / rate['floor']:.3f} overall, "
+              f"{median['floor'] / median['floor-again']:.3f} by median step  (A/A: the noise floor)")
 
 if __name__ == "__main__":
     main()

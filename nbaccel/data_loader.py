@@ -640,16 +640,19 @@ def prepare_data_loader(
                                                 data_seed=seed)
                 batch_sampler = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
             else:
-                if sampler.generator is None:
-                    sampler.generator = torch.Generator()
-                    sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
                 generator = sampler.generator
+        sync = [str(r) for r in rng_types or []]
+        if generator is None and not use_seedable_sampler and isinstance(sampler, RandomSampler) and num_processes > 1:
+            # A generator of the sampler's own, seeded alike everywhere, draws the same order on every process
+            # epoch after epoch: one broadcast now instead of one per epoch.
+            generator = sampler.generator = torch.Generator()
+            generator.manual_seed(_agreed_random_seed())
+            sync = [r for r in sync if r != "generator"]
+        elif generator is not None and "generator" not in sync:
+            sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
         if num_processes > 1:
             batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
                                               split_batches=split_batches, even_batches=even_batches)
-        sync = list(rng_types or [])
-        if generator is not None and "generator" not in [str(r) for r in sync]:
-            sync.append("generator")  # shuffling must agree across processes
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
                                    batch_sampler=batch_sampler, **common, **kwargs)
     try:
@@ -657,6 +660,13 @@ def prepare_data_loader(
     except TypeError:
         pass
     return prepared
+
+
+def _agreed_random_seed() -> int:
+    """A fresh random seed drawn by process 0 (from torch's global RNG) and broadcast once."""
+    seed = [int(torch.empty((), dtype=torch.int64).random_().item())]
+    broadcast_object_list(seed, from_process=0)
+    return int(seed[0])
 
 
 def _agreed_seed(generator: torch.Generator | None) -> int:

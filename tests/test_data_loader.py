@@ -89,22 +89,24 @@ def test_shuffling_agrees_across_processes_and_seedable_sampler_follows_epochs()
 
         torch.manual_seed(100 + rank)  # different seeds: the loaders must still agree
         out = {}
-        for seedable in (False, True):
-            accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
-            loader = accelerator.prepare(DataLoader(torch.arange(16), batch_size=2, shuffle=True))
+        for mode in ("own generator", "seedable", "user generator"):
+            config = DataLoaderConfiguration(use_seedable_sampler=mode == "seedable")
+            accelerator = Accelerator(dataloader_config=config)
+            generator = torch.Generator().manual_seed(rank) if mode == "user generator" else None
+            loader = accelerator.prepare(DataLoader(torch.arange(16), batch_size=2, shuffle=True, generator=generator))
             epochs = []
             for epoch in range(2):
                 loader.set_epoch(epoch)
                 epochs.append([x for b in loader for x in accelerator.gather(b).tolist()])
-            out[seedable] = epochs
+            out[mode] = epochs
         return out
 
     r0, r1 = run_ranks(body)
-    for seedable in (False, True):
-        e0, e1 = r0[seedable]
-        assert sorted(e0) == list(range(16)) == sorted(e1)  # a permutation: no sample twice, none lost
-        assert e0 != e1  # a new order each epoch
-        assert r1[seedable] == r0[seedable]
+    for mode in r0:
+        e0, e1 = r0[mode]
+        assert sorted(e0) == list(range(16)) == sorted(e1), mode  # a permutation: no sample twice, none lost
+        assert e0 != e1, mode  # a new order each epoch
+        assert r1[mode] == r0[mode], mode
 
 
 def test_state_dict_resumes_mid_epoch_with_the_same_batches():
