@@ -23,6 +23,7 @@ import torch
 from .utils import collective_trace
 from .utils.dataclasses import DistributedType, PrecisionType
 from .utils.environment import (
+    check_cuda_p2p_ib_support,
     first_env,
     get_cpu_distributed_information,
     parse_flag_from_env,
@@ -278,6 +279,11 @@ class PartialState:
         if device_type not in ("cpu", "xla"):
             module = getattr(torch, device_type)
             count = module.device_count()
+            if "nccl" in backend and not check_cuda_p2p_ib_support():
+                # consumer RTX 40xx GPUs on old drivers hang NCCL over P2P/IB; Accelerate's launcher sets these
+                os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+                os.environ.setdefault("NCCL_IB_DISABLE", "1")
+                logger.warning("RTX 40xx GPUs with a driver older than 550.40.07: NCCL peer-to-peer and IB disabled")
             if "nccl" in backend and count < info.local_world_size:
                 raise ValueError(
                     f"{info.local_world_size} processes on this machine but {count} CUDA device(s) visible: NCCL "
