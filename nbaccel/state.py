@@ -579,9 +579,10 @@ class PartialState:
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):
+            cls = type(self).__name__
             raise AttributeError(
-                f"{type(self).__name__}.{name} is not available: the state was reset (_reset_state()) and no "
-                "PartialState or Accelerator was created since"
+                f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` was called and "
+                f"no {cls} or Accelerator was created since: create one again"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -985,10 +986,11 @@ class AcceleratorState:
         raise NotImplementedError("Pipeline parallelism ranks are not supported (as in Accelerate)")
 
     def __getattr__(self, name: str) -> Any:
-        if name in type(self)._known_attrs:
+        if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):
             raise AttributeError(
-                f"AcceleratorState has no attribute {name!r}: it was reset (_reset_state()) or no Accelerator "
-                "was created yet"
+                f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+                "`AcceleratorState._reset_state()` was called and no Accelerator was created since (or none was "
+                "created yet): create `Accelerator()`"
             )
         raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
 

@@ -85,7 +85,7 @@ def test_reset_forgets_and_explains(fresh):
     state = PartialState(cpu=True)
     PartialState._reset_state()
     assert not state.initialized
-    with pytest.raises(AttributeError, match="reset"):
+    with pytest.raises(AttributeError, match=r"`PartialState` object has no attribute `process_index`.*_reset_state"):
         _ = state.process_index
     with pytest.raises(ValueError, match="create PartialState"):
         state.on_main_process(print)
@@ -256,6 +256,8 @@ def test_accelerator_state(fresh):
     assert PartialState().debug is True and os.environ["NBACCEL_DEBUG_MODE"] == "1"
     AcceleratorState._reset_state()
     assert not state.initialized and PartialState().initialized
+    with pytest.raises(AttributeError, match=r"This happens if `AcceleratorState._reset_state\(\)` was called"):
+        _ = state.distributed_type  # an Accelerator holding the reset state fails early and says why
     AcceleratorState._reset_state(reset_partial_state=True)
     assert not PartialState._shared_state
 
