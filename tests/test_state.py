@@ -572,3 +572,14 @@ def _missing_rank(rank: int):
 def test_a_rank_that_never_arrives_fails_the_barrier_after_the_timeout():
     waited, says_timeout, timeout = run_ranks(_missing_rank, env={"NBACCEL_PG_TIMEOUT": "1"})[0]
     assert timeout == 1 and says_timeout and waited < 10
+
+
+def test_the_configuration_classes_drive_the_states(fresh):
+    from nbaccel.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    state = PartialState(**InitProcessGroupKwargs(timeout=timedelta(seconds=30)).to_kwargs())
+    assert state.pg_timeout == timedelta(seconds=30)
+    gradient_state = GradientState(GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False))
+    assert (gradient_state.num_steps, gradient_state.adjust_scheduler, gradient_state.sync_with_dataloader) == (
+        4, False, True,
+    )
