@@ -107,6 +107,9 @@ class BatchSamplerShard(BatchSampler):
 
     def _iter_round_robin(self) -> Iterator[list]:
         n, me = self.num_processes, self.process_index
+        if not _has_length(self.batch_sampler):  # a batch sampler of unknown length: plain round robin
+            yield from (b for i, b in enumerate(self.batch_sampler) if i % n == me)
+            return
         total = len(self.batch_sampler)
         if self.drop_last:
             limit = (total // n) * n  # whole rounds only: no process steps alone
@@ -190,6 +193,21 @@ class SkipBatchSampler(BatchSampler):
 
     def __len__(self) -> int:
         return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+
+class SkipDataLoader(DataLoader):
+    """A DataLoader that leaves out the first `skip_batches` batches of every pass (for iterable datasets,
+    where the batches cannot be skipped at the index level)."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(super().__iter__(), self.skip_batches, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.skip_batches, 0)
 
 
 class IterableDatasetShard(IterableDataset):
@@ -650,7 +668,7 @@ def prepare_data_loader(
             sync = [r for r in sync if r != "generator"]
         elif generator is not None and "generator" not in sync:
             sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
-        if num_processes > 1:
+        if num_processes > 1 or _has_length(batch_sampler):  # with one process too: resuming skips indices
             batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
                                               split_batches=split_batches, even_batches=even_batches)
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
@@ -660,6 +678,14 @@ def prepare_data_loader(
     except TypeError:
         pass
     return prepared
+
+
+def _has_length(obj: Any) -> bool:
+    try:
+        len(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def _agreed_random_seed() -> int:
@@ -692,8 +718,8 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         raise TypeError(f"skip_first_batches expects a DataLoader, got {type(dataloader).__name__}.")
     kwargs = _loader_kwargs(dataloader)
     if isinstance(dataloader.dataset, IterableDataset):
-        return DataLoaderShard(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
-                               drop_last=dataloader.drop_last, **kwargs)
+        return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
+                              drop_last=dataloader.drop_last, **kwargs)
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
                       **kwargs)
 

@@ -156,5 +156,7 @@ def test_top_level_skip_first_batches_on_a_plain_loader():
 
     loader = skip_first_batches(DataLoader(torch.arange(10), batch_size=3), 2)
     assert [b.tolist() for b in loader] == [[6, 7, 8], [9]]
+    stream = skip_first_batches(DataLoader(_Stream(7), batch_size=2), 2)
+    assert [b[:, 0].tolist() for b in stream] == [[4.0, 5.0], [6.0]] and len(stream) == 2
     with pytest.raises(ValueError, match="num_batches"):
         skip_first_batches(loader, -1)
