@@ -340,6 +340,7 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
 def run_settings(s: LaunchSettings) -> int:
     """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(worker_environment(s))
@@ -355,6 +356,9 @@ def run_settings(s: LaunchSettings) -> int:
     except KeyboardInterrupt:
         print("nbaccel launch: interrupted; workers stopped", file=sys.stderr)
         return 130
+    except SignalException as exc:  # the agent turns SIGTERM/SIGINT/... into this after stopping the workers
+        print(f"nbaccel launch: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 
