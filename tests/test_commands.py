@@ -301,3 +301,10 @@ def test_python_dash_m_and_discovered_commands():
     assert code == 1 and "usage: nbaccel" in out
     choices = build_parser()._subparsers._group_actions[0].choices
     assert {"config", "env", "launch", "test"} <= set(choices)
+
+
+def test_unsupported_config_is_refused_before_start():
+    with pytest.raises(LaunchOptionError, match="distributed_type XLA: TPU processes are started by notebook_launcher"):
+        resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(distributed_type="XLA"))
+    with pytest.raises(LaunchOptionError, match="AMAZON_SAGEMAKER"):
+        resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(compute_environment="AMAZON_SAGEMAKER"))

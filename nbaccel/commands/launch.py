@@ -119,6 +119,7 @@ def _device_count() -> int:
 def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> LaunchSettings:
     """Merge `args` over `config` over defaults; raise LaunchOptionError for anything that cannot work."""
     cfg = config or LaunchConfig()
+    _check_supported(cfg)
 
     def pick(name: str, default=None):
         value = getattr(args, name, None)
@@ -169,6 +170,20 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         devices = 0 if settings.use_cpu else _device_count()
         settings.num_processes = max(devices, 1) * settings.num_machines
     return settings
+
+
+def _check_supported(cfg: LaunchConfig) -> None:
+    """Configurations `nbaccel launch` cannot run, said before anything starts."""
+    where = f"{cfg.path}: " if cfg.path is not None else ""
+    if str(cfg.compute_environment) == "AMAZON_SAGEMAKER":
+        raise LaunchOptionError(f"{where}compute_environment AMAZON_SAGEMAKER: nbaccel launch runs on this machine "
+                                "only; use `accelerate launch` for SageMaker jobs")
+    unsupported = {
+        "XLA": "TPU processes are started by notebook_launcher (torch_xla) in a TPU notebook, not by nbaccel launch",
+        "MEGATRON_LM": "Megatron-LM is not supported by nbaccel",
+    }
+    if str(cfg.distributed_type) in unsupported:
+        raise LaunchOptionError(f"{where}distributed_type {cfg.distributed_type}: {unsupported[str(cfg.distributed_type)]}")
 
 
 def _check(s: LaunchSettings, given_processes: bool = True) -> None:
