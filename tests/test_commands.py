@@ -92,13 +92,15 @@ def test_launch_two_processes(tmp_path):
     ]
 
 
-def test_launch_reports_a_failed_worker(tmp_path):
+def test_launch_restarts_then_reports_a_failed_worker(tmp_path):
     script = write(tmp_path / "fail.py", """
         import os, sys
+        print("rank", os.environ["RANK"], "attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
     """)
-    code, _, err = nbaccel("launch", "--num_processes", "2", "--cpu", str(script))
+    code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "--max_restarts", "1", str(script))
     assert code == 1
+    assert "rank 1 attempt 0" in out and "rank 1 attempt 1" in out  # restarted once by the elastic agent
     assert "nbaccel launch: rank 1 failed (exit code 3)" in err
 
 
