@@ -128,7 +128,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         from_config = getattr(cfg, name, None) if config is not None else None
         return default if from_config is None else from_config
 
-    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu)
+    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu) or str(cfg.distributed_type) == "MULTI_CPU"
     num_machines = pick("num_machines", 1)
     settings = LaunchSettings(
         script=args.training_script,
