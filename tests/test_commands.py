@@ -310,3 +310,14 @@ def test_unsupported_config_is_refused_before_start():
         resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(distributed_type="XLA"))
     with pytest.raises(LaunchOptionError, match="AMAZON_SAGEMAKER"):
         resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(compute_environment="AMAZON_SAGEMAKER"))
+
+
+def test_config_update_rewrites_old_format(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("distributed_type: MULTI_CPU\nfp16: true\nnum_processes: 2\n")
+    code, out, _ = nbaccel_inprocess(capsys, "config", "update", "--config_file", str(old))
+    assert code == 0 and "updated" in out
+    text = old.read_text()
+    assert "fp16: true" not in text and "mixed_precision: fp16" in text
+    code, _, err = nbaccel_inprocess(capsys, "config", "update", "--config_file", str(tmp_path / "none.yaml"))
+    assert code == 2 and "no such config file" in err
