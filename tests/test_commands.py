@@ -321,3 +321,11 @@ def test_config_update_rewrites_old_format(capsys, tmp_path):
     assert "fp16: true" not in text and "mixed_precision: fp16" in text
     code, _, err = nbaccel_inprocess(capsys, "config", "update", "--config_file", str(tmp_path / "none.yaml"))
     assert code == 2 and "no such config file" in err
+
+
+def test_bundled_example_runs_like_run_sh_demo():
+    code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "examples/hello_ranks.py")
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"rank {rank}/2 on cpu: all_reduce(sum of rank+1) = 3 ok; gathered ['0@" in out
+    assert out.count("Hello from 2 process(es)") == 1  # printed by the main process only
