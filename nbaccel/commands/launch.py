@@ -191,7 +191,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         raise LaunchOptionError(message)
 
     if s.module:
-        if importlib.util.find_spec(s.script.split(".")[0]) is None and not Path(s.script.replace(".", "/")).exists():
+        local = Path(s.script.replace(".", "/"))
+        if importlib.util.find_spec(s.script.split(".")[0]) is None and not (
+            local.is_dir() or local.with_suffix(".py").is_file()
+        ):
             fail(f"module {s.script!r} not found (with -m, give an importable module name)")
     elif not Path(s.script).is_file():
         fail(f"training script {s.script!r} not found" + (" (it is a directory)" if Path(s.script).is_dir() else ""))
