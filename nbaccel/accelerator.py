@@ -433,6 +433,8 @@ class Accelerator:
         self._models.append(model)
         if device_placement:
             model = model.to(self.device)
+        if self.fp8_backend == "AO":
+            model = _precision.convert_to_fp8(model, self.ao_recipe_handler)
         if self.native_amp or self.fp8_enabled:
             handler = self.autocast_handler
 

@@ -17,33 +17,58 @@ import torch
 from ._deps import convert_outputs_to_fp32
 from .utils.dataclasses import PrecisionType
 
-FP8_BACKENDS = {"TE": "transformer_engine", "AO": "torchao", "MSAMP": "msamp"}
+FP8_BACKENDS = {"AO": "torchao", "TE": "transformer_engine", "MSAMP": "msamp"}
+DRIVEN_FP8_BACKENDS = ("AO",)  # nbaccel converts models for fp8 through torchao only
 
 
 def validate_mixed_precision(mixed_precision: Any) -> str:
     """Return the mode as its string ("no", "fp16", "bf16", "fp8"), or raise naming the allowed values."""
     value = "no" if mixed_precision is None else str(mixed_precision).lower()
     if value not in PrecisionType:
-        raise ValueError(
-            f"Unknown mixed_precision={mixed_precision!r}: choose one of {PrecisionType.list()}."
-        )
+        raise ValueError(f"Unknown mixed_precision={mixed_precision!r}: choose one of {PrecisionType.list()}.")
     return value
 
 
 def find_fp8_backend(preferred: str | None = None) -> str:
-    """The fp8 backend to use ("TE", "AO" or "MSAMP"), or ImportError naming the packages to install."""
-    candidates = [preferred.upper()] if preferred else list(FP8_BACKENDS)
-    for name in candidates:
-        module = FP8_BACKENDS.get(name)
-        if module is None:
-            raise ValueError(f"Unknown fp8 backend {preferred!r}: choose one of {list(FP8_BACKENDS)}.")
-        if importlib.util.find_spec(module) is not None:
-            return name
-    wanted = ", ".join(f"`{FP8_BACKENDS[n]}`" for n in candidates)
-    raise ImportError(
-        f"mixed_precision='fp8' needs an fp8 backend, and none is installed: install one of {wanted} "
-        "(e.g. `pip install torchao`), or use mixed_precision='bf16'."
-    )
+    """The fp8 backend to use ("AO": torchao), or ImportError naming what to install.
+
+    Accelerate also drives transformer_engine and MS-AMP; nbaccel converts models with torchao's
+    `convert_to_float8_training`, so those two give an error that says so.
+    """
+    name = (preferred or "AO").upper()
+    if name not in FP8_BACKENDS:
+        raise ValueError(f"Unknown fp8 backend {preferred!r}: choose one of {list(FP8_BACKENDS)}.")
+    if name not in DRIVEN_FP8_BACKENDS:
+        raise ImportError(
+            f"fp8 backend {name} ({FP8_BACKENDS[name]}) is not driven by nbaccel: use the torchao backend "
+            "(`pip install torchao`, AORecipeKwargs) or run this script with Hugging Face Accelerate."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ImportError(
+            "mixed_precision='fp8' needs an fp8 backend, and none nbaccel drives is installed: install `torchao` "
+            "(`pip install torchao`; nbaccel does not drive `transformer_engine` or `msamp`), or use "
+            "mixed_precision='bf16'."
+        )
+    return name
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: Any = None) -> torch.nn.Module:
+    """Swap `model`'s Linear layers for torchao's float8 training layers (not the first and last layers,
+    and only those whose dimensions are multiples of 16, which float8 matmuls need)."""
+    from torchao.float8 import convert_to_float8_training
+
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    edges = {linears[0], linears[-1]} if linears else set()
+
+    def keep(module: torch.nn.Module, name: str) -> bool:
+        if not isinstance(module, torch.nn.Linear) or name in edges:
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    config = getattr(recipe, "config", None)
+    kwargs = {"config": config} if config is not None else {}
+    convert_to_float8_training(model, module_filter_fn=keep, **kwargs)
+    return model
 
 
 def autocast_dtype(mixed_precision: str) -> torch.dtype | None:
