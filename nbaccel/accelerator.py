@@ -428,6 +428,9 @@ class Accelerator:
         processes train, and compile it when a dynamo backend is set."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
+        if any(model is prepared for prepared in self._models) or isinstance(
+                model, torch.nn.parallel.DistributedDataParallel):
+            return model  # prepared already: wrapping it again would nest DDP
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
         self._models.append(model)

@@ -81,6 +81,7 @@ def test_accumulate_skips_ddp_allreduce_except_on_sync_steps():
         loader = torch.utils.data.DataLoader(_data(40), batch_size=4)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        assert accelerator.prepare(model) is model  # preparing twice does not nest DDP
         seen = []
         for x, y in loader:
             with accelerator.accumulate(model):

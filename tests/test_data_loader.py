@@ -160,3 +160,20 @@ def test_top_level_skip_first_batches_on_a_plain_loader():
     assert [b[:, 0].tolist() for b in stream] == [[4.0, 5.0], [6.0]] and len(stream) == 2
     with pytest.raises(ValueError, match="num_batches"):
         skip_first_batches(loader, -1)
+
+
+def test_dispatching_a_map_style_dataset():
+    def body(rank):
+        from nbaccel import Accelerator, DataLoaderConfiguration
+
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+        loader = accelerator.prepare(DataLoader(torch.arange(10), batch_size=3))
+        batches = [b.tolist() for b in loader]
+        loader2 = accelerator.prepare(DataLoader(torch.arange(10), batch_size=3))
+        gathered = [x for b in loader2 for x in accelerator.gather_for_metrics(b).tolist()]
+        return type(loader).__name__, batches, gathered, len(loader)
+
+    (name, b0, gathered, length), (_, b1, _, _) = run_ranks(body)
+    assert name == "DataLoaderDispatcher" and length == 2
+    assert b0 == [[0, 1, 2], [6, 7, 8]] and b1 == [[3, 4, 5], [9, 0, 1]]
+    assert gathered == list(range(10))
