@@ -123,6 +123,10 @@ class Accelerator:
         self.fp8_recipe_handler = self.ao_recipe_handler = self.te_recipe_handler = None
         self.msamp_recipe_handler = self.profile_handler = None
         self._set_handlers(kwargs_handlers or [])
+        self.has_fp8_handler = any(h is not None for h in (
+            self.fp8_recipe_handler, self.ao_recipe_handler, self.te_recipe_handler, self.msamp_recipe_handler))
+        self.delayed_fp8_autocast = False  # a transformer_engine option; nbaccel's fp8 runs through torchao
+        self.has_lomo_optimizer = False
 
         # torch.compile
         if dynamo_plugin is not None and dynamo_backend is not None:
@@ -474,6 +478,8 @@ class Accelerator:
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
+        if type(optimizer).__name__ in ("Lomo", "AdaLomo"):
+            self.has_lomo_optimizer = True
         prepared = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
                                         device=self.device)
         self._optimizers.append(prepared)
