@@ -319,7 +319,8 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
                  total_dataset_length: int | None = None, even_batches: bool = True, **kwargs: Any) -> None:
         DataLoader.__init__(self, dataset, **kwargs)
         self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
-        # Every process draws the same shuffling (and the RNG types asked for) from process 0, per epoch.
+        # At each epoch's start every process takes process 0's state of these RNGs ("generator": the
+        # sampler's generator when the user gave it; one nbaccel created is agreed once, at prepare).
         self.rng_types = [str(r) for r in rng_types or [] if synchronized_generator is not None or str(r) != "generator"]
         self.synchronized_generator = synchronized_generator
         self.skip_batches = skip_batches
@@ -332,14 +333,11 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
             self._epoch_generator_state = self.synchronized_generator.get_state()
         self.set_epoch(self.iteration)
         skip = self.skip_batches + self._resume_skip
-        self._batches_yielded = self._resume_skip
+        self._batches_yielded = self._resume_skip + self.skip_batches  # the epoch's position, for state_dict
         self._resume_skip = 0
-        sharded = isinstance(self.batch_sampler, (BatchSamplerShard, SkipBatchSampler))
         if skip and isinstance(self.batch_sampler, BatchSamplerShard):
             self.batch_sampler.skip_batches = skip  # skip indices, without loading the samples
             skip = 0
-        elif skip and sharded and self.skip_batches and not self._batches_yielded:
-            skip = 0  # a SkipBatchSampler already leaves them out
         self.begin()
         move, device, non_blocking = self._move, self.device, self.non_blocking
         try:
@@ -606,8 +604,6 @@ def prepare_data_loader(
     iterable = isinstance(dataset, IterableDataset)
     if dispatch_batches is None:
         dispatch_batches = iterable and num_processes > 1 and put_on_device
-    if dispatch_batches and not iterable and num_processes > 1:
-        pass  # map-style datasets may be dispatched too: process 0 reads, as Accelerate allows
     batch_size = dataloader.batch_size
     if batch_size is None and dataloader.batch_sampler is not None:
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
@@ -632,10 +628,6 @@ def prepare_data_loader(
             loader_kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
         else:
             loader_kwargs.update(batch_sampler=dataloader.batch_sampler)
-        if split_batches:
-            pass
-        elif batch_size is not None and not iterable:
-            pass
         prepared: DataLoader = DataLoaderDispatcher(
             dataset, split_batches=split_batches, device=place, slice_fn=slice_fn_for_dispatch,
             **common, **loader_kwargs)
@@ -673,10 +665,8 @@ def prepare_data_loader(
                                               split_batches=split_batches, even_batches=even_batches)
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
                                    batch_sampler=batch_sampler, **common, **kwargs)
-    try:
+    if _has_length(prepared):
         telemetry.report_total_steps(len(prepared))
-    except TypeError:
-        pass
     return prepared
 
 
