@@ -642,24 +642,24 @@ def prepare_data_loader(
         batch_sampler = dataloader.batch_sampler
         sampler = getattr(batch_sampler, "sampler", None)
         generator = None
-        if isinstance(sampler, RandomSampler) and (num_processes > 1 or use_seedable_sampler):
-            if use_seedable_sampler:
-                seed = data_seed if data_seed is not None else _agreed_seed(sampler.generator)
-                sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
-                                                num_samples=sampler._num_samples, generator=sampler.generator,
-                                                data_seed=seed)
-                batch_sampler = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
-            else:
-                generator = sampler.generator
         sync = [str(r) for r in rng_types or []]
-        if generator is None and not use_seedable_sampler and isinstance(sampler, RandomSampler) and num_processes > 1:
-            # A generator of the sampler's own, seeded alike everywhere, draws the same order on every process
-            # epoch after epoch: one broadcast now instead of one per epoch.
-            generator = sampler.generator = torch.Generator()
-            generator.manual_seed(_agreed_random_seed())
-            sync = [r for r in sync if r != "generator"]
-        elif generator is not None and "generator" not in sync:
-            sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
+        if isinstance(sampler, RandomSampler) and use_seedable_sampler:
+            seed = data_seed if data_seed is not None else _agreed_seed(sampler.generator)
+            sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
+                                            num_samples=sampler._num_samples, generator=sampler.generator,
+                                            data_seed=seed)
+            batch_sampler = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        elif isinstance(sampler, RandomSampler):
+            generator = sampler.generator
+            if generator is None:
+                # A generator of the sampler's own, seeded alike everywhere, draws the same order on every
+                # process epoch after epoch (one broadcast now instead of one per epoch), and its state at an
+                # epoch's start is what a checkpoint needs to repeat that epoch's order.
+                generator = sampler.generator = torch.Generator()
+                generator.manual_seed(_agreed_random_seed())
+                sync = [r for r in sync if r != "generator"]
+            elif "generator" not in sync and num_processes > 1:
+                sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
         if num_processes > 1 or _has_length(batch_sampler):  # with one process too: resuming skips indices
             batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
                                               split_batches=split_batches, even_batches=even_batches)

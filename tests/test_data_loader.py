@@ -109,7 +109,8 @@ def test_shuffling_agrees_across_processes_and_seedable_sampler_follows_epochs()
         assert r1[mode] == r0[mode], mode
 
 
-def test_state_dict_resumes_mid_epoch_with_the_same_batches():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_dict_resumes_mid_epoch_with_the_same_batches(world_size):
     def body(rank):
         from nbaccel import Accelerator
 
@@ -129,10 +130,10 @@ def test_state_dict_resumes_mid_epoch_with_the_same_batches():
         skipped = [b.tolist() for b in accelerator.skip_first_batches(loader, 1)]
         return state, full, resumed, skipped, len(loader)
 
-    for state, full, resumed, skipped, length in run_ranks(body):
-        assert state["epoch"] == 1 and state["batches_yielded"] == 2
+    for state, full, resumed, skipped, length in run_ranks(body, world_size=world_size):
+        assert state["epoch"] == 1 and state["batches_yielded"] == 2 and "generator_state" in state
         assert resumed == full[2:]
-        assert len(full) == length == 6 and len(skipped) == length - 1
+        assert len(full) == length == 12 // world_size and len(skipped) == length - 1
 
 
 def test_batches_reach_the_device_and_end_of_data_is_reported():
