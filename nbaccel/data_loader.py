@@ -165,7 +165,7 @@ class BatchSamplerShard(BatchSampler):
                     filler = itertools.cycle(start)
                     batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
                 else:
-                    per = math.ceil(len(batch) / n)
+                    per = full // n  # the regular slices: the last processes may get less, or nothing
                     piece = batch[me * per:(me + 1) * per]
                     if piece:
                         yield piece

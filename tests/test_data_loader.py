@@ -178,3 +178,24 @@ def test_dispatching_a_map_style_dataset():
     assert name == "DataLoaderDispatcher" and length == 2
     assert b0 == [[0, 1, 2], [6, 7, 8]] and b1 == [[3, 4, 5], [9, 0, 1]]
     assert gathered == list(range(10))
+
+
+def test_shards_are_the_same_as_accelerates():
+    """Same batches per process as Accelerate (so a run and its checkpoints see the same data)."""
+    reference = pytest.importorskip("accelerate.data_loader")
+    for size in range(1, 20):
+        for bs in (1, 2, 3, 4):
+            for n in (2, 3):
+                for split in (False, True):
+                    if split and bs % n:
+                        continue
+                    for drop in (False, True):
+                        for i in range(n):
+                            for even in (True, False):
+                                sampler = BatchSampler(SequentialSampler(range(size)), bs, drop)
+                                ours = BatchSamplerShard(sampler, n, i, split, even)
+                                theirs = reference.BatchSamplerShard(sampler, n, i, split, even)
+                                assert (list(ours), len(ours)) == (list(theirs), len(theirs))
+                            ours = IterableDatasetShard(range(size), bs, drop, n, i, split)
+                            theirs = reference.IterableDatasetShard(range(size), bs, drop, n, i, split)
+                            assert list(ours) == list(theirs)
