@@ -367,3 +367,39 @@ def test_defaults_come_from_the_config_file_unless_an_argument_or_launcher_decid
         return seen
 
     assert run_ranks(body, world_size=1, env={"NBACCEL_CONFIG_FILE": str(config)})[0] == ["bf16", "no", "fp16"]
+
+
+def _train_with(package: str, mixed_precision: str):
+    def body(rank):
+        import importlib
+
+        accelerator = importlib.import_module(package).Accelerator(
+            gradient_accumulation_steps=2, cpu=True, mixed_precision=mixed_precision)
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        loader = torch.utils.data.DataLoader(_data(44), batch_size=4)  # 11 batches: padding, uneven accumulation
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        lrs = []
+        for _ in range(2):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                    lrs.append(scheduler.get_last_lr()[0])
+        return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()], lrs
+
+    return body
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])  # Accelerate uses no GradScaler on CPU
+def test_same_weights_and_schedule_as_accelerate(mixed_precision):
+    pytest.importorskip("accelerate")
+    ours = run_ranks(_train_with("nbaccel", mixed_precision))
+    theirs = run_ranks(_train_with("accelerate", mixed_precision))
+    for (weights, lrs), (their_weights, their_lrs) in zip(ours, theirs):
+        assert lrs == their_lrs
+        for got, want in zip(weights, their_weights):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
