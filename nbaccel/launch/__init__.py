@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import LaunchError, LaunchTimeout, PortInUseError, UnpicklableError, WorkerFailure
-from .notebook_launcher import debug_launcher, notebook_launcher
+from .launcher import debug_launcher, notebook_launcher
 
 __all__ = [
     "LaunchError", "LaunchTimeout", "PortInUseError", "RankPool", "UnpicklableError", "WorkerFailure",

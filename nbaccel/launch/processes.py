@@ -221,6 +221,26 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def resource_tracker_scope() -> Iterator[None]:
+    """Stop multiprocessing's resource tracker afterwards if this launch started it (spawn does).
+
+    Otherwise every spawn launch would leave that helper process behind for the life of the kernel.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    was_running = getattr(tracker, "_pid", None) is not None
+    try:
+        yield
+    finally:
+        if tracker is not None and not was_running and getattr(tracker, "_pid", None) is not None:
+            try:
+                tracker._stop()
+            except Exception:
+                pass
+
+
 class LocalProcesses:
     """The supervisor's backend for workers this module started (multiprocessing.Process objects)."""
 

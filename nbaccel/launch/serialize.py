@@ -70,7 +70,8 @@ def _descend(obj: Any, path: str, seen: set[int], depth: int) -> str:
         for label, child in _children(obj):
             if id(child) in seen or _pickles(child):
                 continue
-            return _descend(child, f"{path} -> {label}", seen, depth + 1)
+            joined = f"{path}{label}" if label.startswith("[") else f"{path} -> {label}"
+            return _descend(child, joined, seen, depth + 1)
     return f"{path} -> {_type_name(obj)}"
 
 

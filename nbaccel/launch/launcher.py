@@ -30,6 +30,7 @@ from .processes import (
     get_context,
     is_local_address,
     main_module_hidden,
+    resource_tracker_scope,
     stop_processes,
 )
 from .serialize import dumps_payload
@@ -98,9 +99,20 @@ def notebook_launcher(
     device = "cuda:{local_rank}" if gpus else "cpu"
     if note:
         print(note, file=sys.stderr)
+    with resource_tracker_scope():
+        return _launch_multi(payload, env, device, num_processes, num_nodes, node_rank, port, master_addr,
+                             rdzv_backend, rdzv_endpoint, dict(rdzv_conf or {}), rdzv_id, max_restarts,
+                             monitor_interval, log_line_prefix_template, method, dashboard, observers, timeout)
+
+
+def _launch_multi(payload: bytes, env: dict[str, str], device: str, num_processes: int, num_nodes: int,
+                  node_rank: int, port: int | None, master_addr: str, rdzv_backend: str, rdzv_endpoint: str,
+                  rdzv_conf: dict[str, Any], rdzv_id: str, max_restarts: int, monitor_interval: float,
+                  log_line_prefix_template: str | None, method: str, dashboard: Any,
+                  observers: Sequence[Observer], timeout: float | None) -> list[Any]:
     if num_nodes > 1 or max_restarts > 0:
         return _launch_elastic(payload, env, device, num_processes, num_nodes, node_rank, port, master_addr,
-                               rdzv_backend, rdzv_endpoint, dict(rdzv_conf or {}), rdzv_id, max_restarts,
+                               rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
                                monitor_interval, log_line_prefix_template, method, dashboard, observers,
                                timeout)
     if port is None:
@@ -123,7 +135,9 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
         print(note, file=sys.stderr)
     payload = dumps_payload(function, tuple(args), {})
     env = _common_env(mixed_precision, use_cpu=True)
-    return _launch_local(payload, env, "cpu", num_processes, "127.0.0.1", free_port(), method, False, (), None)
+    with resource_tracker_scope():
+        return _launch_local(payload, env, "cpu", num_processes, "127.0.0.1", free_port(), method, False, (),
+                             None)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -383,7 +397,7 @@ def _launch_elastic(payload: bytes, env: dict[str, str], device: str, num_proces
 def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_processes: int | None,
                 mixed_precision: str, start_method: str | None, dashboard: Any,
                 observers: Sequence[Observer], timeout: float | None) -> list[Any]:
-    from .xla import TPU_CORES, XlaBackend, import_xmp
+    from .xla import TPU_CORES, import_xmp
 
     import_xmp()  # a clear ImportError before anything else
     nprocs = TPU_CORES if num_processes is None else num_processes
@@ -394,6 +408,14 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
     env = _common_env(mixed_precision, use_cpu=False)
     ctx = get_context(method)
     pipes = _Pipes(ctx, nprocs)
+    with resource_tracker_scope():
+        return _run_xla(pipes, payload, env, nprocs, num_processes, method, dashboard, observers, timeout)
+
+
+def _run_xla(pipes: _Pipes, payload: bytes, env: dict[str, str], nprocs: int, num_processes: int | None,
+             method: str, dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    from .xla import XlaBackend
+
     try:
         backend = XlaBackend(entry=xla_entry,
                              entry_args=(payload, pipes.worker_channels, pipes.worker_out, pipes.worker_err, env),
