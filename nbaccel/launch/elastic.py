@@ -46,13 +46,17 @@ class ElasticBackend(ThreadedBackend):
         super().__init__(self._run_agent, worker_ends, name="nbaccel-elastic-agent")
 
     def _run_agent(self) -> Any:
-        quiet = logging.getLogger("torch.distributed.elastic")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # the agent warns about running off the main thread, on purpose
+        # The agent logs each worker failure and warns about running off the main thread (on purpose):
+        # the supervisor reports failures itself, with the remote traceback.
+        loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
         try:
             return self.agent.run()
         finally:
-            quiet.setLevel(level)
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
             try:
                 self._handler.shutdown()
             except Exception:

@@ -53,6 +53,7 @@ class WorkerHandle:
     exited: bool = False
     exitcode: int | None = None
     generation: int = 0
+    seen: bool = False  # sent at least one message
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
@@ -136,6 +137,7 @@ class Supervisor:
             worker.channel_open = False
 
     def _handle(self, worker: WorkerHandle, message: Message) -> None:
+        worker.seen = True
         kind = message.get("kind")
         if kind == "status" and message.get("state") == "starting":
             worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
@@ -145,6 +147,11 @@ class Supervisor:
                 worker.has_result = False
             if restart > self.generation:  # elastic restarted the workers: earlier failures are handled
                 self.generation = restart
+                cause = "; ".join(f.summary() for f in self.failures.values()) or "a worker failed"
+                try:
+                    self.stderr.write(f"[nbaccel] {cause}: restarting the workers (restart {restart})\n")
+                except Exception:
+                    pass
                 self.failures.clear()
                 self.first_failure = None
         elif kind == "result":
@@ -237,6 +244,8 @@ class Supervisor:
             self._drain()
             for failure in self.backend.exit_failures().values():
                 self._fail(failure)
+            if getattr(self.backend, "workers_may_not_start", False):  # torch_xla picks how many run
+                self.workers = [w for w in self.workers if w.seen]
             for worker in self.workers:
                 if not worker.has_result and worker.rank not in self.failures:
                     self._fail(WorkerFailure(worker.rank, None, "finished without returning a result"))

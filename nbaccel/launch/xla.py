@@ -38,6 +38,8 @@ class XlaBackend(ThreadedBackend):
 
         super().__init__(target, worker_ends, name="nbaccel-xla-spawn")
         self.fail_fast = True
+        # with nprocs=None torch_xla starts one process per local device: fewer than the pipes prepared
+        self.workers_may_not_start = nprocs is None
 
     def exit_failures(self) -> dict:
         return {}
