@@ -7,6 +7,7 @@ never leave the machine: nothing is unpickled from the network.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -28,16 +29,28 @@ def open_channel(ctx: BaseContext, duplex: bool = False) -> tuple[Connection, Co
     return reader, writer
 
 
+BATCHED_KINDS = frozenset({"metrics", "step", "total", "memory", "collective"})
+BATCH_INTERVAL = 0.05  # seconds: telemetry reaches the kernel at most this late
+
+
 class WorkerSink:
     """Send messages from any thread of a worker to the kernel: `sink(message)` or `sink.send(kind, ...)`.
 
-    A direct `Connection.send` under a lock: a few microseconds for a small dict, no extra thread. If the
-    kernel end is gone the sink goes quiet instead of failing the training.
+    Telemetry (BATCHED_KINDS) is queued and sent as one `batch` message every BATCH_INTERVAL seconds by a
+    sender thread, so a training step pays for a deque append, not a pickle and a system call; the kernel
+    unpacks batches before observers see them. Every other message (status, result, error, ...) first
+    flushes the queue, then goes out at once, so the order is kept. If the kernel end is gone the sink goes
+    quiet instead of failing the training.
     """
 
-    def __init__(self, conn: Connection, rank: int, local_rank: int | None = None) -> None:
+    def __init__(self, conn: Connection, rank: int, local_rank: int | None = None,
+                 interval: float = BATCH_INTERVAL) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        self._pending: collections.deque[Message] = collections.deque()
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.rank = rank
         self.local_rank = rank if local_rank is None else local_rank
         self.closed = False
@@ -46,22 +59,61 @@ class WorkerSink:
         if self.closed:
             return
         message.setdefault("local_rank", self.local_rank)
-        try:
-            with self._lock:
-                self._conn.send(message)
-        except (BrokenPipeError, ConnectionError, EOFError, OSError):
-            self.closed = True
+        if self._interval > 0 and message.get("kind") in BATCHED_KINDS:
+            self._pending.append(message)
+            if self._thread is None:
+                self._start_sender()
+            return
+        with self._lock:
+            self._flush_locked()
+            self._send_locked(message)
 
     def send(self, kind: str, **fields: Any) -> None:
         fields.update(kind=kind, rank=self.rank, time=time.time())
         self(fields)
 
+    def flush(self) -> None:
+        """Send what is queued now."""
+        with self._lock:
+            self._flush_locked()
+
     def close(self) -> None:
+        self._stop.set()
+        self.flush()
         self.closed = True
         try:
             self._conn.close()
         except OSError:
             pass
+
+    def _start_sender(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._sender, name="nbaccel-telemetry", daemon=True)
+                self._thread.start()
+
+    def _sender(self) -> None:
+        while not self._stop.wait(self._interval):
+            if self._pending:
+                self.flush()
+
+    def _flush_locked(self) -> None:
+        batch = []
+        while True:
+            try:
+                batch.append(self._pending.popleft())
+            except IndexError:
+                break
+        if batch:
+            self._send_locked({"kind": "batch", "rank": self.rank, "messages": batch})
+
+    def _send_locked(self, message: Message) -> None:
+        if self.closed:
+            return
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            self.closed = True
 
 
 def recv_all(conn: Connection) -> tuple[list[Message], bool]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .. import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
 from .channel import Observer, close_quietly, open_channel
 from .errors import LaunchError, LaunchTimeout
 from .observers import make_dashboard
@@ -222,7 +223,6 @@ def _run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mix
     """One process: call the function here (Accelerate does the same), reporting to observers if any."""
     handle = make_dashboard(dashboard, 1, start_method="in-process")
     listeners = list(observers) + ([handle.observer] if handle else [])
-    from .. import telemetry
 
     def sink(message: dict) -> None:
         message.setdefault("local_rank", 0)
@@ -326,7 +326,7 @@ def _launch_local(payload: bytes, env: dict[str, str], device: str, num_processe
                   port: int, method: str, dashboard: Any, observers: Sequence[Observer],
                   timeout: float | None, node_rank: int = 0, num_nodes: int = 1) -> list[Any]:
     ctx = get_context(method)
-    pipes = _Pipes(ctx, num_processes)
+    pipes = _Pipes(ctx, 0)  # each rank's pipes are made right before it starts: no rank inherits another's
     processes: list[Any] = []
     world_size = num_processes * num_nodes
     try:
@@ -336,6 +336,7 @@ def _launch_local(payload: bytes, env: dict[str, str], device: str, num_processe
                               LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK=str(node_rank),
                               MASTER_ADDR=master_addr, MASTER_PORT=str(port))
             worker_env[DEVICE_ENV] = device.format(local_rank=local_rank)
+            pipes.add(ctx)
             channel, out, err = pipes.worker_ends(local_rank)
             proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, worker_env),
                                name=f"nbaccel-rank-{rank}")

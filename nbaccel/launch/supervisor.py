@@ -139,6 +139,10 @@ class Supervisor:
     def _handle(self, worker: WorkerHandle, message: Message) -> None:
         worker.seen = True
         kind = message.get("kind")
+        if kind == "batch":  # telemetry the worker queued (channel.WorkerSink)
+            for inner in message.get("messages", ()):
+                self._handle(worker, inner)
+            return
         if kind == "status" and message.get("state") == "starting":
             worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
             restart = int(message.get("restart") or 0)
