@@ -166,21 +166,23 @@ def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
     if not processes:
         return
     extra = descendants(proc.pid for proc in processes)
-    for proc in processes:
-        _signal(proc.pid, signal.SIGTERM)
-    for pid in extra:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            _signal(proc.pid, signal.SIGKILL)
-    for pid in extra:
-        _signal(pid, signal.SIGKILL)
-    for proc in processes:
-        proc.join(5)
-    _reap(extra)
+    try:
+        for proc in processes:
+            _signal(proc.pid, signal.SIGTERM)
+        for pid in extra:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    finally:  # also when interrupted again while waiting: nothing may outlive the launch
+        for proc in processes:
+            if proc.is_alive():
+                _signal(proc.pid, signal.SIGKILL)
+        for pid in extra:
+            _signal(pid, signal.SIGKILL)
+        for proc in processes:
+            proc.join(5)
+        _reap(extra)
 
 
 def kill_pids(pids: Iterable[int], grace: float = STOP_GRACE) -> None:

@@ -10,9 +10,13 @@ from .threaded import ThreadedBackend
 TPU_CORES = 8
 
 
+FORCE_ENV = "NBACCEL_LAUNCH_XLA"  # "1": take the torch_xla path on any PJRT device (scripts/test-xla, CPU)
+
+
 def tpu_requested() -> bool:
-    """True on a TPU machine as Colab and Kaggle set it up."""
-    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or bool(os.environ.get("TPU_NAME"))
+    """True on a TPU machine as Colab and Kaggle set it up (or when NBACCEL_LAUNCH_XLA=1)."""
+    return (os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or bool(os.environ.get("TPU_NAME"))
+            or os.environ.get(FORCE_ENV) == "1")
 
 
 def import_xmp() -> Any:
