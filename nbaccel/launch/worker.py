@@ -14,6 +14,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
+from typing import Any
 
 from .channel import WorkerSink, close_quietly
 from .output import flush_std, redirect_std_fds
@@ -56,7 +57,7 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
 
         function, args, kwargs = serialize.loads(payload)
         sink.send("status", state="running", device=device)
-        sampler = _MemorySampler.start(sink)
+        sampler = _start_sampler(telemetry, sink)
         try:
             value = function(*args, **kwargs)
         except SystemExit as exc:
@@ -70,6 +71,8 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
                 f"the return value of rank {sink.rank} ({type(value).__name__}) cannot be pickled: {exc}"
             ) from exc
         flush_std()
+        if sampler is not None:
+            sampler.stop()  # sends what it queued first, so the result comes after every logged value
         sink.send("result", value=data)
         sink.send("status", state="finished", device=device)
         return True
@@ -79,6 +82,8 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
             tb = tb.tb_next  # start the remote traceback at the user's code
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         flush_std()
+        if sampler is not None:
+            sampler.stop()
         message = str(exc)
         sink.send("error", exc_type=type(exc).__name__, message=message, traceback=text)
         sink.send("status", state="failed", device=device,
@@ -101,6 +106,28 @@ def _destroy_process_group() -> None:
         pass
 
 
+def _start_sampler(telemetry: Any, sink: WorkerSink) -> Any:
+    """Memory (and queued telemetry) reporting: `nbaccel.telemetry`'s sampler when it has one, else ours."""
+    try:
+        interval = float(os.environ.get(MEMORY_INTERVAL_ENV, "1"))
+    except ValueError:
+        interval = 1.0
+    if interval <= 0:
+        return None
+    if hasattr(telemetry, "start_sampler"):
+        telemetry.start_sampler(interval)
+        return _TelemetrySampler(telemetry)
+    return _MemorySampler.start(sink, interval)
+
+
+class _TelemetrySampler:
+    def __init__(self, telemetry: Any) -> None:
+        self._telemetry = telemetry
+
+    def stop(self) -> None:
+        self._telemetry.stop_sampler()
+
+
 class _MemorySampler:
     """Sends a `memory` message every NBACCEL_MEMORY_INTERVAL seconds (default 1; 0 turns it off).
 
@@ -116,13 +143,7 @@ class _MemorySampler:
         self._stop = threading.Event()
 
     @classmethod
-    def start(cls, sink: WorkerSink) -> _MemorySampler | None:
-        try:
-            interval = float(os.environ.get(MEMORY_INTERVAL_ENV, "1"))
-        except ValueError:
-            interval = 1.0
-        if interval <= 0:
-            return None
+    def start(cls, sink: WorkerSink, interval: float) -> _MemorySampler:
         sampler = cls(sink, interval)
         _thread.start_new_thread(sampler._loop, ())
         return sampler
