@@ -67,6 +67,7 @@ def make_adder(n):
     return lambda x: Box(x + n + offset + int(os.environ["RANK"]))
 
 def train(fn, x):
+    print("cell function on rank", os.environ["RANK"])
     return fn(x).value
 '''
 
@@ -78,10 +79,12 @@ def cell_namespace() -> dict:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_cell_functions_closures_lambdas_and_classes(start_method):
+def test_cell_functions_closures_lambdas_and_classes(start_method, capsys):
     cell = cell_namespace()
     results = launch(cell["train"], (cell["make_adder"](5), 1), start_method=start_method)
     assert results == [106, 107]
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("[rank 0] cell function on rank 0") == 1 and out.count("[rank 1] cell function on rank 1") == 1
 
 
 def test_kwargs_and_debug_launcher():
@@ -276,7 +279,7 @@ def test_observers_get_status_output_metrics_and_results():
     assert sorted(m["rank"] for m in metrics) == [0, 1] and metrics[0]["values"] == {"loss": 0.5}
 
 
-def test_dashboard_adapter_and_false_never_imports_it():
+def test_dashboard_adapter_and_false_never_imports_it(monkeypatch):
     class FakeDashboard:
         def __init__(self):
             self.seen, self.closed = [], None
@@ -293,7 +296,7 @@ def test_dashboard_adapter_and_false_never_imports_it():
     board = FakeDashboard()
     assert launch(lambda: 3, dashboard=board) == [3, 3]
     assert board.seen[0] == "start" and "result" in board.seen and board.closed == [3, 3]
-    sys.modules.pop("nbaccel.notebook", None)
+    monkeypatch.delitem(sys.modules, "nbaccel.notebook", raising=False)
     launch(lambda: 3, dashboard=False)
     assert "nbaccel.notebook" not in sys.modules
 

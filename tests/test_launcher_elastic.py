@@ -83,3 +83,18 @@ def test_restarts_used_up_raise_the_last_failure(tmp_path: Path):
                           timeout=120)
     assert sorted(info.value.failures) == [0, 1]
     assert info.value.failures[0].exc_type == "RuntimeError"
+
+
+def test_missing_node_times_out_instead_of_waiting_forever():
+    import time
+
+    import pytest
+
+    from nbaccel.launch import LaunchTimeout
+
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="no worker had started"):
+        notebook_launcher(rank_and_world, num_processes=1, num_nodes=2, rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", dashboard=False, timeout=2)
+    assert time.monotonic() - start < 2 + 6
+    assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]  # agent thread ended

@@ -64,6 +64,10 @@ class ElasticBackend(ThreadedBackend):
 
     def before_stop(self) -> None:
         self.agent._remaining_restarts = 0  # no restart of the workers we are about to stop
+        try:  # and no more waiting for nodes that are not coming
+            self._handler.shutdown()
+        except Exception:
+            pass
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
         if self.error is not None:

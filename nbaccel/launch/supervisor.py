@@ -257,10 +257,15 @@ class Supervisor:
                 outcome = "failed"
         self._close()
         if outcome == "timeout":
-            running = [w.rank for w in self.workers if not w.has_result and w.rank not in self.failures]
+            running = [w.rank for w in self.workers
+                       if w.seen and not w.has_result and w.rank not in self.failures]
+            if not any(w.seen for w in self.workers):
+                state = "no worker had started yet (for several nodes: is every node up?)"
+            else:
+                state = f"ranks still running: {running or 'none'}"
             raise LaunchTimeout(
-                f"the launch did not finish within timeout={self.timeout} s; stopped every worker "
-                f"(ranks still running: {running or 'none'})", self.failures)
+                f"the launch did not finish within timeout={self.timeout} s; stopped every worker ({state})",
+                self.failures)
         if self.failures:
             raise LaunchError(format_failures(self.failures, self.first_failure), self.failures)
         return [w.result for w in self.workers]

@@ -16,7 +16,7 @@ from .channel import close_quietly
 from .errors import WorkerFailure
 from .processes import kill_pids
 
-JOIN_TIMEOUT = 15.0
+JOIN_TIMEOUT = 5.0
 
 
 class ThreadedBackend:
