@@ -39,6 +39,12 @@ def bad():
 notebook_launcher(bad, num_processes=2, dashboard=False)
 """
 AGAIN = """print("again", notebook_launcher(lambda: 5, num_processes=2, dashboard=False))"""
+SPAWN = """
+class Cell:
+    factor = 3
+print("spawned", notebook_launcher(lambda: print("in spawn") or Cell.factor * int(os.environ["RANK"]),
+                                   num_processes=2, dashboard=False, start_method="spawn"))
+"""
 SLOW = """
 def slow(marker):
     if os.environ["RANK"] == "0":
@@ -79,7 +85,7 @@ def error_of(cell):
 
 def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     marker = tmp_path / "started"
-    cells = [SETUP, CLOSURE, FAILING, AGAIN, SLOW.format(marker=str(marker)), CHILDREN, AGAIN]
+    cells = [SETUP, CLOSURE, FAILING, AGAIN, SLOW.format(marker=str(marker)), CHILDREN, AGAIN, SPAWN]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
     client = nbclient.NotebookClient(notebook, kernel_name=kernel_name, allow_errors=True, timeout=120,
                                      startup_timeout=120)
@@ -100,7 +106,7 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     watcher.start()
     client.execute(cwd=str(tmp_path))
     watcher.join(5)
-    setup, closure, failing, again, slow, children, again2 = notebook.cells
+    setup, closure, failing, again, slow, children, again2, spawn = notebook.cells
 
     assert error_of(setup) is None, error_of(setup)
     out = stream_text(closure) + stream_text(closure, "stderr")
@@ -123,4 +129,7 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     stopped_at = float(stream_text(children).split("now ")[1].split()[0])
     assert stopped_at - interrupted_at[0] < 3 + 2  # workers stopped within 3 s (+ slack for the next cell)
     assert "again [5, 5]" in stream_text(again2)
+    assert error_of(spawn) is None, error_of(spawn)
+    assert "spawned [0, 3]" in stream_text(spawn)
+    assert stream_text(spawn).count("[rank 0] in spawn\n") == 1 and stream_text(spawn).count("[rank 1] in spawn\n") == 1
     assert not os.path.exists(tmp_path / "leftover")
