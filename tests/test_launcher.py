@@ -338,3 +338,28 @@ def test_tpu_path_runs_through_xmp_spawn(monkeypatch):
 
     assert launch(where, num_processes=None, mixed_precision="bf16") == [(0, "bf16"), (1, "bf16")]
     assert calls == [(None, "fork")]
+
+
+def test_memory_reports_from_workers_and_from_the_kernel(monkeypatch):
+    monkeypatch.setenv("NBACCEL_MEMORY_INTERVAL", "0.2")
+    messages = []
+
+    def quiet():  # reports nothing itself: the kernel samples its memory
+        time.sleep(0.7)
+
+    def chatty():  # logs: its own sender thread samples memory
+        from nbaccel import telemetry
+
+        for step in range(8):
+            telemetry.report_step(step + 1, 8)
+            time.sleep(0.1)
+
+    launch(quiet, observers=[messages.append])
+    kernel_samples = [m for m in messages if m["kind"] == "memory"]
+    assert {m["rank"] for m in kernel_samples} == {0, 1}
+    assert all(m["source"] == "kernel" and m["rss"] > 0 for m in kernel_samples)
+    messages.clear()
+    launch(chatty, observers=[messages.append])
+    samples = [m for m in messages if m["kind"] == "memory"]
+    assert {m["rank"] for m in samples} == {0, 1} and all(m["rss"] > 0 for m in samples)
+    assert [m["step"] for m in messages if m["kind"] == "step" and m["rank"] == 0] == list(range(1, 9))

@@ -37,7 +37,7 @@ class WorkerSink:
     """Send messages from any thread of a worker to the kernel: `sink(message)` or `sink.send(kind, ...)`.
 
     Telemetry (BATCHED_KINDS) is queued and sent as one `batch` message every BATCH_INTERVAL seconds by a
-    sender thread, so a training step pays for a deque append, not a pickle and a system call; the kernel
+    sender thread (started at the first telemetry message, so a launch pays no thread start), so a training step pays for a deque append, not a pickle and a system call; the kernel
     unpacks batches before observers see them. Every other message (status, result, error, ...) first
     flushes the queue, then goes out at once, so the order is kept. If the kernel end is gone the sink goes
     quiet instead of failing the training.
@@ -54,6 +54,8 @@ class WorkerSink:
         self.rank = rank
         self.local_rank = rank if local_rank is None else local_rank
         self.closed = False
+        self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
+        self.tick_interval = 1.0
 
     def __call__(self, message: Message) -> None:
         if self.closed:
@@ -65,8 +67,12 @@ class WorkerSink:
                 self._start_sender()
             return
         with self._lock:
-            self._flush_locked()
-            self._send_locked(message)
+            self._flush_locked(message)
+
+    def queue(self, message: Message) -> None:
+        """Hold `message` until the next send or flush (e.g. a status that need not wake the kernel alone)."""
+        message.setdefault("local_rank", self.local_rank)
+        self._pending.append(message)
 
     def send(self, kind: str, **fields: Any) -> None:
         fields.update(kind=kind, rank=self.rank, time=time.time())
@@ -93,17 +99,31 @@ class WorkerSink:
                 self._thread.start()
 
     def _sender(self) -> None:
+        next_tick = 0.0
         while not self._stop.wait(self._interval):
+            ticker = self.ticker
+            if ticker is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.tick_interval
+                try:
+                    ticker()
+                except Exception:  # a failed sample must never disturb the training
+                    pass
             if self._pending:
                 self.flush()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, last: Message | None = None) -> None:
+        """Send the queue (and `last` after it) in one write."""
         batch = []
         while True:
             try:
                 batch.append(self._pending.popleft())
             except IndexError:
                 break
+        if last is not None:
+            if not batch:
+                self._send_locked(last)
+                return
+            batch.append(last)
         if batch:
             self._send_locked({"kind": "batch", "rank": self.rank, "messages": batch})
 

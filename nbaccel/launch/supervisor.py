@@ -7,6 +7,7 @@ output lands in the calling cell and a kernel interrupt (KeyboardInterrupt) arri
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,13 @@ from .processes import signal_name
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+
+
+def _memory_interval() -> float:
+    try:
+        return float(os.environ.get("NBACCEL_MEMORY_INTERVAL", "1"))
+    except ValueError:
+        return 1.0
 
 
 class Backend(Protocol):
@@ -54,6 +62,9 @@ class WorkerHandle:
     exitcode: int | None = None
     generation: int = 0
     seen: bool = False  # sent at least one message
+    pid: int | None = None
+    reports_memory: bool = False  # the worker sends its own `memory` messages
+    rss_peak: int = 0
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
@@ -82,6 +93,8 @@ class Supervisor:
         self.first_failure: int | None = None
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
+        self._memory_interval = _memory_interval()
+        self._next_sample = time.monotonic() + self._memory_interval
         self._by_channel = {id(w.channel): w for w in self.workers}
         self._by_fd: dict[int, tuple[WorkerHandle, str, LineForwarder]] = {}
         for w in self.workers:
@@ -143,8 +156,11 @@ class Supervisor:
             for inner in message.get("messages", ()):
                 self._handle(worker, inner)
             return
+        if kind == "memory":
+            worker.reports_memory = True
         if kind == "status" and message.get("state") == "starting":
             worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
+            worker.pid = message.get("pid", worker.pid)
             restart = int(message.get("restart") or 0)
             if restart > worker.generation:
                 worker.generation = restart
@@ -228,6 +244,9 @@ class Supervisor:
                 self._flush()
                 for local_rank, exitcode in self.backend.poll_exits():
                     self._on_exit(local_rank, exitcode)
+                if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
+                    self._next_sample = time.monotonic() + self._memory_interval
+                    self._sample_memory()
                 if self.failures and self.backend.fail_fast:
                     outcome = "failed"
                     break
@@ -269,6 +288,24 @@ class Supervisor:
         if self.failures:
             raise LaunchError(format_failures(self.failures, self.first_failure), self.failures)
         return [w.result for w in self.workers]
+
+    def _sample_memory(self) -> None:
+        """Host memory of workers that do not report it themselves (they never sent telemetry), via psutil."""
+        try:
+            import psutil
+        except ImportError:
+            return
+        for worker in self.workers:
+            if worker.reports_memory or worker.pid is None or worker.exited:
+                continue
+            try:
+                rss = psutil.Process(worker.pid).memory_info().rss
+            except Exception:
+                continue
+            worker.rss_peak = max(worker.rss_peak, rss)
+            self.notify({"kind": "memory", "rank": worker.rank, "local_rank": worker.local_rank,
+                         "time": time.time(), "rss": rss, "rss_peak": worker.rss_peak, "device_allocated": None,
+                         "device_reserved": None, "device_peak": None, "source": "kernel"})
 
     def _shutdown(self, outcome: str) -> None:
         """Stop every worker (even if interrupted again meanwhile), then read what they left."""

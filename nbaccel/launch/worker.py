@@ -8,10 +8,9 @@ telemetry sink into the channel, runs the function and reports its return value 
 
 from __future__ import annotations
 
-import _thread
 import os
 import sys
-import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -49,15 +48,14 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
 
     telemetry.attach(sink, sink.rank)
     device = os.environ.get(DEVICE_ENV, "cpu")
-    sink.send("status", state="starting", device=device, pid=os.getpid(),
-              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    sampler = None
+    sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
+                "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
         from . import serialize
 
         function, args, kwargs = serialize.loads(payload)
         sink.send("status", state="running", device=device)
-        sampler = _start_sampler(telemetry, sink)
+        _start_memory_reports(telemetry, sink)
         try:
             value = function(*args, **kwargs)
         except SystemExit as exc:
@@ -71,8 +69,7 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
                 f"the return value of rank {sink.rank} ({type(value).__name__}) cannot be pickled: {exc}"
             ) from exc
         flush_std()
-        if sampler is not None:
-            sampler.stop()  # sends what it queued first, so the result comes after every logged value
+        _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
         sink.send("result", value=data)
         sink.send("status", state="finished", device=device)
         return True
@@ -82,16 +79,14 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
             tb = tb.tb_next  # start the remote traceback at the user's code
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         flush_std()
-        if sampler is not None:
-            sampler.stop()
+        _stop_telemetry_sampler(telemetry)
         message = str(exc)
         sink.send("error", exc_type=type(exc).__name__, message=message, traceback=text)
         sink.send("status", state="failed", device=device,
                   error=f"{type(exc).__name__}: {message}".splitlines()[0] if message else type(exc).__name__)
         return False
     finally:
-        if sampler is not None:
-            sampler.stop()
+        sink.ticker = None
         _destroy_process_group()
         telemetry.detach()
         flush_std()
@@ -106,58 +101,29 @@ def _destroy_process_group() -> None:
         pass
 
 
-def _start_sampler(telemetry: Any, sink: WorkerSink) -> Any:
-    """Memory (and queued telemetry) reporting: `nbaccel.telemetry`'s sampler when it has one, else ours."""
+def _start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
+    """`memory` messages every NBACCEL_MEMORY_INTERVAL seconds (default 1; 0: none), sent by the sink's
+    sender thread once the function reports telemetry (the kernel samples host memory of workers that
+    never do). No thread starts here: on a busy machine a thread start delays the function by ~10 ms."""
     try:
         interval = float(os.environ.get(MEMORY_INTERVAL_ENV, "1"))
     except ValueError:
         interval = 1.0
     if interval <= 0:
-        return None
-    if hasattr(telemetry, "start_sampler"):
-        telemetry.start_sampler(interval)
-        return _TelemetrySampler(telemetry)
-    return _MemorySampler.start(sink, interval)
+        return
+    sample = getattr(telemetry, "memory_sample", None) or memory_sample
+    sink.tick_interval = interval
+    sink.ticker = lambda: sink.send("memory", **sample())
 
 
-class _TelemetrySampler:
-    def __init__(self, telemetry: Any) -> None:
-        self._telemetry = telemetry
-
-    def stop(self) -> None:
-        self._telemetry.stop_sampler()
-
-
-class _MemorySampler:
-    """Sends a `memory` message every NBACCEL_MEMORY_INTERVAL seconds (default 1; 0 turns it off).
-
-    Started with `_thread.start_new_thread`, which does not wait for the new thread to be scheduled, and the
-    first sample comes after FIRST_SAMPLE seconds, so the training function starts without delay.
-    """
-
-    FIRST_SAMPLE = 0.2
-
-    def __init__(self, sink: WorkerSink, interval: float) -> None:
-        self._sink = sink
-        self._interval = interval
-        self._stop = threading.Event()
-
-    @classmethod
-    def start(cls, sink: WorkerSink, interval: float) -> _MemorySampler:
-        sampler = cls(sink, interval)
-        _thread.start_new_thread(sampler._loop, ())
-        return sampler
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        if self._stop.wait(min(self.FIRST_SAMPLE, self._interval)):
-            return
-        while True:
-            self._sink.send("memory", **memory_sample())
-            if self._stop.wait(self._interval):
-                return
+def _stop_telemetry_sampler(telemetry: Any) -> None:
+    """If the function started nbaccel.telemetry's own sampler, let it send what it holds first."""
+    stop = getattr(telemetry, "stop_sampler", None)
+    if callable(stop):
+        try:
+            stop()
+        except Exception:
+            pass
 
 
 def memory_sample() -> dict[str, int | None]:
