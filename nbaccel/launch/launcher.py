@@ -28,6 +28,7 @@ from .processes import (
     check_port_free,
     choose_start_method,
     free_port,
+    gc_frozen,
     get_context,
     is_local_address,
     main_module_hidden,
@@ -329,6 +330,15 @@ def _launch_local(payload: bytes, env: dict[str, str], device: str, num_processe
     pipes = _Pipes(ctx, 0)  # each rank's pipes are made right before it starts: no rank inherits another's
     processes: list[Any] = []
     world_size = num_processes * num_nodes
+    with gc_frozen(method):
+        return _start_and_supervise(ctx, pipes, processes, payload, env, device, num_processes, master_addr,
+                                    port, method, dashboard, observers, timeout, node_rank, world_size)
+
+
+def _start_and_supervise(ctx: Any, pipes: _Pipes, processes: list[Any], payload: bytes, env: dict[str, str],
+                         device: str, num_processes: int, master_addr: str, port: int, method: str,
+                         dashboard: Any, observers: Sequence[Observer], timeout: float | None, node_rank: int,
+                         world_size: int) -> list[Any]:
     try:
         for local_rank in range(num_processes):
             rank = node_rank * num_processes + local_rank
