@@ -6,6 +6,7 @@ import contextlib
 import gc
 import multiprocessing as mp
 import os
+import select
 import signal
 import socket
 import sys
@@ -278,9 +279,17 @@ class LocalProcesses:
     def poll_exits(self) -> list[tuple[int, int]]:
         exits = []
         for i, proc in enumerate(self.processes):
-            if i not in self._reported and proc.exitcode is not None:
+            if i in self._reported:
+                continue
+            code = proc.exitcode
+            if code is None and select.select([proc.sentinel], [], [], 0)[0]:
+                # its sentinel closed: it is exiting. Wait for it (join reaps it with a blocking waitpid)
+                # instead of spinning until the OS makes it a zombie.
+                proc.join(5)
+                code = proc.exitcode
+            if code is not None:
                 self._reported.add(i)
-                exits.append((i, proc.exitcode))
+                exits.append((i, code))
         return exits
 
     def finished(self) -> bool:
