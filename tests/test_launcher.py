@@ -92,7 +92,7 @@ def test_kwargs_and_debug_launcher():
         return (int(os.environ["RANK"]), a + b, os.environ["NBACCEL_USE_CPU"])
 
     assert launch(fn, (1,), kwargs={"b": 2}) == [(0, 3, "1"), (1, 3, "1")]
-    assert debug_launcher(lambda: int(os.environ["WORLD_SIZE"])) == [2, 2]
+    assert debug_launcher(lambda: (int(os.environ["WORLD_SIZE"]), os.environ["FORK_LAUNCHED"])) == [(2, "1")] * 2
 
 
 def test_one_process_runs_in_the_kernel():
