@@ -373,3 +373,29 @@ def test_partial_state_builds_from_the_launcher_environment():
         return ps.process_index, ps.num_processes, str(ps.device), ps.backend
 
     assert launch(state) == [(0, 2, "cpu", "gloo"), (1, 2, "cpu", "gloo")]
+
+
+def test_exit_without_result_is_a_failure():
+    def leave():
+        if os.environ["RANK"] == "1":
+            os._exit(0)
+        return 1
+
+    with pytest.raises(LaunchError, match="rank 1: exited without returning a result"):
+        launch(leave)
+
+
+def test_lots_of_output_arrives_complete_and_in_order(capsys):
+    def chatter():
+        for i in range(5000):
+            print(f"line {i}")
+        os.write(2, b"".join(b"err %d\n" % i for i in range(5000)))
+
+    launch(chatter)
+    captured = capsys.readouterr()
+    for rank in (0, 1):
+        prefix = f"[rank {rank}] "
+        assert [line for line in captured.out.splitlines() if line.startswith(prefix)] == [
+            f"{prefix}line {i}" for i in range(5000)]
+        assert [line for line in captured.err.splitlines() if line.startswith(prefix)] == [
+            f"{prefix}err {i}" for i in range(5000)]
