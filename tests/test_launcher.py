@@ -78,7 +78,7 @@ def cell_namespace() -> dict:
     return namespace
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_cell_functions_closures_lambdas_and_classes(start_method, capsys):
     cell = cell_namespace()
     results = launch(cell["train"], (cell["make_adder"](5), 1), start_method=start_method)

@@ -24,6 +24,7 @@ from .observers import make_dashboard
 from .processes import (
     LocalProcesses,
     check_port_free,
+    check_start_method,
     choose_start_method,
     free_port,
     gc_frozen,
@@ -88,7 +89,7 @@ def notebook_launcher(
             f"GPU. Pass num_processes<={gpus} (or hide the GPUs with CUDA_VISIBLE_DEVICES='' to use the CPU)."
         )
     if num_processes == 1 and num_nodes == 1 and max_restarts == 0:
-        choose_start_method(start_method)  # still reject an unknown start_method
+        check_start_method(start_method)  # still reject an unknown start_method
         return run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
     method, note = choose_start_method(start_method)
     payload = dumps_payload(function, tuple(args), kwargs)  # before any process starts
