@@ -399,3 +399,11 @@ def test_lots_of_output_arrives_complete_and_in_order(capsys):
             f"{prefix}line {i}" for i in range(5000)]
         assert [line for line in captured.err.splitlines() if line.startswith(prefix)] == [
             f"{prefix}err {i}" for i in range(5000)]
+
+
+def test_one_process_honours_timeout_and_observers():
+    messages = []
+    with pytest.raises(LaunchTimeout, match="timeout=0.5"):
+        launch(time.sleep, (10,), num_processes=1, timeout=0.5)
+    assert launch(lambda: 4, num_processes=1, observers=[messages.append]) == [4]
+    assert [m["state"] for m in messages if m["kind"] == "status"] == ["running", "finished"]
