@@ -248,6 +248,9 @@ def test_one_process_per_gpu(monkeypatch):
     assert launch(report, num_processes=None) == [("cuda:0", None), ("cuda:1", None)]
     with pytest.raises(ValueError, match="only 2 GPU"):
         launch(report, num_processes=3)
+    monkeypatch.setattr(module, "_visible_gpus", lambda: 1)
+    monkeypatch.setitem(sys.modules, "google.colab", object())
+    assert launch(os.getpid, num_processes=2) == [os.getpid()]  # Colab, one GPU: in the kernel, like Accelerate
 
 
 def test_mixed_precision_reaches_every_worker():

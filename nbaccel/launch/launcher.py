@@ -83,6 +83,9 @@ def notebook_launcher(
     gpus = _visible_gpus()
     if num_processes is None:
         num_processes = gpus or 1
+    elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
+        print("Colab with one GPU: running the function in this process (as Accelerate does).", file=sys.stderr)
+        num_processes = 1
     elif gpus and num_processes > gpus:
         raise ValueError(
             f"num_processes={num_processes} but only {gpus} GPU(s) are visible: nbaccel runs one process per "
