@@ -148,13 +148,18 @@ def test_killed_rank_names_the_signal():
 
 
 def test_keyboard_interrupt_stops_workers():
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    fired: list[float] = []
+
+    def interrupt() -> None:
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(1.0, interrupt)
     timer.start()
-    start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             launch(time.sleep, (60,))
-        assert time.monotonic() - start < 1.0 + 3 + 2
+        assert time.monotonic() - fired[0] < 3  # every worker stopped within 3 s of the interrupt
     finally:
         timer.cancel()
     assert live_children() == []
