@@ -65,6 +65,6 @@ def test_accelerate_example_loop_runs_unchanged():
     results = run_ranks(training_function)
     for accuracy, seen, name in results:
         assert seen == 43  # every evaluation sample exactly once
-        assert accuracy > 0.8
+        assert accuracy > 0.75  # chance is about 0.5
         assert name == "Sequential"
     assert results[0] == results[1]
