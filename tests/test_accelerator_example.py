@@ -68,3 +68,11 @@ def test_accelerate_example_loop_runs_unchanged():
         assert accuracy > 0.75  # chance is about 0.5
         assert name == "Sequential"
     assert results[0] == results[1]
+
+
+def test_example_loop_through_notebook_launcher():
+    from nbaccel import notebook_launcher
+
+    results = notebook_launcher(training_function, args=(0,), num_processes=2, dashboard=False)
+    assert [seen for _, seen, _ in results] == [43, 43]
+    assert results[0] == results[1]
