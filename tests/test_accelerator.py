@@ -403,3 +403,24 @@ def test_same_weights_and_schedule_as_accelerate(mixed_precision):
         assert lrs == their_lrs
         for got, want in zip(weights, their_weights):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_no_sync_then_trigger_sync_in_backward():
+    def body(rank):
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        model = accelerator.prepare(_model())
+        x = torch.full((4, N_FEATURES), float(rank + 1))
+        with accelerator.no_sync(model):
+            loss_a = model(x).sum()
+            loss_b = model(2 * x).sum()
+        accelerator.backward(loss_a)
+        local = next(model.parameters()).grad.clone()
+        with accelerator.trigger_sync_in_backward(model):
+            accelerator.backward(loss_b)
+        return local, next(model.parameters()).grad.clone()
+
+    (local0, synced0), (local1, synced1) = run_ranks(body)
+    assert not torch.allclose(local0, local1)  # no all-reduce in the first backward
+    torch.testing.assert_close(synced0, synced1)  # the triggered one averaged everything
