@@ -149,11 +149,6 @@ class Accelerator:
         if effective == "fp8":
             self._fp8_backend = _precision.find_fp8_backend(self._preferred_fp8_backend())
 
-        # States (process group, device, precision, gradient accumulation)
-        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
-        cpu = bool(cpu) or bool(_config_default("use_cpu"))
-        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
-                                      _from_accelerator=True, **init_kwargs)
         if gradient_accumulation_plugin is not None:
             if gradient_accumulation_steps != 1:
                 raise ValueError(
@@ -166,6 +161,13 @@ class Accelerator:
                     f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}."
                 )
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
+        rng_types = self._check_rng_types(rng_types)
+
+        # States (process group, device, precision, gradient accumulation)
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        cpu = bool(cpu) or bool(_config_default("use_cpu"))
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
+                                      _from_accelerator=True, **init_kwargs)
         self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
 
         self.device_placement = device_placement
@@ -175,7 +177,7 @@ class Accelerator:
             self.state.mixed_precision, self.device.type,
             self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None)
 
-        self.rng_types = self._check_rng_types(rng_types)
+        self.rng_types = rng_types
         self.step = 0
         self.flag_tensor: torch.Tensor | None = None
 
