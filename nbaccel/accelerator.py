@@ -659,8 +659,8 @@ class Accelerator:
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum (or average) `tensor` over the processes; every process gets the result."""
-        if reduction not in ("sum", "mean", "none"):
-            raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}.")
+        if reduction not in ("sum", "mean", "none", "max", "min"):
+            raise ValueError(f"reduction must be 'sum', 'mean', 'max', 'min' or 'none', got {reduction!r}.")
         return reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
