@@ -134,3 +134,14 @@ class CustomDtype(enum.Enum):
     FP8 = "fp8"
     INT4 = "int4"
     INT2 = "int2"
+
+
+from dataclasses import dataclass as _dataclass  # noqa: E402 - appended section (operations)
+
+
+@_dataclass
+class TensorInformation:
+    """The shape and dtype of a tensor, standing in for it in `get_data_structure` / `initialize_tensors`."""
+
+    shape: torch.Size  # noqa: F821 - annotation only (postponed evaluation); no torch import at module load
+    dtype: torch.dtype  # noqa: F821
