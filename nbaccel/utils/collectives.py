@@ -69,6 +69,15 @@ def _all_gather_fn() -> tuple[Callable[..., Any], str]:
     return dist.all_gather_into_tensor, "all_gather_into_tensor"
 
 
+def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = ()) -> torch.Tensor:
+    """All-gather the 1-D tensor `flat` (same size on every rank) into a (world, size) tensor, traced as `op`."""
+    all_gather, call = _all_gather_fn()
+    out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
+    with in_collective(op, call, traced if traced != () else [flat]):
+        all_gather(out, flat)
+    return out.view(-1, flat.numel())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Checking the input (before any communication, so every rank with the same bad input fails the same way)
 # ---------------------------------------------------------------------------------------------------------
@@ -231,10 +240,7 @@ def _gather_group(tensors: list[torch.Tensor], world: int, results: list, slots:
         results[slots[0]] = out
         return
     parts = [_as_bytes(t) for t in tensors]
-    buffer = torch.cat(parts)
-    out = buffer.new_empty((world, buffer.numel()))
-    with in_collective("gather", call, tensors):
-        all_gather(out, buffer)
+    out = all_gather_rows("gather", torch.cat(parts), tensors)
     offset = 0
     for slot, t, part in zip(slots, tensors, parts):
         size = part.numel()
@@ -350,10 +356,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     if not tensors or not eligible:
         return tensor
     lengths = torch.tensor([t.shape[dim] for t in eligible], dtype=torch.int64, device=eligible[0].device)
-    everyone = lengths.new_empty((world, lengths.numel()))
-    all_gather, call = _all_gather_fn()
-    with in_collective("pad_across_processes", call, eligible):
-        all_gather(everyone, lengths)
+    everyone = all_gather_rows("pad_across_processes", lengths, eligible)
     targets = everyone.max(dim=0).values.tolist()
     padded = {id(t): _pad_one(t, dim, n, pad_index, pad_first) for t, n in zip(eligible, targets)}
     if isinstance(tensor, torch.Tensor):

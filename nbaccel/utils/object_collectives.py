@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_trace import in_collective
-from .collectives import DistributedOperationException, _all_gather_fn, _world_size
+from .collectives import DistributedOperationException, _world_size, all_gather_rows
 
 _BLOCK = 4096
 _HEADER = struct.Struct("<q")
@@ -82,10 +82,7 @@ def gather_object(object: Any) -> list[Any]:
     device = _object_device()
     payload, ok = _dumps(object)
     block = _first_block(payload, ok).to(device)
-    everyone = block.new_empty((world, _BLOCK))
-    all_gather, call = _all_gather_fn()
-    with in_collective("gather_object", call, [block]):
-        all_gather(everyone, block)
+    everyone = all_gather_rows("gather_object", block)
     blocks = everyone.cpu().numpy()
     parts = [_read_block(blocks[r].tobytes()) for r in range(world)]
     failed = [(r, data.decode(errors="replace")) for r, (length, data) in enumerate(parts) if length < 0]
@@ -99,9 +96,7 @@ def gather_object(object: Any) -> list[Any]:
         tail = bytearray(rest)
         tail[: max(len(payload) - _ROOM, 0)] = payload[_ROOM:]
         mine = torch.frombuffer(tail, dtype=torch.uint8).to(device)
-        tails = mine.new_empty((world, rest))
-        with in_collective("gather_object", call, [mine]):
-            all_gather(tails, mine)
+        tails = all_gather_rows("gather_object", mine)
         tails_np = tails.cpu().numpy()
         payloads = [
             data + tails_np[r, : length - _ROOM].tobytes() if length > _ROOM else data
@@ -196,10 +191,7 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     if problem:
         header[0] = -1
     header = header.to(device)
-    headers = header.new_empty((world, header.numel()))
-    all_gather, call = _all_gather_fn()
-    with in_collective("copy_tensor_to_devices", call, [header]):
-        all_gather(headers, header)
+    headers = all_gather_rows("copy_tensor_to_devices", header)
     rows = headers.cpu().tolist()
     bad = [r for r, row in enumerate(rows) if row[0] < 0]
     owners = [r for r, row in enumerate(rows) if row[0] == 1]
