@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import packing
 from .collective_trace import in_collective
 from .structures import flatten_tensors, iter_leaves, rebuild, recursively_apply
 
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on which modules have landed
 
 _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
+_TRACE_EACH = 4  # up to this many tensors, the trace records each shape; beyond, the packed buffer's
 
 
 class DistributedOperationException(Exception):
@@ -59,6 +61,18 @@ def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+_backend_of: tuple[Any, str] = (None, "")
+
+
+def _backend() -> str:
+    """The default group's backend name, lowercased (cached per group: this runs on every collective)."""
+    global _backend_of
+    group = dist.group.WORLD
+    if _backend_of[0] is not group:
+        _backend_of = (group, str(dist.get_backend(group)).lower())
+    return _backend_of[1]
 
 
 def _all_gather_fn() -> tuple[Callable[..., Any], str]:
@@ -108,8 +122,7 @@ def _collect(op: str, data: Any) -> list[torch.Tensor]:
             f"{op}: the tensors are on the 'meta' device, which holds no data to communicate. "
             "Materialize them on a real device first."
         )
-    backend = str(dist.get_backend()).lower()
-    if backend == "nccl" and device.type != "cuda":
+    if device.type != "cuda" and _backend() == "nccl":
         raise ValueError(
             f"{op}: the process group uses nccl, which moves CUDA tensors only, but the data is on {device}. "
             "Move it first: `send_to_device(data, accelerator.device)`."
@@ -176,18 +189,6 @@ def _prepare(
     return tensors
 
 
-def _packing_order(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of `tensors`, widest dtype first, so each one starts at an offset aligned to its element size."""
-    return sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-
-
-def _byte_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices grouped for byte packing: one group for all (XLA: one per dtype, it has no byte views)."""
-    if tensors[0].device.type != "xla":
-        return [_packing_order(tensors)]
-    return _dtype_groups(tensors)
-
-
 def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -195,9 +196,16 @@ def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+def _communication_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Tensors that share one buffer: all of them (as bytes), or one group per dtype on XLA (no byte views)."""
+    if tensors[0].device.type == "xla":
+        return _dtype_groups(tensors)
+    return [list(range(len(tensors)))]
+
+
+def _traced(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> Sequence[torch.Tensor]:
+    """What the collective trace records: the caller's tensors when few, else the packed buffer (cheaper)."""
+    return tensors if len(tensors) <= _TRACE_EACH else [buffer]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -217,36 +225,31 @@ def gather(tensor: Any) -> Any:
     tensors = _prepare("gather", tensor)
     if not tensors:
         return tensor
-    results: list[torch.Tensor | None] = [None] * len(tensors)
-    for group in _byte_groups(tensors):
-        _gather_group([tensors[i] for i in group], world, results, group)
+    if len(tensors) == 1:
+        results = [_gather_one(tensors[0], world)]
+    else:
+        results = [None] * len(tensors)
+        for group in _communication_groups(tensors):
+            members = [tensors[i] for i in group]
+            plan = packing.plan_for(members, world)
+            buffer = packing.pack(plan, members)
+            rows = all_gather_rows("gather", buffer, _traced(members, buffer))
+            for i, out in zip(group, packing.unpack_gathered(plan, rows, members)):
+                results[i] = out
     if isinstance(tensor, torch.Tensor):
         return results[0]
     return rebuild(tensor, iter(results))
 
 
-def _gathered_shape(t: torch.Tensor, world: int) -> tuple[int, ...]:
-    return (world,) if t.ndim == 0 else (world * t.shape[0], *t.shape[1:])
-
-
-def _gather_group(tensors: list[torch.Tensor], world: int, results: list, slots: list[int]) -> None:
+def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
+    """A lone tensor needs no packing: gather it straight into the result."""
+    t = t.detach()
+    src = t.reshape(1) if t.ndim == 0 else t.contiguous()
+    out = src.new_empty((world,) if t.ndim == 0 else (world * t.shape[0], *t.shape[1:]))
     all_gather, call = _all_gather_fn()
-    if len(tensors) == 1:  # nothing to pack: gather straight into the result
-        t = tensors[0].detach()
-        src = t.reshape(1) if t.ndim == 0 else t.contiguous()
-        out = src.new_empty(_gathered_shape(t, world))
-        with in_collective("gather", call, tensors):
-            all_gather(out, src)
-        results[slots[0]] = out
-        return
-    parts = [_as_bytes(t) for t in tensors]
-    out = all_gather_rows("gather", torch.cat(parts), tensors)
-    offset = 0
-    for slot, t, part in zip(slots, tensors, parts):
-        size = part.numel()
-        block = out[:, offset : offset + size].reshape(-1)  # this rank-major block is the tensor's dim-0 concat
-        offset += size
-        results[slot] = block.view(t.dtype).view(_gathered_shape(t, world))
+    with in_collective("gather", call, [t]):
+        all_gather(out, src)
+    return out
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
@@ -268,17 +271,20 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         reduction
     ]
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    for group in _dtype_groups(tensors):
+    for group in _dtype_groups(tensors):  # a sum needs one dtype per buffer
         members = [tensors[i] for i in group]
-        buffer = torch.cat([t.detach().reshape(-1) for t in members])  # a new buffer: the input stays as it was
-        with in_collective("reduce", "all_reduce", members):
+        plan = packing.plan_for(members, world)
+        buffer = packing.pack(plan, members)
+        if len(members) == 1 and buffer.data_ptr() == members[0].data_ptr():
+            buffer = buffer.clone()  # a lone contiguous tensor packs as a view: never reduce into the input
+        with in_collective("reduce", "all_reduce", _traced(members, buffer)):
             dist.all_reduce(buffer, op)
         if reduction == "mean":
             buffer /= world
         if scale != 1.0:
             buffer *= scale
-        for slot, t, piece in zip(group, members, buffer.split([t.numel() for t in members])):
-            results[slot] = piece.view(t.shape)
+        for i, out in zip(group, packing.unpack(plan, buffer, members)):
+            results[i] = out
     if isinstance(tensor, torch.Tensor):
         return results[0]
     return rebuild(tensor, iter(results))
@@ -308,33 +314,22 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     if not tensors:
         return tensor
     sending = dist.get_rank() == from_process
-    for group in _byte_groups(tensors):
-        members = [tensors[i] for i in group]
-        if len(members) == 1 and members[0].is_contiguous():
+    for group in _communication_groups(tensors):
+        members = [tensors[i].detach() for i in group]
+        if len(members) == 1 and members[0].is_contiguous():  # broadcast straight into the tensor
             with in_collective("broadcast", "broadcast", members):
-                dist.broadcast(members[0].detach(), src=from_process)
+                dist.broadcast(members[0], src=from_process)
             continue
-        if len(members) == 1:
-            t = members[0].detach()
-            buffer = t.contiguous()
-            with in_collective("broadcast", "broadcast", members):
-                dist.broadcast(buffer, src=from_process)
-            if not sending:
-                t.copy_(buffer)
-            continue
+        plan = packing.plan_for(members, world)
         if sending:
-            buffer = torch.cat([_as_bytes(t) for t in members])
+            buffer = packing.pack(plan, members)
         else:
-            total = sum(t.numel() * t.element_size() for t in members)
-            buffer = torch.empty(total, dtype=torch.uint8, device=members[0].device)
-        with in_collective("broadcast", "broadcast", members):
+            buffer = torch.empty(plan.total, dtype=torch.uint8 if plan.mixed else members[0].dtype,
+                                 device=members[0].device)
+        with in_collective("broadcast", "broadcast", _traced(members, buffer)):
             dist.broadcast(buffer, src=from_process)
         if not sending:
-            offset = 0
-            for t in members:
-                size = t.numel() * t.element_size()
-                t.detach().copy_(buffer[offset : offset + size].view(t.dtype).view(t.shape))
-                offset += size
+            torch._foreach_copy_(members, packing.unpack(plan, buffer, members))
     return tensor
 
 
@@ -406,7 +401,7 @@ def wait_for_everyone() -> None:
     if _world_size() == 1:
         return
     with in_collective("wait_for_everyone", "barrier"):
-        if str(dist.get_backend()).lower() == "nccl" and torch.cuda.is_available():
+        if _backend() == "nccl" and torch.cuda.is_available():
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()

@@ -1,0 +1,133 @@
+"""Benchmark: nbaccel's collectives against the raw torch floor and Accelerate, on 2 gloo processes.
+
+    python benchmarks/ops.py [--reps 15] [--iters 50]
+
+Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
+torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
+at least pay), (c) accelerate.utils.gather when Accelerate is installed. Then gather_object and
+broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
+repetition (so machine load hits them alike); the median time per call is reported, with ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _time(fn, iters: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - start) / iters
+
+
+def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        import accelerate.utils as acc
+        from accelerate import PartialState as AccPartialState
+
+        AccPartialState(cpu=True)  # initializes the gloo group; nbaccel uses the same one
+    except ImportError:
+        acc = None
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    from nbaccel.utils import operations as ops
+
+    data = {f"t{i}": torch.randn(1024) for i in range(16)}
+    flat = torch.randn(16 * 1024)
+    out = torch.empty(world * flat.numel())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    small = {"loss": 0.25 + rank, "step": 100, "name": "eval"}
+    to_send = [dict(small)]
+
+    variants = {
+        "gather: nbaccel": lambda: ops.gather(data),
+        "gather: floor (one raw all-gather)": lambda: all_gather(out, flat),
+        "gather_object: nbaccel": lambda: ops.gather_object([small]),
+        "broadcast_object_list: nbaccel": lambda: ops.broadcast_object_list(to_send),
+    }
+    if acc is not None:
+        variants["gather: accelerate"] = lambda: acc.gather(data)
+        variants["gather_object: accelerate"] = lambda: acc.gather_object([small])
+        variants["broadcast_object_list: accelerate"] = lambda: acc.broadcast_object_list(to_send)
+
+    # results agree before timing anything
+    if acc is not None:
+        mine, theirs = ops.gather(data), acc.gather(data)
+        assert all(torch.equal(mine[k], theirs[k]) for k in data)
+        assert ops.gather_object([small]) == acc.gather_object([small])
+
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for name, fn in variants.items():  # warm-up
+        _time(fn, 5)
+    for _ in range(reps):
+        for name, fn in variants.items():
+            samples[name].append(_time(fn, iters))
+    if rank == 0:
+        queue.put({name: statistics.median(values) for name, values in samples.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.reps, args.iters, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        medians = queue.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    print(f"{world} gloo processes, torch {torch.__version__}, median of {args.reps} x {args.iters} calls")
+    for name, seconds in medians.items():
+        print(f"  {name:<40} {seconds * 1e6:9.1f} us")
+    floor = medians["gather: floor (one raw all-gather)"]
+    print(f"gather, nbaccel / floor:        {medians['gather: nbaccel'] / floor:5.2f}x  (goal <= 1.5x)")
+    if "gather: accelerate" in medians:
+        print(f"gather, accelerate / nbaccel:   {medians['gather: accelerate'] / medians['gather: nbaccel']:5.2f}x"
+              "  (goal >= 5x)")
+        for op in ("gather_object", "broadcast_object_list"):
+            ratio = medians[f"{op}: accelerate"] / medians[f"{op}: nbaccel"]
+            print(f"{op}, accelerate / nbaccel: {ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
