@@ -88,8 +88,22 @@ def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = ()) -> torch.Tens
     all_gather, call = _all_gather_fn()
     out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
     with in_collective(op, call, traced if traced != () else [flat]):
-        all_gather(out, flat)
+        _call_checked(op, all_gather, out, flat)
     return out.view(-1, flat.numel())
+
+
+def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
+    """Run a torch collective; a size mismatch between ranks becomes an error that says what to do."""
+    try:
+        fn(*args)
+    except RuntimeError as exc:
+        if "size" not in str(exc):
+            raise
+        raise DistributedOperationException(
+            f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
+            "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
+            "ranks compare their shapes and name them."
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     out = src.new_empty((world,) if t.ndim == 0 else (world * t.shape[0], *t.shape[1:]))
     all_gather, call = _all_gather_fn()
     with in_collective("gather", call, [t]):
-        all_gather(out, src)
+        _call_checked("gather", all_gather, out, src)
     return out
 
 
