@@ -205,6 +205,9 @@ def test_debug_mode_flag_reads_both_variables(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEBUG_MODE", "0")
     monkeypatch.setenv("NBACCEL_DEBUG_MODE", "1")
     assert ops.debug_mode_enabled()
+    monkeypatch.setenv("ACCELERATE_DEBUG_MODE", "1")
+    monkeypatch.setenv("NBACCEL_DEBUG_MODE", "0")  # what PartialState(debug=False) sets: nbaccel's wins
+    assert not ops.debug_mode_enabled()
 
 
 def test_nested_tensor_is_left_unpadded_with_a_warning():

@@ -47,14 +47,12 @@ class CannotPadNestedTensorWarning(UserWarning):
 
 
 def debug_mode_enabled() -> bool:
-    """True when NBACCEL_DEBUG_MODE or ACCELERATE_DEBUG_MODE is set to a true value (read on every call)."""
-    for name in ("NBACCEL_DEBUG_MODE", "ACCELERATE_DEBUG_MODE"):
-        if _parse_flag_from_env is not None:
-            if _parse_flag_from_env(name, False):
-                return True
-        elif os.environ.get(name, "").strip().lower() in _TRUE:
-            return True
-    return False
+    """Whether debug mode is on: NBACCEL_DEBUG_MODE when set (PartialState(debug=...) sets it), else
+    ACCELERATE_DEBUG_MODE. Read on every call, so turning it on or off takes effect at the next collective."""
+    name = "NBACCEL_DEBUG_MODE" if os.environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
+    if _parse_flag_from_env is not None:
+        return _parse_flag_from_env(name, False)
+    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
 def _world_size() -> int:
