@@ -168,6 +168,14 @@ def _check_values_and_types(rank: int):
     broadcast_object_list(large, from_process=1)
     assert large == [list(range(5000))] and len(counter.take()) == 2
 
+    # parameters (leaves that require grad): gathered, reduced, and broadcast into in place
+    weight = torch.nn.Parameter(torch.full((2,), float(rank)))
+    assert reduce({"w": weight}, "sum")["w"].tolist() == [1.0, 1.0] and weight.tolist() == [rank, rank]
+    assert gather([weight, weight])[1].tolist() == [0, 0, 1, 1]
+    broadcast([weight, torch.zeros(1)], from_process=1)
+    assert weight.tolist() == [1.0, 1.0] and weight.requires_grad
+    counter.take()
+
     shared = copy_tensor_to_devices(torch.arange(6).reshape(2, 3) if rank == 1 else None)
     assert shared.tolist() == [[0, 1, 2], [3, 4, 5]] and shared.dtype == torch.int64
     wait_for_everyone()

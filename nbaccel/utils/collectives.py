@@ -225,6 +225,7 @@ def _traced(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> Sequence[t
 # ---------------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()  # communication is not differentiable; results never carry a graph
 def gather(tensor: Any) -> Any:
     """Gather a tensor, or a nested structure of them, from every process, concatenated along dim 0.
 
@@ -264,6 +265,7 @@ def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()  # communication is not differentiable; results never carry a graph
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduce a tensor, or a nested structure of them, across processes; returns new tensors.
 
@@ -311,6 +313,7 @@ def _check_mean(data: Any) -> None:
             )
 
 
+@torch.no_grad()  # communication is not differentiable; results never carry a graph
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Copy a tensor, or a nested structure of them, from process `from_process` into every process's tensors.
 
