@@ -31,15 +31,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _time(fn, iters: int) -> float:
+def _time(fn, iters: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per call; CPU time is what load on the machine distorts least."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         fn()
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, cpu / iters
 
 
 def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> None:
@@ -85,14 +87,17 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
         assert all(torch.equal(mine[k], theirs[k]) for k in data)
         assert ops.gather_object([small]) == acc.gather_object([small])
 
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for fn in variants.values():  # warm-up
         _time(fn, 5)
     for _ in range(reps):
         for name, fn in variants.items():
             samples[name].append(_time(fn, iters))
     if rank == 0:
-        queue.put({name: statistics.median(values) for name, values in samples.items()})
+        queue.put({
+            name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+            for name, values in samples.items()
+        })
     dist.barrier()
     dist.destroy_process_group()
 
@@ -116,18 +121,24 @@ def main() -> None:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    print(f"{world} gloo processes, torch {torch.__version__}, median of {args.reps} x {args.iters} calls")
-    for name, seconds in medians.items():
-        print(f"  {name:<40} {seconds * 1e6:9.1f} us")
-    floor = medians["gather: floor (one raw all-gather)"]
-    print(f"gather, nbaccel / floor:        {medians['gather: nbaccel'] / floor:5.2f}x  (goal <= 1.5x)")
-    if "gather: accelerate" in medians:
-        print(f"gather, accelerate / nbaccel:   {medians['gather: accelerate'] / medians['gather: nbaccel']:5.2f}x"
-              "  (goal >= 5x)")
-        for op in ("gather_object", "broadcast_object_list"):
-            ratio = medians[f"{op}: accelerate"] / medians[f"{op}: nbaccel"]
-            print(f"{op}, accelerate / nbaccel: {ratio:5.2f}x")
+    print(f"{world} gloo processes, torch {torch.__version__}, median of {args.reps} x {args.iters} calls "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    print(f"  {'':<40} {'wall':>10} {'CPU (rank 0)':>14}")
+    for name, (wall, cpu) in medians.items():
+        print(f"  {name:<40} {wall * 1e6:8.1f} us {cpu * 1e6:11.1f} us")
 
+    def ratio(a: str, b: str, which: int = 0) -> float:
+        return medians[a][which] / medians[b][which]
+
+    floor = "gather: floor (one raw all-gather)"
+    print(f"gather, nbaccel / floor:        {ratio('gather: nbaccel', floor):5.2f}x wall, "
+          f"{ratio('gather: nbaccel', floor, 1):5.2f}x CPU  (goal <= 1.5x)")
+    if "gather: accelerate" in medians:
+        print(f"gather, accelerate / nbaccel:   {ratio('gather: accelerate', 'gather: nbaccel'):5.2f}x wall, "
+              f"{ratio('gather: accelerate', 'gather: nbaccel', 1):5.2f}x CPU  (goal >= 5x)")
+        for op in ("gather_object", "broadcast_object_list"):
+            print(f"{op}, accelerate / nbaccel: {ratio(f'{op}: accelerate', f'{op}: nbaccel'):5.2f}x wall, "
+                  f"{ratio(f'{op}: accelerate', f'{op}: nbaccel', 1):5.2f}x CPU")
 
 if __name__ == "__main__":
     main()

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on which modules have landed
 
 _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
+_KEEP_RECEIVE_BYTES = 4 << 20  # gathers up to this size keep their receive buffer for the next call
 _TRACE_EACH = 4  # up to this many tensors, the trace records each shape; beyond, the packed buffer's
 
 
@@ -81,10 +82,13 @@ def _all_gather_fn() -> tuple[Callable[..., Any], str]:
     return dist.all_gather_into_tensor, "all_gather_into_tensor"
 
 
-def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = ()) -> torch.Tensor:
-    """All-gather the 1-D tensor `flat` (same size on every rank) into a (world, size) tensor, traced as `op`."""
+def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = (), out: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather the 1-D tensor `flat` (same size on every rank) into a (world, size) tensor, traced as `op`.
+
+    `out`: a 1-D receive buffer of world * size elements to reuse (else a new one)."""
     all_gather, call = _all_gather_fn()
-    out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
+    if out is None:
+        out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
     with in_collective(op, call, traced if traced != () else [flat]):
         _call_checked(op, all_gather, out, flat)
     return out.view(-1, flat.numel())
@@ -246,9 +250,17 @@ def gather(tensor: Any) -> Any:
             members = [tensors[i] for i in group]
             plan = packing.plan_for(members, world)
             buffer = packing.pack(plan, members)
-            rows = all_gather_rows("gather", buffer, _traced(members, buffer))
-            for i, out in zip(group, packing.unpack_gathered(plan, rows, members)):
-                results[i] = out
+            # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when free
+            reuse = plan.lock.acquire(blocking=False)
+            try:
+                rows = all_gather_rows("gather", buffer, _traced(members, buffer), plan.receive if reuse else None)
+                if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+                    plan.receive = rows.view(-1)
+                for i, out in zip(group, packing.unpack_gathered(plan, rows, members)):
+                    results[i] = out
+            finally:
+                if reuse:
+                    plan.lock.release()
     if isinstance(tensor, torch.Tensor):
         return results[0]
     return rebuild(tensor, iter(results))

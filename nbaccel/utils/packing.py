@@ -9,9 +9,10 @@ is cached per structure signature; `unflatten_dense_tensors` then hands out the 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +52,8 @@ class Plan:
     total: int
     world: int
     flat_inputs: bool = False  # every input is 1-D
+    receive: torch.Tensor | None = None  # a gather's receive buffer, kept for the next gather of this layout
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _plans: OrderedDict[tuple, Plan] = OrderedDict()
@@ -139,12 +142,15 @@ def unpack_gathered(plan: Plan, rows: torch.Tensor, tensors: Sequence[torch.Tens
 
     Each group is reordered into one contiguous block per tensor with a single copy: a transpose when its
     members have one size, a cached `index_select` otherwise (per-tensor slices for very large groups).
+    The results never share memory with `rows`, so a caller may reuse it.
     """
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for group in plan.groups:
         if group.block:
             part = rows if group.length == plan.total else rows[:, group.start : group.start + group.length]
-            ordered = part.reshape(plan.world, -1, group.block).transpose(0, 1).contiguous().view(-1)
+            ordered = part.reshape(plan.world, -1, group.block).transpose(0, 1)
+            # a copy in every case: `rows` may be a reused buffer (a lone member's transpose is already contiguous)
+            ordered = (ordered.contiguous() if ordered.shape[0] > 1 else ordered.clone()).view(-1)
         elif group.index is not None:
             ordered = rows.reshape(-1).index_select(0, group.index)
         else:
