@@ -105,6 +105,10 @@ def _check_values_and_types(rank: int):
     assert torch.equal(out["outer"][1].right, torch.tensor([0.0, 1.0]))  # 0-dim -> 1-D
     assert out["record"]["half"].dtype == torch.float16 and out["record"]["half"].tolist() == [0, 0, 1, 1]
     assert out["record"]["flag"].tolist() == [False, True]
+    again = gather(_nested(rank + 5))  # same layout: reuses the receive buffer, must not touch `out`
+    assert torch.equal(out["outer"][0][1], torch.tensor([1, 2, 2, 3])) and again["outer"][0][1].tolist() == [6, 7, 7, 8]
+    assert out["record"]["half"].tolist() == [0, 0, 1, 1] and again["record"]["half"].tolist() == [5, 5, 6, 6]
+    counter.take()
     single = gather(torch.tensor(float(rank)))
     assert single.tolist() == [0.0, 1.0]
     assert len(counter.take()) == 1
