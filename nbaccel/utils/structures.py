@@ -124,16 +124,18 @@ def flatten_tensors(data: Any, out: list[torch.Tensor]) -> bool:
         out.append(data)
         return True
     if isinstance(data, (tuple, list)):
-        ok = True
-        for item in data:
-            ok = flatten_tensors(item, out) and ok
-        return ok
-    if isinstance(data, Mapping):
-        ok = True
-        for value in data.values():
-            ok = flatten_tensors(value, out) and ok
-        return ok
-    return False
+        items = data
+    elif isinstance(data, Mapping):
+        items = data.values()
+    else:
+        return False
+    ok = True
+    for item in items:  # tensors inline: this runs on every collective
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif not flatten_tensors(item, out):
+            ok = False
+    return ok
 
 
 def rebuild(data: Any, leaves: Iterator[Any]) -> Any:
@@ -141,9 +143,11 @@ def rebuild(data: Any, leaves: Iterator[Any]) -> Any:
     if isinstance(data, torch.Tensor):
         return next(leaves)
     if isinstance(data, (tuple, list)):
-        return honor_type(data, [rebuild(item, leaves) for item in data])
+        return honor_type(data, [next(leaves) if isinstance(x, torch.Tensor) else rebuild(x, leaves) for x in data])
     if isinstance(data, Mapping):
-        return honor_mapping(data, {key: rebuild(value, leaves) for key, value in data.items()})
+        return honor_mapping(
+            data, {k: next(leaves) if isinstance(v, torch.Tensor) else rebuild(v, leaves) for k, v in data.items()}
+        )
     return data
 
 
