@@ -172,6 +172,15 @@ def _check_values_and_types(rank: int):
     broadcast_object_list(large, from_process=1)
     assert large == [list(range(5000))] and len(counter.take()) == 2
 
+    # int16: gloo has no such dtype; gather/broadcast move it as bytes, reduce widens it and comes back
+    short = torch.tensor([rank, 7], dtype=torch.int16)
+    assert gather(short).tolist() == [0, 7, 1, 7] and gather([short, short])[1].dtype == torch.int16
+    summed = reduce(short, "sum")
+    assert summed.tolist() == [1, 14] and summed.dtype == torch.int16 and short.tolist() == [rank, 7]
+    broadcast(short, from_process=1)
+    assert short.tolist() == [1, 7]
+    counter.take()
+
     # parameters (leaves that require grad): gathered, reduced, and broadcast into in place
     weight = torch.nn.Parameter(torch.full((2,), float(rank)))
     assert reduce({"w": weight}, "sum")["w"].tolist() == [1.0, 1.0] and weight.tolist() == [rank, rank]

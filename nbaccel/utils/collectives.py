@@ -74,6 +74,24 @@ def _backend() -> str:
     return _backend_of[1]
 
 
+_GLOO_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+    torch.int64, torch.bool, torch.complex64, torch.complex128,
+}
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """Whether the backend moves `dtype` as it is (gloo has no int16, uint16/32/64 or float8)."""
+    return dtype in _GLOO_DTYPES or _backend() != "gloo"
+
+
+def _reducible_as(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction runs in: `dtype`, or a wider one the backend supports."""
+    if _native(dtype):
+        return dtype
+    return torch.float32 if dtype.is_floating_point else torch.int64
+
+
 def _all_gather_fn() -> tuple[Callable[..., Any], str]:
     """torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`."""
     fn = getattr(dist, "all_gather_single", None)
@@ -242,13 +260,13 @@ def gather(tensor: Any) -> Any:
     tensors = _prepare("gather", tensor)
     if not tensors:
         return tensor
-    if len(tensors) == 1:
+    if len(tensors) == 1 and _native(tensors[0].dtype):
         results = [_gather_one(tensors[0], world)]
     else:
         results = [None] * len(tensors)
         for group in _communication_groups(tensors):
             members = [tensors[i] for i in group]
-            plan = packing.plan_for(members, world)
+            plan = packing.plan_for(members, world, as_bytes=not _native(members[0].dtype))
             buffer = packing.pack(plan, members)
             # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when free
             reuse = plan.lock.acquire(blocking=False)
@@ -303,8 +321,13 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         buffer = packing.pack(plan, members)
         if len(members) == 1 and buffer.data_ptr() == members[0].data_ptr():
             buffer = buffer.clone()  # a lone contiguous tensor packs as a view: never reduce into the input
+        wide = _reducible_as(buffer.dtype)
+        if wide != buffer.dtype:  # e.g. int16 on gloo: reduce in a wider dtype, then come back
+            narrow, buffer = buffer, buffer.to(wide)
         with in_collective("reduce", "all_reduce", _traced(members, buffer)):
             dist.all_reduce(buffer, op)
+        if wide != members[0].dtype:
+            buffer = narrow.copy_(buffer)
         if reduction == "mean":
             buffer /= world
         if scale != 1.0:
@@ -343,11 +366,12 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     sending = dist.get_rank() == from_process
     for group in _communication_groups(tensors):
         members = [tensors[i].detach() for i in group]
-        if len(members) == 1 and members[0].is_contiguous():  # broadcast straight into the tensor
+        native = _native(members[0].dtype)
+        if len(members) == 1 and native and members[0].is_contiguous():  # broadcast straight into the tensor
             with in_collective("broadcast", "broadcast", members):
                 dist.broadcast(members[0], src=from_process)
             continue
-        plan = packing.plan_for(members, world)
+        plan = packing.plan_for(members, world, as_bytes=not native)
         if sending:
             buffer = packing.pack(plan, members)
         else:

@@ -59,23 +59,25 @@ class Plan:
 _plans: OrderedDict[tuple, Plan] = OrderedDict()
 
 
-def plan_for(tensors: Sequence[torch.Tensor], world: int) -> Plan:
-    """The packing plan for `tensors` (cached by world size, device, dtypes and shapes)."""
-    key = (world, tensors[0].device, tuple((t.dtype, t.shape) for t in tensors))
+def plan_for(tensors: Sequence[torch.Tensor], world: int, as_bytes: bool = False) -> Plan:
+    """The packing plan for `tensors` (cached by world size, device, dtypes and shapes).
+
+    `as_bytes`: pack as bytes even for a single dtype (one the backend cannot move natively)."""
+    key = (world, tensors[0].device, as_bytes, tuple((t.dtype, t.shape) for t in tensors))
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(tensors, world)
+        plan = _make_plan(tensors, world, as_bytes)
         _plans[key] = plan
         if len(_plans) > _CACHE_SIZE:
             _plans.popitem(last=False)
     return plan
 
 
-def _make_plan(tensors: Sequence[torch.Tensor], world: int) -> Plan:
+def _make_plan(tensors: Sequence[torch.Tensor], world: int, as_bytes: bool = False) -> Plan:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    mixed = len(by_dtype) > 1
+    mixed = len(by_dtype) > 1 or as_bytes
     # widest dtype first: every group then starts at a byte offset aligned to its element size
     order = sorted(by_dtype.items(), key=lambda item: -tensors[item[1][0]].element_size())
     groups, start = [], 0
