@@ -248,3 +248,13 @@ def test_packing_round_trips_every_layout():
         assert all(torch.equal(o, torch.cat([t, t])) for o, t in zip(packing.unpack_gathered(plan, rows, big), big))
     finally:
         packing._INDEX_LIMIT = saved
+
+
+def test_chained_operation_names_the_failing_function():
+    @ops.chained_operation
+    def outer():
+        raise ops.DistributedOperationException("shapes differ")
+
+    with pytest.raises(ops.DistributedOperationException, match=r"outer failed: shapes differ"):
+        outer()
+    assert ops.verify_operation(lambda tensor: tensor + 1)(torch.ones(1)).tolist() == [2.0]  # one process: a call

@@ -297,6 +297,16 @@ def _debug_mismatch(rank: int):
             found[name] = "no error"
         except DistributedOperationException as exc:
             found[name] = str(exc)
+    from nbaccel.utils.operations import verify_operation
+
+    @verify_operation
+    def user_op(tensor):
+        return "ran"
+
+    try:
+        found["verify_operation"] = user_op(torch.ones(1 + rank))
+    except DistributedOperationException as exc:
+        found["verify_operation"] = str(exc)
     # lengths may differ along the padded dim in debug mode, and then gather works
     found["ok"] = gather(pad_across_processes({"x": torch.ones(2 + rank, 3)}))["x"].shape[0]
     return found
@@ -312,6 +322,7 @@ def test_debug_mode_reports_mismatched_shapes_on_every_rank():
         assert "rank 0: ['float32[2]']" in found["reduce"] and "rank 1: ['float32[2]', 'float32[2]']" in found["reduce"]
         assert "rank 1: TypeError: gather: data['x'] is a str" in found["invalid_on_one"]
         assert found["ok"] == 6
+        assert "user_op needs the same shapes" in found["verify_operation"] and "rank 1: 'float32[2]'" in found["verify_operation"]
 
 
 @pytest.mark.timeout(90)

@@ -16,6 +16,7 @@ collective: the ranks compare their structures' shapes and dtypes and, when they
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -456,3 +457,32 @@ def wait_for_everyone() -> None:
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
+
+
+def verify_operation(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: in debug mode, check that the first argument (`tensor`) has the same shapes on every rank
+    before calling `function`; raise DistributedOperationException on every rank if not."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _world_size() > 1 and debug_mode_enabled():
+            data = kwargs["tensor"] if "tensor" in kwargs else args[0]
+            _debug_check(f"{function.__module__}.{function.__name__}", data, None)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def chained_operation(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: a DistributedOperationException raised inside `function` is re-raised naming `function`."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except DistributedOperationException as exc:
+            raise DistributedOperationException(
+                f"{function.__module__}.{function.__name__} failed: {exc}"
+            ) from exc
+
+    return wrapper

@@ -11,10 +11,12 @@ from .collectives import (
     CannotPadNestedTensorWarning,
     DistributedOperationException,
     broadcast,
+    chained_operation,
     debug_mode_enabled,
     gather,
     pad_across_processes,
     reduce,
+    verify_operation,
     wait_for_everyone,
 )
 from .dataclasses import TensorInformation
@@ -48,4 +50,5 @@ __all__ = [
     "get_data_structure", "get_shape", "honor_type", "ignorant_find_batch_size", "initialize_tensors",
     "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_across_processes",
     "pad_input_tensors", "recursively_apply", "reduce", "send_to_device", "slice_tensors", "wait_for_everyone",
+    "chained_operation", "verify_operation",
 ]
