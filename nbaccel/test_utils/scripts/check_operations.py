@@ -129,5 +129,6 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     if dist.is_initialized():
+        dist.barrier()  # every rank is done before any tears down its connections
         dist.destroy_process_group()
     sys.exit(code)
