@@ -224,6 +224,20 @@ def _prepare(
     return tensors
 
 
+def _without_grad(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `function` with autograd off: communication is not differentiable, results never carry a graph.
+    (A plain `with torch.no_grad()`: cheaper per call than torch's decorator form.)"""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)
+        with torch.no_grad():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
 def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -248,7 +262,7 @@ def _traced(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> Sequence[t
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()  # communication is not differentiable; results never carry a graph
+@_without_grad
 def gather(tensor: Any) -> Any:
     """Gather a tensor, or a nested structure of them, from every process, concatenated along dim 0.
 
@@ -296,7 +310,7 @@ def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()  # communication is not differentiable; results never carry a graph
+@_without_grad
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduce a tensor, or a nested structure of them, across processes; returns new tensors.
 
@@ -349,7 +363,7 @@ def _check_mean(data: Any) -> None:
             )
 
 
-@torch.no_grad()  # communication is not differentiable; results never carry a graph
+@_without_grad
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Copy a tensor, or a nested structure of them, from process `from_process` into every process's tensors.
 

@@ -43,6 +43,7 @@ class Group:
     gathered: list[torch.Tensor]  # meta tensors with the gathered shapes (templates for unflatten)
     block: int = 0  # when every member has the same size: that size in units (reorder by a transpose)
     index: torch.Tensor | None = None  # otherwise: positions in the gathered buffer, tensor by tensor
+    same_shape: bool = False  # every member gathers to one shape (split by a single unbind)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def plan_for(tensors: Sequence[torch.Tensor], world: int, as_bytes: bool = False
     """The packing plan for `tensors` (cached by world size, device, dtypes and shapes).
 
     `as_bytes`: pack as bytes even for a single dtype (one the backend cannot move natively)."""
-    key = (world, tensors[0].device, as_bytes, tuple((t.dtype, t.shape) for t in tensors))
+    key = (world, tensors[0].device, as_bytes, tuple([(t.dtype, t.shape) for t in tensors]))
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(tensors, world, as_bytes)
@@ -95,6 +96,7 @@ def _make_plan(tensors: Sequence[torch.Tensor], world: int, as_bytes: bool = Fal
         sizes = {length for _, length in _segments(plan, group, tensors)}
         if len(sizes) == 1:
             group.block = sizes.pop()
+            group.same_shape = all(g.shape == group.gathered[0].shape for g in group.gathered)
         elif world * group.length <= _INDEX_LIMIT:
             group.index = _reorder_index(plan, group, tensors).to(tensors[0].device)
     return plan
@@ -159,9 +161,8 @@ def unpack_gathered(plan: Plan, rows: torch.Tensor, tensors: Sequence[torch.Tens
             ordered = torch.cat([rows[:, a : a + n].reshape(-1) for a, n in _segments(plan, group, tensors)])
         if plan.mixed:
             ordered = ordered.view(group.dtype)
-        shape = group.gathered[0].shape
-        if group.block and all(g.shape == shape for g in group.gathered):
-            views = ordered.view(len(group.members), *shape).unbind(0)  # one call for same-shaped tensors
+        if group.same_shape:
+            views = ordered.view(len(group.members), *group.gathered[0].shape).unbind(0)  # one call for all
         else:
             views = _unflatten(ordered, group.gathered)
         for i, view in zip(group.members, views):
