@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on which modules have landed
 
 _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
-_KEEP_RECEIVE_BYTES = 4 << 20  # gathers up to this size keep their receive buffer for the next call
+_KEEP_RECEIVE_BYTES = 1 << 20  # gathers up to this size keep their receive buffer for the next call
 _TRACE_EACH = 4  # up to this many tensors, the trace records each shape; beyond, the packed buffer's
 
 

@@ -28,8 +28,8 @@ except ImportError:  # pragma: no cover - every torch 2.x build here has them
         return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-_INDEX_LIMIT = 1 << 22  # reorder with a cached index up to 4M buffer units; beyond, data dominates anyway
-_CACHE_SIZE = 64
+_INDEX_LIMIT = 1 << 18  # reorder with a cached index (8 bytes a unit) up to 256K units; beyond, data dominates
+_CACHE_SIZE = 32  # layouts remembered; with the limits here at most ~100 MiB of cached index and buffers
 
 
 @dataclass
