@@ -228,6 +228,7 @@ def test_packing_round_trips_every_layout():
         [torch.randn(4), torch.randn(4)],  # same size: transpose path
         [torch.randn(2, 3), torch.arange(5), torch.tensor(True), torch.randn(3).half()],  # mixed: bytes
         [torch.randn(3, 2).t(), torch.randn(7)],  # non-contiguous, different sizes: index path
+        [torch.empty(0, 3), torch.randn(2), torch.empty(0, dtype=torch.int16)],  # empty tensors
     ]
     for tensors in cases:
         for world in (1, 3):
