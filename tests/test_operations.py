@@ -259,3 +259,12 @@ def test_chained_operation_names_the_failing_function():
     with pytest.raises(ops.DistributedOperationException, match=r"outer failed: shapes differ"):
         outer()
     assert ops.verify_operation(lambda tensor: tensor + 1)(torch.ones(1)).tolist() == [2.0]  # one process: a call
+
+
+def test_gathered_parameters_is_a_no_op_without_zero3_partitioning():
+    layer = torch.nn.Linear(2, 2)
+    with ops.GatheredParameters(layer.parameters(), modifier_rank=0):
+        assert layer.weight.shape == (2, 2)
+    with ops.GatheredParameters(layer.weight, enabled=False):
+        pass
+    assert not ops.is_torch_xpu_tensor(torch.ones(1)) and not ops.is_torch_xpu_tensor([1])

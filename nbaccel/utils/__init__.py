@@ -14,6 +14,7 @@ _MODULES: dict[str, list[str]] = {
         "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_across_processes",
         "pad_input_tensors", "recursively_apply", "reduce", "send_to_device", "slice_tensors",
         "wait_for_everyone", "DistributedOperationException", "debug_mode_enabled", "CannotPadNestedTensorWarning",
+        "GatheredParameters",
     ],
     ".dataclasses": [
         "AutocastKwargs", "BnbQuantizationConfig", "ComputeEnvironment", "CustomDtype",

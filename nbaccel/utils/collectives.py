@@ -16,10 +16,11 @@ collective: the ranks compare their structures' shapes and dtypes and, when they
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -500,3 +501,26 @@ def chained_operation(function: Callable[..., Any]) -> Callable[..., Any]:
             ) from exc
 
     return wrapper
+
+
+@contextlib.contextmanager
+def GatheredParameters(  # noqa: N802 - Accelerate's name
+    params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+) -> Iterator[None]:
+    """Inside the block, DeepSpeed ZeRO-3 partitioned `params` are whole on every rank (DeepSpeed's own
+    `deepspeed.zero.GatheredParameters`); for parameters DeepSpeed does not partition, nothing to do."""
+    single = isinstance(params, torch.Tensor)
+    items = [params] if single else list(params) if params is not None else []  # a generator is read once
+    if enabled and any(hasattr(p, "ds_id") for p in items):  # ZeRO-3 tags the parameters it partitions
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params if single else items, modifier_rank=modifier_rank,
+                                               fwd_module=fwd_module, enabled=enabled):
+            yield
+    else:
+        yield
+
+
+def is_torch_xpu_tensor(tensor: Any) -> bool:
+    """True for a tensor on an Intel XPU."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xpu"

@@ -10,10 +10,12 @@ from __future__ import annotations
 from .collectives import (
     CannotPadNestedTensorWarning,
     DistributedOperationException,
+    GatheredParameters,
     broadcast,
     chained_operation,
     debug_mode_enabled,
     gather,
+    is_torch_xpu_tensor,
     pad_across_processes,
     reduce,
     verify_operation,
@@ -50,5 +52,5 @@ __all__ = [
     "get_data_structure", "get_shape", "honor_type", "ignorant_find_batch_size", "initialize_tensors",
     "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_across_processes",
     "pad_input_tensors", "recursively_apply", "reduce", "send_to_device", "slice_tensors", "wait_for_everyone",
-    "chained_operation", "verify_operation",
+    "chained_operation", "verify_operation", "GatheredParameters", "is_torch_xpu_tensor",
 ]
