@@ -24,27 +24,24 @@ from torch.utils.data import DataLoader
 
 from . import data_loader as _data_loader
 from . import precision as _precision
-from ._deps import (
-    AcceleratorState,
+from .optimizer import AcceleratedOptimizer
+from .scheduler import AcceleratedScheduler
+from .state import AcceleratorState, GradientState
+from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
     GradientAccumulationPlugin,
-    GradientState,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
+    RNGType,
     TorchDynamoPlugin,
-    gather,
-    gather_object,
-    pad_across_processes,
-    recursively_apply,
-    reduce,
 )
-from .optimizer import AcceleratedOptimizer
-from .scheduler import AcceleratedScheduler
-from .utils.dataclasses import DistributedType, DynamoBackend, RNGType
+from .utils.operations import gather, gather_object, pad_across_processes, recursively_apply, reduce
 
 _UNSET = object()  # `split_batches` given explicitly or not
 _DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU,

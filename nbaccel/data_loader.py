@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from . import telemetry
-from ._deps import GradientState, PartialState, broadcast, broadcast_object_list, send_to_device
+from .state import GradientState, PartialState
+from .utils.operations import broadcast, broadcast_object_list, send_to_device
 from .utils.random import synchronize_rng_states
 
 # DataLoader arguments carried over when a loader is rebuilt around a new sampler or dataset.

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from . import telemetry
-from ._deps import GradientState, send_to_device
+from .state import GradientState
+from .utils.operations import send_to_device
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ._deps import convert_outputs_to_fp32
 from .utils.dataclasses import PrecisionType
+from .utils.operations import convert_outputs_to_fp32
 
 FP8_BACKENDS = {"AO": "torchao", "TE": "transformer_engine", "MSAMP": "msamp"}
 DRIVEN_FP8_BACKENDS = ("AO",)  # nbaccel converts models for fp8 through torchao only

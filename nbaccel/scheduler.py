@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._deps import AcceleratorState, GradientState
+from .state import AcceleratorState, GradientState
 
 
 class AcceleratedScheduler:
