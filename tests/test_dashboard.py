@@ -1,0 +1,273 @@
+"""The dashboard without a display: model from channel messages, throttled redraws, summary, views."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+from ranks_helper import run_ranks
+
+from nbaccel import telemetry
+from nbaccel.notebook import Dashboard
+from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
+from nbaccel.notebook.dashboard import Throttle, resolve_mode
+from nbaccel.notebook.dashboard_model import DashboardModel, format_bytes
+from nbaccel.notebook.render import summary_html, summary_text
+
+T0 = 1_700_000_000.0
+MiB = 1 << 20
+
+
+def scripted_stream(fail_rank: int | None = None) -> list[dict]:
+    """Two ranks, 10 steps at 10 steps/s, loss logged each step, memory sampled; rank `fail_rank` fails."""
+    messages = []
+    for rank in range(2):
+        messages.append(dict(kind="status", rank=rank, time=T0, state="starting", device=f"cpu:{rank}"))
+        messages.append(dict(kind="status", rank=rank, time=T0 + 0.1, state="running", device=f"cpu:{rank}"))
+        messages.append(dict(kind="total", rank=rank, time=T0 + 0.1, total=10))
+    for step in range(1, 11):
+        for rank in range(2):
+            t = T0 + 0.1 + step * 0.1
+            messages.append(dict(kind="step", rank=rank, time=t, step=step, total=10))
+            messages.append(dict(kind="metrics", rank=rank, time=t, values={"loss": 1.0 / step + rank}, step=step))
+            messages.append(dict(kind="memory", rank=rank, time=t, rss=(100 + step) * MiB, rss_peak=None,
+                                 device_allocated=None, device_reserved=None, device_peak=None))
+            messages.append(dict(kind="output", rank=rank, time=t, stream="stdout", text=f"rank {rank} step {step}"))
+    end = T0 + 1.5
+    for rank in range(2):
+        if rank == fail_rank:
+            error = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: loss is nan"
+            messages.append(dict(kind="status", rank=rank, time=end, state="failed", error=error))
+        else:
+            messages.append(dict(kind="status", rank=rank, time=end, state="finished"))
+    return messages
+
+
+def replay(messages: list[dict], num_processes: int = 2) -> DashboardModel:
+    model = DashboardModel(num_processes, title="test")
+    for message in messages:
+        model.update(message)
+    return model
+
+
+def test_model_from_scripted_stream():
+    model = replay(scripted_stream())
+    assert [s.state for s in model.ranks] == ["finished", "finished"]
+    assert [s.device for s in model.ranks] == ["cpu:0", "cpu:1"]
+    rank1 = model.ranks[1]
+    assert rank1.step == 10 and rank1.total == 10 and model.total == 10
+    assert rank1.steps_per_second == pytest.approx(10.0)
+    assert rank1.rss == 110 * MiB and rank1.rss_peak == 110 * MiB
+    assert rank1.last_output == "rank 1 step 10"
+    xs, means = model.metrics["loss"].mean_series()
+    assert xs == [float(s) for s in range(1, 11)]
+    assert means == pytest.approx([1.0 / s + 0.5 for s in range(1, 11)])
+    assert model.metrics["loss"].last_by_rank() == pytest.approx({0: 0.1, 1: 1.1})
+    assert model.progress == 1.0
+    assert model.wall_time == pytest.approx(1.5)
+    assert model.overall_state == "finished"
+
+
+def test_model_failure_shows_exception_line():
+    model = replay(scripted_stream(fail_rank=1))
+    assert model.ranks[1].state == "failed"
+    assert model.ranks[1].error == "ValueError: loss is nan"
+    assert model.overall_state == "failed"
+    model.finish(failures={1: "ignored: the status already said"})
+    assert model.ranks[0].state == "finished"
+
+
+def test_finish_marks_unfinished_ranks():
+    model = replay(scripted_stream()[:20])  # cut mid-run
+    assert {s.state for s in model.ranks} == {"running"}
+    model.finish(failures={0: RuntimeError("boom\nmore")})
+    assert model.ranks[0].state == "failed" and model.ranks[0].error == "RuntimeError: boom"
+    assert model.ranks[1].state == "failed" and "another rank failed" in model.ranks[1].error
+    clean = replay(scripted_stream()[:20])
+    clean.finish(results=[1, 2])
+    assert [s.state for s in clean.ranks] == ["finished", "finished"]
+
+
+def test_model_ignores_malformed_and_grows_for_unknown_ranks():
+    model = DashboardModel(1)
+    assert not model.update({"kind": "nope", "rank": 0})
+    assert not model.update({"kind": "step"})  # no rank
+    assert model.update({"kind": "metrics", "rank": 2, "time": T0, "values": {"acc": "x", "b": float("nan")}})
+    assert len(model.ranks) == 3 and model.metrics == {}
+    with pytest.raises(ValueError, match="num_processes"):
+        DashboardModel(0)
+
+
+def test_metric_without_step_uses_log_count_and_downsamples():
+    model = DashboardModel(1)
+    for i in range(1000):
+        model.update({"kind": "metrics", "rank": 0, "time": T0 + i, "values": {"lr": float(i)}, "step": None})
+    xs, ys = model.metrics["lr"].mean_series(max_points=100)
+    assert len(xs) == 100 and xs[-1] == 1000.0 and ys[0] == pytest.approx(4.5)
+
+
+def test_device_memory_peaks_only_grow():
+    model = DashboardModel(1)
+    for allocated, peak in ((5, 10), (3, None), (12, 11)):
+        model.update({"kind": "memory", "rank": 0, "time": T0, "rss": 1, "rss_peak": 2,
+                      "device_allocated": allocated * MiB, "device_reserved": 20 * MiB,
+                      "device_peak": None if peak is None else peak * MiB})
+    state = model.ranks[0]
+    assert state.device_allocated == 12 * MiB and state.device_peak == 12 * MiB
+    assert format_bytes(state.device_reserved) == "20.0 MiB"
+
+
+def test_summary_html_and_text():
+    model = replay(scripted_stream(fail_rank=1))
+    model.finish()
+    summary = model.summary()
+    assert summary["state"] == "failed"
+    assert summary["ranks"][0]["rss_peak"] == 110 * MiB
+    assert summary["metrics"]["loss"]["mean"] == pytest.approx(0.6)
+    page = summary_html(model)
+    assert page.count("<svg") == 1 and "ValueError: loss is nan" in page
+    assert "data-state='finished'" in page and "data-state='failed'" in page
+    assert "1.5 s" in page
+    text = summary_text(model)
+    assert "rank 1 [cpu:1] failed: ValueError: loss is nan" in text and "loss=0.1" in text
+
+
+def test_throttle_counts_with_fake_clock():
+    now = [0.0]
+    throttle = Throttle(0.25, clock=lambda: now[0])
+    assert throttle.ready()
+    throttle.mark()
+    now[0] = 0.2
+    assert not throttle.ready() and throttle.delay() == pytest.approx(0.05)
+    now[0] = 0.26
+    assert throttle.ready()
+
+
+def test_dashboard_redraws_are_throttled_with_a_trailing_redraw(capsys):
+    dashboard = Dashboard(2, mode="plain", max_redraws_per_second=4)
+    dashboard.start()
+    started = time.monotonic()
+    messages = scripted_stream()
+    for _ in range(20):  # a burst: 20 x 90 messages as fast as possible
+        for message in messages[:-2]:
+            dashboard(message)
+    burst = time.monotonic() - started
+    assert dashboard.redraws <= 2 + 4 * burst + 1
+    time.sleep(0.4)  # the trailing redraw draws the last state of the burst
+    assert dashboard._drawn_version == dashboard.model.version
+    dashboard.observe(messages[-2])
+    dashboard.observe(messages[-1])
+    dashboard.finish()
+    out = capsys.readouterr().out
+    assert "rank 0 on cpu:0: finished" in out and "rank 1 on cpu:1: finished" in out
+    assert dashboard.model.finished and dashboard._timer is None
+
+
+def test_plain_view_throttles_progress_lines():
+    now = [0.0]
+    model = DashboardModel(2, title="t")
+    stream = io.StringIO()
+    view = PlainView(model, stream, interval=10, clock=lambda: now[0])
+    for message in scripted_stream()[:-2]:
+        model.update(message)
+        now[0] += 0.05  # 86 messages: ~4.3 s, under the interval
+        view.render(model)
+    lines = stream.getvalue().splitlines()
+    assert sum("running" in line for line in lines) == 2 and not any("step" in line for line in lines)
+    now[0] = 20
+    view.render(model)
+    progress = stream.getvalue().splitlines()[len(lines):]
+    assert len(progress) == 2 and "step 10/10 (10.0/s)" in progress[0] and "loss=0.1" in progress[0]
+
+
+def test_rich_renderable_shows_ranks_and_metrics():
+    from rich.console import Console
+
+    model = replay(scripted_stream(fail_rank=0))
+    console = Console(record=True, width=200, color_system=None)
+    console.print(rich_renderable(model))
+    text = console.export_text()
+    assert "failed: ValueError: loss is nan" in text and "finished" in text
+    assert "loss" in text and "10/10" in text and "100%" in text
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+
+
+def test_widget_view_builds_table_progress_and_chart():
+    pytest.importorskip("bqplot")
+    from nbaccel.notebook.widget_view import WidgetView
+
+    model = replay(scripted_stream())
+    view = WidgetView(model)
+    assert "finished" in view.table.value and "cpu:1" in view.table.value
+    assert view.progress.value == 1.0 and view.progress.layout.display is None
+    panel = view.panels["loss"]
+    assert list(panel.line.x) == [float(s) for s in range(1, 11)] and len(panel.line.y) == 10
+    assert "rank 1" in panel.table.value
+    bundle = view.mimebundle("<i>fallback</i>")
+    assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == "<i>fallback</i>"
+
+
+def test_mode_resolution_and_bad_arguments(monkeypatch):
+    assert resolve_mode("plain") == "plain"
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # no TTY, not a kernel
+    assert resolve_mode("auto") == "plain"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Dashboard(2, mode="fancy")
+    with pytest.raises(ValueError, match="num_processes"):
+        Dashboard(-1)
+
+
+def _record_worker(rank: int) -> list[dict]:
+    """On a worker: the real telemetry reporter and sampler, the sink collecting messages."""
+    import torch
+
+    from nbaccel import telemetry as worker_telemetry
+
+    messages: list[dict] = []
+    worker_telemetry.attach(messages.append, rank)
+    worker_telemetry.emit("status", state="running", device="cpu")
+    worker_telemetry.start_sampler(0.05)
+    worker_telemetry.report_total_steps(40)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 41):
+        loss = model(torch.ones(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        worker_telemetry.report_step(step, 40)
+        worker_telemetry.log_metrics({"loss": loss.detach(), "note": "text is dropped"}, step=step)
+        time.sleep(0.005)
+    worker_telemetry.stop_sampler()
+    worker_telemetry.emit("status", state="finished", device="cpu")
+    worker_telemetry.detach()
+    return messages
+
+
+def test_recorded_worker_stream_feeds_the_model():
+    streams = run_ranks(_record_worker, world_size=2, timeout=60)
+    for messages in streams:
+        kinds = [m["kind"] for m in messages]
+        assert kinds.count("metrics") == 40
+        assert 2 <= kinds.count("step") < 40  # steps are sampled, not sent one by one
+        assert kinds.count("memory") >= 2
+        assert [m for m in messages if m["kind"] == "step"][-1]["step"] == 40  # the sampler flushes the last
+    model = replay(sorted(streams[0] + streams[1], key=lambda m: m["time"]))
+    model.finish()
+    for state in model.ranks:
+        assert state.state == "finished" and state.step == 40 and state.total == 40
+        assert state.rss > 10 * MiB and state.rss_peak >= state.rss
+        assert state.steps_per_second and state.steps_per_second > 1
+    assert sorted(model.metrics) == ["loss"] and len(model.metrics["loss"].points) == 40
+
+
+def test_sampler_is_quiet_without_sink_and_rejects_bad_interval():
+    assert not telemetry.is_attached()
+    telemetry.start_sampler(0.01)
+    time.sleep(0.05)
+    telemetry.stop_sampler()
+    with pytest.raises(ValueError, match="interval"):
+        telemetry.start_sampler(0)
+    sample = telemetry.memory_sample()
+    assert sample["rss"] > 0 and sample["device_allocated"] is None
