@@ -271,3 +271,12 @@ def test_sampler_is_quiet_without_sink_and_rejects_bad_interval():
         telemetry.start_sampler(0)
     sample = telemetry.memory_sample()
     assert sample["rss"] > 0 and sample["device_allocated"] is None
+
+
+def test_rows_follow_local_rank_and_error_messages():
+    model = DashboardModel(2)
+    model.update({"kind": "status", "rank": 5, "local_rank": 1, "time": T0, "state": "running", "device": "cpu"})
+    model.update({"kind": "error", "rank": 5, "local_rank": 1, "time": T0 + 1, "exc_type": "KeyError",
+                  "message": "'x'\nsecond line", "traceback": "..."})
+    assert len(model.ranks) == 2 and model.ranks[1].rank == 5
+    assert model.ranks[1].state == "failed" and model.ranks[1].error == "KeyError: 'x'"

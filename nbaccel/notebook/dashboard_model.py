@@ -101,7 +101,10 @@ class DashboardModel:
         rank = message.get("rank")
         if handler is None or not isinstance(rank, int) or rank < 0:
             return False
-        state = self._rank(rank)
+        # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too.
+        local_rank = message.get("local_rank")
+        state = self._rank(local_rank if isinstance(local_rank, int) and local_rank >= 0 else rank)
+        state.rank = rank
         now = message.get("time")
         if isinstance(now, (int, float)):
             if self.start_time is None or now < self.start_time:
@@ -207,9 +210,10 @@ class DashboardModel:
 
     def _on_error(self, state: RankState, message: dict) -> None:
         state.state = "failed"
-        text = message.get("message") or message.get("error") or message.get("type")
-        if message.get("type") and message.get("message"):
-            text = f"{message['type']}: {message['message']}"
+        kind = message.get("exc_type") or message.get("type")
+        text = message.get("message") or message.get("error") or kind
+        if kind and message.get("message"):
+            text = f"{kind}: {message['message']}"
         state.error = _first_line(text) or "failed"
 
     def _on_result(self, state: RankState, message: dict) -> None:

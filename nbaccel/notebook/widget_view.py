@@ -44,7 +44,7 @@ class _MetricPanel:
             marks=[self.line, self.points],
             axes=[
                 bqplot.Axis(scale=x_scale, label="step", tick_format="d", num_ticks=5),
-                bqplot.Axis(scale=y_scale, orientation="vertical", tick_format=".3g", num_ticks=5),
+                bqplot.Axis(scale=y_scale, side="left", tick_format=".3g", num_ticks=5),
             ],
             title=name,
             fig_margin={"top": 36, "bottom": 36, "left": 56, "right": 16},
