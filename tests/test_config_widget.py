@@ -92,4 +92,4 @@ def test_gradient_accumulation_and_start_method_round_trip(config_path):
     assert again.fields["gradient_accumulation_steps"].value == "4"
     assert again.fields["start_method"].value == "spawn"
     form.fields["gradient_accumulation_steps"].value = "0"
-    assert form.save() is None and "must be >= 1" in form.errors["gradient_accumulation_steps"].value
+    assert form.save() is None and "must be at least 1" in form.errors["gradient_accumulation_steps"].value

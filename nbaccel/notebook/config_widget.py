@@ -128,7 +128,7 @@ class ConfigWidget:
                     errors[name] = f"{raw!r} is not a whole number" if raw else "required"
                     continue
                 if number < minimum:
-                    errors[name] = f"must be >= {minimum}"
+                    errors[name] = f"must be at least {minimum}"
                     continue
                 values[name] = number
             elif name == "main_process_ip":
