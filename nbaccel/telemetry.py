@@ -8,6 +8,7 @@ them. Message shape and kinds are documented in docs/internals.md ("The channel"
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -31,8 +32,9 @@ def attach(sink: Sink, rank: int) -> None:
 
 
 def detach() -> None:
-    """Stop reporting; later calls are no-ops again."""
+    """Stop reporting (after the sampler, if running, sent what it holds); later calls are no-ops again."""
     global _sink
+    stop_sampler()
     _sink = None
     collective_trace.remove_listener(_on_collective)
 
@@ -51,11 +53,20 @@ def emit(kind: str, **fields: Any) -> None:
 
 
 def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
-    """What `Accelerator.log` recorded: numbers only, as floats."""
+    """What `Accelerator.log` recorded: numbers only, as floats.
+
+    While the sampler runs, the message (stamped now) is queued and the sampler thread sends the queue
+    every FLUSH_INTERVAL seconds: the kernel gets every logged value, in bursts it reads in one wake-up,
+    and the training loop pays a list append instead of a pipe write per log.
+    """
     if _sink is None:
         return
     numbers = {key: float(value) for key, value in values.items() if _is_number(value)}
-    if numbers:
+    if not numbers:
+        return
+    if _sampler is not None:
+        _queue.append({"values": numbers, "step": step, "kind": "metrics", "rank": _rank, "time": time.time()})
+    else:
         emit("metrics", values=numbers, step=step)
 
 
@@ -94,12 +105,16 @@ def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> Non
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------
 
+FLUSH_INTERVAL = 0.2  # seconds between sends of the queued log messages while the sampler runs
+
 _sampler: _Sampler | None = None
 _pending_step: tuple[int, int | None] | None = None
+_queue: collections.deque[Message] = collections.deque()
 
 
 def start_sampler(interval: float = 0.5) -> None:
-    """Start a daemon thread sending a `memory` message (and the latest `step`) every `interval` seconds.
+    """Start a daemon thread sending a `memory` message every `interval` seconds, and every
+    FLUSH_INTERVAL the latest `step` and the queued `metrics` (see `report_step`, `log_metrics`).
 
     Host memory comes from psutil (RSS; the peak from the OS where it keeps one); device memory from
     torch.cuda once CUDA is initialized in this process, or from torch_xla on TPU (which reports the
@@ -115,14 +130,17 @@ def start_sampler(interval: float = 0.5) -> None:
 
 
 def stop_sampler(flush: bool = True) -> None:
-    """Stop the sampler thread; with `flush`, send the last step and a final memory sample first."""
+    """Stop the sampler thread; with `flush`, send the queued metrics, the last step and a final memory
+    sample first (the launcher calls this before reporting the result, so nothing logged is lost)."""
     global _sampler, _pending_step
     sampler, _sampler = _sampler, None
     if sampler is not None:
         sampler.stop()
         if flush:
-            sampler.sample_once()
+            sampler.flush()
+            sampler.sample_memory()
     _pending_step = None
+    _queue.clear()
 
 
 def memory_sample() -> dict[str, int | None]:
@@ -152,20 +170,32 @@ class _Sampler:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        next_memory = 0.0
         while not self._stopped.is_set():
-            try:
-                self.sample_once()
-            except Exception:  # a failed sample must never take down training; try again next tick
+            try:  # a failed sample must never take down training; try again next tick
+                self.flush()
+                if time.monotonic() >= next_memory:
+                    next_memory = time.monotonic() + self.interval
+                    self.sample_memory()
+            except Exception:
                 pass
-            self._stopped.wait(self.interval)
+            self._stopped.wait(min(self.interval, FLUSH_INTERVAL))
 
-    def sample_once(self) -> None:
-        if _sink is None:
+    def flush(self) -> None:
+        """Send the queued metrics messages and the latest step, if it moved."""
+        sink = _sink
+        if sink is None:
             return
+        while _queue:
+            sink(_queue.popleft())
         pending = _pending_step
         if pending is not None and pending != self._last_step:
             self._last_step = pending
             emit("step", step=pending[0], total=pending[1])
+
+    def sample_memory(self) -> None:
+        if _sink is None:
+            return
         sample = memory_sample()
         if sample["rss"] is not None:  # platforms without an OS peak: the highest value sampled
             self._rss_peak = max(self._rss_peak, sample["rss"], sample["rss_peak"] or 0)
