@@ -6,6 +6,7 @@ import io
 import time
 
 import pytest
+from dashboard_streams import T0, MiB, scripted_stream  # noqa: E402  (tests/ is on sys.path)
 from ranks_helper import run_ranks
 
 from nbaccel import telemetry
@@ -14,34 +15,6 @@ from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
 from nbaccel.notebook.dashboard import Throttle, resolve_mode
 from nbaccel.notebook.dashboard_model import DashboardModel, format_bytes
 from nbaccel.notebook.render import summary_html, summary_text
-
-T0 = 1_700_000_000.0
-MiB = 1 << 20
-
-
-def scripted_stream(fail_rank: int | None = None) -> list[dict]:
-    """Two ranks, 10 steps at 10 steps/s, loss logged each step, memory sampled; rank `fail_rank` fails."""
-    messages = []
-    for rank in range(2):
-        messages.append(dict(kind="status", rank=rank, time=T0, state="starting", device=f"cpu:{rank}"))
-        messages.append(dict(kind="status", rank=rank, time=T0 + 0.1, state="running", device=f"cpu:{rank}"))
-        messages.append(dict(kind="total", rank=rank, time=T0 + 0.1, total=10))
-    for step in range(1, 11):
-        for rank in range(2):
-            t = T0 + 0.1 + step * 0.1
-            messages.append(dict(kind="step", rank=rank, time=t, step=step, total=10))
-            messages.append(dict(kind="metrics", rank=rank, time=t, values={"loss": 1.0 / step + rank}, step=step))
-            messages.append(dict(kind="memory", rank=rank, time=t, rss=(100 + step) * MiB, rss_peak=None,
-                                 device_allocated=None, device_reserved=None, device_peak=None))
-            messages.append(dict(kind="output", rank=rank, time=t, stream="stdout", text=f"rank {rank} step {step}"))
-    end = T0 + 1.5
-    for rank in range(2):
-        if rank == fail_rank:
-            error = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: loss is nan"
-            messages.append(dict(kind="status", rank=rank, time=end, state="failed", error=error))
-        else:
-            messages.append(dict(kind="status", rank=rank, time=end, state="finished"))
-    return messages
 
 
 def replay(messages: list[dict], num_processes: int = 2) -> DashboardModel:
@@ -280,3 +253,17 @@ def test_rows_follow_local_rank_and_error_messages():
                   "message": "'x'\nsecond line", "traceback": "..."})
     assert len(model.ranks) == 2 and model.ranks[1].rank == 5
     assert model.ranks[1].state == "failed" and model.ranks[1].error == "KeyError: 'x'"
+
+
+def test_close_with_results_finishes_like_the_launcher_does(capsys):
+    dashboard = Dashboard(2, mode="plain", start_method="fork", world_size=2, device="cpu")
+    dashboard.start()
+    for message in scripted_stream()[:20]:
+        dashboard(message)
+    dashboard.close(results=None, failures={1: "RuntimeError: worker 1 exited with code 1"})
+    assert dashboard.model.finished and dashboard.model.ranks[1].error == "RuntimeError: worker 1 exited with code 1"
+    assert dashboard.model.ranks[0].error == "stopped after another rank failed"
+    dashboard.close()  # idempotent
+    out = capsys.readouterr().out
+    assert "nbaccel: failed" in out and "rank 1 [cpu:1] failed: RuntimeError" in out
+    assert dashboard.model.info == {"start_method": "fork", "world_size": 2, "device": "cpu"}

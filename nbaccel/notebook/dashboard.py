@@ -80,7 +80,9 @@ class Dashboard:
 
     `Dashboard(num_processes, title=None, total_steps=None, mode="auto")`; `start()` shows it,
     `observe(message)` (or calling the instance) feeds it a channel message, `finish(results, failures)`
-    leaves a static summary, `close()` stops its timers (idempotent; also done by `finish`).
+    leaves a static summary, `close()` stops its timers (idempotent). `close(results=..., failures=...)`
+    on a dashboard not finished yet finishes it first (the launcher ends a launch that way). Other keyword
+    arguments (the launcher passes `start_method`, `world_size`, `device`) are shown in the header.
     """
 
     def __init__(
@@ -92,10 +94,11 @@ class Dashboard:
         mode: str = "auto",
         max_redraws_per_second: float = 4.0,
         plain_interval: float = 10.0,
+        **launch_info: Any,
     ):
         if not (isinstance(max_redraws_per_second, (int, float)) and max_redraws_per_second > 0):
             raise ValueError(f"max_redraws_per_second must be a positive number, got {max_redraws_per_second!r}")
-        self.model = DashboardModel(num_processes, title=title, total_steps=total_steps)
+        self.model = DashboardModel(num_processes, title=title, total_steps=total_steps, info=launch_info)
         self.mode = resolve_mode(mode)
         self.plain_interval = plain_interval
         self.redraws = 0
@@ -149,9 +152,12 @@ class Dashboard:
             self._guard(self._finish_view)
             self.close()
 
-    def close(self) -> None:
-        """Stop the trailing-redraw timer and the live terminal view. What is displayed stays."""
+    def close(self, results: list | None = None, failures: dict | None = None) -> None:
+        """Stop the trailing-redraw timer and the live terminal view; what is displayed stays. Given the
+        launch's `results` or `failures` and not finished yet, finish first (static summary)."""
         with self._lock:
+            if not self._finished and (results is not None or failures is not None):
+                self.finish(results, failures)
             if self._closed:
                 return
             self._closed = True

@@ -78,12 +78,14 @@ class MetricSeries:
 class DashboardModel:
     """Per-rank state, logged metrics and run progress, built from channel messages by `update`."""
 
-    def __init__(self, num_processes: int, *, title: str | None = None, total_steps: int | None = None):
+    def __init__(self, num_processes: int, *, title: str | None = None, total_steps: int | None = None,
+                 info: dict[str, Any] | None = None):
         if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
             raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
         self.title = title or "nbaccel"
+        self.info = {key: value for key, value in (info or {}).items() if value is not None}
         self.total_steps = total_steps
         self.ranks = [RankState(rank) for rank in range(num_processes)]
         self.metrics: dict[str, MetricSeries] = {}
@@ -129,9 +131,13 @@ class DashboardModel:
         for state in self.ranks:
             if not state.done:
                 # A launcher that raised for one rank stopped the others: they did not finish their work.
-                state.state = "failed" if failures else "finished"
+                # With neither results nor failures, a rank that never reported its end did not finish.
                 if failures:
-                    state.error = state.error or "stopped after another rank failed"
+                    state.state, state.error = "failed", state.error or "stopped after another rank failed"
+                elif results is not None:
+                    state.state = "finished"
+                else:
+                    state.state, state.error = "failed", state.error or "stopped before reporting its end"
         if end_time is not None:
             self.end_time = end_time
         else:  # the last message of the run (message times, so a replayed stream gives the same summary)

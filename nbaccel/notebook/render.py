@@ -86,6 +86,7 @@ def header_html(model: DashboardModel) -> str:
     parts = [f"<b>{html.escape(model.title)}</b>",
              f"<span style='color:{color};font-weight:600'>{state}</span>",
              f"{len(model.ranks)} process{'es' if len(model.ranks) != 1 else ''}"]
+    parts += [f"{html.escape(str(key))} {html.escape(str(value))}" for key, value in model.info.items()]
     if model.wall_time is not None:
         parts.append(f"wall time {format_duration(model.wall_time)}")
     return "<div class='nbaccel-header' style='font-family:sans-serif'>" + " · ".join(parts) + "</div>"
