@@ -93,3 +93,11 @@ def test_gradient_accumulation_and_start_method_round_trip(config_path):
     assert again.fields["start_method"].value == "spawn"
     form.fields["gradient_accumulation_steps"].value = "0"
     assert form.save() is None and "must be at least 1" in form.errors["gradient_accumulation_steps"].value
+
+
+def test_explicit_path_not_there_yet_starts_from_defaults(tmp_path):
+    target = tmp_path / "sub" / "mine.yaml"
+    form = config_widget(target)
+    assert form.status.value == "" and form.target == target
+    form.fields["num_processes"].value = "2"
+    assert form.save() == target and yaml.safe_load(target.read_text())["num_processes"] == 2

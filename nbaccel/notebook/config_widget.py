@@ -44,8 +44,8 @@ class ConfigWidget:
         self._config_file = config_file
         self.path = Path(path).expanduser() if path is not None else None
         self.load_error: str | None = None
-        try:
-            config = config_file.load_config(self.path)
+        try:  # a path that does not exist yet is where the form will save: start from the defaults
+            config = None if self.path is not None and not self.path.exists() else config_file.load_config(self.path)
         except (ValueError, OSError) as error:  # an unreadable or invalid file: start from defaults, say why
             self.load_error = str(error)
             config = None
