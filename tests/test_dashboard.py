@@ -202,13 +202,10 @@ def _record_worker(rank: int) -> list[dict]:
     worker_telemetry.emit("status", state="running", device="cpu")
     worker_telemetry.start_sampler(0.05)
     worker_telemetry.report_total_steps(40)
-    model = torch.nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = torch.ones(8)
     for step in range(1, 41):
-        loss = model(torch.ones(4, 8)).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = (torch.ones(4, 8) @ weight).pow(2).mean()
+        weight -= 0.01 * weight  # a stand-in for an optimizer step (torch.optim's first use is slow)
         worker_telemetry.report_step(step, 40)
         worker_telemetry.log_metrics({"loss": loss.detach(), "note": "text is dropped"}, step=step)
         time.sleep(0.005)
@@ -219,6 +216,8 @@ def _record_worker(rank: int) -> list[dict]:
 
 
 def test_recorded_worker_stream_feeds_the_model():
+    import torch  # noqa: F401  (imported once here: the forked ranks inherit it instead of importing it twice)
+
     streams = run_ranks(_record_worker, world_size=2, timeout=60)
     for messages in streams:
         kinds = [m["kind"] for m in messages]
