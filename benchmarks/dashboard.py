@@ -135,17 +135,23 @@ def bench_launcher(rounds: int, steps: int) -> dict[str, list[float]] | None:
 
 
 def report(name: str, rates: dict[str, list[float]]) -> str:
+    """Medians of each variant, and the median of the per-round on/off ratios (each round runs both
+    variants back to back, so a ratio compares like with like even when the machine's load drifts)."""
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    line = (f"{name}: dashboard off {off:.1f} steps/s, on {on:.1f} steps/s, on/off = {on / off:.3f} "
-            f"(cost {100 * (1 - on / off):+.1f}%; medians of {len(rates['off'])} interleaved rounds)")
+    ratios = sorted(b / a for a, b in zip(rates["off"], rates["on"]))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else [ratios[0], 0, ratios[-1]]
+    line = (f"{name}: off {off:.1f} steps/s, on {on:.1f} steps/s; paired on/off ratio median "
+            f"{statistics.median(ratios):.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, "
+            f"{len(ratios)} interleaved rounds)")
     print(line, flush=True)
     return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--launcher-rounds", type=int, default=6)
     parser.add_argument("--skip-launcher", action="store_true")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, MLP 256x3, batch 64, one log per step", flush=True)
@@ -154,7 +160,7 @@ def main() -> None:
     print(f"worker CPU time per step (this process, all threads): off {off:.0f} us, on {on:.0f} us, "
           f"on/off = {on / off:.3f}", flush=True)
     if not args.skip_launcher:
-        rates = bench_launcher(args.rounds, args.steps)
+        rates = bench_launcher(args.launcher_rounds, args.steps * 3)
         if rates is None:
             print("launcher: nbaccel.notebook_launcher is not available in this tree; skipped")
         else:

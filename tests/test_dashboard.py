@@ -162,7 +162,7 @@ def test_rich_renderable_shows_ranks_and_metrics():
     console.print(rich_renderable(model))
     text = console.export_text()
     assert "failed: ValueError: loss is nan" in text and "finished" in text
-    assert "loss" in text and "10/10" in text and "100%" in text
+    assert "loss" in text and "10/10" in text and "100%" in text and "110.0M/110.0M" in text
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
 
 

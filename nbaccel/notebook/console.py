@@ -17,6 +17,7 @@ from typing import TextIO
 from .dashboard_model import (
     DashboardModel,
     device_memory_text,
+    format_bytes,
     format_duration,
     format_rate,
     format_step,
@@ -55,13 +56,18 @@ def rich_renderable(model: DashboardModel):
         f" · {len(model.ranks)} processes · wall time {format_duration(model.wall_time)}",
     )
     table = Table(expand=False, show_edge=False, pad_edge=False)
-    for column in ("rank", "device", "status", "host memory", "device memory", "step", "steps/s", "last output"):
+    columns = ("rank", "device", "status", "host now/peak", "device alloc/reserved/peak", "step", "steps/s",
+               "last output")
+    for column in columns:
         table.add_column(column, no_wrap=column != "last output", overflow="ellipsis",
                          max_width=40 if column == "last output" else None)
     for s in model.ranks:
         table.add_row(
             str(s.rank), s.device or "–", Text(status_text(s), style=_STYLES.get(s.state, "")),
-            host_memory_text(s), device_memory_text(s), format_step(s, model.total),
+            _compact(s.rss, s.rss_peak),
+            _compact(s.device_allocated, s.device_reserved if s.device_reserved is not None else s.device_limit,
+                     s.device_peak),
+            format_step(s, model.total),
             format_rate(s.steps_per_second), s.last_output,
         )
     parts = [header, table]
@@ -83,6 +89,13 @@ def rich_renderable(model: DashboardModel):
                             sparkline(means))
         parts.append(metrics)
     return Group(*parts)
+
+
+def _compact(*values: int | None) -> str:
+    """'1.2G/2.0G': byte counts in a narrow terminal column; '–' when the first is unknown."""
+    if values[0] is None:
+        return "–"
+    return "/".join(format_bytes(v).replace(" ", "").replace("iB", "") for v in values if v is not None)
 
 
 class RichView:
