@@ -76,6 +76,7 @@ class PipeSink:
             self.conn.send(message)
 
 
+WORKER_OFF: list[float] = []
 CPU_US: dict[str, list[float]] = {"off": [], "on": []}  # process CPU time per step (all threads), by variant
 
 
@@ -114,6 +115,46 @@ def bench_worker(rounds: int, steps: int) -> dict[str, list[float]]:
     return rates
 
 
+def per_call_costs(calls: int = 20000) -> dict[str, float]:
+    """Microseconds per report on the training thread (one report_step + one log_metrics), detached and
+    attached with the sampler running, and per queued message when the sampler thread sends it into the
+    Pipe. Deterministic enough to compare with a step time on a loaded machine, where steps/s is not."""
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    drain = ctx.Process(target=_drain, args=(reader, writer), daemon=True)
+    drain.start()
+    reader.close()
+    costs = {}
+
+    def loop() -> float:
+        began = time.perf_counter()
+        for step in range(calls):
+            telemetry.report_step(step)
+            telemetry.log_metrics({"loss": 0.5, "lr": 1e-3}, step=step)
+        return (time.perf_counter() - began) / calls * 1e6
+
+    costs["detached"] = min(loop() for _ in range(3))
+    telemetry.attach(PipeSink(writer), 0)
+    telemetry.start_sampler(3600)  # running (so reports are queued) but not waking during the loop
+    costs["attached"] = min(loop() for _ in range(3))
+    sampler = telemetry._sampler
+    telemetry._queue.clear()
+    # What one sampler tick sends: the logs of a quarter second at 200 steps/s, as one message.
+    per_tick, ticks, spent = 50, 200, 0.0
+    for _ in range(ticks):
+        for step in range(per_tick):
+            telemetry.log_metrics({"loss": 0.5, "lr": 1e-3}, step=step)
+        began = time.perf_counter()
+        sampler.flush()
+        spent += time.perf_counter() - began
+    costs["send_per_message"] = spent / (ticks * per_tick) * 1e6
+    telemetry.stop_sampler()
+    telemetry.detach()
+    writer.close()
+    drain.join(timeout=10)
+    return costs
+
+
 def _launched(steps: int) -> float:
     one_step = make_training()
     one_step(0)
@@ -128,7 +169,9 @@ def bench_launcher(rounds: int, steps: int) -> dict[str, list[float]] | None:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     for index in range(rounds):
         for variant in ("off", "on") if index % 2 == 0 else ("on", "off"):
-            dashboard = "plain" if variant == "on" else False
+            from nbaccel import Dashboard
+
+            dashboard = Dashboard(2, mode="plain") if variant == "on" else False
             results = notebook_launcher(_launched, args=(steps,), num_processes=2, dashboard=dashboard)
             rates[variant].append(statistics.mean(results))
     return rates
@@ -155,10 +198,19 @@ def main() -> None:
     parser.add_argument("--skip-launcher", action="store_true")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, MLP 256x3, batch 64, one log per step", flush=True)
-    report("worker (telemetry -> Pipe vs detached)", bench_worker(args.rounds, args.steps))
+    worker = bench_worker(args.rounds, args.steps)
+    WORKER_OFF.extend(worker["off"])
+    report("worker (telemetry -> Pipe vs detached)", worker)
     off, on = statistics.median(CPU_US["off"]), statistics.median(CPU_US["on"])
     print(f"worker CPU time per step (this process, all threads): off {off:.0f} us, on {on:.0f} us, "
           f"on/off = {on / off:.3f}", flush=True)
+    costs = per_call_costs()
+    step_us = 1e6 / statistics.median(WORKER_OFF)
+    extra = costs["attached"] - costs["detached"] + costs["send_per_message"]
+    print(f"per step on the worker: reports {costs['detached']:.2f} us detached, {costs['attached']:.2f} us "
+          f"attached (queued); the sampler thread sends each queued log in {costs['send_per_message']:.1f} us"
+          f" -> {extra:.1f} us per step = {100 * extra / step_us:.2f}% of this benchmark's {step_us:.0f} us step",
+          flush=True)
     if not args.skip_launcher:
         rates = bench_launcher(args.launcher_rounds, args.steps * 3)
         if rates is None:

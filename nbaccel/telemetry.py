@@ -55,9 +55,10 @@ def emit(kind: str, **fields: Any) -> None:
 def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
     """What `Accelerator.log` recorded: numbers only, as floats.
 
-    While the sampler runs, the message (stamped now) is queued and the sampler thread sends the queue
-    every FLUSH_INTERVAL seconds: the kernel gets every logged value, in bursts it reads in one wake-up,
-    and the training loop pays a list append instead of a pipe write per log.
+    While the sampler runs, the values (stamped now) are queued and the sampler thread sends the queue
+    every FLUSH_INTERVAL seconds as ONE `metrics` message: `values`/`step`/`time` are the latest log, and
+    `history` lists the earlier ones ({"values", "step", "time"}, oldest first). The kernel gets every
+    logged value; the training loop pays a list append instead of a pipe write per log.
     """
     if _sink is None:
         return
@@ -65,7 +66,7 @@ def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
     if not numbers:
         return
     if _sampler is not None:
-        _queue.append({"values": numbers, "step": step, "kind": "metrics", "rank": _rank, "time": time.time()})
+        _queue.append({"values": numbers, "step": step, "time": time.time()})
     else:
         emit("metrics", values=numbers, step=step)
 
@@ -92,6 +93,8 @@ def report_total_steps(total: int) -> None:
 
 
 def _is_number(value: Any) -> bool:
+    if type(value) is float:  # the common case first: `loss.item()`
+        return True
     if isinstance(value, bool):
         return False
     if isinstance(value, (int, float)):
@@ -105,7 +108,7 @@ def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> Non
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------
 
-FLUSH_INTERVAL = 0.2  # seconds between sends of the queued log messages while the sampler runs
+FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages: the dashboard redraws at most 4/s
 
 _sampler: _Sampler | None = None
 _pending_step: tuple[int, int | None] | None = None
@@ -186,8 +189,15 @@ class _Sampler:
         sink = _sink
         if sink is None:
             return
+        entries = []
         while _queue:
-            sink(_queue.popleft())
+            entries.append(_queue.popleft())
+        if entries:
+            latest = entries.pop()
+            message = {"kind": "metrics", "rank": _rank, **latest}
+            if entries:
+                message["history"] = entries
+            sink(message)
         pending = _pending_step
         if pending is not None and pending != self._last_step:
             self._last_step = pending

@@ -168,8 +168,14 @@ class DashboardModel:
         self._mark_running(state)
 
     def _on_metrics(self, state: RankState, message: dict) -> None:
-        values = message.get("values") or {}
-        step = message.get("step")
+        # A sampler-batched message carries the earlier logs of its interval in `history`, oldest first.
+        for entry in message.get("history") or ():
+            if isinstance(entry, dict):
+                self._add_metrics(state, entry.get("values") or {}, entry.get("step"))
+        self._add_metrics(state, message.get("values") or {}, message.get("step"))
+        self._mark_running(state)
+
+    def _add_metrics(self, state: RankState, values: dict, step: Any) -> None:
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
         for name, value in values.items():
             try:
@@ -180,7 +186,6 @@ class DashboardModel:
                 continue
             self.metrics.setdefault(name, MetricSeries(str(name))).add(state.rank, value, step)
             state.metrics[name] = value
-        self._mark_running(state)
 
     def _on_step(self, state: RankState, message: dict) -> None:
         step = message.get("step")
