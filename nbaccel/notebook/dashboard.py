@@ -182,6 +182,7 @@ class Dashboard:
 
             from .widget_view import WidgetView
 
+            _enable_colab_widgets()
             self._view = WidgetView(self.model)
             bundle = self._view.mimebundle(_FALLBACK_HTML)
             self._display_handle = display(bundle, raw=True, display_id=True)
@@ -231,3 +232,15 @@ class Dashboard:
                 self._broken = True
                 warnings.warn(f"nbaccel dashboard stopped drawing: {type(error).__name__}: {error}",
                               RuntimeWarning, stacklevel=3)
+
+
+def _enable_colab_widgets() -> None:
+    """Colab renders only its built-in widgets unless asked: turn on its custom widget manager (bqplot)."""
+    if "google.colab" not in sys.modules:
+        return
+    try:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    except Exception:  # an older Colab without it: the charts will not show, the rest does
+        pass
