@@ -18,6 +18,8 @@ Variants alternate round by round so drifts in machine load hit both; the ratio 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import multiprocessing as mp
 import os
 import statistics
@@ -172,7 +174,8 @@ def bench_launcher(rounds: int, steps: int) -> dict[str, list[float]] | None:
             from nbaccel import Dashboard
 
             dashboard = Dashboard(2, mode="plain") if variant == "on" else False
-            results = notebook_launcher(_launched, args=(steps,), num_processes=2, dashboard=dashboard)
+            with contextlib.redirect_stdout(io.StringIO()):  # the plain view's lines: not this report's
+                results = notebook_launcher(_launched, args=(steps,), num_processes=2, dashboard=dashboard)
             rates[variant].append(statistics.mean(results))
     return rates
 
