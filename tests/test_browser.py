@@ -11,7 +11,6 @@ through `executable_path`, no browser download. Without it the tests are skipped
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -34,7 +33,6 @@ OUTPUT = ROOT / "test-output" / "browser"
 CHROMIUM = os.environ.get("NBACCEL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
-HAS_LAUNCHER = importlib.util.find_spec("nbaccel.launch") is not None
 
 if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)", allow_module_level=True)
@@ -56,23 +54,6 @@ def train(steps=40):
 results = notebook_launcher(train, num_processes=2)
 print("results", results)
 """
-
-# Until notebook_launcher is in this tree: the same dashboard, fed live with a recorded 2-rank stream.
-TRAIN_WITH_REPLAY = f"""\
-import sys, time
-sys.path.insert(0, {str(ROOT / "tests")!r})
-from dashboard_streams import scripted_stream
-from nbaccel import Dashboard
-
-dashboard = Dashboard(2, title="browser test")
-dashboard.start()
-for message in scripted_stream():
-    dashboard(message)
-    time.sleep(0.01)
-dashboard.finish(results=[10, 10])
-print("results", [10, 10])
-"""
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -132,10 +113,7 @@ def lab(tmp_path_factory):
     finally:
         # Stop kernels first (they are the server's children), then the server.
         try:
-            request = urllib.request.Request(f"{base}/api/kernels?token={token}")
-            for kernel in json.load(urllib.request.urlopen(request, timeout=5)):
-                urllib.request.urlopen(urllib.request.Request(
-                    f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE"), timeout=10)
+            _delete_kernels(base, token)
         except OSError:
             pass
         server.terminate()
@@ -178,7 +156,7 @@ def page(lab):
 def _write_notebook(root: Path, config_path: Path) -> str:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [
-        nbformat.v4.new_code_cell(TRAIN_WITH_LAUNCHER if HAS_LAUNCHER else TRAIN_WITH_REPLAY),
+        nbformat.v4.new_code_cell(TRAIN_WITH_LAUNCHER),
         nbformat.v4.new_code_cell(f"from nbaccel import config_widget\nconfig_widget({str(config_path)!r})"),
     ]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -263,3 +241,22 @@ def _drive_notebook(lab, page) -> None:
     page.screenshot(path=str(OUTPUT / "config_widget.png"), full_page=True)
     data = yaml.safe_load(config_path.read_text())
     assert data["num_processes"] == 3 and data["main_process_port"] == 29517
+
+    # Saved, its kernel gone, reopened: the static summary (HTML + SVG) still renders.
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while "nbaccel-summary" not in (root / name).read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "nbaccel-summary" in (root / name).read_text(), "the notebook was not saved"
+    _delete_kernels(base, token)
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .nbaccel-summary[data-state='finished'] svg", timeout=60_000)
+    page.locator(".nbaccel-summary").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUTPUT / "reopened.png"))
+
+
+def _delete_kernels(base: str, token: str) -> None:
+    request = urllib.request.Request(f"{base}/api/kernels?token={token}")
+    for kernel in json.load(urllib.request.urlopen(request, timeout=5)):
+        urllib.request.urlopen(urllib.request.Request(
+            f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE"), timeout=10)

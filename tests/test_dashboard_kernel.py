@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,7 +13,6 @@ pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parent
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-HAS_LAUNCHER = importlib.util.find_spec("nbaccel.launch") is not None
 
 
 def run_notebook(*sources: str, timeout: int = 120) -> nbformat.NotebookNode:
@@ -61,14 +59,18 @@ def test_dashboard_in_a_kernel_shows_widget_then_static_summary():
     assert rank_states(summary) == ["finished", "finished"] and "<svg" in summary
     stdout = "".join(o.get("text", "") for o in cell.outputs if o["output_type"] == "stream")
     assert stdout.startswith("widget ")
-    # The widget state saved with the notebook holds the final table: both ranks finished.
+    check_widget_state(notebook)
+
+
+def check_widget_state(notebook) -> None:
+    """The widget state saved with the notebook: the final rank table (both finished) and a chart line."""
     state = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     tables = [m["state"]["value"] for m in state.values()
               if m["model_name"] == "HTMLModel" and "nbaccel-ranks" in m["state"].get("value", "")]
     assert tables and rank_states(tables[-1]) == ["finished", "finished"]
+    assert any(m["model_name"] == "LinesModel" for m in state.values())
 
 
-@pytest.mark.skipif(not HAS_LAUNCHER, reason="nbaccel.launch (notebook_launcher, branch `launch`) is not in main yet")
 def test_notebook_launcher_with_dashboard_in_a_kernel():
     notebook = run_notebook(
         "from nbaccel import notebook_launcher, telemetry\n"
@@ -90,3 +92,4 @@ def test_notebook_launcher_with_dashboard_in_a_kernel():
     assert rank_states(summary) == ["finished", "finished"] and "<svg" in summary
     stdout = "".join(o.get("text", "") for o in cell.outputs if o["output_type"] == "stream")
     assert "[30, 30]" in stdout
+    check_widget_state(notebook)
