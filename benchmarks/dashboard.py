@@ -157,6 +157,30 @@ def per_call_costs(calls: int = 20000) -> dict[str, float]:
     return costs
 
 
+def kernel_observe_cost(steps: int = 5000, ranks: int = 2) -> float:
+    """Microseconds the kernel spends per channel message in `Dashboard.observe` (model update plus the
+    throttled redraws of the plain view), over a stream of step + metrics messages from `ranks` ranks."""
+    from nbaccel import Dashboard
+
+    dashboard = Dashboard(ranks, mode="plain", plain_interval=3600)
+    with contextlib.redirect_stdout(io.StringIO()):
+        dashboard.start()
+        messages = []
+        now = time.time()
+        for step in range(1, steps + 1):
+            for rank in range(ranks):
+                messages.append({"kind": "step", "rank": rank, "time": now + step * 1e-3, "step": step,
+                                 "total": steps})
+                messages.append({"kind": "metrics", "rank": rank, "time": now + step * 1e-3,
+                                 "values": {"loss": 1.0 / step, "lr": 1e-3}, "step": step})
+        began = time.perf_counter()
+        for message in messages:
+            dashboard.observe(message)
+        spent = time.perf_counter() - began
+        dashboard.finish()
+    return spent / len(messages) * 1e6
+
+
 def _launched(steps: int) -> float:
     one_step = make_training()
     one_step(0)
@@ -214,6 +238,10 @@ def main() -> None:
           f"attached (queued); the sampler thread sends each queued log in {costs['send_per_message']:.1f} us"
           f" -> {extra:.1f} us per step = {100 * extra / step_us:.2f}% of this benchmark's {step_us:.0f} us step",
           flush=True)
+    observe_us = kernel_observe_cost()
+    print(f"kernel: Dashboard.observe {observe_us:.1f} us per message (model update + throttled redraws); "
+          f"one step + one log per step from 2 ranks = {4 * observe_us:.0f} us of kernel CPU per step "
+          f"= {100 * 4 * observe_us / step_us:.2f}% of one core at this benchmark's step", flush=True)
     if not args.skip_launcher:
         rates = bench_launcher(args.launcher_rounds, args.steps * 3)
         if rates is None:
