@@ -269,3 +269,14 @@ def test_close_with_results_finishes_like_the_launcher_does(capsys):
     out = capsys.readouterr().out
     assert "nbaccel: failed" in out and "rank 1 [cpu:1] failed: RuntimeError" in out
     assert dashboard.model.info == {"start_method": "fork", "world_size": 2, "device": "cpu"}
+
+
+def test_close_after_an_interrupt_still_leaves_a_summary(capsys):
+    dashboard = Dashboard(2, mode="plain")
+    dashboard.start()
+    for message in scripted_stream()[:20]:
+        dashboard(message)
+    dashboard.close()  # what the launcher does after KeyboardInterrupt: no results, no failures
+    assert dashboard.model.finished
+    assert {s.error for s in dashboard.model.ranks} == {"stopped before reporting its end"}
+    assert "rank 0 [cpu:0] failed: stopped before reporting its end" in capsys.readouterr().out

@@ -80,8 +80,8 @@ class Dashboard:
 
     `Dashboard(num_processes, title=None, total_steps=None, mode="auto")`; `start()` shows it,
     `observe(message)` (or calling the instance) feeds it a channel message, `finish(results, failures)`
-    leaves a static summary, `close()` stops its timers (idempotent). `close(results=..., failures=...)`
-    on a dashboard not finished yet finishes it first (the launcher ends a launch that way). Other keyword
+    leaves a static summary, `close()` ends it (idempotent; a started dashboard is finished first, with
+    `close(results=..., failures=...)` as the launcher calls it). Other keyword
     arguments (the launcher passes `start_method`, `world_size`, `device`) are shown in the header.
     """
 
@@ -153,10 +153,11 @@ class Dashboard:
             self.close()
 
     def close(self, results: list | None = None, failures: dict | None = None) -> None:
-        """Stop the trailing-redraw timer and the live terminal view; what is displayed stays. Given the
-        launch's `results` or `failures` and not finished yet, finish first (static summary)."""
+        """End the live view; what is displayed stays. A started dashboard not finished yet is finished
+        first (static summary) with the launch's `results` / `failures` when given; ranks that never
+        reported their end then show as failed ("stopped before reporting its end", e.g. an interrupt)."""
         with self._lock:
-            if not self._finished and (results is not None or failures is not None):
+            if not self._finished and (self._started or results is not None or failures is not None):
                 self.finish(results, failures)
             if self._closed:
                 return
