@@ -13,7 +13,7 @@ from nbaccel import telemetry
 from nbaccel.notebook import Dashboard
 from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
 from nbaccel.notebook.dashboard import Throttle, resolve_mode
-from nbaccel.notebook.dashboard_model import DashboardModel, format_bytes
+from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes
 from nbaccel.notebook.render import summary_html, summary_text
 
 
@@ -280,3 +280,34 @@ def test_close_after_an_interrupt_still_leaves_a_summary(capsys):
     assert dashboard.model.finished
     assert {s.error for s in dashboard.model.ranks} == {"stopped before reporting its end"}
     assert "rank 0 [cpu:0] failed: stopped before reporting its end" in capsys.readouterr().out
+
+
+def test_memory_sample_reads_cuda_and_xla_counters_without_initializing(monkeypatch):
+    """The field mapping, with stand-ins for the runtimes (no GPU or TPU here): CUDA counters are read only
+    once CUDA is initialized; torch_xla's memory info maps to allocated / limit / peak."""
+    import sys
+    import types
+
+    calls = []
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: bool(calls),
+        current_device=lambda: 1,
+        memory_allocated=lambda device: 10 * MiB,
+        memory_reserved=lambda device: 16 * MiB,
+        max_memory_allocated=lambda device: 12 * MiB,
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert telemetry.memory_sample()["device_allocated"] is None  # not initialized: nothing read
+    calls.append("init")
+    sample = telemetry.memory_sample()
+    assert (sample["device_allocated"], sample["device_reserved"], sample["device_peak"]) == (10 * MiB, 16 * MiB, 12 * MiB)
+
+    calls.clear()
+    xla = types.SimpleNamespace(xla_device=lambda: "xla:0",
+                                get_memory_info=lambda device: {"bytes_used": 3, "bytes_limit": 8, "peak_bytes_used": 5})
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xla)
+    sample = telemetry.memory_sample()
+    assert (sample["device_allocated"], sample["device_limit"], sample["device_peak"]) == (3, 8, 5)
+    model = DashboardModel(1)
+    model.update({"kind": "memory", "rank": 0, "time": T0, **sample})
+    assert device_memory_text(model.ranks[0]) == "3 B / 8 B (peak 5 B)"
