@@ -1,0 +1,465 @@
+"""`notebook_launcher` and `debug_launcher`: run a function on every process of this machine (or node).
+
+Accelerate's arguments keep their names, defaults (except `use_port`: None picks a free port) and meaning.
+The function and its arguments are cloudpickled once, here in the kernel; every worker reports over a
+private pipe; the supervisor (supervisor.py) forwards output, gathers return values and stops all workers
+on the first failure, an interrupt or the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .. import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
+from .channel import Observer, close_quietly, open_channel
+from .errors import LaunchError, LaunchTimeout
+from .observers import make_dashboard
+from .processes import (
+    LocalProcesses,
+    check_port_free,
+    choose_start_method,
+    free_port,
+    get_context,
+    is_local_address,
+    main_module_hidden,
+    resource_tracker_scope,
+    stop_processes,
+)
+from .serialize import dumps_payload
+from .supervisor import Supervisor, WorkerHandle
+from .worker import DEVICE_ENV, elastic_entry, run_worker, xla_entry
+
+MIXED_PRECISION_CHOICES = ("no", "fp8", "fp16", "bf16")
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: int | str | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    *,
+    start_method: str | None = None,
+    dashboard: Any = "auto",
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    observers: Sequence[Observer] = (),
+) -> list[Any]:
+    """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
+
+    The result is a list indexed by local rank. `num_processes=None` uses every visible GPU (8 TPU cores on
+    a Colab/Kaggle TPU), else 1; with one process the function runs right here in the kernel. A failure on
+    any rank stops all of them and raises `LaunchError`; interrupting the kernel stops them too. `timeout`
+    (seconds) bounds the whole run. `observers` (callables taking a message dict) and the dashboard see
+    every status, output line, metric and result message. `num_nodes > 1` or `max_restarts > 0` go
+    through torch.distributed.elastic (`rdzv_backend="c10d"` with `rdzv_endpoint="host:port"`).
+    """
+    kwargs = dict(kwargs or {})
+    mixed_precision = _check_arguments(function, args, kwargs, num_processes, mixed_precision, node_rank,
+                                       num_nodes, max_restarts, monitor_interval, rdzv_backend, timeout)
+    port = _parse_port(use_port)
+    from .xla import tpu_requested
+
+    if tpu_requested():
+        return _launch_xla(function, tuple(args), kwargs, num_processes, mixed_precision, start_method,
+                           dashboard, observers, timeout)
+    gpus = _visible_gpus()
+    if num_processes is None:
+        num_processes = gpus or 1
+    elif gpus and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} but only {gpus} GPU(s) are visible: nbaccel runs one process per "
+            f"GPU. Pass num_processes<={gpus} (or hide the GPUs with CUDA_VISIBLE_DEVICES='' to use the CPU)."
+        )
+    if num_processes == 1 and num_nodes == 1 and max_restarts == 0:
+        choose_start_method(start_method)  # still reject an unknown start_method
+        return _run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
+    method, note = choose_start_method(start_method)
+    payload = dumps_payload(function, tuple(args), kwargs)  # before any process starts
+    env = _common_env(mixed_precision, use_cpu=not gpus)
+    device = "cuda:{local_rank}" if gpus else "cpu"
+    if note:
+        print(note, file=sys.stderr)
+    with resource_tracker_scope():
+        return _launch_multi(payload, env, device, num_processes, num_nodes, node_rank, port, master_addr,
+                             rdzv_backend, rdzv_endpoint, dict(rdzv_conf or {}), rdzv_id, max_restarts,
+                             monitor_interval, log_line_prefix_template, method, dashboard, observers, timeout)
+
+
+def _launch_multi(payload: bytes, env: dict[str, str], device: str, num_processes: int, num_nodes: int,
+                  node_rank: int, port: int | None, master_addr: str, rdzv_backend: str, rdzv_endpoint: str,
+                  rdzv_conf: dict[str, Any], rdzv_id: str, max_restarts: int, monitor_interval: float,
+                  log_line_prefix_template: str | None, method: str, dashboard: Any,
+                  observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    if num_nodes > 1 or max_restarts > 0:
+        return _launch_elastic(payload, env, device, num_processes, num_nodes, node_rank, port, master_addr,
+                               rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
+                               monitor_interval, log_line_prefix_template, method, dashboard, observers,
+                               timeout)
+    if port is None:
+        port = free_port(master_addr if is_local_address(master_addr) else "127.0.0.1")
+    elif is_local_address(master_addr):
+        check_port_free(port, "127.0.0.1" if master_addr in ("localhost", "0.0.0.0") else master_addr)
+    return _launch_local(payload, env, device, num_processes, master_addr, port, method, dashboard,
+                         observers, timeout)
+
+
+def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
+    """Run `function(*args)` on `num_processes` CPU processes (gloo), for tests and debugging.
+
+    Same machinery as notebook_launcher (fork where safe, output forwarding, fail-fast), never a GPU, no
+    dashboard. Returns the per-rank results.
+    """
+    mixed_precision = _check_arguments(function, args, {}, num_processes, "no", 0, 1, 0, 0.1, "static", None)
+    method, note = choose_start_method(None)
+    if note:
+        print(note, file=sys.stderr)
+    payload = dumps_payload(function, tuple(args), {})
+    env = _common_env(mixed_precision, use_cpu=True)
+    with resource_tracker_scope():
+        return _launch_local(payload, env, "cpu", num_processes, "127.0.0.1", free_port(), method, False, (),
+                             None)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _check_arguments(function: Any, args: Any, kwargs: dict, num_processes: Any, mixed_precision: Any,
+                     node_rank: Any, num_nodes: Any, max_restarts: Any, monitor_interval: Any,
+                     rdzv_backend: Any, timeout: Any) -> str:
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
+    if num_processes is not None and (not _is_int(num_processes) or num_processes < 1):
+        raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
+    if not _is_int(num_nodes) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+    if not _is_int(node_rank) or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
+    if not _is_int(max_restarts) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if not isinstance(monitor_interval, (int, float)) or isinstance(monitor_interval, bool) or monitor_interval <= 0:
+        raise ValueError(f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}")
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise ValueError(f"rdzv_backend must be one of {RDZV_BACKENDS}, got {rdzv_backend!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
+    precision = getattr(precision, "value", precision)  # a PrecisionType member
+    if precision not in MIXED_PRECISION_CHOICES:
+        raise ValueError(f"Unknown mixed_precision mode: {mixed_precision!r}. Choose between {list(MIXED_PRECISION_CHOICES)}.")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return precision  # builtins without a signature: let the call decide
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(function, "__qualname__", repr(function))
+        raise TypeError(
+            f"{name}{signature} cannot be called with args={tuple(args)!r} and kwargs={kwargs!r}: {exc}"
+        ) from None
+    return precision
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_port(use_port: Any) -> int | None:
+    if use_port is None:
+        return None
+    try:
+        port = int(use_port)
+    except (TypeError, ValueError):
+        port = -1
+    if not 0 < port < 65536 or isinstance(use_port, bool):
+        raise ValueError(f"use_port must be a port number 1-65535 (or None for a free port), got {use_port!r}")
+    return port
+
+
+def _visible_gpus() -> int:
+    """CUDA/ROCm devices torch sees (without initializing CUDA in the kernel)."""
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _common_env(mixed_precision: str, use_cpu: bool) -> dict[str, str]:
+    env = {"NBACCEL_MIXED_PRECISION": mixed_precision, "ACCELERATE_MIXED_PRECISION": mixed_precision}
+    if use_cpu:
+        env["NBACCEL_USE_CPU"] = "1"
+        if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # hostname-based interface lookup is flaky on VMs
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def _run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixed_precision: str,
+                    dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    """One process: call the function here (Accelerate does the same), reporting to observers if any."""
+    handle = make_dashboard(dashboard, 1, start_method="in-process")
+    listeners = list(observers) + ([handle.observer] if handle else [])
+
+    def sink(message: dict) -> None:
+        message.setdefault("local_rank", 0)
+        for listener in listeners:
+            listener(message)
+
+    results: list[Any] | None = None
+    failures: dict | None = None
+    if handle:
+        handle.start()
+    attached = bool(listeners) and not telemetry.is_attached()
+    if attached:
+        telemetry.attach(sink, 0)
+    try:
+        with _patched_env({"NBACCEL_MIXED_PRECISION": mixed_precision,
+                           "ACCELERATE_MIXED_PRECISION": mixed_precision}), _alarm(timeout):
+            telemetry.emit("status", state="running", device="cpu", pid=os.getpid())
+            results = [function(*args, **kwargs)]
+        telemetry.emit("status", state="finished", device="cpu")
+        return results
+    except BaseException as exc:
+        telemetry.emit("status", state="failed", device="cpu", error=f"{type(exc).__name__}: {exc}")
+        failures = {0: exc}
+        raise
+    finally:
+        if attached:
+            telemetry.detach()
+        if handle:
+            handle.close(results=results, failures=failures)
+
+
+@contextlib.contextmanager
+def _patched_env(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _alarm(timeout: float | None) -> Iterator[None]:
+    """Bound an in-process run with SIGALRM (only possible from the main thread)."""
+    if timeout is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise LaunchTimeout(f"the function did not finish within timeout={timeout} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _Pipes:
+    """Channel and stdout/stderr pipes of each local rank: kernel ends (read) and worker ends (write)."""
+
+    def __init__(self, ctx: Any, count: int) -> None:
+        self.channels: list[Connection] = []
+        self.worker_channels: list[Connection] = []
+        self.out_fds: list[int] = []
+        self.err_fds: list[int] = []
+        self.worker_out: list[Connection] = []
+        self.worker_err: list[Connection] = []
+        for _ in range(count):
+            self.add(ctx)
+
+    def add(self, ctx: Any) -> None:
+        kernel_end, worker_end = open_channel(ctx)
+        self.channels.append(kernel_end)
+        self.worker_channels.append(worker_end)
+        for fds, ends in ((self.out_fds, self.worker_out), (self.err_fds, self.worker_err)):
+            read_fd, write_fd = os.pipe()
+            fds.append(read_fd)
+            ends.append(Connection(write_fd, readable=False))
+
+    def worker_ends(self, i: int | None = None) -> list[Any]:
+        if i is None:
+            return [*self.worker_channels, *self.worker_out, *self.worker_err]
+        return [self.worker_channels[i], self.worker_out[i], self.worker_err[i]]
+
+    def handles(self, first_rank: int) -> list[WorkerHandle]:
+        return [WorkerHandle(i, first_rank + i, self.channels[i], self.out_fds[i], self.err_fds[i])
+                for i in range(len(self.channels))]
+
+    def close_all(self) -> None:
+        close_quietly(*self.channels, *self.worker_ends(), *self.out_fds, *self.err_fds)
+
+
+def _launch_local(payload: bytes, env: dict[str, str], device: str, num_processes: int, master_addr: str,
+                  port: int, method: str, dashboard: Any, observers: Sequence[Observer],
+                  timeout: float | None, node_rank: int = 0, num_nodes: int = 1) -> list[Any]:
+    ctx = get_context(method)
+    pipes = _Pipes(ctx, 0)  # each rank's pipes are made right before it starts: no rank inherits another's
+    processes: list[Any] = []
+    world_size = num_processes * num_nodes
+    try:
+        for local_rank in range(num_processes):
+            rank = node_rank * num_processes + local_rank
+            worker_env = dict(env, RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                              LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK=str(node_rank),
+                              MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+            worker_env[DEVICE_ENV] = device.format(local_rank=local_rank)
+            pipes.add(ctx)
+            channel, out, err = pipes.worker_ends(local_rank)
+            proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, worker_env),
+                               name=f"nbaccel-rank-{rank}")
+            with main_module_hidden(method):
+                proc.start()
+            processes.append(proc)
+            close_quietly(channel, out, err)  # the worker holds them now; end of stream when it exits
+    except BaseException:
+        stop_processes(processes)
+        pipes.close_all()
+        raise
+    info = dict(start_method=method, world_size=world_size, port=port, device=device.split(":")[0])
+    return _supervise(pipes.handles(node_rank * num_processes), LocalProcesses(processes), num_processes,
+                      dashboard, observers, timeout, info)
+
+
+def _launch_elastic(payload: bytes, env: dict[str, str], device: str, num_processes: int, num_nodes: int,
+                    node_rank: int, port: int | None, master_addr: str, rdzv_backend: str, rdzv_endpoint: str,
+                    rdzv_conf: dict[str, Any], rdzv_id: str, max_restarts: int, monitor_interval: float,
+                    log_line_prefix_template: str | None, method: str, dashboard: Any,
+                    observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    from .elastic import ElasticBackend
+
+    if not rdzv_endpoint:
+        if port is None:
+            if num_nodes > 1:
+                raise ValueError(
+                    "num_nodes > 1 needs a meeting point every node knows: pass rdzv_endpoint='host:port' "
+                    "(with rdzv_backend='c10d') or use_port=... together with master_addr"
+                )
+            port = free_port()
+        elif node_rank == 0 and is_local_address(master_addr) and rdzv_backend == "static":
+            check_port_free(port)
+        rdzv_endpoint = f"{master_addr}:{port}"
+    if rdzv_backend == "static":
+        rdzv_conf.setdefault("rank", node_rank)
+    env = dict(env)
+    env[DEVICE_ENV] = device
+    ctx = get_context(method)
+    pipes = _Pipes(ctx, num_processes)
+    try:
+        backend = ElasticBackend(
+            entry=elastic_entry, entry_args=(payload, pipes.worker_channels, pipes.worker_out, pipes.worker_err, env),
+            worker_ends=pipes.worker_ends(), nproc_per_node=num_processes, num_nodes=num_nodes,
+            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
+            max_restarts=max_restarts, monitor_interval=monitor_interval, start_method=method,
+            log_line_prefix_template=log_line_prefix_template,
+        )
+        backend.start()
+    except BaseException:
+        pipes.close_all()
+        raise
+    info = dict(start_method=method, world_size=num_processes * num_nodes, node_rank=node_rank,
+                num_nodes=num_nodes, rdzv_backend=rdzv_backend, device=device.split(":")[0])
+    return _supervise(pipes.handles(node_rank * num_processes), backend, num_processes, dashboard, observers,
+                      timeout, info)
+
+
+def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_processes: int | None,
+                mixed_precision: str, start_method: str | None, dashboard: Any,
+                observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    from .xla import TPU_CORES, import_xmp
+
+    import_xmp()  # a clear ImportError before anything else
+    nprocs = TPU_CORES if num_processes is None else num_processes
+    if nprocs == 1:
+        return _run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout)
+    method = start_method or "fork"
+    payload = dumps_payload(function, args, kwargs)
+    env = _common_env(mixed_precision, use_cpu=False)
+    ctx = get_context(method)
+    pipes = _Pipes(ctx, nprocs)
+    with resource_tracker_scope():
+        return _run_xla(pipes, payload, env, nprocs, num_processes, method, dashboard, observers, timeout)
+
+
+def _run_xla(pipes: _Pipes, payload: bytes, env: dict[str, str], nprocs: int, num_processes: int | None,
+             method: str, dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+    from .xla import XlaBackend
+
+    try:
+        backend = XlaBackend(entry=xla_entry,
+                             entry_args=(payload, pipes.worker_channels, pipes.worker_out, pipes.worker_err, env),
+                             worker_ends=pipes.worker_ends(), nprocs=None if num_processes is None else nprocs,
+                             start_method=method)
+        backend.start()
+    except BaseException:
+        pipes.close_all()
+        raise
+    info = dict(start_method=method, world_size=nprocs, device="xla")
+    return _supervise(pipes.handles(0), backend, nprocs, dashboard, observers, timeout, info)
+
+
+def _supervise(handles: list[WorkerHandle], backend: Any, num_processes: int, dashboard: Any,
+               observers: Sequence[Observer], timeout: float | None, info: dict[str, Any]) -> list[Any]:
+    """Run the supervisor with the dashboard and observers; report the launch's start and end to them."""
+    try:
+        handle = make_dashboard(dashboard, num_processes, **info)
+    except BaseException:
+        backend.stop()
+        close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
+        raise
+    listeners = list(observers) + ([handle.observer] if handle else [])
+    supervisor = Supervisor(handles, backend, listeners, sys.stdout, sys.stderr, timeout)
+    if handle:
+        handle.start()
+    supervisor.notify({"kind": "launch", "state": "started", "rank": None, "time": time.time(),
+                       "num_processes": num_processes, **info})
+    results: list[Any] | None = None
+    state = "failed"
+    try:
+        results = supervisor.run()
+        state = "finished"
+        return results
+    except LaunchTimeout:
+        state = "timeout"
+        raise
+    except LaunchError:
+        raise
+    except KeyboardInterrupt:
+        state = "interrupted"
+        raise
+    finally:
+        supervisor.notify({"kind": "launch", "state": state, "rank": None, "time": time.time()})
+        if handle:
+            handle.close(results=results, failures=supervisor.failures or None)
