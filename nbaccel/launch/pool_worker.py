@@ -35,12 +35,15 @@ CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
 _PR_SET_PDEATHSIG = 1
 
-_busy: tuple[int, float] | None = None  # (command id, start time) while the main thread runs a command
+_busy: tuple[int, float] | None = None
+_inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank  # (command id, start time) while the main thread runs a command
 
 
 def pool_worker(commands: Connection, status: Connection, stdout: Connection, stderr: Connection,
                 env: dict[str, str], inherited_fds: list[int], parent_death_signal: bool) -> None:
     """Multiprocessing target of one rank: set up, then serve commands until `stop` or the kernel leaves."""
+    global _inherited_exception
+    _inherited_exception = sys.exc_info()[1]
     if parent_death_signal:
         _die_with_parent()
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
@@ -149,7 +152,7 @@ def _handle(kind: str, message: tuple, namespace: dict[str, Any], rank: int) -> 
 def run_cell(source: str, filename: str, namespace: dict[str, Any]) -> tuple[Any, bool]:
     """Run `source` like IPython: every statement, then the last one's value if it is an expression.
 
-    Returns (value, shown); `shown` is False when the cell does not end with an expression, or ends with a
+    Returns (value, shown); `shown` is False when the cell does not end with an expression, its value is None, or it ends with a
     semicolon (IPython's way to hide the value).
     """
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
@@ -162,7 +165,7 @@ def run_cell(source: str, filename: str, namespace: dict[str, Any]) -> tuple[Any
     if last is None:
         return None, False
     value = eval(compile(last, filename, "eval"), namespace)
-    return value, not source.rstrip().endswith(";")
+    return value, value is not None and not source.rstrip().endswith(";")
 
 
 def describe(value: Any) -> dict[str, Any]:
@@ -219,11 +222,24 @@ def _cpu_dumps(value: Any) -> bytes:
 
 
 def _error_info(exc: BaseException) -> dict[str, str]:
+    _drop_inherited_context(exc)
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # start the remote traceback at the user's code
     return {"exc_type": type(exc).__name__, "message": str(exc),
             "traceback": "".join(traceback.format_exception(type(exc), exc, tb))}
+
+
+def _drop_inherited_context(exc: BaseException) -> None:
+    """A forked rank starts inside the kernel's stack; if that was handling an exception, Python would chain
+    it to every error of the rank ("During handling of the above exception..."): cut that link."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _inherited_exception is not None and exc.__context__ is _inherited_exception:
+            exc.__context__ = None
+            return
+        exc = exc.__context__
 
 
 def _breaks_process_group(exc: BaseException) -> bool:
@@ -313,5 +329,10 @@ def snapshot(main_ident: int | None) -> dict[str, Any]:
             break
     # the user's part: from the first frame below this module's command handler (a cell, or run()'s function)
     start = next((i + 1 for i in range(len(stack) - 1, -1, -1) if stack[i].filename == __file__), 0)
-    info["stack"] = "".join(traceback.format_list(stack[start:][-8:]))
+    shown = []
+    for entry in stack[start:]:  # ... down to the torch.distributed function it called, not torch's insides
+        shown.append(entry)
+        if "/torch/distributed/" in entry.filename.replace(os.sep, "/") and entry.name not in ("wrapper", "inner"):
+            break
+    info["stack"] = "".join(traceback.format_list(shown[-10:]))
     return info
