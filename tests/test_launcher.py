@@ -363,3 +363,13 @@ def test_memory_reports_from_workers_and_from_the_kernel(monkeypatch):
     samples = [m for m in messages if m["kind"] == "memory"]
     assert {m["rank"] for m in samples} == {0, 1} and all(m["rss"] > 0 for m in samples)
     assert [m["step"] for m in messages if m["kind"] == "step" and m["rank"] == 0] == list(range(1, 9))
+
+
+def test_partial_state_builds_from_the_launcher_environment():
+    def state():
+        from nbaccel.state import PartialState
+
+        ps = PartialState()
+        return ps.process_index, ps.num_processes, str(ps.device), ps.backend
+
+    assert launch(state) == [(0, 2, "cpu", "gloo"), (1, 2, "cpu", "gloo")]

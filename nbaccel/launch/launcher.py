@@ -8,26 +8,25 @@ on the first failure, an interrupt or the timeout.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
+from .arguments import check_arguments, parse_port
 from .channel import Observer, close_quietly, open_channel
 from .errors import LaunchError, LaunchTimeout
+from .inprocess import run_in_process
 from .observers import make_dashboard
 from .processes import (
     LocalProcesses,
     check_port_free,
     choose_start_method,
     free_port,
+    gc_frozen,
     get_context,
     is_local_address,
     main_module_hidden,
@@ -37,9 +36,6 @@ from .processes import (
 from .serialize import dumps_payload
 from .supervisor import Supervisor, WorkerHandle
 from .worker import DEVICE_ENV, elastic_entry, run_worker, xla_entry
-
-MIXED_PRECISION_CHOICES = ("no", "fp8", "fp16", "bf16")
-RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 
 
 def notebook_launcher(
@@ -75,9 +71,9 @@ def notebook_launcher(
     through torch.distributed.elastic (`rdzv_backend="c10d"` with `rdzv_endpoint="host:port"`).
     """
     kwargs = dict(kwargs or {})
-    mixed_precision = _check_arguments(function, args, kwargs, num_processes, mixed_precision, node_rank,
+    mixed_precision = check_arguments(function, args, kwargs, num_processes, mixed_precision, node_rank,
                                        num_nodes, max_restarts, monitor_interval, rdzv_backend, timeout)
-    port = _parse_port(use_port)
+    port = parse_port(use_port)
     from .xla import tpu_requested
 
     if tpu_requested():
@@ -93,7 +89,7 @@ def notebook_launcher(
         )
     if num_processes == 1 and num_nodes == 1 and max_restarts == 0:
         choose_start_method(start_method)  # still reject an unknown start_method
-        return _run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
+        return run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
     method, note = choose_start_method(start_method)
     payload = dumps_payload(function, tuple(args), kwargs)  # before any process starts
     env = _common_env(mixed_precision, use_cpu=not gpus)
@@ -130,7 +126,7 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     Same machinery as notebook_launcher (fork where safe, output forwarding, fail-fast), never a GPU, no
     dashboard. Returns the per-rank results.
     """
-    mixed_precision = _check_arguments(function, args, {}, num_processes, "no", 0, 1, 0, 0.1, "static", None)
+    mixed_precision = check_arguments(function, args, {}, num_processes, "no", 0, 1, 0, 0.1, "static", None)
     method, note = choose_start_method(None)
     if note:
         print(note, file=sys.stderr)
@@ -139,63 +135,6 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     with resource_tracker_scope():
         return _launch_local(payload, env, "cpu", num_processes, "127.0.0.1", free_port(), method, False, (),
                              None)
-
-
-# ---------------------------------------------------------------------------------------------- checks
-def _check_arguments(function: Any, args: Any, kwargs: dict, num_processes: Any, mixed_precision: Any,
-                     node_rank: Any, num_nodes: Any, max_restarts: Any, monitor_interval: Any,
-                     rdzv_backend: Any, timeout: Any) -> str:
-    if not callable(function):
-        raise TypeError(f"function must be callable, got {type(function).__name__}")
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
-    if num_processes is not None and (not _is_int(num_processes) or num_processes < 1):
-        raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
-    if not _is_int(num_nodes) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
-    if not _is_int(node_rank) or not 0 <= node_rank < num_nodes:
-        raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
-    if not _is_int(max_restarts) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if not isinstance(monitor_interval, (int, float)) or isinstance(monitor_interval, bool) or monitor_interval <= 0:
-        raise ValueError(f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}")
-    if rdzv_backend not in RDZV_BACKENDS:
-        raise ValueError(f"rdzv_backend must be one of {RDZV_BACKENDS}, got {rdzv_backend!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
-    precision = getattr(precision, "value", precision)  # a PrecisionType member
-    if precision not in MIXED_PRECISION_CHOICES:
-        raise ValueError(f"Unknown mixed_precision mode: {mixed_precision!r}. Choose between {list(MIXED_PRECISION_CHOICES)}.")
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return precision  # builtins without a signature: let the call decide
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        name = getattr(function, "__qualname__", repr(function))
-        raise TypeError(
-            f"{name}{signature} cannot be called with args={tuple(args)!r} and kwargs={kwargs!r}: {exc}"
-        ) from None
-    return precision
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_port(use_port: Any) -> int | None:
-    if use_port is None:
-        return None
-    try:
-        port = int(use_port)
-    except (TypeError, ValueError):
-        port = -1
-    if not 0 < port < 65536 or isinstance(use_port, bool):
-        raise ValueError(f"use_port must be a port number 1-65535 (or None for a free port), got {use_port!r}")
-    return port
 
 
 def _visible_gpus() -> int:
@@ -218,75 +157,6 @@ def _common_env(mixed_precision: str, use_cpu: bool) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- paths
-def _run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixed_precision: str,
-                    dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
-    """One process: call the function here (Accelerate does the same), reporting to observers if any."""
-    handle = make_dashboard(dashboard, 1, start_method="in-process")
-    listeners = list(observers) + ([handle.observer] if handle else [])
-
-    def sink(message: dict) -> None:
-        message.setdefault("local_rank", 0)
-        for listener in listeners:
-            listener(message)
-
-    results: list[Any] | None = None
-    failures: dict | None = None
-    if handle:
-        handle.start()
-    attached = bool(listeners) and not telemetry.is_attached()
-    if attached:
-        telemetry.attach(sink, 0)
-    try:
-        with _patched_env({"NBACCEL_MIXED_PRECISION": mixed_precision,
-                           "ACCELERATE_MIXED_PRECISION": mixed_precision}), _alarm(timeout):
-            telemetry.emit("status", state="running", device="cpu", pid=os.getpid())
-            results = [function(*args, **kwargs)]
-        telemetry.emit("status", state="finished", device="cpu")
-        return results
-    except BaseException as exc:
-        telemetry.emit("status", state="failed", device="cpu", error=f"{type(exc).__name__}: {exc}")
-        failures = {0: exc}
-        raise
-    finally:
-        if attached:
-            telemetry.detach()
-        if handle:
-            handle.close(results=results, failures=failures)
-
-
-@contextlib.contextmanager
-def _patched_env(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _alarm(timeout: float | None) -> Iterator[None]:
-    """Bound an in-process run with SIGALRM (only possible from the main thread)."""
-    if timeout is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise LaunchTimeout(f"the function did not finish within timeout={timeout} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 class _Pipes:
     """Channel and stdout/stderr pipes of each local rank: kernel ends (read) and worker ends (write)."""
 
@@ -329,6 +199,15 @@ def _launch_local(payload: bytes, env: dict[str, str], device: str, num_processe
     pipes = _Pipes(ctx, 0)  # each rank's pipes are made right before it starts: no rank inherits another's
     processes: list[Any] = []
     world_size = num_processes * num_nodes
+    with gc_frozen(method):
+        return _start_and_supervise(ctx, pipes, processes, payload, env, device, num_processes, master_addr,
+                                    port, method, dashboard, observers, timeout, node_rank, world_size)
+
+
+def _start_and_supervise(ctx: Any, pipes: _Pipes, processes: list[Any], payload: bytes, env: dict[str, str],
+                         device: str, num_processes: int, master_addr: str, port: int, method: str,
+                         dashboard: Any, observers: Sequence[Observer], timeout: float | None, node_rank: int,
+                         world_size: int) -> list[Any]:
     try:
         for local_rank in range(num_processes):
             rank = node_rank * num_processes + local_rank
@@ -403,7 +282,7 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
     import_xmp()  # a clear ImportError before anything else
     nprocs = TPU_CORES if num_processes is None else num_processes
     if nprocs == 1:
-        return _run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout)
+        return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout)
     method = start_method or "fork"
     payload = dumps_payload(function, args, kwargs)
     env = _common_env(mixed_precision, use_cpu=False)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
+import select
 import signal
 import socket
 import sys
@@ -83,6 +85,25 @@ def choose_start_method(requested: str | None) -> tuple[str, str | None]:
 
 def get_context(start_method: str) -> BaseContext:
     return mp.get_context(start_method)
+
+
+@contextlib.contextmanager
+def gc_frozen(start_method: str) -> Iterator[None]:
+    """Fork workers with the kernel's objects in gc's permanent generation (gc.freeze), thawed afterwards.
+
+    A garbage collection walks every tracked object and writes to its header: after a fork that copies
+    the shared memory pages, in each worker (a training loop collects often) and in the kernel. Frozen
+    objects are skipped, so the workers keep sharing the kernel's memory (what the Python docs advise for
+    fork). The launch benchmark shows no speed change; the gain is memory with a large kernel heap.
+    """
+    if start_method != "fork":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
@@ -258,9 +279,17 @@ class LocalProcesses:
     def poll_exits(self) -> list[tuple[int, int]]:
         exits = []
         for i, proc in enumerate(self.processes):
-            if i not in self._reported and proc.exitcode is not None:
+            if i in self._reported:
+                continue
+            code = proc.exitcode
+            if code is None and select.select([proc.sentinel], [], [], 0)[0]:
+                # its sentinel closed: it is exiting. Wait for it (join reaps it with a blocking waitpid)
+                # instead of spinning until the OS makes it a zombie.
+                proc.join(5)
+                code = proc.exitcode
+            if code is not None:
                 self._reported.add(i)
-                exits.append((i, proc.exitcode))
+                exits.append((i, code))
         return exits
 
     def finished(self) -> bool:

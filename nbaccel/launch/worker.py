@@ -70,8 +70,8 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
             ) from exc
         flush_std()
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
-        sink.send("result", value=data)
-        sink.send("status", state="finished", device=device)
+        sink.queue({"kind": "result", "rank": sink.rank, "time": time.time(), "value": data})
+        sink.send("status", state="finished", device=device)  # one write with the result
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         tb = exc.__traceback__
