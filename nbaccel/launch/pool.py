@@ -340,7 +340,8 @@ class RankPool:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         self.timeout = _check_timeout(timeout, "timeout")
-        from .launcher import MIXED_PRECISION_CHOICES, _common_env, _visible_gpus
+        from .arguments import MIXED_PRECISION_CHOICES
+        from .launcher import _common_env, _visible_gpus
 
         precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
         precision = getattr(precision, "value", precision)
@@ -511,7 +512,10 @@ class RankPool:
     def _hang_error(self, hang: _Hang, call: _Call) -> RankPoolError:
         diagnosis: Diagnosis = hang.diagnosis
         stuck = [state.rank for state in hang.states if state.waiting(hang.now) is not None]
-        lines = [diagnosis.summary, "", explain(diagnosis, call.timeout, MISMATCH_GRACE)]
+        head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
+                else f"a collective did not complete within timeout={call.timeout:g} s")
+        lines = [f"{head}; the ranks were restarted.", diagnosis.summary, "",
+                 explain(diagnosis, call.timeout, MISMATCH_GRACE)]
         if diagnosis.details:
             lines += ["", diagnosis.details]
         lines += ["", f"The ranks were restarted: rank{'s' if len(stuck) > 1 else ''} "

@@ -1,0 +1,89 @@
+"""%ranks / %%ranks in a real Jupyter kernel (ipykernel driven by nbclient), as a notebook user runs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow, pytest.mark.timeout(180)]
+ROOT = Path(__file__).resolve().parent.parent
+
+CELLS = [
+    "%load_ext nbaccel\n%ranks start -n 2 --timeout 5",
+    "%%ranks\nimport torch\nimport torch.distributed as dist\nfrom nbaccel import PartialState\n"
+    "from nbaccel.utils.collective_trace import in_collective\nstate = PartialState()\n"
+    "print('hello from', state.process_index)\nx = torch.arange(3) + 10 * state.process_index\nx",
+    # state kept across cells, and a collective across the ranks (traced as nbaccel's operations do)
+    "%%ranks\nout = torch.zeros(6, dtype=x.dtype)\nwith in_collective('gather', 'all_gather_into_tensor', [x]):\n"
+    "    dist.all_gather_into_tensor(out, x)\nout",
+    # only rank 0 enters the collective
+    "%%ranks\nif state.process_index == 0:\n    with in_collective('gather', 'all_gather_into_tensor', [x]):\n"
+    "        dist.all_gather_into_tensor(out, x)",
+    "%%ranks\nfrom nbaccel import PartialState\nPartialState().process_index",
+    "%%ranks\n1 / 0 if PartialState().process_index == 1 else 'fine'",
+    "value = 41\n%ranks push value",
+    "%%ranks --ranks 1\nvalue += 1",
+    "%ranks pull value\nvalue",
+    "%ranks status",
+    "%ranks stop",
+    "import psutil\nprint('children', len([c for c in psutil.Process().children(recursive=True)"
+    " if c.status() != psutil.STATUS_ZOMBIE]))",
+]
+
+
+def _run(cells: list[str], tmp_path: Path) -> list[str]:
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    client = nbclient.NotebookClient(notebook, timeout=90, allow_errors=True, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    return [_text(cell) for cell in notebook.cells]
+
+
+def _text(cell) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream":
+            parts.append(output["text"])
+        elif output["output_type"] == "error":
+            parts.append(f"{output['ename']}: {output['evalue']}\n" + "\n".join(output["traceback"]))
+        else:
+            parts.append(output.get("data", {}).get("text/plain", ""))
+            parts.append(output.get("data", {}).get("text/html", ""))
+    return "\n".join(parts)
+
+
+def test_ranks_magics_in_a_kernel(tmp_path):
+    out = _run(CELLS, tmp_path)
+    assert "Started 2 ranks" in out[0]
+    assert "[rank 0] hello from 0" in out[1] and "[rank 1] hello from 1" in out[1]
+    assert "rank 1: tensor([10, 11, 12])  (shape [3], int64, cpu)" in out[1]
+    assert "<b>rank 0</b>" in out[1]  # the HTML view: one column per rank
+    assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in out[2]
+    assert "CollectiveMismatchError" in out[3]
+    assert re.search(r"^rank 0 waits in gather\(all_gather_into_tensor, shape \[3\], int64\) at cell line 2 "
+                     r"for [\d.]+ s; rank 1 finished the cell", out[3], re.M)
+    assert "restarted" in out[3]
+    assert "rank 0: 0" in out[4] and "rank 1: 1" in out[4]  # the next cell works (on new ranks)
+    assert "RankFailedError: rank 1 raised; first: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
+    assert "Pushed value to 2 ranks" in out[6]
+    assert "differs between ranks" in out[8] and "[41, 42]" in out[8]
+    assert "2 ranks running" in out[9]
+    assert "Stopped 2 ranks" in out[10]
+    assert "children 0" in out[11]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbaccel.utils.operations") is None,
+                    reason="nbaccel.utils.operations (gather, ...) is not in this tree yet")
+def test_debug_collectives_notebook_runs_top_to_bottom(tmp_path):
+    notebook = nbformat.read(ROOT / "notebooks" / "02_debug_collectives.ipynb", as_version=4)
+    cells = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    out = "\n".join(_run(cells, tmp_path))
+    assert "tensor([ 0,  1,  2, 10, 11, 12])" in out
+    assert re.search(r"^rank 0 waits in gather", out, re.M) and "rank 1 finished" in out
+    assert "Stopped 2 ranks" in out
