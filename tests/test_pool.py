@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -162,6 +164,13 @@ def test_restart_and_shutdown_leave_no_process():
     pool = RankPool(2, timeout=10)
     pool.exec("a = 1")
     old = pool.pids
+    # interrupting the kernel interrupts the ranks; they stay up, with their variables
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.exec("import time\ntime.sleep(30)")
+    assert time.monotonic() - start < 5 and pool.pids == old and pool.restarts == 0
+    assert pool.exec("a").values == [1, 1]
     pool.restart()
     assert _gone(old) and pool.pids != old
     assert pool.exec("'a' in dir()").values == [False, False]

@@ -514,7 +514,7 @@ class RankPool:
         stuck = [state.rank for state in hang.states if state.waiting(hang.now) is not None]
         head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
                 else f"a collective did not complete within timeout={call.timeout:g} s")
-        lines = [f"{head}; the ranks were restarted.", diagnosis.summary, "",
+        lines = [f"{head}:", diagnosis.summary, "",
                  explain(diagnosis, call.timeout, MISMATCH_GRACE)]
         if diagnosis.details:
             lines += ["", diagnosis.details]
