@@ -30,6 +30,7 @@ CELLS = [
     "value = 41\n%ranks push value",
     "%%ranks --ranks 1\nvalue += 1",
     "%ranks pull value\nvalue",
+    "%%ranks\nimport time\nfor i in range(3):\n    print('step', i, flush=True)\n    time.sleep(0.4)\n'done'",
     "%ranks status",
     "%ranks stop",
     "import psutil\nprint('children', len([c for c in psutil.Process().children(recursive=True)"
@@ -73,9 +74,11 @@ def test_ranks_magics_in_a_kernel(tmp_path):
     assert "RankFailedError: rank 1 raised; first: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
     assert "Pushed value to 2 ranks" in out[6]
     assert "differs between ranks" in out[8] and "[41, 42]" in out[8]
-    assert "2 ranks running" in out[9]
-    assert "Stopped 2 ranks" in out[10]
-    assert "children 0" in out[11]
+    assert "[rank 1] step 2" in out[9] and "all ranks: 'done'" in out[9]  # the live view, updated in place
+    assert "running..." not in out[9]
+    assert "2 ranks running" in out[10]
+    assert "Stopped 2 ranks" in out[11]
+    assert "children 0" in out[12]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nbaccel.utils.operations") is None,

@@ -106,6 +106,14 @@ def test_exec_run_namespaces_output_errors_push_pull():
         assert results_equal(pool.pull("same")) and not results_equal(pool.pull("data"))
         with pytest.raises(RankFailedError, match="NameError"):
             pool.pull("not_defined_anywhere")
+        # a long cell reports its progress (live views); a quick one does not
+        seen = []
+        results = pool.exec("import time\nfor i in range(4):\n    print('step', i, flush=True)\n    time.sleep(0.3)\n"
+                            "'done'", on_progress=seen.append)
+        assert results.values == ["done", "done"] and results[0].stdout.splitlines()[-1] == "step 3"
+        assert seen and all(r.status == "running" for r in seen[0]) and "step" in seen[-1][0].stdout
+        pool.exec("1", on_progress=seen.append)
+        assert all(len(partial) == 2 for partial in seen) and seen[-1][0].status == "running"
         # a subset of the ranks
         results = pool.exec("z = 'only here'\nz", ranks=[1])
         assert [r.rank for r in results] == [1] and results.values == ["only here"]

@@ -52,6 +52,8 @@ START_TIMEOUT = 120.0  # seconds for every rank to build its process group
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
 MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another rank cannot join
 PG_TIMEOUT_MARGIN = 10.0  # the process group's own timeout: the pool's timeout plus this (a backstop)
+PROGRESS_DELAY = 0.5  # seconds a cell runs before on_progress is called (quick cells: never)
+PROGRESS_INTERVAL = 0.3  # seconds between on_progress calls
 INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt before they are restarted
 
 
@@ -349,9 +351,10 @@ class RankPool:
             raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
         self.start_method, note = choose_start_method(start_method)
         gpus = _visible_gpus()
-        if gpus and num_processes > gpus:
-            raise ValueError(f"num_processes={num_processes} but only {gpus} GPU(s) are visible: one rank per GPU. "
-                             f"Pass num_processes<={gpus}.")
+        if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
+            print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+                  f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+            gpus = 0
         if note:
             print(note, file=sys.stderr)
         self.num_processes = num_processes
@@ -427,18 +430,21 @@ class RankPool:
                 for rank in self._workers.ranks]
 
     # ------------------------------------------------------------------------------------------ calls
-    def exec(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None) -> RankResults:
+    def exec(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
+             on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
         """Run a cell's source on each rank (in its own namespace); return the per-rank results.
 
         Like IPython, the value of a last expression statement is returned (not when the cell ends with
         `;`). An exception on a rank is in its result (`.error`), not raised; a hang raises
-        CollectiveMismatchError / RankTimeoutError (after restarting the ranks).
+        CollectiveMismatchError / RankTimeoutError (after restarting the ranks). `on_progress(partial)` is
+        called with the results so far (output, finished ranks) when a cell that runs longer than
+        PROGRESS_DELAY seconds prints something, at most every PROGRESS_INTERVAL seconds (live views).
         """
         if not isinstance(source, str):
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
         filename = f"<rank-cell-{next(self._cells)}>"
         ast.parse(source, filename, "exec")  # a SyntaxError is raised here, before any rank sees the cell
-        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout)
+        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout, on_progress)
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `function(*args, **kwargs)` on every rank (cloudpickled once, like notebook_launcher); return
@@ -470,13 +476,13 @@ class RankPool:
 
     # ------------------------------------------------------------------------------------------ the wait
     def _call(self, make: Callable[[int, int], tuple], ranks: Iterable[int] | None,
-              timeout: float | None) -> RankResults:
+              timeout: float | None, on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
         timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
         with self._lock:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
-            call = _Call(self._workers.ranks, selected, next(self._ids), timeout)
+            call = _Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress)
             try:
                 return call.run(make)
             except _Hang as hang:
@@ -536,7 +542,8 @@ class _Hang(Exception):
 class _Call:
     """One command sent to the selected ranks, and the wait for their replies (with hang checks)."""
 
-    def __init__(self, ranks: list[_Rank], selected: list[int], call_id: int, timeout: float) -> None:
+    def __init__(self, ranks: list[_Rank], selected: list[int], call_id: int, timeout: float,
+                 on_progress: Callable[[RankResults], None] | None = None) -> None:
         self.ranks = ranks
         self.selected = selected
         self.call_id = call_id
@@ -547,6 +554,9 @@ class _Call:
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.raw_seen: dict[int, tuple[Any, float]] = {}
         self.broken: str | None = None
+        self.on_progress = on_progress
+        self.changed = False
+        self.progress_at = time.monotonic() + PROGRESS_DELAY
 
     def run(self, make: Callable[[int, int], tuple]) -> RankResults:
         for index in self.selected:
@@ -576,10 +586,12 @@ class _Call:
                 for index in asked:
                     objects[self.ranks[index].status] = ("status", index)
                 round_done = False
-                for obj in wait(list(objects), max(0.0, check_at - time.monotonic())):
+                wake = min(check_at, self.progress_at) if self.changed and self.on_progress else check_at
+                for obj in wait(list(objects), max(0.0, wake - time.monotonic())):
                     what, index = objects[obj]
                     if what == "fd":
                         self.ranks[index].drain(obj)
+                        self.changed = True
                     elif what == "reply" and index in self.pending:
                         self._reply(index)
                     elif what == "exit" and index in self.pending and not self.ranks[index].commands.poll(0):
@@ -590,6 +602,10 @@ class _Call:
                         round_done = not asked
                 if round_done and self.pending:
                     self._check()
+                if self.on_progress and self.changed and self.pending and time.monotonic() >= self.progress_at:
+                    self.changed = False
+                    self.progress_at = time.monotonic() + PROGRESS_INTERVAL
+                    self.on_progress(self.progress())
         except KeyboardInterrupt:
             self._interrupt()
             raise
@@ -711,6 +727,18 @@ class _Call:
             result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"])
             result.status = "failed"
         return result
+
+    def progress(self) -> RankResults:
+        """The results so far: finished ranks' results, and the output the others printed until now."""
+        partial = []
+        for index in self.selected:
+            if index in self.pending:
+                rank = self.ranks[index]
+                partial.append(RankResult(index, stdout=bytes(rank.out).decode("utf-8", "replace"),
+                                          stderr=bytes(rank.err).decode("utf-8", "replace"), status="running"))
+            else:
+                partial.append(self._result(index))
+        return RankResults(partial)
 
     def partial_results(self, states: list[RankState]) -> list[RankResult]:
         return [self._result(index, waiting=index in self.pending) for index in self.selected]

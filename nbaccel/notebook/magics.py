@@ -163,21 +163,25 @@ class RankMagics(Magics):
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
         options = _cell_parser().parse_args(shlex.split(line))
         pool = self._require()
+        live = _LiveView()
         try:
-            results = pool.exec(cell, ranks=options.ranks, timeout=options.timeout)
+            results = pool.exec(cell, ranks=options.ranks, timeout=options.timeout, on_progress=live.update)
         except RankPoolError as exc:
             shown = RankResults(exc.results)
-            if any(result.stdout or result.stderr or result.text is not None for result in shown):
-                _display(shown)
+            if live.handle is not None or any(r.stdout or r.stderr or r.text is not None for r in shown):
+                live.show(shown)
             raise
         failed = results.failed
         if failed:
-            _display(results)
+            live.show(results)
             first = failed[0].error
             raise RankFailedError(
                 f"rank{'s' if len(failed) > 1 else ''} {', '.join(str(r.rank) for r in failed)} raised; first: "
                 f"{first.exc_type}: {first.message}".rstrip(": ") + " (remote traceback above)",
                 list(results), failures={r.rank: r.error for r in failed})
+        if live.handle is not None:  # a long cell: its live view becomes the final one
+            live.show(results)
+            return None
         if any(result.stdout or result.stderr or result.text is not None for result in results):
             return results
         return None
@@ -188,13 +192,25 @@ class RankMagics(Magics):
             self.pool = None
 
 
-def _display(results: RankResults) -> None:
-    try:
-        from IPython.display import display
+class _LiveView:
+    """The side-by-side view of a running cell, updated in place as the ranks print (long cells only)."""
 
-        display(results)
-    except Exception:
-        print(repr(results), file=sys.stdout)
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def update(self, partial: RankResults) -> None:
+        self.show(partial)
+
+    def show(self, results: RankResults) -> None:
+        try:
+            from IPython.display import display
+
+            if self.handle is None:
+                self.handle = display(results, display_id=True)
+            else:
+                self.handle.update(results)
+        except Exception:
+            print(repr(results), file=sys.stdout)
 
 
 _magics: RankMagics | None = None

@@ -11,7 +11,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "not run": "not run"}
+STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "running": "running...",
+                 "not run": "not run"}
 
 
 def value_line(result: Any) -> str | None:
