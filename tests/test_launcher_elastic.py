@@ -98,3 +98,28 @@ def test_missing_node_times_out_instead_of_waiting_forever():
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", dashboard=False, timeout=2)
     assert time.monotonic() - start < 2 + 6
     assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]  # agent thread ended
+
+
+def test_interrupt_stops_elastic_workers_without_restarting_them():
+    import signal
+    import time
+
+    import pytest
+
+    fired: list[float] = []
+
+    def interrupt() -> None:
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(2.0, interrupt)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(time.sleep, (60,), num_processes=2, max_restarts=3, dashboard=False, timeout=60)
+        assert time.monotonic() - fired[0] < 3  # every worker stopped within 3 s of the interrupt
+    finally:
+        timer.cancel()
+    alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]

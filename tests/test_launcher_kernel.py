@@ -24,6 +24,7 @@ import torch
 from nbaccel import notebook_launcher, LaunchError
 """
 CLOSURE = """
+print("before launch")  # still in the kernel's buffer when the workers fork: must not appear twice
 base = 40
 def train(x):
     print(f"hello from rank {os.environ['RANK']}")
@@ -114,6 +115,7 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     assert out.count("[rank 0] hello from rank 0\n") == 1, out
     assert out.count("[rank 1] hello from rank 1\n") == 1, out
     assert "results [42, 43]" in out
+    assert out.count("before launch") == 1, out
 
     error = error_of(failing)
     assert error is not None and error.ename == "LaunchError"

@@ -24,6 +24,7 @@ from .observers import make_dashboard
 from .processes import (
     LocalProcesses,
     check_port_free,
+    check_start_method,
     choose_start_method,
     free_port,
     gc_frozen,
@@ -82,13 +83,16 @@ def notebook_launcher(
     gpus = _visible_gpus()
     if num_processes is None:
         num_processes = gpus or 1
+    elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
+        print("Colab with one GPU: running the function in this process (as Accelerate does).", file=sys.stderr)
+        num_processes = 1
     elif gpus and num_processes > gpus:
         raise ValueError(
             f"num_processes={num_processes} but only {gpus} GPU(s) are visible: nbaccel runs one process per "
             f"GPU. Pass num_processes<={gpus} (or hide the GPUs with CUDA_VISIBLE_DEVICES='' to use the CPU)."
         )
     if num_processes == 1 and num_nodes == 1 and max_restarts == 0:
-        choose_start_method(start_method)  # still reject an unknown start_method
+        check_start_method(start_method)  # still reject an unknown start_method
         return run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
     method, note = choose_start_method(start_method)
     payload = dumps_payload(function, tuple(args), kwargs)  # before any process starts
@@ -131,7 +135,7 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     if note:
         print(note, file=sys.stderr)
     payload = dumps_payload(function, tuple(args), {})
-    env = _common_env(mixed_precision, use_cpu=True)
+    env = dict(_common_env(mixed_precision, use_cpu=True), FORK_LAUNCHED="1")  # as Accelerate's debug_launcher
     with resource_tracker_scope():
         return _launch_local(payload, env, "cpu", num_processes, "127.0.0.1", free_port(), method, False, (),
                              None)
@@ -150,7 +154,7 @@ def _visible_gpus() -> int:
 def _common_env(mixed_precision: str, use_cpu: bool) -> dict[str, str]:
     env = {"NBACCEL_MIXED_PRECISION": mixed_precision, "ACCELERATE_MIXED_PRECISION": mixed_precision}
     if use_cpu:
-        env["NBACCEL_USE_CPU"] = "1"
+        env["NBACCEL_USE_CPU"] = env["ACCELERATE_USE_CPU"] = "1"
         if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # hostname-based interface lookup is flaky on VMs
     return env
@@ -285,7 +289,7 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
         return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout)
     method = start_method or "fork"
     payload = dumps_payload(function, args, kwargs)
-    env = _common_env(mixed_precision, use_cpu=False)
+    env = dict(_common_env(mixed_precision, use_cpu=False), FORK_LAUNCHED="1")  # as Accelerate on TPU
     ctx = get_context(method)
     pipes = _Pipes(ctx, nprocs)
     with resource_tracker_scope():

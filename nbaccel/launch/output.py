@@ -22,9 +22,12 @@ READ_SIZE = 65536
 def redirect_std_fds(stdout_fd: int, stderr_fd: int) -> None:
     """Make fds 1/2 (and sys.stdout/sys.stderr) write into the given pipe ends (the caller closes those)."""
     for stream in (sys.stdout, sys.stderr):
+        # A forked Jupyter worker inherits the kernel's ipykernel streams: flushing one from the child
+        # would send the kernel's own buffered text to the notebook a second time. Only flush plain files.
+        if stream is None or type(stream).__module__.startswith("ipykernel"):
+            continue
         try:
-            if stream is not None:
-                stream.flush()
+            stream.flush()
         except Exception:
             pass
     os.dup2(stdout_fd, 1)

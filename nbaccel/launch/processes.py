@@ -51,6 +51,11 @@ def _call(fn: Any) -> bool:
         return False
 
 
+def check_start_method(requested: str | None) -> None:
+    if requested is not None and requested not in START_METHODS:
+        raise ValueError(f"start_method={requested!r} is not one of {START_METHODS} (or None to choose automatically)")
+
+
 def choose_start_method(requested: str | None) -> tuple[str, str | None]:
     """Return (start method, note for the user or None).
 
@@ -58,8 +63,12 @@ def choose_start_method(requested: str | None) -> tuple[str, str | None]:
     an accelerator runtime was initialized in this process (a forked child cannot use it). Otherwise spawn,
     with a one-line note saying why. An explicit "fork" in an unsafe state raises ValueError.
     """
-    if requested is not None and requested not in START_METHODS:
-        raise ValueError(f"start_method={requested!r} is not one of {START_METHODS} (or None to choose automatically)")
+    check_start_method(requested)
+    if sys.platform == "win32":
+        raise RuntimeError(
+            "notebook_launcher needs Linux or macOS to run more than one process (it captures each worker's "
+            "output at the file-descriptor level); on Windows use WSL, or num_processes=1."
+        )
     runtime = accelerator_initialized()
     reason = None
     if runtime:
@@ -246,22 +255,25 @@ def _signal(pid: int, sig: int) -> None:
 
 @contextlib.contextmanager
 def resource_tracker_scope() -> Iterator[None]:
-    """Stop multiprocessing's resource tracker afterwards if this launch started it (spawn does).
+    """Stop multiprocessing's helper processes afterwards if this launch started them: the resource
+    tracker (spawn and forkserver start it) and the fork server.
 
-    Otherwise every spawn launch would leave that helper process behind for the life of the kernel.
+    Otherwise every such launch would leave a helper process behind for the life of the kernel.
     """
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
-    tracker = getattr(resource_tracker, "_resource_tracker", None)
-    was_running = getattr(tracker, "_pid", None) is not None
+    helpers = [(getattr(resource_tracker, "_resource_tracker", None), "_pid"),
+               (getattr(forkserver, "_forkserver", None), "_forkserver_pid")]
+    running = [getattr(helper, attr, None) is not None for helper, attr in helpers]
     try:
         yield
     finally:
-        if tracker is not None and not was_running and getattr(tracker, "_pid", None) is not None:
-            try:
-                tracker._stop()
-            except Exception:
-                pass
+        for (helper, attr), was_running in zip(reversed(helpers), reversed(running)):
+            if helper is not None and not was_running and getattr(helper, attr, None) is not None:
+                try:
+                    helper._stop()
+                except Exception:
+                    pass
 
 
 class LocalProcesses:

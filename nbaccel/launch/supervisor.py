@@ -224,29 +224,34 @@ class Supervisor:
             self._fail(WorkerFailure(worker.rank, None, "exited without returning a result", "", exitcode))
 
     # ------------------------------------------------------------------ the loop
+    def pump(self, timeout: float) -> None:
+        """One round: wait up to `timeout` s for anything to read, then handle messages, output lines and
+        exits (and the periodic memory samples). Persistent ranks drive the supervisor with this."""
+        objects: list[Any] = [w.channel for w in self.workers if w.channel_open]
+        for w in self.workers:
+            objects += list(w.open_fds)
+        objects += self.backend.wait_objects()
+        ready = wait(objects, timeout=timeout) if objects else time.sleep(timeout) or []
+        for obj in ready:
+            if isinstance(obj, int) and obj in self._by_fd:
+                self._read_fd(obj)
+            elif id(obj) in self._by_channel:
+                self._read_channel(self._by_channel[id(obj)])
+        self._flush()
+        for local_rank, exitcode in self.backend.poll_exits():
+            self._on_exit(local_rank, exitcode)
+        if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
+            self._next_sample = time.monotonic() + self._memory_interval
+            self._sample_memory()
+
     def run(self) -> list[Any]:
         """Supervise until the end; return results by local rank or raise LaunchError/KeyboardInterrupt."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         outcome = "finished"
         try:
             while True:
-                objects: list[Any] = [w.channel for w in self.workers if w.channel_open]
-                for w in self.workers:
-                    objects += list(w.open_fds)
-                objects += self.backend.wait_objects()
                 wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
-                ready = wait(objects, timeout=wait_for) if objects else time.sleep(wait_for) or []
-                for obj in ready:
-                    if isinstance(obj, int) and obj in self._by_fd:
-                        self._read_fd(obj)
-                    elif id(obj) in self._by_channel:
-                        self._read_channel(self._by_channel[id(obj)])
-                self._flush()
-                for local_rank, exitcode in self.backend.poll_exits():
-                    self._on_exit(local_rank, exitcode)
-                if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
-                    self._next_sample = time.monotonic() + self._memory_interval
-                    self._sample_memory()
+                self.pump(wait_for)
                 if self.failures and self.backend.fail_fast:
                     outcome = "failed"
                     break
