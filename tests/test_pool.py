@@ -258,5 +258,8 @@ def test_rank_view_shows_equal_values_once_and_columns():
                                         error=WorkerFailure(1, "ValueError", "bad", "Traceback...\nValueError: bad"))])
     text = render_text(different)
     assert "[rank 0] a" in text and "[rank 1] ValueError: bad" in text and "rank 0: 1" in text
+    many = RankResults([RankResult(0, stdout="".join(f"line {i}\n" for i in range(500)))])
+    assert "300 earlier lines" in render_text(many) and "[rank 0] line 499" in render_text(many)
+    assert "line 299\n" not in render_text(many) + "\n" and "line 300" in render_html(many)
     html = render_html(different)
     assert html.count("<b>rank ") == 2 and "ValueError: bad" in html and "all ranks" not in html

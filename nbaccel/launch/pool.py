@@ -624,7 +624,7 @@ class _Call:
         self.replies[index] = message
         self.outputs[index] = rank.take_output()
         self.pending.discard(index)
-        if message.get("pg_broken") and message.get("error"):
+        if message.get("pg_broken") and message.get("error") and self.broken is None:
             self.broken = f"rank {index}: {message['error']['exc_type']}: {message['error']['message']}".splitlines()[0]
 
     def _dead(self, index: int) -> None:

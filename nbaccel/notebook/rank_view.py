@@ -11,8 +11,18 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+MAX_LINES = 200  # per rank and stream; the full text stays in RankResult.stdout / .stderr
 STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "running": "running...",
                  "not run": "not run"}
+
+
+def tail(text: str, max_lines: int = MAX_LINES) -> str:
+    """The last `max_lines` lines of `text`, saying how many were left out."""
+    lines = text.rstrip("\n").splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join([f"... ({len(lines) - max_lines} earlier lines: see .stdout/.stderr of the results)",
+                      *lines[-max_lines:]])
 
 
 def value_line(result: Any) -> str | None:
@@ -43,7 +53,8 @@ def render_text(results: Sequence[Any]) -> str:
         if label:
             out.append(f"[rank {result.rank}] ({label})")
         for stream in (result.stdout, result.stderr):
-            out += [f"[rank {result.rank}] {line}" for line in stream.rstrip("\n").splitlines()]
+            if stream:
+                out += [f"[rank {result.rank}] {line}" for line in tail(stream).splitlines()]
         if result.error is not None:
             text = result.error.traceback.rstrip() or f"{result.error.exc_type}: {result.error.message}"
             out += [f"[rank {result.rank}] {line}" for line in text.splitlines()]
@@ -84,9 +95,9 @@ def render_html(results: Sequence[Any]) -> str:
             head += f" <span style='color:#888'>{result.duration * 1000:.1f} ms</span>"
         parts = [f"<div>{head}</div>"]
         if result.stdout:
-            parts.append(f"<pre style='{_PRE}'>{html.escape(result.stdout.rstrip())}</pre>")
+            parts.append(f"<pre style='{_PRE}'>{html.escape(tail(result.stdout))}</pre>")
         if result.stderr:
-            parts.append(f"<pre style='{_PRE};background:#fdd'>{html.escape(result.stderr.rstrip())}</pre>")
+            parts.append(f"<pre style='{_PRE};background:#fdd'>{html.escape(tail(result.stderr))}</pre>")
         if result.error is not None:
             text = result.error.traceback.rstrip() or f"{result.error.exc_type}: {result.error.message}"
             parts.append(f"<pre style='{_PRE};color:#b00'>{html.escape(text)}</pre>")
