@@ -21,6 +21,7 @@ from nbaccel.launch.pool import (
     RankPool,
     RankResult,
     RankResults,
+    RankStartError,
     RankTimeoutError,
     results_equal,
 )
@@ -263,3 +264,10 @@ def test_rank_view_shows_equal_values_once_and_columns():
     assert "line 299\n" not in render_text(many) + "\n" and "line 300" in render_html(many)
     html = render_html(different)
     assert html.count("<b>rank ") == 2 and "ValueError: bad" in html and "all ranks" not in html
+
+
+def test_a_rank_that_cannot_start_raises_with_its_traceback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nbaccel-no-such-if0")  # gloo cannot create the process group
+    with pytest.raises(RankStartError, match="failed to start") as caught:
+        RankPool(2, timeout=5)
+    assert "Traceback" in str(caught.value)

@@ -375,7 +375,11 @@ class RankPool:
         workers = _Workers(self.num_processes, self.start_method, self._env, self._device)
         self._finalizer = weakref.finalize(self, workers.close, False)
         self._workers = workers
-        workers.wait_ready(START_TIMEOUT)
+        try:
+            workers.wait_ready(START_TIMEOUT)
+        except BaseException:  # a rank failed to start, or the user interrupted: nothing may stay behind
+            self._stop(graceful=False)
+            raise
 
     def restart(self) -> None:
         """Stop every rank and start fresh ones (new process group, empty namespaces)."""
