@@ -29,7 +29,7 @@ CELLS = [
     "%%ranks\n1 / 0 if PartialState().process_index == 1 else 'fine'",
     "value = 41\n%ranks push value",
     "%%ranks --ranks 1\nvalue += 1",
-    "%ranks pull value\nvalue",
+    "%ranks pull value\nassert value == [41, 42]\npulled = %ranks pull value\npulled",
     "%%ranks\nimport time\nfor i in range(3):\n    print('step', i, flush=True)\n    time.sleep(0.4)\n'done'",
     "%ranks status",
     "%ranks stop",

@@ -146,18 +146,22 @@ class RankMagics(Magics):
             pool.push(name, self.shell.user_ns[name])
         print(f"Pushed {', '.join(names)} to {pool.num_processes} ranks.")
 
-    def _pull(self, names: list[str]) -> None:
+    def _pull(self, names: list[str]) -> Any:
+        """Assign each name in the kernel; with one name also return it (`loss = %ranks pull loss`)."""
         pool = self._require()
         if not names:
             raise MagicUsageError("%ranks pull needs variable names, e.g. %ranks pull loss")
+        value = None
         for name in names:
             values = pool.pull(name)
             if results_equal(values):
-                self.shell.user_ns[name] = values[0]
+                value = values[0]
                 print(f"{name}: equal on all ranks, assigned the value")
             else:
-                self.shell.user_ns[name] = values
+                value = values
                 print(f"{name}: differs between ranks, assigned a list with one value per rank")
+            self.shell.user_ns[name] = value
+        return value if len(names) == 1 else None
 
     # ------------------------------------------------------------------------------------------ cells
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
