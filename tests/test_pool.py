@@ -242,6 +242,14 @@ def test_diagnose_rules():
     assert diagnose(both, now, timeout=10, grace=2).kind == "timeout"
     other = RankState(1, "running", snapshot={"collective": dict(record, op="broadcast", call="broadcast")})
     assert diagnose([waiting, other], now, timeout=30, grace=2).kind == "mismatch"
+    idle = diagnose([waiting, RankState(1, "idle")], now, timeout=30, grace=2)  # %%ranks --ranks 0
+    assert idle.kind == "mismatch" and idle.summary.endswith("rank 1 does not run this cell")
+    failed = diagnose([waiting, RankState(1, "failed", "ValueError: bad")], now, timeout=30, grace=2)
+    assert failed.summary.endswith("rank 1 failed the cell (ValueError: bad)")
+    raw = RankState(1, "running", snapshot={"collective": None, "raw_call": "torch.distributed.barrier", "line": 3},
+                    raw_since=95.0)
+    assert diagnose([waiting, raw], now, timeout=30, grace=2).summary.endswith(
+        "rank 1 waits in torch.distributed.barrier at cell line 3 for 5.0 s")
     busy = RankState(1, "running", snapshot={"collective": None, "line": 7})
     assert diagnose([waiting, busy], now, timeout=30, grace=2) is None  # rank 1 may still get there
     assert diagnose([RankState(0, "running", snapshot={"collective": dict(record, started=99.0)}), done], now,
