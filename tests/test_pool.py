@@ -40,7 +40,7 @@ x = torch.arange(3) + 10 * state.process_index
 
 TRACED_GATHER_ON_RANK_0 = """
 if state.process_index == 0:
-    out = torch.zeros(6, dtype=x.dtype)
+    out = torch.zeros(6, dtype=x.dtype); print("entering")
     with in_collective("gather", "all_gather_into_tensor", [x]):
         dist.all_gather_into_tensor(out, x)
 """
@@ -146,6 +146,7 @@ def test_mismatch_timeout_and_raw_collective_are_reported_and_the_pool_recovers(
         assert "restarted" in message and "lost" in message
         assert caught.value.restarted and pool.pids != first_pids and _gone(first_pids)
         assert [r.status for r in caught.value.results] == ["waiting", "finished"]
+        assert caught.value.results[0].stdout == "entering\n"  # what the stuck rank printed
         # usable afterwards, but the namespaces are new
         results = pool.exec("from nbaccel import PartialState\nPartialState().process_index")
         assert results.values == [0, 1]

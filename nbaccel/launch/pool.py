@@ -490,8 +490,9 @@ class RankPool:
             try:
                 return call.run(make)
             except _Hang as hang:
+                error = self._hang_error(hang, call)  # before the restart: it reads the stuck ranks' output
                 self._recover(graceful=False)
-                raise self._hang_error(hang, call) from None
+                raise error from None
             except KeyboardInterrupt:
                 if call.pending:
                     self._recover(graceful=False)
@@ -525,14 +526,14 @@ class RankPool:
         head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
                 else f"a collective did not complete within timeout={call.timeout:g} s")
         lines = [f"{head}:", diagnosis.summary, "",
-                 explain(diagnosis, call.timeout, MISMATCH_GRACE)]
+                 explain(diagnosis, call.timeout, min(MISMATCH_GRACE, call.timeout))]
         if diagnosis.details:
             lines += ["", diagnosis.details]
         lines += ["", f"The ranks were restarted: rank{'s' if len(stuck) > 1 else ''} "
                       f"{', '.join(map(str, stuck))} stayed inside a collective, which cannot be undone. Variables "
                       "defined on the ranks are lost: re-run the cells that define them."]
         cls = CollectiveMismatchError if diagnosis.kind == "mismatch" else RankTimeoutError
-        return cls("\n".join(lines), call.partial_results(hang.states), restarted=True)
+        return cls("\n".join(lines), call.partial_results(), restarted=True)
 
 
 class _Hang(Exception):
@@ -744,7 +745,7 @@ class _Call:
                 partial.append(self._result(index))
         return RankResults(partial)
 
-    def partial_results(self, states: list[RankState]) -> list[RankResult]:
+    def partial_results(self) -> list[RankResult]:
         return [self._result(index, waiting=index in self.pending) for index in self.selected]
 
 
