@@ -415,3 +415,35 @@ def test_one_process_honours_timeout_and_observers():
         launch(time.sleep, (10,), num_processes=1, timeout=0.5)
     assert launch(lambda: 4, num_processes=1, observers=[messages.append]) == [4]
     assert [m["state"] for m in messages if m["kind"] == "status"] == ["running", "finished"]
+
+
+def test_dashboard_auto_uses_nbaccel_notebook_when_present(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "nbaccel.notebook", None)  # not importable: launch without it
+    assert launch(lambda: 1, dashboard="auto") == [1, 1]
+    with pytest.raises(ImportError):
+        launch(lambda: 1, dashboard=True)
+
+    made = []
+
+    class Dashboard:  # the dashboard's API: Dashboard(num_processes, *, title=None, ...), observe, start, close
+        def __init__(self, num_processes, *, title=None):
+            self.num_processes, self.kinds, self.closed = num_processes, [], False
+            made.append(self)
+
+        def start(self):
+            return self
+
+        def observe(self, message):
+            self.kinds.append(message["kind"])
+
+        def close(self):
+            self.closed = True
+
+    fake = types.ModuleType("nbaccel.notebook")
+    fake.Dashboard = Dashboard
+    monkeypatch.setitem(sys.modules, "nbaccel.notebook", fake)
+    assert launch(lambda: 2, dashboard="auto") == [2, 2]
+    (board,) = made
+    assert board.num_processes == 2 and board.closed and "result" in board.kinds and "launch" in board.kinds
