@@ -49,7 +49,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
         close_quietly(fd)
     os.setpgid(0, 0)  # a terminal's or Jupyter's SIGINT reaches the kernel only; the pool forwards it
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)
@@ -86,13 +86,11 @@ def _ignore(event: str, record: Any) -> None:
 
 
 def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
-    """Answer commands until `stop` (or end of file). An interrupt between commands is ignored."""
+    """Answer commands until `stop` (or end of file)."""
     global _busy
     while True:
         try:
             message = commands.recv()
-        except KeyboardInterrupt:
-            continue
         except (EOFError, OSError):
             return
         kind = message[0]
@@ -100,15 +98,9 @@ def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
             return
         call_id = message[1]
         _busy = (call_id, time.time())
-        try:
-            reply = _handle(kind, message, namespace, rank)
-        except KeyboardInterrupt as exc:  # arrived after the command's own handler
-            reply = {"error": _error_info(exc)}
+        reply = _handle(kind, message, namespace, rank)
         _busy = None
-        try:
-            flush_std()
-        except KeyboardInterrupt:
-            pass
+        flush_std()
         reply.update(kind="reply", id=call_id, rank=rank)
         if not _send(commands, reply):
             return
@@ -118,35 +110,44 @@ def _handle(kind: str, message: tuple, namespace: dict[str, Any], rank: int) -> 
     started = time.perf_counter()
     reply: dict[str, Any] = {}
     try:
-        if kind == "exec":
-            _, _, source, filename = message
-            value, shown = run_cell(source, filename, namespace)
-            if shown:
-                reply.update(describe(value))
-                reply["value"] = _dumps_value(value, reply)
-        elif kind == "run":
-            from . import serialize
-
-            function, args, kwargs = serialize.loads(message[2])
-            value = function(*args, **kwargs)
-            reply.update(describe(value))
-            reply["value"] = _dumps_value(value, reply, required=True)
-        elif kind == "push":
-            from . import serialize
-
-            namespace[message[2]] = serialize.loads(message[3])
-        elif kind == "pull":
-            name = message[2]
-            if name not in namespace:
-                raise NameError(f"name {name!r} is not defined on rank {rank}")
-            reply["value"] = _dumps_value(namespace[name], reply, required=True)
-        else:
-            raise ValueError(f"unknown command {kind!r}")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            _dispatch(kind, message, namespace, rank, reply)
+        finally:  # never between pipe reads/writes: a half-sent message would desynchronize the pipe
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except BaseException as exc:
         reply["error"] = _error_info(exc)
         reply["pg_broken"] = _breaks_process_group(exc)
     reply["duration"] = time.perf_counter() - started
     return reply
+
+
+def _dispatch(kind: str, message: tuple, namespace: dict[str, Any], rank: int, reply: dict[str, Any]) -> None:
+    """Run one command; what goes back to the kernel is written into `reply`."""
+    if kind == "exec":
+        _, _, source, filename = message
+        value, shown = run_cell(source, filename, namespace)
+        if shown:
+            reply.update(describe(value))
+            reply["value"] = _dumps_value(value, reply)
+    elif kind == "run":
+        from . import serialize
+
+        function, args, kwargs = serialize.loads(message[2])
+        value = function(*args, **kwargs)
+        reply.update(describe(value))
+        reply["value"] = _dumps_value(value, reply, required=True)
+    elif kind == "push":
+        from . import serialize
+
+        namespace[message[2]] = serialize.loads(message[3])
+    elif kind == "pull":
+        name = message[2]
+        if name not in namespace:
+            raise NameError(f"name {name!r} is not defined on rank {rank}")
+        reply["value"] = _dumps_value(namespace[name], reply, required=True)
+    else:
+        raise ValueError(f"unknown command {kind!r}")
 
 
 def run_cell(source: str, filename: str, namespace: dict[str, Any]) -> tuple[Any, bool]:
