@@ -90,3 +90,26 @@ def test_debug_collectives_notebook_runs_top_to_bottom(tmp_path):
     assert "tensor([ 0,  1,  2, 10, 11, 12])" in out
     assert re.search(r"^rank 0 waits in gather", out, re.M) and "rank 1 finished" in out
     assert "Stopped 2 ranks" in out
+
+
+def test_magic_usage_errors_say_what_is_allowed(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbaccel.notebook.magics import MagicUsageError
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_line_magic("load_ext", "nbaccel")
+        with pytest.raises(MagicUsageError, match="unknown subcommand 'bogus'"):
+            shell.run_line_magic("ranks", "bogus")
+        with pytest.raises(MagicUsageError, match="no ranks are running"):
+            shell.run_cell_magic("ranks", "", "1")
+        with pytest.raises(MagicUsageError, match="timeout must be > 0"):
+            shell.run_line_magic("ranks", "start --timeout -1")
+        with pytest.raises(MagicUsageError, match="--ranks takes comma-separated"):
+            shell.run_cell_magic("ranks", "--ranks a,b", "1")
+        shell.run_line_magic("ranks", "status")
+        assert "No ranks running" in capsys.readouterr().out
+        shell.run_line_magic("unload_ext", "nbaccel")
+    finally:
+        InteractiveShell.clear_instance()
