@@ -118,7 +118,7 @@ def test_exec_run_namespaces_output_errors_push_pull():
         # a subset of the ranks
         results = pool.exec("z = 'only here'\nz", ranks=[1])
         assert [r.rank for r in results] == [1] and results.values == ["only here"]
-        assert not pool.exec("'z' in dir()").values[0]
+        assert not pool.exec("'z' in dir()").values[0] and pool.exec("z", ranks=1).values == ["only here"]
         with pytest.raises(ValueError, match="ranks"):
             pool.exec("1", ranks=[2])
     assert not pool.running

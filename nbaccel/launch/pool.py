@@ -508,7 +508,12 @@ class RankPool:
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
             return list(range(self.num_processes))
-        selected = sorted(set(ranks))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        try:
+            selected = sorted(set(ranks))
+        except TypeError:
+            raise ValueError(f"ranks must be a list of rank numbers (or one rank), got {ranks!r}") from None
         bad = [rank for rank in selected if isinstance(rank, bool) or not isinstance(rank, int)
                or not 0 <= rank < self.num_processes]
         if bad or not selected:
