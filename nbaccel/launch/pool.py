@@ -372,6 +372,14 @@ class RankPool:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
+        try:
+            self._start_once()
+        except RankStartError as exc:
+            if "address already in use" not in str(exc).lower():
+                raise
+            self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
+
+    def _start_once(self) -> None:
         workers = _Workers(self.num_processes, self.start_method, self._env, self._device)
         self._finalizer = weakref.finalize(self, workers.close, False)
         self._workers = workers

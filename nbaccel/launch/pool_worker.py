@@ -48,7 +48,8 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         _die_with_parent()
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
         close_quietly(fd)
-    os.setpgid(0, 0)  # a terminal's or Jupyter's SIGINT reaches the kernel only; the pool forwards it
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)  # a terminal's or Jupyter's SIGINT reaches the kernel only; the pool forwards it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
