@@ -35,8 +35,8 @@ CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
 _PR_SET_PDEATHSIG = 1
 
-_busy: tuple[int, float] | None = None
-_inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank  # (command id, start time) while the main thread runs a command
+_busy: tuple[int, float] | None = None  # (command id, start time) while the main thread runs a command
+_inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank
 
 
 def pool_worker(commands: Connection, status: Connection, stdout: Connection, stderr: Connection,
