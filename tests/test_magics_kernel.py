@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -35,6 +37,8 @@ CELLS = [
     "%ranks stop",
     "import psutil\nprint('children', len([c for c in psutil.Process().children(recursive=True)"
     " if c.status() != psutil.STATUS_ZOMBIE]))",
+    # ranks left running when the kernel shuts down are stopped with it
+    "%ranks start -n 2\nfrom nbaccel.notebook import magics\nprint('pids', *magics._magics.pool.pids)",
 ]
 
 
@@ -44,6 +48,22 @@ def _run(cells: list[str], tmp_path: Path) -> list[str]:
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     return [_text(cell) for cell in notebook.cells]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _text(cell) -> str:
@@ -79,6 +99,8 @@ def test_ranks_magics_in_a_kernel(tmp_path):
     assert "2 ranks running" in out[10]
     assert "Stopped 2 ranks" in out[11]
     assert "children 0" in out[12]
+    pids = [int(pid) for pid in out[13].split("pids", 1)[1].split()]
+    assert len(pids) == 2 and _gone(pids), pids
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nbaccel.utils.operations") is None,

@@ -46,12 +46,17 @@ if state.process_index == 0:
 """
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _gone(pids: list[int], within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        alive = [pid for pid in pids if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+        if not any(_alive(pid) for pid in pids):
             return True
         time.sleep(0.1)
     return False
