@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import _thread
 import gc
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import psutil
@@ -180,11 +178,14 @@ def test_restart_and_shutdown_leave_no_process():
     pool.exec("a = 1")
     old = pool.pids
     # interrupting the kernel interrupts the ranks; they stay up, with their variables
-    threading.Timer(0.5, _thread.interrupt_main).start()
+    def interrupt_once_both_sleep(partial: RankResults) -> None:  # what the stop button does, at that moment
+        if all("sleeping" in result.stdout for result in partial):
+            raise KeyboardInterrupt
+
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        pool.exec("import time\ntime.sleep(30)")
-    assert time.monotonic() - start < 5 and pool.pids == old and pool.restarts == 0
+        pool.exec("import time\nprint('sleeping', flush=True)\ntime.sleep(30)", on_progress=interrupt_once_both_sleep)
+    assert time.monotonic() - start < 10 and pool.pids == old and pool.restarts == 0
     assert pool.exec("a").values == [1, 1]
     pool.restart()
     assert _gone(old) and pool.pids != old
