@@ -57,6 +57,11 @@ RNG_STATE_NAME = "random_states"
 CUSTOM_CHECKPOINT_NAME = "custom_checkpoint"
 CHECKPOINTS_DIRNAME = "checkpoints"
 
+MARKER_NAME = ".nbaccel-checkpoint.json"  # written last into every checkpoint folder a save created whole
+_KNOWN_FILE_RE = re.compile(
+    r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|(optimizer|scheduler|sampler)(_\d+)?\.bin"
+    r"|dl_state_dict(_\d+)?(\.rank\d+)?\.bin|scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
+)
 _TMP_SUFFIX = ".nbaccel-tmp"  # `.{name}.nbaccel-tmp`: a save in progress (or killed)
 _OLD_SUFFIX = ".nbaccel-old"  # `.{name}.nbaccel-old`: the previous checkpoint, during the final rename
 _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -155,18 +160,25 @@ def latest_checkpoint_dir(project_configuration: Any) -> Path:
     return found[-1]
 
 
-def rotate_checkpoints(root: str | os.PathLike, total_limit: int | None) -> list[Path]:
+def rotate_checkpoints(
+    root: str | os.PathLike, total_limit: int | None, *, keep: str | os.PathLike | None = None
+) -> list[Path]:
     """Delete the oldest `checkpoint_N` folders under `root` so that at most `total_limit` remain.
 
-    Returns the deleted folders. `None` keeps everything. nbaccel rotates after the new checkpoint is in
-    place (Accelerate deletes before saving), so a failed save never costs the last good checkpoint.
+    `keep` (the checkpoint just written) is never deleted and counts as one of the `total_limit`, even
+    when its number is lower than older ones (a resumed run whose iteration restarted). Returns the
+    deleted folders; `None` keeps everything. nbaccel rotates after the new checkpoint is in place
+    (Accelerate deletes before saving), so a failed save never costs the last good checkpoint.
     """
     if total_limit is None:
         return []
     if not isinstance(total_limit, int) or total_limit < 1:
         raise ValueError(f"total_limit must be a positive int or None, got {total_limit!r}.")
     found = list_checkpoints(root)
-    doomed = found[: max(0, len(found) - total_limit)]
+    kept = Path(keep).absolute() if keep is not None else None
+    others = [path for path in found if path.absolute() != kept]
+    room = total_limit - (1 if kept is not None and len(others) < len(found) else 0)
+    doomed = others[: max(0, len(others) - room)]
     for path in doomed:
         logger.info("Deleting old checkpoint %s (total_limit=%d)", path, total_limit)
         shutil.rmtree(path)
@@ -220,6 +232,31 @@ def _clean_stale_tmp_dirs(parent: Path) -> None:
         if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX) and entry.is_dir():
             logger.info("Removing %s left by an interrupted save", entry)
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _replaceable(target: Path) -> bool:
+    """True when `target` may be replaced as a whole: absent, empty, written by a save (its marker), or
+    holding only checkpoint files by Accelerate's names. A folder with anything else in it is merged into
+    file by file instead, so a save never deletes files it did not write."""
+    if not target.exists():
+        return True
+    names = [entry.name for entry in target.iterdir()]
+    return MARKER_NAME in names or all(_KNOWN_FILE_RE.match(name) for name in names)
+
+
+def _move_files_into(tmp: Path, target: Path) -> None:
+    """Non-atomic fallback: move each new file into `target` (each one replaced atomically)."""
+    logger.warning(
+        "%s holds files that are not part of a checkpoint, so the save replaces its files one by one "
+        "instead of atomically as a whole; save into a folder of its own for atomic checkpoints.", target,
+    )
+    for entry in sorted(tmp.iterdir()):
+        destination = target / entry.name
+        if entry.is_dir() and destination.is_dir():
+            shutil.rmtree(destination)
+        os.replace(entry, destination)
+    tmp.rmdir()
+    _fsync_dir(target)
 
 
 def _fsync_file(path: Path) -> None:
@@ -400,9 +437,11 @@ def _torch_load(path: Path, *, map_location: Any = "cpu", allow_pickle_fallback:
             logger.debug("%s holds non-tensor Python objects; loading it with full unpickling", path)
             return _torch_load_full(path, map_location)
         if refused:
+            detail = next((line for line in str(error).splitlines() if "WeightsUnpickler error" in line
+                           or "GLOBAL" in line), str(error).splitlines()[0])
             raise CheckpointFileCorruptError(
-                f"Checkpoint file {path} holds Python objects that torch.load(weights_only=True) refuses: "
-                f"{str(error).splitlines()[0]}"
+                f"Checkpoint file {path} cannot be read with torch.load(weights_only=True): it is damaged, or "
+                f"holds Python objects other than tensors and plain containers ({detail.strip()})."
             ) from error
         raise _corrupt(path, error) from error
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as error:
@@ -648,6 +687,8 @@ def save_accelerator_state(
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             _recover_interrupted_rename(target)
+            if target.exists() and not target.is_dir():
+                raise NotADirectoryError(f"output_dir {target} is a file; pass a directory path.")
             _clean_stale_tmp_dirs(target.parent)
             tmp.mkdir()
         except BaseException as caught:  # noqa: BLE001 - reported to every process below
@@ -676,16 +717,21 @@ def save_accelerator_state(
     # 3. the main process moves it into place
     if is_main_process:
         try:
-            _fsync_dir(tmp)
-            old = _old_dir_for(target)
-            if target.exists():
-                os.replace(target, old)
-            os.replace(tmp, target)
-            _fsync_dir(target.parent)
-            if old.exists():
-                shutil.rmtree(old)
+            if _replaceable(target):
+                (tmp / MARKER_NAME).write_text(json.dumps({"format": "nbaccel-checkpoint", "version": 1,
+                                                           "num_processes": num_processes, "step": step}))
+                _fsync_dir(tmp)
+                old = _old_dir_for(target)
+                if target.exists():
+                    os.replace(target, old)
+                os.replace(tmp, target)
+                _fsync_dir(target.parent)
+                if old.exists():
+                    shutil.rmtree(old)
+            else:
+                _move_files_into(tmp, target)
             if total_limit is not None:
-                rotate_checkpoints(target.parent, total_limit)
+                rotate_checkpoints(target.parent, total_limit, keep=target)
         except BaseException as caught:  # noqa: BLE001
             error = caught
     if not _all_succeeded(error is None, num_processes):

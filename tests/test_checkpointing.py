@@ -34,6 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def listing(path: Path) -> list[str]:
+    """The checkpoint's files, without the hidden marker a whole save writes."""
+    return sorted(name for name in os.listdir(path) if not name.startswith("."))
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +164,7 @@ def test_round_trip_restores_every_piece(tmp_path, safe_serialization):
     out = save_accelerator_state(tmp_path / "ckpt", **kwargs_of(run), safe_serialization=safe_serialization, step=5)
     expected = snapshot(run)  # also draws from every RNG: the loaded state must replay the same draws
 
-    names = sorted(os.listdir(out))
+    names = listing(out)
     weights = ["model.safetensors", "model_1.safetensors"] if safe_serialization else \
         ["pytorch_model.bin", "pytorch_model_1.bin"]
     assert names == sorted(weights + ["optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
@@ -180,8 +185,8 @@ def test_round_trip_restores_every_piece(tmp_path, safe_serialization):
 def test_every_file_except_custom_objects_loads_with_weights_only(tmp_path):
     run = make_run()
     out = save_accelerator_state(tmp_path / "c", **kwargs_of(run), safe_serialization=False)
-    for path in out.iterdir():
-        torch.load(path, weights_only=True)  # raises if anything needs full unpickling
+    for name in listing(out):
+        torch.load(out / name, weights_only=True)  # raises if anything needs full unpickling
 
 
 class Opaque:
@@ -234,7 +239,7 @@ def test_hooks_can_take_over_saving_and_loading(tmp_path):
         models.pop(0)
 
     out = save_accelerator_state(tmp_path / "c", models=[model, other], pre_hooks=[save_hook])
-    assert sorted(os.listdir(out)) == ["mine.pt", "model.safetensors", "random_states_0.pkl"]
+    assert listing(out) == ["mine.pt", "model.safetensors", "random_states_0.pkl"]
     new, new_other = Net(), Net()
     load_accelerator_state(out, models=[new, new_other], pre_hooks=[load_hook])
     assert calls == [("save", 2, ".c.nbaccel-tmp"), ("load", 2)]
@@ -333,13 +338,27 @@ def test_save_killed_halfway_leaves_previous_checkpoint_whole(tmp_path):
 
     tmp = tmp_path / ".ckpt.nbaccel-tmp"
     assert (tmp / "model.safetensors").exists() and (tmp / "optimizer.bin").exists()  # it died mid-save
-    assert sorted(os.listdir(target)) == ["model.safetensors", "random_states_0.pkl"]
+    assert listing(target) == ["model.safetensors", "random_states_0.pkl"]
     model = torch.nn.Linear(256, 256)
     load_accelerator_state(target, models=[model])
     assert torch.all(model.weight == 1.0)
 
     save_accelerator_state(tmp_path / "other", models=[model])  # the next save cleans the stale folder
     assert not tmp.exists()
+
+
+def test_save_into_folder_with_other_files_keeps_them(tmp_path, caplog):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    out = save_accelerator_state(tmp_path / "out", models=[Net()])
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt", "random_states_0.pkl"]
+    assert "not atomically" not in caplog.text and "one by one" in caplog.text
+    save_accelerator_state(tmp_path / "out", models=[Net()])  # again: merged again, nothing lost
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        save_accelerator_state(tmp_path / "file", models=[Net()])
 
 
 def test_failed_save_with_automatic_naming_keeps_last_good_checkpoint(tmp_path):
@@ -356,7 +375,7 @@ def test_failed_save_with_automatic_naming_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         save_accelerator_state(next_checkpoint_dir(project), models=[model], pre_hooks=[broken])
     root = tmp_path / "checkpoints"
-    assert sorted(os.listdir(root)) == ["checkpoint_0"]
+    assert listing(root) == ["checkpoint_0"]
     assert latest_checkpoint_dir(project) == root / "checkpoint_0"
     load_accelerator_state(latest_checkpoint_dir(project), models=[Net()])
 
@@ -399,6 +418,15 @@ def test_automatic_naming_and_total_limit_keep_newest(tmp_path):
         next_checkpoint_dir(project)
     with pytest.raises(ValueError, match="project_dir"):
         next_checkpoint_dir(SimpleNamespace(project_dir=None, iteration=0))
+
+
+def test_rotation_never_deletes_the_checkpoint_just_saved(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (1, 2):
+        save_accelerator_state(root / f"checkpoint_{n}", custom_objects=[Counter()])
+    # A resumed run whose iteration restarted at 0 saves checkpoint_0: it stays, the oldest other goes.
+    save_accelerator_state(root / "checkpoint_0", custom_objects=[Counter()], total_limit=2)
+    assert listing(root) == ["checkpoint_0", "checkpoint_2"]
 
 
 def test_checkpoint_numbers_sort_numerically(tmp_path):
@@ -473,7 +501,7 @@ def _two_rank_save_and_load(rank: int):
     save_accelerator_state(directory, models=[model], dataloaders=[loader], process_index=rank,
                            num_processes=2, is_main_process=rank == 0)
     expected = torch.rand(1).item()
-    files = sorted(os.listdir(directory))
+    files = listing(directory)
 
     def fail_on_rank_1(models, weights, path):
         if rank == 1:
@@ -529,7 +557,7 @@ def test_save_model_shards_with_index_and_reads_back(tmp_path):
     assert missing == ["head.weight"] and torch.equal(fresh.head.weight, model.embed.weight)
 
     save_model(state, tmp_path)  # one file now: the old shards and index go away
-    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    assert listing(tmp_path) == ["model.safetensors"]
 
 
 def test_save_model_bin_and_not_main_process(tmp_path):
