@@ -620,8 +620,10 @@ def _resolve_map_location(map_location: Any, device: Any) -> Any:
     if map_location is None or map_location == "cpu":
         return "cpu"
     if map_location == "on_device":
-        if device is None:
-            raise ValueError("map_location='on_device' needs `device=` (the process's device).")
+        if device is None:  # the process's device, as Accelerate does
+            from .state import PartialState
+
+            device = PartialState().device
         return device
     if isinstance(map_location, str | torch.device):
         return map_location
@@ -665,8 +667,9 @@ def save_accelerator_state(
     initialized and `num_processes > 1`, else nothing.
 
     Args:
-        models: the models; weights are `get_state_dict(model)` (default: the unwrapped module's
-            `state_dict()`), saved as `model{_i}.safetensors` or `pytorch_model{_i}.bin`.
+        models: the models (or their state dicts, used as given); weights are `get_state_dict(model)`
+            (default: the unwrapped module's `state_dict()`), saved as `model{_i}.safetensors` or
+            `pytorch_model{_i}.bin`.
         save_model_fn: `save_model_fn(model, directory, index)` writes model `index` itself into the
             (temporary) directory instead, on every process (for sharded models); hooks then see no weights.
         pre_hooks: `hook(models, weights, directory)` called on every process before anything is written;
@@ -758,7 +761,7 @@ def _write_checkpoint_files(
         for index, model in enumerate(models):
             save_model_fn(model, directory, index)
     else:
-        weights = [get_state_dict(model) for model in models]
+        weights = [model if isinstance(model, Mapping) else get_state_dict(model) for model in models]
     for hook in pre_hooks:
         hook(models, weights, str(directory))
 
@@ -809,7 +812,8 @@ def load_accelerator_state(
     Every file needed is checked and read before any object is changed, so a missing or damaged file
     raises `CheckpointFileMissingError` / `CheckpointFileCorruptError` naming it and leaves the run as it
     was. `pre_hooks` get `(models, input_dir)` first and may remove models they load themselves.
-    `map_location` (None/"cpu", "on_device" with `device=`, or a device) is where optimizer states go.
+    `map_location` (None/"cpu", "on_device": `device` or `PartialState().device`, or a device) is where
+    optimizer states go.
     `strict` and `load_model_kwargs` go to the models' `load_state_dict`. Data-loader files that are
     absent (e.g. a checkpoint written by Accelerate without them) only log a warning.
     """
