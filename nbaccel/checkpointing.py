@@ -651,6 +651,7 @@ def save_accelerator_state(
     pre_hooks: Iterable[SaveHook] = (),
     get_state_dict: Callable[[Any], Mapping[str, Any]] | None = None,
     total_limit: int | None = None,
+    durable: bool = True,
 ) -> Path:
     """Save models, optimizers, schedulers, data-loader positions, scaler, RNG states and custom objects.
 
@@ -677,6 +678,9 @@ def save_accelerator_state(
             `directory` — the temporary folder that becomes `output_dir`.
         step: stored in the RNG file and returned as `{"step": ...}` by `load_accelerator_state`.
         total_limit: keep only the newest N `checkpoint_N` siblings of `output_dir` (automatic naming).
+        durable: fsync every file and folder before the rename, so the checkpoint also survives a power
+            loss or kernel crash, not only a killed process. Costs about a third of the save time on a
+            disk; False keeps the atomic rename (safe against a killed process) without the fsyncs.
     Returns the final `output_dir`.
     """
     target = Path(output_dir).absolute()
@@ -706,7 +710,7 @@ def save_accelerator_state(
             scaler=scaler, custom_objects=custom_objects, process_index=process_index,
             is_main_process=is_main_process, safe_serialization=safe_serialization,
             save_model_fn=save_model_fn, step=step, pre_hooks=pre_hooks,
-            get_state_dict=get_state_dict or _default_state_dict,
+            get_state_dict=get_state_dict or _default_state_dict, durable=durable,
         )
     except BaseException as caught:  # noqa: BLE001
         error = caught
@@ -723,12 +727,14 @@ def save_accelerator_state(
             if _replaceable(target):
                 (tmp / MARKER_NAME).write_text(json.dumps({"format": "nbaccel-checkpoint", "version": 1,
                                                            "num_processes": num_processes, "step": step}))
-                _fsync_dir(tmp)
+                if durable:
+                    _fsync_dir(tmp)
                 old = _old_dir_for(target)
                 if target.exists():
                     os.replace(target, old)
                 os.replace(tmp, target)
-                _fsync_dir(target.parent)
+                if durable:
+                    _fsync_dir(target.parent)
                 if old.exists():
                     shutil.rmtree(old)
             else:
@@ -746,7 +752,7 @@ def save_accelerator_state(
 def _write_checkpoint_files(
     directory: Path, *, models, optimizers, schedulers, dataloaders, scaler, custom_objects,
     process_index: int, is_main_process: bool, safe_serialization: bool, save_model_fn, step: int,
-    pre_hooks: Iterable[SaveHook], get_state_dict: Callable[[Any], Mapping[str, Any]],
+    pre_hooks: Iterable[SaveHook], get_state_dict: Callable[[Any], Mapping[str, Any]], durable: bool,
 ) -> None:
     written: list[Path] = []
 
@@ -784,8 +790,9 @@ def _write_checkpoint_files(
             if state is not None:
                 torch.save(state, out(_indexed(SAMPLER_NAME, index, ".bin")))
     torch.save(collect_rng_states(step), out(rng_state_file_name(process_index)))
-    for path in written:
-        _fsync_file(path)
+    if durable:
+        for path in written:
+            _fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------- load
