@@ -701,7 +701,7 @@ def save_accelerator_state(
         except BaseException as caught:  # noqa: BLE001 - reported to every process below
             error = caught
     if not _all_succeeded(error is None, num_processes):
-        raise CheckpointError(f"Could not prepare the checkpoint folder {tmp}: {error}") from error
+        _reraise(error, f"Could not prepare the checkpoint folder {tmp}")
 
     # 2. every process writes its part
     try:
@@ -744,9 +744,18 @@ def save_accelerator_state(
         except BaseException as caught:  # noqa: BLE001
             error = caught
     if not _all_succeeded(error is None, num_processes):
-        raise CheckpointError(f"Could not move the checkpoint into {target}: {error}") from error
+        _reraise(error, f"Could not move the checkpoint into {target}")
     logger.info("Saved state to %s", target)
     return target
+
+
+def _reraise(error: BaseException | None, message: str) -> None:
+    """Raise why a save step failed here (KeyboardInterrupt stays one), or say another process failed."""
+    if error is None:
+        raise CheckpointError(f"{message}: it failed on another process.")
+    if not isinstance(error, Exception):
+        raise error
+    raise CheckpointError(f"{message}: {type(error).__name__}: {error}") from error
 
 
 def _write_checkpoint_files(

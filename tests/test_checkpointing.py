@@ -607,3 +607,34 @@ def test_reads_checkpoint_in_accelerate_format(tmp_path):
     assert overrides == {"step": 7}
     assert torch.equal(fresh.weight, model.weight)
     assert np.random.rand() == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_optimizer_and_rng_round_trip(tmp_path):
+    model = Net().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4, device="cuda")).sum().backward()
+    optimizer.step()
+    torch.cuda.manual_seed_all(3)
+    out = save_accelerator_state(tmp_path / "c", models=[model], optimizers=[optimizer])
+    expected = torch.rand(2, device="cuda")
+    fresh = Net().cuda()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_accelerator_state(out, models=[fresh], optimizers=[fresh_optimizer], map_location="on_device",
+                           device=torch.device("cuda"))
+    assert torch.equal(torch.rand(2, device="cuda"), expected)
+    assert torch.equal(fresh.fc1.weight, model.fc1.weight)
+    state = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+    assert state.is_cuda and torch.equal(state, optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_interrupted_save_cleans_up_and_stays_an_interrupt(tmp_path):
+    good = save_accelerator_state(tmp_path / "c", custom_objects=[Counter()])
+
+    def interrupt(models, weights, directory):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_accelerator_state(tmp_path / "c", custom_objects=[Counter()], pre_hooks=[interrupt])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"] and listing(good) == [
+        "custom_checkpoint_0.pkl", "random_states_0.pkl"]
