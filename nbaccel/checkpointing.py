@@ -228,6 +228,9 @@ def _clean_stale_tmp_dirs(parent: Path) -> None:
     """Remove temporary folders left by saves that were killed (any `.*.nbaccel-tmp` beside the target)."""
     if not parent.is_dir():
         return
+    for entry in list(parent.iterdir()):  # first finish renames that were interrupted (their tmp is complete)
+        if entry.name.startswith(".") and entry.name.endswith(_OLD_SUFFIX) and entry.is_dir():
+            _recover_interrupted_rename(parent / entry.name[1:-len(_OLD_SUFFIX)])
     for entry in parent.iterdir():
         if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX) and entry.is_dir():
             logger.info("Removing %s left by an interrupted save", entry)

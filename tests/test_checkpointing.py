@@ -395,15 +395,17 @@ def test_save_interrupted_during_rename_is_recovered(tmp_path):
     os.replace(good, tmp_path / ".a.nbaccel-old")
     with torch.no_grad():
         model.fc1.weight.zero_()
-    save_accelerator_state(tmp_path / "b", models=[model])
-    os.replace(tmp_path / "b", tmp_path / ".a.nbaccel-tmp")
+    save_accelerator_state(tmp_path / "elsewhere" / "b", models=[model])
+    os.replace(tmp_path / "elsewhere" / "b", tmp_path / ".a.nbaccel-tmp")
+    (tmp_path / "elsewhere").rmdir()
 
     fresh = Net()
     load_accelerator_state(tmp_path / "a", models=[fresh])  # reads the completed new one, changes nothing
     assert torch.all(fresh.fc1.weight == 0) and not (tmp_path / "a").exists()
-    save_accelerator_state(tmp_path / "c", models=[model])
-    save_accelerator_state(tmp_path / "a", models=[Net()])  # a save of `a` finishes the rename first
+    save_accelerator_state(tmp_path / "c", models=[model])  # a save beside it finishes the rename first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c"]
+    load_accelerator_state(tmp_path / "a", models=[fresh])
+    assert torch.all(fresh.fc1.weight == 0)
 
 
 # ---------------------------------------------------------------------------- rotation and naming
