@@ -566,6 +566,9 @@ def _sampler_objects(dataloader: Any) -> list[Any]:
     return found
 
 
+_SAMPLER_ATTRIBUTES = ("epoch", "seed", "initial_seed")  # DistributedSampler, seedable samplers
+
+
 def _sampler_state(dataloader: Any) -> dict[str, Any] | None:
     """What a plain DataLoader exposes about its order: sampler state_dict, generator state, epoch, seed."""
     state: dict[str, Any] = {}
@@ -581,7 +584,7 @@ def _sampler_state(dataloader: Any) -> dict[str, Any] | None:
             gen = getattr(sampler, "generator", None)
             if isinstance(gen, torch.Generator):
                 entry["generator"] = gen.get_state()
-            for attribute in ("epoch", "seed"):
+            for attribute in _SAMPLER_ATTRIBUTES:
                 value = getattr(sampler, attribute, None)
                 if isinstance(value, int) and not isinstance(value, bool):
                     entry[attribute] = value
@@ -601,7 +604,7 @@ def _restore_sampler_state(dataloader: Any, state: Mapping[str, Any]) -> None:
             continue
         if "generator" in entry and isinstance(getattr(sampler, "generator", None), torch.Generator):
             sampler.generator.set_state(entry["generator"])
-        for attribute in ("epoch", "seed"):
+        for attribute in _SAMPLER_ATTRIBUTES:
             if attribute in entry:
                 if attribute == "epoch" and callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(entry[attribute])

@@ -640,3 +640,16 @@ def test_interrupted_save_cleans_up_and_stays_an_interrupt(tmp_path):
         save_accelerator_state(tmp_path / "c", custom_objects=[Counter()], pre_hooks=[interrupt])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"] and listing(good) == [
         "custom_checkpoint_0.pkl", "random_states_0.pkl"]
+
+
+def test_plain_dataloader_with_distributed_sampler_keeps_epoch_and_seed(tmp_path):
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(10.0))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, seed=5)
+    sampler.set_epoch(3)
+    out = save_accelerator_state(tmp_path / "c", dataloaders=[DataLoader(data, sampler=sampler)])
+    assert listing(out) == ["random_states_0.pkl", "sampler.bin"]
+    fresh = DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+    load_accelerator_state(out, dataloaders=[DataLoader(data, sampler=fresh)])
+    assert (fresh.epoch, fresh.seed, list(fresh)) == (3, 5, list(sampler))
