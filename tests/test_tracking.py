@@ -274,3 +274,26 @@ def test_clearml_and_dvclive_adapters(monkeypatch):
     assert scalars == [{"title": "loss", "series": "eval", "value": 1.0, "iteration": 5},
                        {"title": "acc", "series": "train", "value": 2, "iteration": 5}]
     assert ("dvclive.Live().step=", (5,), {}) in log and ("dvclive.Live().next_step", (), {}) in log
+
+
+def test_accelerator_logs_to_jsonl_on_the_main_process_only(tmp_path):
+    pytest.importorskip("nbaccel.accelerator")
+    from ranks_helper import run_ranks
+
+    def body(rank):
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator(log_with=["jsonl"], project_dir=str(tmp_path))
+        accelerator.init_trackers("run", config={"lr": 0.1})
+        accelerator.log({"loss": 1.0 + rank}, step=1)
+        tracker = accelerator.get_tracker("jsonl")
+        accelerator.end_training()
+        return type(tracker).__name__
+
+    names = run_ranks(body, world_size=2, timeout=60)
+    assert names[0] == "JSONLTracker"
+    logs = sorted(tmp_path.rglob("metrics.jsonl"))
+    assert len(logs) == 1
+    [record] = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    assert (record["step"], record["values"]) == (1, {"loss": 1.0})
+    assert json.loads((logs[0].parent / "config.json").read_text()) == {"lr": 0.1}
