@@ -39,21 +39,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from .utils.constants import (  # file names as Accelerate (and transformers, for weights) spell them
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_MODEL_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SAMPLER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+from .utils.other import extract_model_from_parallel
+
 logger = logging.getLogger(__name__)
 
-# File names, as Accelerate (and transformers, for weights) spell them.
-MODEL_NAME = "pytorch_model"
-SAFE_MODEL_NAME = "model"
-WEIGHTS_NAME = f"{MODEL_NAME}.bin"
-SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
-WEIGHTS_INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
-SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
-OPTIMIZER_NAME = "optimizer"
-SCHEDULER_NAME = "scheduler"
-SAMPLER_NAME = "sampler"
 DATALOADER_STATE_NAME = "dl_state_dict"
-SCALER_NAME = "scaler.pt"
-RNG_STATE_NAME = "random_states"
 CUSTOM_CHECKPOINT_NAME = "custom_checkpoint"
 CHECKPOINTS_DIRNAME = "checkpoints"
 
@@ -295,14 +298,8 @@ def _all_succeeded(ok: bool, num_processes: int) -> bool:
 
 # ----------------------------------------------------------------------------------- model weights
 def _unwrap_model(model: Any) -> Any:
-    """The module inside DDP/DataParallel/FSDP-style (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
+    """The module inside DDP/DataParallel/FSDP/DeepSpeed and torch.compile wrappers."""
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 def _default_state_dict(model: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from nbaccel.checkpointing import (
     save_accelerator_state,
     save_model,
 )
+from nbaccel.utils import ProjectConfiguration
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -370,8 +371,7 @@ def test_save_into_folder_with_other_files_keeps_them(tmp_path, caplog):
 
 
 def test_failed_save_with_automatic_naming_keeps_last_good_checkpoint(tmp_path):
-    project = SimpleNamespace(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=None,
-                              iteration=0)
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     model = Net()
     save_accelerator_state(next_checkpoint_dir(project), models=[model])
     project.iteration += 1
@@ -410,8 +410,8 @@ def test_save_interrupted_during_rename_is_recovered(tmp_path):
 
 # ---------------------------------------------------------------------------- rotation and naming
 def test_automatic_naming_and_total_limit_keep_newest(tmp_path):
-    project = SimpleNamespace(project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True,
-                              total_limit=2, iteration=0)
+    project = ProjectConfiguration(project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True,
+                                   total_limit=2)
     counter = Counter()
     for i in range(4):
         counter.count = i
@@ -427,7 +427,7 @@ def test_automatic_naming_and_total_limit_keep_newest(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_3 \\(3\\) already exists.*iteration"):
         next_checkpoint_dir(project)
     with pytest.raises(ValueError, match="project_dir"):
-        next_checkpoint_dir(SimpleNamespace(project_dir=None, iteration=0))
+        next_checkpoint_dir(ProjectConfiguration())
 
 
 def test_rotation_never_deletes_the_checkpoint_just_saved(tmp_path):
