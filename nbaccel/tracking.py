@@ -296,6 +296,21 @@ class WandBTracker(GeneralTracker):
         self.run.log(values, step=step, **kwargs)
 
     @on_main_process
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """`values`: name -> list of images (arrays or PIL images), logged as `wandb.Image`s."""
+        wandb = _require("wandb", "pip install wandb", self.name)
+        for key, images in values.items():
+            self.run.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
+
+    @on_main_process
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """Log a `wandb.Table` built from `columns` + `data` rows, or from a pandas `dataframe`."""
+        wandb = _require("wandb", "pip install wandb", self.name)
+        table = wandb.Table(columns=columns, data=data, dataframe=dataframe)
+        self.run.log({table_name: table}, step=step, **kwargs)
+
+    @on_main_process
     def finish(self) -> None:
         self.run.finish()
 
@@ -487,6 +502,24 @@ class MLflowTracker(GeneralTracker):
             else:
                 metrics[key] = number
         mlflow.log_metrics(metrics, step=step, **kwargs)
+
+    @on_main_process
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        """A matplotlib/plotly figure as a run artifact (`mlflow.log_figure`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_figure(
+            figure=figure, artifact_file=artifact_file, **save_kwargs)
+
+    @on_main_process
+    def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
+        """Every file of `local_dir` as run artifacts (`mlflow.log_artifacts`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_artifacts(
+            local_dir=local_dir, artifact_path=artifact_path)
+
+    @on_main_process
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """One file as a run artifact (`mlflow.log_artifact`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_artifact(
+            local_path=local_path, artifact_path=artifact_path)
 
     @on_main_process
     def finish(self) -> None:

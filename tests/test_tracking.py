@@ -245,6 +245,10 @@ def test_wandb_adapter_uses_public_api(monkeypatch):
     assert log[0][2] == {"project": "proj", "entity": "me"}
     assert log[1] == ("wandb.init().config.update", ({"lr": 1},), {"allow_val_change": True})
     assert log[2] == ("wandb.init().log", ({"loss": 1.5},), {"step": 4})
+    log.clear()
+    tracker.log_table("preds", columns=["x"], data=[[1]], step=5)
+    assert [entry[0] for entry in log] == ["wandb.Table", "wandb.init().log"]
+    assert log[0][2] == {"columns": ["x"], "data": [[1]], "dataframe": None} and log[1][2] == {"step": 5}
 
 
 def test_mlflow_adapter_uses_public_api(monkeypatch):
