@@ -465,14 +465,11 @@ def _corrupt(path: Path, error: BaseException) -> CheckpointFileCorruptError:
 
 # ----------------------------------------------------------------------------------------- RNG
 def collect_rng_states(step: int = 0) -> dict[str, Any]:
-    """This process's random states (python, numpy, torch, each accelerator, XLA) in a form that
-    `torch.load(weights_only=True)` reads back: tensors, tuples, ints, floats, strings only."""
+    """This process's random states (python, numpy, torch, each accelerator, XLA), under Accelerate's keys
+    and in Accelerate's form, so either library restores the other's file. `torch.load(weights_only=True)`
+    reads it with numpy's array reconstruction allowlisted (see `_numpy_safe_globals`)."""
     states: dict[str, Any] = {"step": int(step), "random_state": random.getstate()}
-    bit_generator, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    states["numpy_random_seed"] = {
-        "bit_generator": str(bit_generator), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-        "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached),
-    }
+    states["numpy_random_seed"] = np.random.get_state(legacy=True)
     states["torch_manual_seed"] = torch.get_rng_state()
     if torch.cuda.is_available():
         states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
@@ -528,24 +525,19 @@ def _as_python_random_state(value: Any) -> tuple:
     return (int(version), tuple(int(x) for x in internal), gauss)
 
 
-def _load_rng_file(path: Path) -> dict[str, Any]:
-    """weights_only load; Accelerate's files (numpy arrays inside) load through an explicit allowlist."""
-    try:
-        return _torch_load(path, map_location="cpu")
-    except CheckpointFileCorruptError as error:
-        if "weights_only" not in str(error):
-            raise
+def _numpy_safe_globals() -> list[Any]:
+    """Exactly what `np.random.get_state()`'s uint32 array needs to unpickle; nothing that runs code."""
     try:  # numpy >= 2
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy 1.x
         from numpy.core.multiarray import _reconstruct
-    # Exactly what np.random.get_state()'s array needs; nothing that can run code.
-    allowed = [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise _corrupt(path, error) from error
+    return [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
+
+
+def _load_rng_file(path: Path) -> dict[str, Any]:
+    """weights_only load with numpy's array reconstruction allowlisted for this one call."""
+    with torch.serialization.safe_globals(_numpy_safe_globals()):
+        return _torch_load(path, map_location="cpu")
 
 
 # ---------------------------------------------------------------------------------- data loaders

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -186,8 +187,16 @@ def test_round_trip_restores_every_piece(tmp_path, safe_serialization):
 def test_every_file_except_custom_objects_loads_with_weights_only(tmp_path):
     run = make_run()
     out = save_accelerator_state(tmp_path / "c", **kwargs_of(run), safe_serialization=False)
+    from nbaccel.checkpointing import _numpy_safe_globals
+
     for name in listing(out):
-        torch.load(out / name, weights_only=True)  # raises if anything needs full unpickling
+        if name.startswith("random_states"):  # numpy's state, as Accelerate stores it: arrays allowlisted
+            with pytest.raises(pickle.UnpicklingError):
+                torch.load(out / name, weights_only=True)
+            with torch.serialization.safe_globals(_numpy_safe_globals()):
+                torch.load(out / name, weights_only=True)
+        else:
+            torch.load(out / name, weights_only=True)  # raises if anything needs full unpickling
 
 
 class Opaque:
@@ -733,3 +742,27 @@ def test_accelerator_resume_mid_epoch_ends_with_the_same_weights(tmp_path):
         for name, tensor in straight_weights.items():
             assert torch.equal(tensor, resumed_weights[name]), name
     assert torch.equal(straight[0][0]["fc1.weight"], straight[1][0]["fc1.weight"])  # DDP kept ranks in step
+
+
+def test_accelerate_reads_checkpoint_written_by_nbaccel(tmp_path, monkeypatch):
+    import logging
+
+    accelerate_checkpointing = pytest.importorskip("accelerate.checkpointing")
+    # Accelerate's logger insists on an initialized accelerate state; a plain logger keeps this test local.
+    monkeypatch.setattr(accelerate_checkpointing, "logger", logging.getLogger("accelerate-under-test"))
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    out = save_accelerator_state(tmp_path / "c", models=[model], optimizers=[optimizer], step=4)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+
+    fresh = Net()
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    overrides = accelerate_checkpointing.load_accelerator_state(str(out), [fresh], [fresh_optimizer], [], [], 0)
+    assert overrides == {"step": 4}
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+    assert torch.equal(fresh.fc1.weight, model.fc1.weight)
+    assert repr(fresh_optimizer.state_dict()) == repr(optimizer.state_dict())
