@@ -323,7 +323,7 @@ def _supervise(handles: list[WorkerHandle], backend: Any, num_processes: int, da
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
         raise
     listeners = list(observers) + ([handle.observer] if handle else [])
-    supervisor = Supervisor(handles, backend, listeners, sys.stdout, sys.stderr, timeout)
+    supervisor = Supervisor(handles, backend, listeners, timeout=timeout)  # streams looked up per write
     if handle:
         handle.start()
     supervisor.notify({"kind": "launch", "state": "started", "rank": None, "time": time.time(),

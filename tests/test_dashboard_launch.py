@@ -1,0 +1,86 @@
+"""The dashboard wired to the launchers: a rich terminal view under a pty, mode strings, a RankPool."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+PTY_SCRIPT = textwrap.dedent('''
+    import sys
+    from nbaccel.launch import notebook_launcher
+    from nbaccel.notebook import Dashboard
+
+    def work():
+        import os, time
+        rank = os.environ["RANK"]
+        for i in range(3):
+            print(f"marker-{rank}-{i}", flush=True)
+            time.sleep(0.2)
+        return rank
+
+    print("results", notebook_launcher(work, num_processes=2, dashboard=Dashboard(2, mode="terminal"),
+                                       timeout=60))
+''')
+
+
+def run_in_pty(script: str, timeout: float = 90) -> str:
+    """Run `python -c script` with a pseudo-terminal as stdin/stdout/stderr; return what it wrote."""
+    pty = pytest.importorskip("pty")
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm", COLUMNS="140", LINES="40")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=slave, stdout=slave, stderr=slave, env=env,
+                            close_fds=True, cwd=ROOT)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def visible_lines(output: str) -> list[str]:
+    """Each terminal line as last drawn: escape codes dropped, text after the last carriage return."""
+    return [ANSI.sub("", line).rstrip("\r").split("\r")[-1] for line in output.split("\n")]
+
+
+def test_worker_lines_go_above_the_rich_table_intact_and_once():
+    output = run_in_pty(PTY_SCRIPT)
+    lines = visible_lines(output)
+    assert "┃" in output  # the rich table was drawn
+    for rank in (0, 1):
+        for i in range(3):
+            expected = f"[rank {rank}] marker-{rank}-{i}"
+            assert lines.count(expected) == 1, (expected, [line for line in lines if expected in line])
+            assert sum(expected in line for line in lines) == 1
+    assert "results ['0', '1']" in lines
