@@ -84,3 +84,35 @@ def test_worker_lines_go_above_the_rich_table_intact_and_once():
             assert lines.count(expected) == 1, (expected, [line for line in lines if expected in line])
             assert sum(expected in line for line in lines) == 1
     assert "results ['0', '1']" in lines
+
+
+def test_dashboard_mode_strings_build_that_view(monkeypatch, capsys):
+    import nbaccel.notebook
+    from nbaccel.launch import notebook_launcher
+
+    built = []
+    real = nbaccel.notebook.Dashboard
+
+    def recording(num_processes, **options):
+        board = real(num_processes, **options)
+        built.append((num_processes, options.get("mode"), board.mode))
+        return board
+
+    monkeypatch.setattr(nbaccel.notebook, "Dashboard", recording)
+    assert notebook_launcher(lambda: 5, num_processes=2, dashboard="plain", timeout=60) == [5, 5]
+    assert built == [(2, "plain", "plain")]
+    out = capsys.readouterr().out
+    assert "rank 0" in out and "rank 1" in out and "finished" in out  # the plain view's lines
+    assert notebook_launcher(lambda: 6, num_processes=1, dashboard="terminal", timeout=60) == [6]
+    assert built[-1] == (1, "terminal", "terminal")
+
+
+@pytest.mark.parametrize("value", ["Plain", "bogus", 3])
+def test_unknown_dashboard_value_is_refused_before_starting(value):
+    import psutil
+
+    from nbaccel.launch import notebook_launcher
+
+    with pytest.raises(TypeError, match=r"dashboard=.*'widget', 'terminal', 'plain'"):
+        notebook_launcher(lambda: 1, num_processes=2, dashboard=value)
+    assert psutil.Process().children() == []

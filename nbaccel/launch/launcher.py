@@ -20,7 +20,7 @@ from .arguments import check_arguments, parse_port
 from .channel import Observer, close_quietly, open_channel
 from .errors import LaunchError, LaunchTimeout
 from .inprocess import run_in_process
-from .observers import make_dashboard
+from .observers import check_dashboard, make_dashboard
 from .processes import (
     LocalProcesses,
     check_port_free,
@@ -75,6 +75,7 @@ def notebook_launcher(
     mixed_precision = check_arguments(function, args, kwargs, num_processes, mixed_precision, node_rank,
                                        num_nodes, max_restarts, monitor_interval, rdzv_backend, timeout)
     port = parse_port(use_port)
+    check_dashboard(dashboard)
     from .xla import tpu_requested
 
     if tpu_requested():
