@@ -116,3 +116,63 @@ def test_unknown_dashboard_value_is_refused_before_starting(value):
     with pytest.raises(TypeError, match=r"dashboard=.*'widget', 'terminal', 'plain'"):
         notebook_launcher(lambda: 1, num_processes=2, dashboard=value)
     assert psutil.Process().children() == []
+
+
+POOL_CELL = textwrap.dedent('''
+    import nbaccel.telemetry as telemetry
+    from nbaccel import PartialState
+    for step in range(1, 4):
+        telemetry.report_step(step, 3)
+        telemetry.log_metrics({"loss": 1.0 / step}, step=step)
+    PartialState().wait_for_everyone()
+    print("cell done", PartialState().process_index)
+''')
+
+
+def test_rank_pool_sends_its_ranks_messages_to_attached_observers(capsys):
+    from nbaccel.launch.pool import RankPool
+    from nbaccel.notebook import Dashboard
+
+    seen: list[dict] = []
+    board = Dashboard(2, mode="plain", plain_interval=3600).start()
+    with RankPool(2, observers=[seen.append]) as pool:
+        assert [m["state"] for m in seen if m["kind"] == "status"] == ["running", "running"]  # attached at start
+        seen.clear()
+        pool.attach(board)
+        results = pool.exec(POOL_CELL)
+        assert all(r.error is None for r in results)
+        deadline = time.monotonic() + 10  # telemetry arrives on the reader thread, within ~50 ms
+        while time.monotonic() < deadline and sum(m["kind"] == "step" for m in seen) < 6:
+            time.sleep(0.05)
+        by_kind = {}
+        for message in seen:
+            by_kind.setdefault(message["kind"], []).append(message)
+        assert {(m["rank"], m["step"]) for m in by_kind["step"]} == {(r, s) for r in (0, 1) for s in (1, 2, 3)}
+        assert {m["rank"] for m in by_kind["metrics"]} == {0, 1}
+        assert any(m.get("op") == "wait_for_everyone" for m in by_kind["collective"])
+        outputs = [(m["rank"], m["stream"], m["text"]) for m in by_kind["output"]]
+        assert outputs.count((0, "stdout", "cell done 0")) == 1 and outputs.count((1, "stdout", "cell done 1")) == 1
+        states = [(m["rank"], m["state"]) for m in by_kind["status"]]
+        assert states[-2:] == [(0, "finished"), (1, "finished")] and (0, "running") in states
+        assert [s.step for s in board.model.ranks] == [3, 3]  # the dashboard saw it too
+        pool.exec("raise ValueError('boom')", ranks=[1])
+        assert seen[-1]["state"] == "failed" and seen[-1]["error"] == "ValueError: boom"
+
+        pool.detach(seen.append)
+        pool.detach(board)
+        count = len(seen)
+        pool.exec(POOL_CELL)
+        time.sleep(0.2)
+        assert len(seen) == count and pool.observers == []
+    board.close()
+    assert "rank 0" in capsys.readouterr().out
+
+
+def test_rank_pool_observer_argument_is_checked():
+    from nbaccel.launch.pool import RankPool
+
+    with pytest.raises(TypeError, match="not an observer"):
+        RankPool(2, observers=[42])
+    import psutil
+
+    assert psutil.Process().children() == []
