@@ -225,6 +225,9 @@ def test_config_values_used_unless_overridden(tmp_path):
     env = worker_environment(overridden)
     assert overridden.num_processes == 1 and env["NBACCEL_MIXED_PRECISION"] == "no"
     assert env["NBACCEL_DYNAMO_BACKEND"] == "INDUCTOR" and env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    config.gradient_accumulation_steps = 8  # the config file's value flows on unless the flag overrides it
+    env = worker_environment(resolve_settings(launch_args("examples/hello_ranks.py"), config))
+    assert env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] == env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "8"
     plain = worker_environment(resolve_settings(launch_args("--use_fsdp", "examples/hello_ranks.py"), None))
     assert plain["FSDP_VERSION"] == "2" and plain["NBACCEL_USE_FSDP"] == "true"
 
