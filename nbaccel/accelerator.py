@@ -159,6 +159,16 @@ class Accelerator:
                     "(set num_steps on the plugin)."
                 )
         else:
+            # As in Accelerate, a launcher's setting (nbaccel launch, notebook_launcher with a saved config)
+            # overrides the argument.
+            from_launcher = _first_env("NBACCEL_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+            if from_launcher:
+                if not from_launcher.strip().isdigit():
+                    raise ValueError(
+                        f"NBACCEL_GRADIENT_ACCUMULATION_STEPS / ACCELERATE_GRADIENT_ACCUMULATION_STEPS must be an "
+                        f"integer >= 1, got {from_launcher!r}."
+                    )
+                gradient_accumulation_steps = int(from_launcher)
             if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
                 raise ValueError(
                     f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}."
