@@ -23,7 +23,7 @@ from .dataclasses import CustomDtype
 
 logger = logging.getLogger(__name__)
 
-Device = Union[int, str, torch.device]
+Device = Union[int, str, torch.device]  # noqa: UP007 (a runtime alias, evaluated on 3.10)
 WEIGHTS_NAME = "pytorch_model.bin"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 _NOT_CAST_PREFIXES = ("torch.uint", "torch.int", "torch.bool")  # integer/bool tensors keep their dtype

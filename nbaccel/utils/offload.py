@@ -119,8 +119,10 @@ class PrefixedDataset(Mapping):
 class OffloadedWeightsLoader(Mapping):
     """Weights by name, from a CPU `state_dict` (checked first) or an offload folder / index, read lazily.
 
-    `device`: where safetensors tensors are materialized (default CPU). Open safetensors files are kept open
-    so a forward pass does not re-parse their headers for every weight.
+    `device`: where safetensors tensors are materialized (default CPU). A safetensors file is opened for each
+    read and not kept open: safetensors maps the whole file once per handle and the mapping (with every page a
+    forward touched) lives as long as the handle or any tensor read from it, so a cached handle would keep every
+    offloaded layer resident after its forward.
     """
 
     def __init__(
@@ -143,22 +145,16 @@ class OffloadedWeightsLoader(Mapping):
         self.index = {} if index is None else index
         self.all_keys = list(self.state_dict) + [k for k in self.index if k not in self.state_dict]
         self.device = device
-        self._handles: dict[str, Any] = {}
-
-    def _safetensors_handle(self, path: str) -> Any:
-        handle = self._handles.get(path)
-        if handle is None:
-            from safetensors import safe_open
-
-            handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
-        return handle
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
             return self.state_dict[key]
         info = self.index[key]
         if info.get("safetensors_file") is not None:
-            tensor = self._safetensors_handle(info["safetensors_file"]).get_tensor(info.get("weight_name", key))
+            from safetensors import safe_open
+
+            with safe_open(info["safetensors_file"], framework="pt", device="cpu") as handle:
+                tensor = handle.get_tensor(info.get("weight_name", key))
             if "dtype" in info:
                 tensor = tensor.to(getattr(torch, info["dtype"]))
             if self.device is not None and str(self.device) != "cpu":
@@ -173,11 +169,6 @@ class OffloadedWeightsLoader(Mapping):
 
     def __len__(self) -> int:
         return len(self.all_keys)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_handles"] = {}  # open files do not pickle; they are reopened on use
-        return state
 
 
 def extract_submodules_state_dict(state_dict: Mapping[str, torch.Tensor], submodule_names: list[str]
