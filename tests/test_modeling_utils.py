@@ -247,3 +247,37 @@ def test_load_offloaded_weights_and_load_state_dict(tmp_path):
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
     torch.save(expected, tmp_path / "w.bin")
     assert torch.equal(load_state_dict(str(tmp_path / "w.bin"))["emb.weight"], expected["emb.weight"])
+
+
+def test_estimate_memory_command(tmp_path, capsys):
+    from nbaccel.commands.estimate import gather_data
+    from nbaccel.commands.estimate import main as estimate_main
+
+    source = tmp_path / "tiny_model.py"
+    source.write_text(
+        "import torch.nn as nn\n"
+        "class Tiny(nn.Module):\n"
+        "    def __init__(self, d=256):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(d, d, bias=False)\n"
+        "        self.b = nn.Linear(d, 2 * d, bias=False)\n"
+        "def make(d=256):\n"
+        "    return Tiny(d)\n"
+    )
+    assert estimate_main([f"{source}:Tiny", "--model_kwargs", '{"d": 512}']) == 0
+    out = capsys.readouterr().out
+    total = 512 * 512 * 3 * 4  # 3 MiB in float32
+    assert "786,432 parameters" in out and "3.00 MB" in out and "12.00 MB" in out  # Adam: 4x
+    assert "1.50 MB" in out and "N/A" in out  # float16 half; int8/int4 training not estimated
+    with init_empty_weights():
+        model = Net()
+    rows = gather_data(model, ["float32", "bfloat16", "int4"])
+    fp32_total = compute_module_sizes(model)[""]
+    assert [r[2] for r in rows] == [fp32_total, fp32_total / 2, fp32_total / 8]
+    assert max(rows[0][3].values()) == 4 * fp32_total and max(rows[1][3].values()) == 2 * fp32_total
+    assert total == 3 * 2**20
+    assert estimate_main([f"{source}:make"]) == 0  # a factory function
+    assert estimate_main(["gpt2"]) == 2
+    assert "does not download" in capsys.readouterr().err
+    assert estimate_main([f"{source}:Nope"]) == 2
+    assert "has no attribute 'Nope'" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""The `nbaccel` command line: env, config, launch, test (and subcommands other modules register)."""
