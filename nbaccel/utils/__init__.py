@@ -27,6 +27,7 @@ _MODULES: dict[str, list[str]] = {
     ".environment": [
         "clear_environment", "get_int_from_env", "in_notebook", "is_colab", "is_kaggle",
         "parse_choice_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
+        "are_libraries_initialized", "get_cpu_distributed_information", "purge_accelerate_environment",
     ],
     ".imports": [
         "is_aim_available", "is_bf16_available", "is_bnb_available", "is_clearml_available",
@@ -37,6 +38,14 @@ _MODULES: dict[str, list[str]] = {
         "is_tensorboard_available", "is_torch_version", "is_torch_xla_available",
         "is_transformer_engine_available", "is_transformers_available", "is_wandb_available",
         "is_xpu_available", "compare_versions",
+        "deepspeed_required", "is_4bit_bnb_available", "is_8bit_bnb_available", "is_boto3_available",
+        "is_habana_gaudi1", "is_hpu_available", "is_matplotlib_available", "is_megatron_lm_available",
+        "is_mlu_available", "is_msamp_available", "is_musa_available", "is_neuron_available",
+        "is_pippy_available", "is_pynvml_available", "is_pytest_available", "is_rocm_available",
+        "is_sagemaker_available", "is_schedulefree_available", "is_sdaa_available", "is_swanlab_available",
+        "is_timm_available", "is_torch_distributed_available", "is_torchao_available", "is_torchdata_available",
+        "is_torchdata_stateful_dataloader_available", "is_torchvision_available", "is_tqdm_available",
+        "is_trackio_available", "is_triton_available", "is_weights_only_available", "is_xccl_available",
     ],
     ".random": ["set_seed", "synchronize_rng_state", "synchronize_rng_states"],
     ".modeling": [

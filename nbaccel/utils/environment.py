@@ -1,0 +1,245 @@
+"""Reading the process environment: flags, choices, the launcher's rank variables, notebook detection.
+
+Everything here is pure standard library (no torch import), so the kernel side can call it cheaply. The
+rank variables a launcher sets are documented in docs/internals.md ("Environment contract").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+_TRUE = ("y", "yes", "t", "true", "on", "1")
+_FALSE = ("n", "no", "f", "false", "off", "0")
+
+T = TypeVar("T")
+
+
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Read a truth value: `1`/`True` for y, yes, t, true, on, 1; `0`/`False` for n, no, f, false, off, 0.
+
+    Returns an int like Accelerate unless `to_bool=True`. Anything else raises ValueError listing both sets.
+    """
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True if to_bool else 1
+    if text in _FALSE:
+        return False if to_bool else 0
+    raise ValueError(f"invalid truth value {value!r}: use one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    """The truth value of environment variable `key`, or `default` when it is unset or empty."""
+    value = os.environ.get(key, "")
+    if value.strip() == "":
+        return bool(default)
+    try:
+        return str_to_bool(value) == 1
+    except ValueError:
+        raise ValueError(f"environment variable {key}={value!r} is not a truth value: use 1/0, true/false, yes/no") from None
+
+
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    """The value of environment variable `key`, or `default` when it is unset."""
+    return os.environ.get(key, str(default))
+
+
+def get_int_from_env(env_keys: Iterable[str], default: int) -> int:
+    """The first non-negative integer among the environment variables `env_keys`, else `default`."""
+    for key in env_keys:
+        raw = os.environ.get(key, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {key}={raw!r} must be an integer") from None
+        if value >= 0:
+            return value
+    return default
+
+
+def first_env(*keys: str, default: str | None = None) -> str | None:
+    """The value of the first set (non-empty) variable among `keys`; nbaccel's names come before Accelerate's."""
+    for key in keys:
+        value = os.environ.get(key)
+        if value:
+            return value
+    return default
+
+
+def are_libraries_initialized(*library_names: str) -> list[str]:
+    """Those of `library_names` already imported in this process."""
+    return [name for name in library_names if name in sys.modules]
+
+
+@contextmanager
+def clear_environment() -> Iterator[None]:
+    """Run the body with an empty `os.environ`; the previous environment comes back exactly afterwards."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextmanager
+def patch_environment(**kwargs: Any) -> Iterator[None]:
+    """Set each keyword as an environment variable (key upper-cased, value `str()`-ed) for the body.
+
+    On exit each key gets back its previous value, or is removed if it was unset before, even when the body
+    changed or deleted it.
+    """
+    previous: dict[str, str | None] = {}
+    for key, value in kwargs.items():
+        name = key.upper()
+        previous.setdefault(name, os.environ.get(name))
+        os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+_PURGED_PREFIXES = ("ACCELERATE_", "NBACCEL_")
+
+
+def purge_accelerate_environment(func_or_cls: T) -> T:
+    """Decorator: environment variables starting with ACCELERATE_ or NBACCEL_ that the decorated function (or
+    each test method of the decorated class) sets are removed afterwards; changed ones are restored."""
+
+    def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before = {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIXES)}
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for key in [k for k in os.environ if k.startswith(_PURGED_PREFIXES)]:
+                    if key not in before:
+                        del os.environ[key]
+                os.environ.update(before)
+
+        return wrapper
+
+    if isinstance(func_or_cls, type):
+        for name in dir(func_or_cls):
+            if name.startswith("test") and callable(getattr(func_or_cls, name)):
+                setattr(func_or_cls, name, wrap(getattr(func_or_cls, name)))
+        return func_or_cls
+    return wrap(func_or_cls)  # type: ignore[return-value]
+
+
+# --- the launcher's rank variables ---------------------------------------------------------------------
+
+_RANK_KEYS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_WORLD_KEYS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_LOCAL_RANK_KEYS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+_LOCAL_WORLD_KEYS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+_NODE_RANK_KEYS = ("GROUP_RANK", "NODE_RANK", "OMPI_COMM_WORLD_NODE_RANK")
+
+
+@dataclass(frozen=True)
+class CPUInformation:
+    """Where this process sits in the run: global and local rank and sizes, node rank, and who said so.
+
+    `source` is "torch" (torchrun / elastic / nbaccel's launchers: RANK, WORLD_SIZE, ...), "mpi" (mpirun:
+    OMPI_COMM_WORLD_*, PMI_*, MV2_*) or "none" (a plain single process).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    source: str = "none"
+
+    @property
+    def num_nodes(self) -> int:
+        """Machines in the run (world size over processes per machine, rounded up)."""
+        return max(1, -(-self.world_size // max(1, self.local_world_size)))
+
+
+def get_cpu_distributed_information() -> CPUInformation:
+    """Read rank, world size, local rank and local world size from torch's or MPI's variables.
+
+    torch's names (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) win; MPI's are read when they
+    are absent. Missing local values are derived: local rank = rank, local world size = world size (one node).
+    """
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        source = "torch"
+    elif any(key in os.environ for key in _WORLD_KEYS[1:] + _RANK_KEYS[1:]):
+        source = "mpi"
+    else:
+        source = "none"
+    world_size = get_int_from_env(_WORLD_KEYS, 1)
+    rank = get_int_from_env(_RANK_KEYS, 0)
+    local_world_size = get_int_from_env(_LOCAL_WORLD_KEYS, -1)
+    local_rank = get_int_from_env(_LOCAL_RANK_KEYS, -1)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside the world of {world_size} processes (0..{world_size - 1})")
+    if local_world_size < 1:
+        local_world_size = world_size
+    if local_rank < 0:
+        local_rank = rank % local_world_size
+    node_rank = get_int_from_env(_NODE_RANK_KEYS, rank // local_world_size)
+    return CPUInformation(rank, world_size, local_rank, local_world_size, node_rank, source)
+
+
+# --- accelerators that need no torch import to detect --------------------------------------------------
+
+_TPU_ENV_KEYS = ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "COLAB_TPU_ADDR", "XRT_TPU_CONFIG", "TPU_WORKER_ID")
+
+
+def tpu_requested() -> bool:
+    """Whether this environment asks for TPU cores: PJRT_DEVICE=TPU, or a TPU VM / Colab / Kaggle TPU variable.
+
+    `USE_TORCH_XLA=0` turns TPU use off, like in Accelerate.
+    """
+    if not parse_flag_from_env("USE_TORCH_XLA", True):
+        return False
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        return True
+    return any(os.environ.get(key) for key in _TPU_ENV_KEYS)
+
+
+# --- notebooks -----------------------------------------------------------------------------------------
+
+
+def in_notebook() -> bool:
+    """Whether this code runs inside a Jupyter kernel (JupyterLab, Notebook, Colab, Kaggle, VS Code)."""
+    if "IPython" not in sys.modules:
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    if type(shell).__name__ in ("ZMQInteractiveShell", "Shell"):  # Jupyter; "Shell" is Colab's
+        return True
+    return "IPKernelApp" in getattr(shell, "config", {})
+
+
+def is_colab() -> bool:
+    """Whether this is a Google Colab runtime."""
+    return "google.colab" in sys.modules or bool(os.environ.get("COLAB_RELEASE_TAG") or os.environ.get("COLAB_GPU"))
+
+
+def is_kaggle() -> bool:
+    """Whether this is a Kaggle notebook or script runtime."""
+    return bool(os.environ.get("KAGGLE_KERNEL_RUN_TYPE") or os.environ.get("KAGGLE_URL_BASE"))

@@ -1,0 +1,134 @@
+"""The import direction of docs/internals.md, checked on the source of every module in nbaccel/.
+
+Layers, bottom to top: `utils` (and `_lazy`); `state`, `telemetry`; the training modules; `launch`,
+`notebook`; `commands` (and the package root, `__main__`). A module may import its own layer and those
+below, never above. `utils` imports nothing of nbaccel but `utils` (and `_lazy`). Only `nbaccel/notebook`
+may import ipywidgets: worker processes never load it. Imports under `if TYPE_CHECKING:` do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nbaccel"
+
+_LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "notebook": 3, "commands": 4,
+           "__init__": 4, "__main__": 4}
+_TRAINING_LAYER = 2  # accelerator, data_loader, optimizer, scheduler, checkpointing, tracking, ...
+_LAYER_NAMES = {0: "utils", 1: "state/telemetry", 2: "training modules", 3: "launch/notebook", 4: "commands"}
+
+
+def _component(parts: tuple[str, ...]) -> str:
+    """The top-level part of nbaccel a module path (inside the package) belongs to."""
+    if not parts:
+        return "__init__"
+    return parts[0].removesuffix(".py")
+
+
+def _layer(component: str) -> int:
+    return _LAYERS.get(component, _TRAINING_LAYER)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST):
+    """Every import statement, at any depth (function-level imports count), except TYPE_CHECKING blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module_parts: tuple[str, ...], is_package: bool) -> list[list[str]]:
+    """Absolute dotted names (as lists) imported by `node` in the module at `module_parts` (inside nbaccel)."""
+    if isinstance(node, ast.Import):
+        return [alias.name.split(".") for alias in node.names]
+    if node.level == 0:
+        base = node.module.split(".") if node.module else []
+    else:
+        package = ["nbaccel", *module_parts] if is_package else ["nbaccel", *module_parts[:-1]]
+        base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+    if node.module is None or (len(base) == 1 and base[0] == "nbaccel"):
+        return [base + [alias.name] for alias in node.names]  # `from . import state`, `from nbaccel import x`
+    return [base]
+
+
+def violations_in(source: str, relative: Path) -> list[str]:
+    """The import-direction violations of one module, given its path relative to nbaccel/."""
+    parts = relative.with_suffix("").parts
+    is_package = relative.name == "__init__.py"
+    module_parts = parts[:-1] if is_package else parts
+    here = _component(module_parts)
+    found = []
+    for node in _imports(ast.parse(source, filename=str(relative))):
+        for target in _targets(node, module_parts, is_package):
+            if target[0] == "ipywidgets" and here != "notebook":
+                found.append(f"{relative}:{node.lineno} imports ipywidgets (only nbaccel/notebook may)")
+            if target[0] != "nbaccel":
+                continue
+            other = _component(tuple(target[1:]))
+            if other in {"__version__"}:
+                other = "__init__"
+            if here == "utils" and other not in ("utils", "_lazy"):
+                found.append(f"{relative}:{node.lineno} utils imports nbaccel.{'.'.join(target[1:])}")
+            elif _layer(other) > _layer(here):
+                found.append(
+                    f"{relative}:{node.lineno} {_LAYER_NAMES[_layer(here)]} module imports "
+                    f"nbaccel.{'.'.join(target[1:])} ({_LAYER_NAMES[_layer(other)]}, a layer above)"
+                )
+    return found
+
+
+def test_import_direction_of_every_module():
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert PACKAGE / "state.py" in modules and PACKAGE / "utils" / "environment.py" in modules
+    found = []
+    for path in modules:
+        found += violations_in(path.read_text(encoding="utf-8"), path.relative_to(PACKAGE))
+    assert not found, "import direction broken (see docs/internals.md):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        ("utils/operations.py", "from ..state import PartialState", "utils imports nbaccel.state"),
+        ("utils/operations.py", "def f():\n    import nbaccel.accelerator", "utils imports nbaccel.accelerator"),
+        ("utils/__init__.py", "from .. import telemetry", "utils imports nbaccel.telemetry"),
+        ("state.py", "from .accelerator import Accelerator", "state/telemetry module imports nbaccel.accelerator"),
+        ("telemetry.py", "from nbaccel.launch import channel", "imports nbaccel.launch (launch/notebook"),
+        ("tracking.py", "from .launch.worker import report", "training modules module imports nbaccel.launch"),
+        ("launch/worker.py", "from ..commands import main", "imports nbaccel.commands (commands"),
+        ("launch/worker.py", "import ipywidgets", "imports ipywidgets"),
+        ("accelerator.py", "def f():\n    from ipywidgets import Output", "imports ipywidgets"),
+    ],
+)
+def test_checker_finds_violations(path, source, expected):
+    found = violations_in(source, Path(path))
+    assert len(found) == 1 and expected in found[0], found
+
+
+@pytest.mark.parametrize(
+    ("path", "source"),
+    [
+        ("utils/random.py", "from .dataclasses import RNGType\nfrom .. import _lazy"),
+        ("state.py", "from .utils import collective_trace\nfrom .utils.environment import first_env"),
+        ("accelerator.py", "from .state import PartialState\nfrom . import telemetry\nfrom .data_loader import x"),
+        ("notebook/dashboard.py", "import ipywidgets\nfrom ..launch import RankPool"),
+        ("commands/launch.py", "from nbaccel.launch import notebook_launcher"),
+        ("utils/operations.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..state import PartialState"),
+    ],
+)
+def test_checker_allows_downward_imports(path, source):
+    assert violations_in(source, Path(path)) == []
