@@ -1,0 +1,157 @@
+"""FSDP2 through nbaccel.sharding on 2 CPU ranks (gloo): same training as DDP, sharded resume, full export."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ranks_helper import run_ranks
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Tiny(nn.Module):
+    def __init__(self, d: int = 16, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_plugin(**overrides):
+    """The real FullyShardedDataParallelPlugin when the config module has it, else the same fields."""
+    fields = dict(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap=["Block"],
+                  reshard_after_forward=True, cpu_offload=False)
+    fields.update(overrides)
+    try:
+        from nbaccel.utils import FullyShardedDataParallelPlugin
+
+        return FullyShardedDataParallelPlugin(**fields)
+    except (ImportError, AttributeError):
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        fields["auto_wrap_policy"] = transformer_auto_wrap_policy
+        return SimpleNamespace(mixed_precision_policy=None, activation_checkpointing=False, ignored_modules=None,
+                               min_num_params=None, **fields)
+
+
+def batches(rank: int, steps: int):
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(steps)]
+
+
+def train(model, optimizer, data, clip):
+    norms = []
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(clip(model.parameters())))
+        optimizer.step()
+    return norms
+
+
+def _scenario(rank: int, folder: str):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbaccel import sharding
+
+    torch.manual_seed(0)
+    base = Tiny()
+    data = batches(rank, 6)
+    probe = torch.randn(5, 16, generator=torch.Generator().manual_seed(7))
+
+    ddp_model = copy.deepcopy(base)
+    ddp = DistributedDataParallel(ddp_model)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ddp_norms = train(ddp, ddp_opt, data, lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), 0.5))
+
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # created before prepare, passed together
+    sharding.check_fsdp2_prepare_args([model, optimizer])
+    model = sharding.prepare_fsdp2(model, [optimizer], make_plugin(), mixed_precision="no", device="cpu")
+    assert isinstance(model, FSDPModule) and isinstance(model.blocks[0], FSDPModule)
+    assert isinstance(model.blocks[0].up.weight, DTensor)
+    assert model.blocks[0].up.weight.to_local().shape == (32, 16)  # half of (64, 16) on each rank
+    clip = lambda ps: sharding.clip_grad_norm_(ps, 0.5)  # noqa: E731
+    norms = train(model, optimizer, data[:3], clip)
+    sharding.save_sharded_checkpoint(model, optimizer, f"{folder}/sharded")
+    norms += train(model, optimizer, data[3:], clip)
+    full = sharding.get_full_state_dict(model, cpu_offload=False)
+    reference = ddp_model.state_dict()
+    diff = max((full[k] - reference[k]).abs().max().item() for k in reference)
+
+    # resume from the sharded checkpoint in a fresh model + optimizer: exactly the same weights
+    torch.manual_seed(123)
+    fresh = Tiny()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh = sharding.prepare_fsdp2(fresh, [fresh_opt], make_plugin(), device="cpu")
+    sharding.load_sharded_checkpoint(fresh, fresh_opt, f"{folder}/sharded")
+    train(fresh, fresh_opt, data[3:], clip)
+    resumed = sharding.get_full_state_dict(fresh, cpu_offload=False)
+    resume_exact = all(torch.equal(resumed[k], full[k]) for k in full)
+
+    path = sharding.save_full_model(model, f"{folder}/export")
+    with torch.no_grad():
+        out = model(probe)
+
+    errors = []
+    stale = torch.optim.SGD(Tiny().parameters(), lr=0.1)
+    for bad in (lambda: sharding.prepare_fsdp2(Tiny(), [stale], make_plugin(), device="cpu"),
+                lambda: sharding.prepare_fsdp2(model, [torch.optim.SGD(base.parameters(), lr=0.1)], make_plugin()),
+                lambda: sharding.check_fsdp2_prepare_args([Tiny()])):
+        try:
+            bad()
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    return {"diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
+            "out": out, "errors": errors}
+
+
+def test_fsdp2_matches_ddp_resumes_and_exports(tmp_path):
+    results = run_ranks(lambda rank: _scenario(rank, str(tmp_path)), world_size=2, init=True, timeout=120)
+    for result in results:
+        assert result["diff"] < 1e-5, result["diff"]
+        assert result["norms"] == pytest.approx(result["ddp_norms"], rel=1e-5)
+        assert result["resume_exact"]
+    assert results[0]["path"] == str(tmp_path / "export" / "model.safetensors") and results[1]["path"] is None
+
+    from safetensors.torch import load_file
+
+    plain = Tiny()
+    plain.load_state_dict(load_file(results[0]["path"]))
+    with torch.no_grad():
+        expected = plain(torch.randn(5, 16, generator=torch.Generator().manual_seed(7)))
+    assert torch.allclose(results[0]["out"], expected, atol=1e-6)
+
+    stale_other, stale_sharded, alone = results[0]["errors"]
+    assert stale_other and "not parameters of the model being prepared" in stale_other and "another model" in stale_other
+    assert stale_sharded and "already sharded by an earlier prepare" in stale_sharded
+    assert alone and "must be passed together" in alone
+
+
+def test_fsdp_errors_without_process_group():
+    from nbaccel import sharding
+
+    with pytest.raises(RuntimeError, match="torch.distributed to be initialized"):
+        sharding.apply_fsdp2(Tiny(), make_plugin())
+    with pytest.raises(ValueError, match="must be passed together"):
+        sharding.check_fsdp2_prepare_args([torch.optim.SGD(Tiny().parameters(), lr=0.1)])
