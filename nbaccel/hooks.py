@@ -19,6 +19,10 @@ from torch import nn
 from .utils.modeling import named_module_tensors, set_module_tensor_to_device
 from .utils.offload import PrefixedDataset
 
+# Modules whose forward reads their submodules' weights without calling those submodules (so a submodule hook
+# would never fire): their whole subtree is loaded by one hook, as if named in `preload_module_classes`.
+_PRELOAD_ALWAYS = (nn.MultiheadAttention,)
+
 # Attributes dispatch_model adds on a model instance; remove_hook_from_module takes them away again.
 _ADDED_ATTRIBUTES = ["to", "cuda", "npu", "xpu", "mlu", "musa", "sdaa", "neuron"]
 
@@ -272,6 +276,12 @@ class AlignDevicesHook(ModelHook):
         return module
 
 
+def _preloads(module: nn.Module, preload_module_classes: list[str] | None) -> bool:
+    if isinstance(module, _PRELOAD_ALWAYS):
+        return True
+    return preload_module_classes is not None and module.__class__.__name__ in preload_module_classes
+
+
 def attach_execution_device_hook(
     module: nn.Module,
     execution_device: Any,
@@ -283,7 +293,7 @@ def attach_execution_device_hook(
     if not hasattr(module, "_hf_hook") and len(module.state_dict()) > 0:
         add_hook_to_module(module, AlignDevicesHook(execution_device, skip_keys=skip_keys,
                                                     tied_params_map=tied_params_map))
-    if preload_module_classes is not None and module.__class__.__name__ in preload_module_classes:
+    if _preloads(module, preload_module_classes):
         return
     for child in module.children():
         attach_execution_device_hook(child, execution_device, skip_keys=skip_keys,
@@ -304,7 +314,7 @@ def attach_align_device_hook(
     """Attach an `AlignDevicesHook` to every submodule that holds tensors directly (weights read from
     `weights_map` under the submodule's prefix); a module of a `preload_module_classes` class gets one hook
     covering all its submodules."""
-    whole = offload and preload_module_classes is not None and module.__class__.__name__ in preload_module_classes
+    whole = offload and (_preloads(module, preload_module_classes))
     if whole or any(True for _ in named_module_tensors(module)):
         prefixed = None
         if weights_map is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -310,3 +311,22 @@ def test_infer_map_handles_model_bigger_than_budget():
     device_map = infer_auto_device_map(model, max_memory={"cpu": "150KB"}, no_split_module_classes=["Block"])
     assert device_map["emb"] == "cpu" and device_map["blocks.0"] == "cpu"
     assert device_map["blocks.1"] == "disk" and device_map["head"] == "disk"
+
+
+def test_multihead_attention_offloaded_to_disk(tmp_path):
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj: its subtree loads as one unit."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 32), nn.MultiheadAttention(32, 4, batch_first=True)).eval()
+    x = torch.randn(2, 5, 32)
+
+    def run(model):
+        h = model[0](x)
+        return model[1](h, h, h, need_weights=False)[0]
+
+    with torch.no_grad():
+        expected = run(reference)
+    model = copy.deepcopy(reference)
+    dispatch_model(model, {"0": "cpu", "1": "disk"}, offload_dir=tmp_path / "mha")
+    assert model[1].out_proj.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(run(model), expected)
