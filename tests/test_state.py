@@ -519,6 +519,23 @@ def test_mpi_variables_start_a_gloo_group():
     ]
 
 
+def _init_kwargs(rank: int) -> tuple:
+    import os
+    from datetime import timedelta
+
+    from nbaccel.state import PartialState
+
+    address = f"tcp://127.0.0.1:{os.environ.pop('MASTER_PORT')}"
+    del os.environ["MASTER_ADDR"]  # only the init_method can bring the ranks together now
+    state = PartialState(backend="gloo", init_method=address, timeout=timedelta(seconds=45))
+    state.wait_for_everyone()
+    return state.backend, state.num_processes, state.pg_timeout.total_seconds()
+
+
+def test_init_process_group_kwargs_are_honoured():
+    assert run_ranks(_init_kwargs) == [("gloo", 2, 45.0), ("gloo", 2, 45.0)]
+
+
 def _adopt(rank: int) -> tuple:
     from nbaccel.state import PartialState
 

@@ -22,7 +22,7 @@ _MODULES: dict[str, list[str]] = {
         "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
         "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType", "ProfileKwargs",
         "ProjectConfiguration", "RNGType", "TensorInformation", "TorchDynamoPlugin",
-        "TorchTensorParallelPlugin",
+        "TorchTensorParallelPlugin", "TERecipeKwargs", "MSAMPRecipeKwargs", "AORecipeKwargs",
     ],
     ".environment": [
         "clear_environment", "get_int_from_env", "in_notebook", "is_colab", "is_kaggle",
@@ -60,7 +60,12 @@ _MODULES: dict[str, list[str]] = {
     ],
     ".other": [
         "convert_bytes", "extract_model_from_parallel", "get_pretty_name", "is_port_in_use",
-        "merge_dicts", "save", "write_basic_config",
+        "merge_dicts", "save", "write_basic_config", "is_compiled_module", "get_free_port",
+    ],
+    ".constants": [
+        "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME",
+        "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "SAMPLER_NAME", "SCALER_NAME", "SCHEDULER_NAME",
+        "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_PATTERN_NAME", "FSDP_MODEL_NAME", "PROFILE_PATTERN_NAME",
     ],
     ".memory": [
         "clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size",

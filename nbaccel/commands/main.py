@@ -1,0 +1,70 @@
+"""Entry point of the `nbaccel` command: one argparse subcommand per module of `nbaccel.commands`.
+
+A module of this package joins the command line by defining `register(subparsers) -> None`, which adds its
+subparser and sets `func=<callable(args) -> int>` as default (see `add_command`). Modules are discovered, so
+adding a subcommand (e.g. `estimate-memory`) needs no edit here. Command modules import heavy libraries
+(torch) inside their functions, so `nbaccel --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+
+# Listed first, in this order, in `nbaccel --help`; any other module with `register` follows alphabetically.
+_PREFERRED_ORDER = ("config", "env", "launch", "test")
+_NOT_COMMANDS = {"main", "parser"}
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`nbaccel launch: error: ...`) and exit with status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_command(subparsers, name: str, func: Callable[[argparse.Namespace], int], help: str,
+                **kwargs) -> argparse.ArgumentParser:
+    """Add subcommand `name` running `func(args)`; returns its parser for the caller to add arguments."""
+    parser = subparsers.add_parser(name, help=help, description=help, **kwargs)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def command_modules() -> list[str]:
+    """Names of the modules of nbaccel.commands that may register a subcommand, in help order."""
+    from . import __path__ as package_path
+
+    found = sorted(m.name for m in pkgutil.iter_modules(package_path) if m.name not in _NOT_COMMANDS)
+    ordered = [m for m in _PREFERRED_ORDER if m in found]
+    return ordered + [m for m in found if m not in ordered]
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="nbaccel", description="nbaccel command line: configure, check and launch runs.")
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(_PREFERRED_ORDER) + ",...}",
+                                       parser_class=CommandParser)
+    for name in command_modules():
+        module = importlib.import_module(f"{__package__}.{name}")
+        register = getattr(module, "register", None)
+        if callable(register):
+            register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `nbaccel` command with `argv` (default: sys.argv[1:]); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 1
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

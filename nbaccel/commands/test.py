@@ -1,0 +1,40 @@
+"""`nbaccel test`: run nbaccel's own check of the distributed operations on the configured processes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .launch import LaunchOptionError, add_launch_arguments, resolve_settings, run_settings
+
+CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "test_utils" / "scripts" / "check_operations.py"
+
+
+def test_command(args: argparse.Namespace) -> int:
+    from ..utils.config_file import ConfigError, load_config
+
+    parser = args._parser
+    if not CHECK_SCRIPT.is_file():
+        parser.error(f"the bundled check script is missing ({CHECK_SCRIPT}); reinstall nbaccel")
+    args.training_script = str(CHECK_SCRIPT)
+    args.training_script_args = []
+    args.module = False
+    try:
+        settings = resolve_settings(args, load_config(args.config_file))
+    except (ConfigError, LaunchOptionError) as exc:
+        parser.error(str(exc).replace("\n", "; "))
+    print(f"Running {CHECK_SCRIPT.name} on {settings.num_processes} process(es)"
+          f"{' (CPU)' if settings.use_cpu else ''}...", flush=True)
+    status = run_settings(settings)
+    print("Test is a success! You are ready for your distributed training!" if status == 0
+          else "nbaccel test: the check failed (see above)")
+    return status
+
+
+def register(subparsers) -> None:
+    from .main import add_command
+
+    parser = add_command(subparsers, "test", test_command,
+                         help="Check that collectives work on the configured processes (a short run).")
+    add_launch_arguments(parser, script=False)
+    parser.set_defaults(_parser=parser)

@@ -1,0 +1,307 @@
+"""The launch configuration file: the YAML that `nbaccel config` writes and `nbaccel launch` reads.
+
+It reads the keys of Accelerate's `default_config.yaml`, so an existing Accelerate config works as is. Where
+it lives: `$NBACCEL_CONFIG_FILE`, else `$XDG_CACHE_HOME/nbaccel/default_config.yaml` (`~/.cache/...`); when
+that does not exist (and NBACCEL_CONFIG_FILE is unset), Accelerate's own `$HF_HOME/accelerate/default_config.yaml`.
+
+API: `default_config_file()`, `find_config_file(path=None)`, `load_config(path=None) -> LaunchConfig | None`,
+`LaunchConfig.validate() -> {field: message}`, `LaunchConfig.save(path=None) -> Path`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend
+
+CONFIG_FILE_ENV = "NBACCEL_CONFIG_FILE"
+CONFIG_FILE_NAME = "default_config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be read or holds invalid values; the message names file and key."""
+
+
+def _cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+
+
+def default_config_file() -> Path:
+    """Where nbaccel reads and writes its config: $NBACCEL_CONFIG_FILE or <cache>/nbaccel/default_config.yaml."""
+    explicit = os.environ.get(CONFIG_FILE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    return _cache_home() / "nbaccel" / CONFIG_FILE_NAME
+
+
+def accelerate_config_file() -> Path:
+    """Accelerate's default config location: $HF_HOME/accelerate/default_config.yaml (HF_HOME: <cache>/huggingface)."""
+    hf_home = os.environ.get("HF_HOME")
+    base = Path(hf_home).expanduser() if hf_home else _cache_home() / "huggingface"
+    return base / "accelerate" / CONFIG_FILE_NAME
+
+
+def find_config_file(path: str | os.PathLike | None = None) -> Path | None:
+    """The config file in use: `path` if given, else nbaccel's default, else Accelerate's; None if none exists."""
+    if path is not None:
+        return Path(path).expanduser()
+    own = default_config_file()
+    if own.is_file():
+        return own
+    if not os.environ.get(CONFIG_FILE_ENV):
+        theirs = accelerate_config_file()
+        if theirs.is_file():
+            return theirs
+    return None
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """`path` with the home directory written as ~ (shorter error messages)."""
+    text = str(path)
+    home = str(Path.home())
+    return "~" + text[len(home):] if home != "/" and text.startswith(home + os.sep) else text
+
+
+_BOOL_TEXT = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+
+# Fields whose values are plain dicts in the YAML (sub-configurations, passed through).
+_DICT_FIELDS = ("dynamo_config", "fsdp_config", "deepspeed_config", "megatron_lm_config", "parallelism_config",
+                "mpirun_config", "fp8_config")
+
+
+@dataclass
+class LaunchConfig:
+    """One launch configuration: how many processes, on which machines, with which precision and plugins.
+
+    Field names are the keys of Accelerate's `default_config.yaml`. Unknown keys read from a file are kept in
+    `extra` (and written back on save) but otherwise ignored.
+    """
+
+    compute_environment: str = "LOCAL_MACHINE"
+    distributed_type: str = "NO"
+    mixed_precision: str = "no"
+    use_cpu: bool = False
+    debug: bool = False
+    num_processes: int | None = None
+    num_machines: int = 1
+    machine_rank: int = 0
+    gpu_ids: str | None = None
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    rdzv_backend: str = "static"
+    same_network: bool = False
+    main_training_function: str = "main"
+    enable_cpu_affinity: bool = False
+    downcast_bf16: str = "no"
+    dynamo_config: dict = field(default_factory=dict)
+    fsdp_config: dict = field(default_factory=dict)
+    deepspeed_config: dict = field(default_factory=dict)
+    megatron_lm_config: dict = field(default_factory=dict)
+    parallelism_config: dict = field(default_factory=dict)
+    mpirun_config: dict = field(default_factory=dict)
+    fp8_config: dict = field(default_factory=dict)
+    tpu_name: str | None = None
+    tpu_zone: str | None = None
+    tpu_use_cluster: bool = False
+    tpu_use_sudo: bool = False
+    tpu_vm: list | None = None
+    tpu_env: list | None = None
+    command_file: str | None = None
+    commands: list | None = None
+    extra: dict = field(default_factory=dict)
+    path: Path | None = field(default=None, compare=False)
+
+    # ---------------------------------------------------------------- reading and writing
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | os.PathLike | None = None) -> LaunchConfig:
+        """Build from a YAML mapping; bad values raise ConfigError naming `source` and the key."""
+        where = display_path(source) if source is not None else "config"
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: the file must hold a mapping of keys to values, got {type(data).__name__}")
+        data = dict(data)
+        # Older Accelerate formats: `fp16: true` and a top-level `dynamo_backend`.
+        if "fp16" in data:
+            fp16 = data.pop("fp16")
+            data.setdefault("mixed_precision", "fp16" if fp16 else "no")
+        if "dynamo_backend" in data:
+            backend = data.pop("dynamo_backend")
+            data.setdefault("dynamo_config", {} if str(backend).upper() == "NO" else {"dynamo_backend": backend})
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
+        unknown = {k: v for k, v in data.items() if k not in known}
+        if unknown:
+            warnings.warn(
+                f"{where}: ignoring unknown key(s) {', '.join(map(str, sorted(unknown, key=str)))} "
+                "(kept in the file, not used by nbaccel)",
+                stacklevel=2,
+            )
+        values = {k: v for k, v in data.items() if k in known}
+        for key in _DICT_FIELDS:
+            if key in values and values[key] is None:
+                values[key] = {}
+        if values.get("mixed_precision") is None and "mixed_precision" in values:
+            values["mixed_precision"] = "no"
+        if values.get("gpu_ids") is not None:
+            values["gpu_ids"] = str(values["gpu_ids"])
+        if isinstance(values.get("downcast_bf16"), bool):
+            values["downcast_bf16"] = "yes" if values["downcast_bf16"] else "no"
+        if "same_network" in values and values["same_network"] is None:
+            values["same_network"] = False
+        for key in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
+            if isinstance(values.get(key), str) and values[key].strip().lower() in _BOOL_TEXT:
+                values[key] = _BOOL_TEXT[values[key].strip().lower()]
+        config = cls(**values, extra=unknown, path=Path(source) if source is not None else None)
+        errors = config.validate()
+        if errors:
+            raise ConfigError("\n".join(f"{where}: {key}: {message}" for key, message in errors.items()))
+        return config
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> LaunchConfig | None:
+        """Read the config file in use (see `find_config_file`); None when there is none."""
+        found = find_config_file(path)
+        if found is None:
+            return None
+        if not found.is_file():
+            if path is not None:
+                raise ConfigError(f"{display_path(found)}: no such config file")
+            return None
+        try:
+            with open(found, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{display_path(found)}: not valid YAML: {exc}") from exc
+        return cls.from_dict(data, source=found)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping written to YAML: Accelerate's keys (empty sub-configs and None left out) plus `extra`."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "path"):
+                continue
+            value = getattr(self, f.name)
+            if value is None or (f.name in _DICT_FIELDS and not value):
+                continue
+            out[f.name] = value.value if hasattr(value, "value") else value
+        out.update(self.extra)
+        return out
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        """Validate and write the YAML (to `path`, else where it was loaded from, else the default file)."""
+        target = Path(path).expanduser() if path is not None else (self.path or default_config_file())
+        errors = self.validate()
+        if errors:
+            raise ConfigError("\n".join(f"{display_path(target)}: {k}: {m}" for k, m in errors.items()))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            yaml.safe_dump(self.to_dict(), handle, sort_keys=True)
+        os.replace(tmp, target)  # a reader never sees half a file
+        self.path = target
+        return target
+
+    # ---------------------------------------------------------------- checking
+    def validate(self) -> dict[str, str]:
+        """Check every field; return {field: what is wrong} (empty when the config is valid)."""
+        errors: dict[str, str] = {}
+
+        def one_of(name: str, allowed: list[str] | tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            text = value.value if hasattr(value, "value") else value
+            if text not in allowed:
+                errors[name] = f"{value!r} is not one of {', '.join(allowed)}"
+
+        def integer(name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+                maximum is not None and value > maximum
+            ):
+                bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+                errors[name] = f"{value!r} is not an integer {bound}"
+
+        one_of("compute_environment", ComputeEnvironment.list())
+        one_of("distributed_type", DistributedType.list())
+        one_of("mixed_precision", MIXED_PRECISION_CHOICES)
+        one_of("rdzv_backend", RDZV_BACKENDS)
+        one_of("downcast_bf16", ("no", "yes"))
+        for name in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
+            if not isinstance(getattr(self, name), bool):
+                errors[name] = f"{getattr(self, name)!r} is not true or false"
+        integer("num_processes", 1, optional=True)
+        integer("num_machines", 1)
+        integer("machine_rank", 0)
+        integer("main_process_port", 1, 65535, optional=True)
+        if "machine_rank" not in errors and "num_machines" not in errors and self.machine_rank >= self.num_machines:
+            errors["machine_rank"] = f"{self.machine_rank} must be below num_machines ({self.num_machines})"
+        if (
+            "num_machines" not in errors
+            and self.num_machines > 1
+            and self.machine_rank != 0
+            and not self.main_process_ip
+        ):
+            errors["main_process_ip"] = "needed when num_machines > 1 (the address of the machine with rank 0)"
+        if self.gpu_ids not in (None, "all"):
+            parts = [p.strip() for p in str(self.gpu_ids).split(",")]
+            if not all(p.isdigit() for p in parts):
+                errors["gpu_ids"] = f"{self.gpu_ids!r} is not 'all' or a comma-separated list of GPU indices"
+        for name in _DICT_FIELDS:
+            if not isinstance(getattr(self, name), dict):
+                errors[name] = f"must be a mapping of keys to values, got {type(getattr(self, name)).__name__}"
+        if isinstance(self.dynamo_config, dict) and "dynamo_backend" in self.dynamo_config:
+            backend = str(self.dynamo_config["dynamo_backend"]).upper()
+            if backend not in DynamoBackend.list():
+                errors["dynamo_config.dynamo_backend"] = (
+                    f"{self.dynamo_config['dynamo_backend']!r} is not one of {', '.join(DynamoBackend.list())}"
+                )
+        if isinstance(self.fsdp_config, dict):
+            errors.update(_check_fsdp(self.fsdp_config))
+        if isinstance(self.deepspeed_config, dict) and "zero_stage" in self.deepspeed_config:
+            if self.deepspeed_config["zero_stage"] not in (0, 1, 2, 3):
+                errors["deepspeed_config.zero_stage"] = f"{self.deepspeed_config['zero_stage']!r} is not one of 0, 1, 2, 3"
+        return errors
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def uses_fsdp(self) -> bool:
+        return str(self.distributed_type) == DistributedType.FSDP.value
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return str(self.distributed_type) == DistributedType.DEEPSPEED.value
+
+
+_FSDP_CHOICES = {
+    "fsdp_version": (1, 2),
+    "fsdp_sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2",
+                               1, 2, 3, 4, 5),
+    "fsdp_state_dict_type": ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+    "fsdp_backward_prefetch": ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"),
+}
+
+
+def _check_fsdp(fsdp: dict) -> dict[str, str]:
+    errors = {}
+    for key, allowed in _FSDP_CHOICES.items():
+        if key in fsdp and fsdp[key] is not None:
+            value = fsdp[key].upper() if isinstance(fsdp[key], str) else fsdp[key]
+            if value not in allowed:
+                names = ", ".join(str(a) for a in allowed if isinstance(a, str)) or ", ".join(map(str, allowed))
+                errors[f"fsdp_config.{key}"] = f"{fsdp[key]!r} is not one of {names}"
+    return errors
+
+
+def load_config(path: str | os.PathLike | None = None) -> LaunchConfig | None:
+    """The launch configuration in use, or None when no config file exists. Invalid files raise ConfigError."""
+    return LaunchConfig.load(path)
