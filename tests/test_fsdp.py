@@ -122,13 +122,17 @@ def _scenario(rank: int, folder: str):
             errors.append(None)
         except ValueError as error:
             errors.append(str(error))
-    return {"diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
+    from nbaccel.state import AcceleratorState
+
+    state = AcceleratorState(fsdp_plugin=make_plugin(), _from_accelerator=True)  # what Accelerator() does
+    return {"distributed_type": str(state.distributed_type), "is_fsdp2": state.is_fsdp2, "diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
             "out": out, "errors": errors}
 
 
 def test_fsdp2_matches_ddp_resumes_and_exports(tmp_path):
     results = run_ranks(lambda rank: _scenario(rank, str(tmp_path)), world_size=2, init=True, timeout=120)
     for result in results:
+        assert result["distributed_type"] == "FSDP" and result["is_fsdp2"]
         assert result["diff"] < 1e-5, result["diff"]
         assert result["norms"] == pytest.approx(result["ddp_norms"], rel=1e-5)
         assert result["resume_exact"]

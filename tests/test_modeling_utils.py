@@ -277,6 +277,14 @@ def test_estimate_memory_command(tmp_path, capsys):
     assert max(rows[0][3].values()) == 4 * fp32_total and max(rows[1][3].values()) == 2 * fp32_total
     assert total == 3 * 2**20
     assert estimate_main([f"{source}:make"]) == 0  # a factory function
+    try:
+        from nbaccel.commands.main import main as cli
+    except ImportError:
+        cli = None
+    if cli is not None:  # registered as `nbaccel estimate-memory`
+        capsys.readouterr()
+        assert cli(["estimate-memory", f"{source}:Tiny", "--dtypes", "bfloat16"]) == 0
+        assert "bfloat16" in capsys.readouterr().out
     assert estimate_main(["gpt2"]) == 2
     assert "does not download" in capsys.readouterr().err
     assert estimate_main([f"{source}:Nope"]) == 2

@@ -58,6 +58,18 @@ def _scenario(rank: int):
     out = model(x)
     out.sum().backward()
     grad = model.layers[0].up.weight.grad.full_tensor()
+    # the same through a ParallelismConfig mesh, with the states reporting the ranks
+    from nbaccel import ParallelismConfig
+    from nbaccel.state import AcceleratorState
+
+    config = ParallelismConfig(tp_size=2)
+    mesh = config.get_device_mesh("cpu")
+    meshed = sharding.prepare_tensor_parallel(copy.deepcopy(base), mesh=mesh, device="cpu")
+    mesh_diff = (meshed(x) - reference).abs().max().item()
+    state = AcceleratorState(parallelism_config=config, _from_accelerator=True)  # what Accelerator() does
+    state.device_mesh = mesh
+    ranks = (state.tensor_parallel_rank, state.data_parallel_rank, state.data_parallel_shard_rank)
+
     errors = []
     for bad in (lambda: sharding.prepare_tensor_parallel(copy.deepcopy(base), tp_size=3),
                 lambda: sharding.prepare_tensor_parallel(nn.Sequential(nn.LayerNorm(4)), tp_size=2)):
@@ -67,15 +79,30 @@ def _scenario(rank: int):
         except ValueError as error:
             errors.append(str(error))
     return {"out_diff": (out - reference).abs().max().item(), "grad_diff": (grad - ref_grad).abs().max().item(),
-            "errors": errors}
+            "mesh_diff": mesh_diff, "ranks": ranks, "errors": errors}
 
 
 def test_tensor_parallel_matches_unsharded():
-    for result in run_ranks(_scenario, world_size=2, init=True, timeout=120):
-        assert result["out_diff"] < 1e-5 and result["grad_diff"] < 1e-5
+    for rank, result in enumerate(run_ranks(_scenario, world_size=2, init=True, timeout=120)):
+        assert result["out_diff"] < 1e-5 and result["grad_diff"] < 1e-5 and result["mesh_diff"] < 1e-5
+        assert result["ranks"] == (rank, 0, 0)
         divide, no_plan = result["errors"]
         assert divide and "tp_size=3 must divide the number of processes (2)" in divide
         assert no_plan and "no plan for this model" in no_plan
+
+
+def test_parallelism_config_validation():
+    from nbaccel import ParallelismConfig
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    assert config.total_size == 4 and config.active_mesh_dims == ["dp_shard", "tp"] and config.tp_enabled
+    assert config.fsdp_dim_names == ["dp_shard_cp"] and config.data_parallel_size == 2
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        ParallelismConfig(tp_size=0)
+    with pytest.raises(ValueError, match="pure data parallelism"):
+        ParallelismConfig(dp_replicate_size=2, tp_size=2)
+    with pytest.raises(NotImplementedError, match="context/sequence parallelism"):
+        ParallelismConfig(cp_size=2)
 
 
 def test_tensor_parallel_needs_process_group():
