@@ -289,3 +289,22 @@ def test_estimate_memory_command(tmp_path, capsys):
     assert "does not download" in capsys.readouterr().err
     assert estimate_main([f"{source}:Nope"]) == 2
     assert "has no attribute 'Nope'" in capsys.readouterr().err
+
+
+def test_infer_auto_device_map_fallback_allocation():
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Linear(64, 64)            # does not fit the first device
+            self.small = nn.Linear(4, 4)            # fits
+            self.blocks = nn.ModuleList([Block(4), Block(4)])
+
+    with init_empty_weights():
+        model = Wide()
+    sizes = compute_module_sizes(model)
+    plain = infer_auto_device_map(model, max_memory={"cpu": sizes["big"] + sizes["small"] - 1})
+    fallback = infer_auto_device_map(model, max_memory={"cpu": sizes["big"] + sizes["small"] - 1},
+                                     fallback_allocation=True)
+    assert "cpu" not in plain.values()  # the reserve for the largest layer leaves no room for `big` first
+    assert fallback["small"] == "cpu" and fallback["big"] == "disk"
+    check_device_map(model, fallback)

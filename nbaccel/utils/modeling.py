@@ -650,6 +650,23 @@ def infer_auto_device_map(
             largest, largest_names = get_max_layer_size(
                 [(n, m) for n, m in queue if isinstance(m, nn.Module)], sizes, no_split)
             continue
+        if fallback_allocation and used[device] == 0 and limit is not None:
+            # Nothing landed on this device yet: rather than leave it empty, take the first later module (or
+            # part of one) that fits, breadth first, as Accelerate's fallback_allocation does.
+            rest = [(name, obj)] + queue
+            found = _first_fitting(rest, sizes, limit, no_split)
+            if found is not None:
+                index, split_path = found
+                if split_path:  # split the entry holding it, then try again
+                    entry_name, entry = rest[index]
+                    direct = (list(entry.named_parameters(recurse=False)) + list(entry.named_children())
+                              + list(entry.named_buffers(recurse=False)))
+                    rest[index:index + 1] = [(f"{entry_name}.{n}", m) for n, m in direct]
+                else:
+                    rest.insert(0, rest.pop(index))
+                say(f"fallback_allocation: looking at {rest[0][0]} for {device}.")
+                queue = rest
+                continue
         say(f"{name} (size={size}) does not fit on {device}; moving on to the next device.")
         position += 1
         queue.insert(0, (name, obj))
@@ -669,6 +686,25 @@ def infer_auto_device_map(
                 stacklevel=2,
             )
     return device_map
+
+
+def _first_fitting(entries: list[tuple[str, Any]], sizes: dict[str, int], limit: int, no_split: list[str]
+                   ) -> tuple[int, bool] | None:
+    """(index of the queue entry holding the first module that fits in `limit`, whether that entry must be
+    split to reach it), searching breadth first; None when nothing fits."""
+    level = [(index, name, obj) for index, (name, obj) in enumerate(entries)]
+    depth = 0
+    while level:
+        for index, name, _ in level:
+            if sizes.get(name, 0) <= limit:
+                return index, depth > 0
+        deeper = []
+        for index, name, obj in level:
+            if isinstance(obj, nn.Module) and obj.__class__.__name__ not in no_split:
+                deeper += [(index, f"{name}.{n}", m) for n, m in
+                           list(obj.named_parameters(recurse=False)) + list(obj.named_children())]
+        level, depth = deeper, depth + 1
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------------
