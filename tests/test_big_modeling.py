@@ -330,3 +330,22 @@ def test_multihead_attention_offloaded_to_disk(tmp_path):
     assert model[1].out_proj.weight.is_meta
     with torch.no_grad():
         assert torch.equal(run(model), expected)
+
+
+def test_state_dict_of_offloaded_model(reference, tmp_path):
+    from nbaccel.utils import align_module_device, get_state_dict_offloaded_model, has_offloaded_params
+
+    ref, ckpt, _, _ = reference
+    with init_empty_weights():
+        model = Net()
+    model = load_checkpoint_and_dispatch(model, ckpt, device_map={"emb": "cpu", "blocks": "disk", "head": "cpu"},
+                                         offload_folder=tmp_path / "off")
+    layer = model.blocks[4].fc1
+    assert has_offloaded_params(layer) and not has_offloaded_params(model.emb)
+    with align_module_device(layer, "cpu"):
+        assert torch.equal(layer.weight, ref.blocks[4].fc1.weight)
+    assert layer.weight.is_meta
+    state = get_state_dict_offloaded_model(model)
+    expected = ref.state_dict()
+    assert set(state) == set(expected)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)

@@ -7,6 +7,7 @@ from a checkpoint one tensor at a time. Names, arguments and defaults follow Acc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -949,3 +950,70 @@ def _load_broadcast_from_rank0(model: nn.Module, checkpoint: Any, strict: bool, 
         model, state,
         options=StateDictOptions(full_state_dict=full_state_dict, strict=strict, broadcast_from_rank0=True),
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# models with offloaded parts (hooks attached by dispatch_model / cpu_offload / disk_offload)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def has_offloaded_params(module: nn.Module) -> bool:
+    """Whether `module` has an offloading hook (its weights live in the hook's weights map, not on it)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    return any(getattr(h, "offload", False) for h in hooks)
+
+
+def _offload_hook(module: nn.Module) -> Any:
+    hook = getattr(module, "_hf_hook", None)
+    for candidate in getattr(hook, "hooks", None) or [hook]:
+        if getattr(candidate, "offload", False):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def align_module_device(module: nn.Module, execution_device: Device | None = None) -> Iterator[None]:
+    """Inside the block, the direct weights of `module` are real tensors on `execution_device` (an offloaded
+    module's weights are read from its hook's weights map; default device: the hook's execution device);
+    afterwards they go back where they were."""
+    hook = _offload_hook(module)
+    if hook is not None:
+        device = execution_device if execution_device is not None else hook.execution_device
+        names = [n for n, _ in named_module_tensors(module, include_buffers=hook.offload_buffers,
+                                                    recurse=hook.place_submodules, remove_non_persistent=True)]
+        for name in names:
+            set_module_tensor_to_device(module, name, device, value=hook.weights_map[name])
+        try:
+            yield
+        finally:
+            for name in names:
+                set_module_tensor_to_device(module, name, "meta")
+        return
+    if execution_device is None:
+        yield
+        return
+    original = {name: tensor.device for name, tensor in named_module_tensors(module)}
+    for name in original:
+        set_module_tensor_to_device(module, name, execution_device)
+    try:
+        yield
+    finally:
+        for name, device in original.items():
+            set_module_tensor_to_device(module, name, device)
+
+
+def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a model with offloaded parts, on the CPU, one module brought in at a time."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        with align_module_device(module, "cpu"):
+            for key, tensor in module.state_dict(keep_vars=False).items():
+                if "." in key or tensor.device.type == "meta":
+                    continue  # submodules report their own tensors
+                state[prefix + key] = tensor.to("cpu")
+    missing = [k for k in model.state_dict() if k not in state]
+    if missing:
+        logger.warning("These tensors are still on the meta device and were left out: %s", missing[:20])
+    return state
