@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,20 +34,12 @@ class Tiny(nn.Module):
 
 
 def make_plugin(**overrides):
-    """The real FullyShardedDataParallelPlugin when the config module has it, else the same fields."""
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
     fields = dict(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap=["Block"],
                   reshard_after_forward=True, cpu_offload=False)
     fields.update(overrides)
-    try:
-        from nbaccel.utils import FullyShardedDataParallelPlugin
-
-        return FullyShardedDataParallelPlugin(**fields)
-    except (ImportError, AttributeError):
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-        fields["auto_wrap_policy"] = transformer_auto_wrap_policy
-        return SimpleNamespace(mixed_precision_policy=None, activation_checkpointing=False, ignored_modules=None,
-                               min_num_params=None, **fields)
+    return FullyShardedDataParallelPlugin(**fields)
 
 
 def batches(rank: int, steps: int):
@@ -108,6 +99,26 @@ def _scenario(rank: int, folder: str):
     resumed = sharding.get_full_state_dict(fresh, cpu_offload=False)
     resume_exact = all(torch.equal(resumed[k], full[k]) for k in full)
 
+    # Accelerate's function names and layouts: sharded (default for FSDP2) and full state dicts
+    from nbaccel.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+
+    for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        plugin = make_plugin(state_dict_type=kind)
+        save_fsdp_model(plugin, None, model, f"{folder}/{kind}")
+        save_fsdp_optimizer(plugin, None, optimizer, model, f"{folder}/{kind}")
+        torch.manual_seed(5)
+        other = Tiny()
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        other = sharding.prepare_fsdp2(other, [other_opt], make_plugin(), device="cpu")
+        other_opt.zero_grad()
+        nn.functional.mse_loss(other(data[0][0]), data[0][1]).backward()
+        other_opt.step()  # give the optimizer state to overwrite
+        load_fsdp_model(plugin, None, other, f"{folder}/{kind}")
+        load_fsdp_optimizer(plugin, None, other_opt, other, f"{folder}/{kind}")
+        assert all(torch.equal(v, full[k]) for k, v in sharding.get_full_state_dict(other, False).items()), kind
+        mine, theirs = optimizer.state_dict()["state"], other_opt.state_dict()["state"]
+        assert all(torch.equal(mine[i]["exp_avg"].full_tensor(), theirs[i]["exp_avg"].full_tensor()) for i in mine)
+
     path = sharding.save_full_model(model, f"{folder}/export")
     with torch.no_grad():
         out = model(probe)
@@ -145,6 +156,15 @@ def test_fsdp2_matches_ddp_resumes_and_exports(tmp_path):
     with torch.no_grad():
         expected = plain(torch.randn(5, 16, generator=torch.Generator().manual_seed(7)))
     assert torch.allclose(results[0]["out"], expected, atol=1e-6)
+
+    from nbaccel.utils import merge_fsdp_weights
+
+    merged = merge_fsdp_weights(tmp_path / "SHARDED_STATE_DICT" / "pytorch_model_fsdp_0", tmp_path / "merged")
+    merged_state = load_file(merged)
+    exported = load_file(results[0]["path"])
+    assert merged_state.keys() == exported.keys() and all(torch.equal(merged_state[k], exported[k]) for k in exported)
+    assert (tmp_path / "FULL_STATE_DICT" / "pytorch_model_fsdp.bin").exists()
+    assert (tmp_path / "FULL_STATE_DICT" / "optimizer.bin").exists()
 
     stale_other, stale_sharded, alone = results[0]["errors"]
     assert stale_other and "not parameters of the model being prepared" in stale_other and "another model" in stale_other

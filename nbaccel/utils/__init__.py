@@ -56,6 +56,9 @@ _MODULES: dict[str, list[str]] = {
         "align_module_device", "check_tied_parameters_on_same_device", "clean_device_map",
         "get_state_dict_offloaded_model", "has_offloaded_params",
     ],
+    ".fsdp_utils": [
+        "load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer",
+    ],
     ".offload": [
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
         "load_offloaded_weight", "load_offloaded_weights", "offload_state_dict", "offload_weight",
