@@ -23,6 +23,7 @@ import torch
 from .utils import collective_trace
 from .utils.dataclasses import DistributedType, PrecisionType
 from .utils.environment import (
+    check_cuda_p2p_ib_support,
     first_env,
     get_cpu_distributed_information,
     parse_flag_from_env,
@@ -278,6 +279,11 @@ class PartialState:
         if device_type not in ("cpu", "xla"):
             module = getattr(torch, device_type)
             count = module.device_count()
+            if "nccl" in backend and not check_cuda_p2p_ib_support():
+                # consumer RTX 40xx GPUs on old drivers hang NCCL over P2P/IB; Accelerate's launcher sets these
+                os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+                os.environ.setdefault("NCCL_IB_DISABLE", "1")
+                logger.warning("RTX 40xx GPUs with a driver older than 550.40.07: NCCL peer-to-peer and IB disabled")
             if "nccl" in backend and count < info.local_world_size:
                 raise ValueError(
                     f"{info.local_world_size} processes on this machine but {count} CUDA device(s) visible: NCCL "
@@ -573,9 +579,10 @@ class PartialState:
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):
+            cls = type(self).__name__
             raise AttributeError(
-                f"{type(self).__name__}.{name} is not available: the state was reset (_reset_state()) and no "
-                "PartialState or Accelerator was created since"
+                f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` was called and "
+                f"no {cls} or Accelerator was created since: create one again"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -979,10 +986,11 @@ class AcceleratorState:
         raise NotImplementedError("Pipeline parallelism ranks are not supported (as in Accelerate)")
 
     def __getattr__(self, name: str) -> Any:
-        if name in type(self)._known_attrs:
+        if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):
             raise AttributeError(
-                f"AcceleratorState has no attribute {name!r}: it was reset (_reset_state()) or no Accelerator "
-                "was created yet"
+                f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+                "`AcceleratorState._reset_state()` was called and no Accelerator was created since (or none was "
+                "created yet): create `Accelerator()`"
             )
         raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
 

@@ -261,3 +261,35 @@ def test_every_registered_utils_name_resolves():
     for module in (".environment", ".imports", ".random"):
         for name in utils._MODULES[module]:
             assert callable(getattr(utils, name)), name
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, names: list[str], driver: str, capability: str) -> None:
+    """An `nvidia-smi` on PATH answering the queries nbaccel makes."""
+    script = tmp_path / "nvidia-smi"
+    lines = ["#!/bin/sh", 'case "$1" in', "  --query-gpu=name)"]
+    lines += [f"    echo '{name}'" for name in names] + ["    ;;"]
+    lines += [f"  --query-gpu=driver_version) echo {driver} ;;", f"  --query-gpu=compute_cap) echo {capability} ;;"]
+    script.write_text("\n".join(lines + ["esac", ""]))
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env.check_cuda_fp8_capability.cache_clear()
+
+
+def test_gpu_queries_read_nvidia_smi(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, ["NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090"], "535.1", "8.9")
+    assert env.get_gpu_info() == (["NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090"], 2)
+    assert env.get_driver_version() == "535.1"
+    assert env.check_cuda_p2p_ib_support() is False  # two RTX 40xx on an old driver: NCCL P2P must be off
+    assert env.check_cuda_fp8_capability() is True
+    _fake_nvidia_smi(tmp_path, monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 2, "535.1", "8.0")
+    assert env.check_cuda_p2p_ib_support() is True
+    assert env.check_cuda_fp8_capability() is False
+    env.check_cuda_fp8_capability.cache_clear()
+
+
+def test_gpu_queries_without_a_driver(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(FileNotFoundError, match="nvidia-smi was not found"):
+        env.get_gpu_info()
+    assert env.check_cuda_p2p_ib_support() is True  # nothing to work around
+    assert env.get_current_device_type() == ("cuda", "MULTI_GPU")

@@ -85,7 +85,7 @@ def test_reset_forgets_and_explains(fresh):
     state = PartialState(cpu=True)
     PartialState._reset_state()
     assert not state.initialized
-    with pytest.raises(AttributeError, match="reset"):
+    with pytest.raises(AttributeError, match=r"`PartialState` object has no attribute `process_index`.*_reset_state"):
         _ = state.process_index
     with pytest.raises(ValueError, match="create PartialState"):
         state.on_main_process(print)
@@ -256,6 +256,8 @@ def test_accelerator_state(fresh):
     assert PartialState().debug is True and os.environ["NBACCEL_DEBUG_MODE"] == "1"
     AcceleratorState._reset_state()
     assert not state.initialized and PartialState().initialized
+    with pytest.raises(AttributeError, match=r"This happens if `AcceleratorState._reset_state\(\)` was called"):
+        _ = state.distributed_type  # an Accelerator holding the reset state fails early and says why
     AcceleratorState._reset_state(reset_partial_state=True)
     assert not PartialState._shared_state
 
@@ -570,3 +572,14 @@ def _missing_rank(rank: int):
 def test_a_rank_that_never_arrives_fails_the_barrier_after_the_timeout():
     waited, says_timeout, timeout = run_ranks(_missing_rank, env={"NBACCEL_PG_TIMEOUT": "1"})[0]
     assert timeout == 1 and says_timeout and waited < 10
+
+
+def test_the_configuration_classes_drive_the_states(fresh):
+    from nbaccel.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    state = PartialState(**InitProcessGroupKwargs(timeout=timedelta(seconds=30)).to_kwargs())
+    assert state.pg_timeout == timedelta(seconds=30)
+    gradient_state = GradientState(GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False))
+    assert (gradient_state.num_steps, gradient_state.adjust_scheduler, gradient_state.sync_with_dataloader) == (
+        4, False, True,
+    )

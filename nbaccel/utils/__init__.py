@@ -28,6 +28,8 @@ _MODULES: dict[str, list[str]] = {
         "clear_environment", "get_int_from_env", "in_notebook", "is_colab", "is_kaggle",
         "parse_choice_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
         "are_libraries_initialized", "get_cpu_distributed_information", "purge_accelerate_environment",
+        "check_cuda_fp8_capability", "check_cuda_p2p_ib_support", "get_current_device_type",
+        "get_driver_version", "get_gpu_info",
     ],
     ".imports": [
         "is_aim_available", "is_bf16_available", "is_bnb_available", "is_clearml_available",

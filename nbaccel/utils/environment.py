@@ -243,3 +243,88 @@ def is_colab() -> bool:
 def is_kaggle() -> bool:
     """Whether this is a Kaggle notebook or script runtime."""
     return bool(os.environ.get("KAGGLE_KERNEL_RUN_TYPE") or os.environ.get("KAGGLE_URL_BASE"))
+
+
+# --- GPUs, asked without initializing CUDA ---------------------------------------------------------------
+
+
+def get_current_device_type() -> tuple[str, str]:
+    """The accelerator type of this machine and its multi-process `DistributedType` value, e.g.
+    ("cuda", "MULTI_GPU"), decided without initializing any device (safe before `fork`). Falls back to
+    ("cuda", "MULTI_GPU") like Accelerate when no other accelerator library is present."""
+    from .imports import (
+        is_hpu_available,
+        is_mlu_available,
+        is_musa_available,
+        is_neuron_available,
+        is_npu_available,
+        is_sdaa_available,
+        is_xpu_available,
+    )
+
+    for check, device, distributed in (
+        (is_mlu_available, "mlu", "MULTI_MLU"),
+        (is_sdaa_available, "sdaa", "MULTI_SDAA"),
+        (is_musa_available, "musa", "MULTI_MUSA"),
+        (is_npu_available, "npu", "MULTI_NPU"),
+        (is_hpu_available, "hpu", "MULTI_HPU"),
+        (is_xpu_available, "xpu", "MULTI_XPU"),
+        (is_neuron_available, "neuron", "MULTI_NEURON"),
+    ):
+        if check():
+            return device, distributed
+    return "cuda", "MULTI_GPU"
+
+
+def _nvidia_smi(*query: str) -> list[str]:
+    """Lines of `nvidia-smi --query-gpu=<query> --format=csv,noheader` (one per GPU)."""
+    import shutil
+    import subprocess
+
+    command = shutil.which("nvidia-smi")
+    if command is None and sys.platform == "win32":
+        command = os.path.join(os.environ.get("SYSTEMDRIVE", "C:"), "\\Program Files\\NVIDIA Corporation\\NVSMI\\nvidia-smi.exe")
+    if command is None:
+        raise FileNotFoundError("nvidia-smi was not found: is the NVIDIA driver installed?")
+    output = subprocess.run(
+        [command, f"--query-gpu={','.join(query)}", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout
+    return [line.strip() for line in output.strip().splitlines() if line.strip()]
+
+
+def get_gpu_info() -> tuple[list[str], int]:
+    """Names and number of the NVIDIA GPUs, from nvidia-smi (so CUDA stays uninitialized)."""
+    names = _nvidia_smi("name")
+    return names, len(names)
+
+
+def get_driver_version() -> str:
+    """The NVIDIA driver version (of the first GPU), from nvidia-smi."""
+    return _nvidia_smi("driver_version")[0]
+
+
+def check_cuda_p2p_ib_support() -> bool:
+    """False when several consumer RTX 40xx GPUs run a driver older than 550.40.07, whose peer-to-peer and
+    InfiniBand paths hang NCCL (NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 are then needed)."""
+    try:
+        names, count = get_gpu_info()
+        if count > 1 and any("RTX 40" in name for name in names):
+            from packaging.version import parse
+
+            return parse(get_driver_version()) >= parse("550.40.07")
+    except Exception:
+        pass
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def check_cuda_fp8_capability() -> bool:
+    """Whether the (first) GPU can run FP8 kernels: compute capability 8.9 (Ada) or newer."""
+    try:
+        capability = tuple(int(part) for part in _nvidia_smi("compute_cap")[0].split("."))
+    except Exception:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    return capability >= (8, 9)
