@@ -259,6 +259,32 @@ def prepare_fsdp2(
     return model
 
 
+def prepare_fsdp2_args(args: Sequence[Any], plugin: Any, mixed_precision: str | None = "no",
+                       device: torch.device | str | None = None, mesh: Any = None) -> list[Any]:
+    """What `Accelerator.prepare(*args)` does first under FSDP2: check that the model comes with its optimizer,
+    shard the model and re-point the optimizers, and hand back the arguments (the model sharded in place) for
+    the usual per-object preparation, which must then leave sharded models alone (see `is_sharded`)."""
+    check_fsdp2_prepare_args(args)
+    args = list(args)
+    model_index = next((i for i, a in enumerate(args) if isinstance(a, nn.Module)), None)
+    if model_index is None:
+        return args
+    optimizers = [getattr(a, "optimizer", a) for a in args if isinstance(a, torch.optim.Optimizer)]
+    args[model_index] = prepare_fsdp2(args[model_index], optimizers, plugin, mixed_precision=mixed_precision,
+                                      device=device, mesh=mesh)
+    return args
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 or tensor parallelism manages this model's placement (no .to(device), no DDP wrap)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDPModule):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _canonical(name: str) -> str:
     """A parameter name without the wrapper prefixes activation checkpointing / compile insert."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

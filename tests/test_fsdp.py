@@ -76,8 +76,8 @@ def _scenario(rank: int, folder: str):
 
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # created before prepare, passed together
-    sharding.check_fsdp2_prepare_args([model, optimizer])
-    model = sharding.prepare_fsdp2(model, [optimizer], make_plugin(), mixed_precision="no", device="cpu")
+    model, optimizer = sharding.prepare_fsdp2_args([model, optimizer], make_plugin(), "no", device="cpu")
+    assert sharding.is_sharded(model) and not sharding.is_sharded(Tiny())
     assert isinstance(model, FSDPModule) and isinstance(model.blocks[0], FSDPModule)
     assert isinstance(model.blocks[0].up.weight, DTensor)
     assert model.blocks[0].up.weight.to_local().shape == (32, 16)  # half of (64, 16) on each rank
@@ -127,7 +127,7 @@ def _scenario(rank: int, folder: str):
     stale = torch.optim.SGD(Tiny().parameters(), lr=0.1)
     for bad in (lambda: sharding.prepare_fsdp2(Tiny(), [stale], make_plugin(), device="cpu"),
                 lambda: sharding.prepare_fsdp2(model, [torch.optim.SGD(base.parameters(), lr=0.1)], make_plugin()),
-                lambda: sharding.check_fsdp2_prepare_args([Tiny()])):
+                lambda: sharding.prepare_fsdp2_args([Tiny()], make_plugin())):
         try:
             bad()
             errors.append(None)
