@@ -144,12 +144,27 @@ def apply_fsdp2(
     mesh = mesh if mesh is not None else default_mesh(device)
     should_wrap = _wrap_policy(plugin, model)
     offload = _offload_policy(plugin)
-    if any(p.is_meta for p in model.parameters()):
+    import torch.distributed as dist
+
+    efficient = bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+    if efficient:
+        # Only rank 0 needs real weights (the others may build the model under init_empty_weights): shard an
+        # empty model everywhere, then rank 0 broadcasts the weights into the shards.
+        full_state = model.state_dict() if dist.get_rank() == 0 else {}
+        persistent = set(model.state_dict())
+        extra_buffers = {n: (b.detach().to("cpu") if dist.get_rank() == 0 else None)
+                         for n, b in model.named_buffers() if n not in persistent}
+        if dist.get_rank() == 0 and any(t.is_meta for t in full_state.values()):
+            raise ValueError("FSDP cpu_ram_efficient_loading: rank 0 must hold the real weights, but its model "
+                             "has tensors on the meta device.")
+        model.to("meta")
+    elif any(p.is_meta for p in model.parameters()):
         raise ValueError(
             "FSDP: the model has parameters on the meta device; load its weights before prepare (e.g. "
-            "load_checkpoint_in_model) or build it normally."
+            "load_checkpoint_in_model), build it normally, or set cpu_ram_efficient_loading=True with the real "
+            "weights on rank 0."
         )
-    if type(offload).__name__ != "CPUOffloadPolicy":
+    elif type(offload).__name__ != "CPUOffloadPolicy":
         model.to(device)
 
     targets = [m for m in model.modules() if m is not model and should_wrap(m)]
@@ -173,7 +188,27 @@ def apply_fsdp2(
         if module is not model and should_wrap(module):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    if efficient:
+        _fill_from_rank0(model, full_state, extra_buffers, device, offload)
     return model
+
+
+def _fill_from_rank0(model: nn.Module, full_state: dict, extra_buffers: dict, device: torch.device,
+                     offload: Any) -> None:
+    """Materialize a model sharded on "meta" and load rank 0's full weights into every rank's shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    cpu_offload = type(offload).__name__ == "CPUOffloadPolicy"
+    model.to_empty(device="cpu" if cpu_offload else device)
+    set_model_state_dict(model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, saved in extra_buffers.items():  # non-persistent buffers are not in any state dict
+        buffer = model.get_buffer(name)
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                buffer.copy_(saved)
+        dist.broadcast(buffer, src=0)
 
 
 def _as_reshard(value: Any) -> bool | int:

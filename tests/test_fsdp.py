@@ -26,11 +26,12 @@ class Tiny(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, 4)
+        self.register_buffer("temperature", torch.tensor([0.5, 1.0, 1.5, 2.0]), persistent=False)
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x) * self.temperature
 
 
 def make_plugin(**overrides):
@@ -123,6 +124,21 @@ def _scenario(rank: int, folder: str):
     with torch.no_grad():
         out = model(probe)
 
+    # cpu_ram_efficient_loading: only rank 0 has the weights; rank 1 builds everything on meta
+    from nbaccel import init_empty_weights
+
+    if rank == 0:
+        light = copy.deepcopy(base)
+    else:
+        with init_empty_weights(include_buffers=True):
+            light = Tiny()
+    light_opt = torch.optim.AdamW(light.parameters(), lr=1e-2)
+    light = sharding.prepare_fsdp2(light, [light_opt], make_plugin(cpu_ram_efficient_loading=True), device="cpu")
+    train(light, light_opt, data, clip)
+    light_full = sharding.get_full_state_dict(light, cpu_offload=False)
+    light_diff = max((light_full[k] - reference[k]).abs().max().item() for k in reference)
+    light_buffer = light.temperature.tolist()
+
     errors = []
     stale = torch.optim.SGD(Tiny().parameters(), lr=0.1)
     for bad in (lambda: sharding.prepare_fsdp2(Tiny(), [stale], make_plugin(), device="cpu"),
@@ -136,7 +152,7 @@ def _scenario(rank: int, folder: str):
     from nbaccel.state import AcceleratorState
 
     state = AcceleratorState(fsdp_plugin=make_plugin(), _from_accelerator=True)  # what Accelerator() does
-    return {"distributed_type": str(state.distributed_type), "is_fsdp2": state.is_fsdp2, "diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
+    return {"light_diff": light_diff, "light_buffer": light_buffer, "distributed_type": str(state.distributed_type), "is_fsdp2": state.is_fsdp2, "diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
             "out": out, "errors": errors}
 
 
@@ -144,6 +160,7 @@ def test_fsdp2_matches_ddp_resumes_and_exports(tmp_path):
     results = run_ranks(lambda rank: _scenario(rank, str(tmp_path)), world_size=2, init=True, timeout=120)
     for result in results:
         assert result["distributed_type"] == "FSDP" and result["is_fsdp2"]
+        assert result["light_diff"] < 1e-5 and result["light_buffer"] == [0.5, 1.0, 1.5, 2.0]
         assert result["diff"] < 1e-5, result["diff"]
         assert result["norms"] == pytest.approx(result["ddp_norms"], rel=1e-5)
         assert result["resume_exact"]
