@@ -513,3 +513,49 @@ def prepare_tensor_parallel(
                                  f"tp_size={size}.")
     model.to(device)
     return parallelize_module(model, mesh, plan)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# what the Accelerator calls
+# --------------------------------------------------------------------------------------------------------------
+
+
+def default_plugins(fsdp_plugin: Any, torch_tp_plugin: Any) -> tuple[Any, Any]:
+    """The plugins an Accelerator uses: the given ones, or an FSDP plugin built from the FSDP_* environment when
+    the launcher set NBACCEL_USE_FSDP / ACCELERATE_USE_FSDP (as `accelerate launch --use_fsdp` does)."""
+    from .utils.environment import parse_flag_from_env
+
+    if fsdp_plugin is None and (parse_flag_from_env("NBACCEL_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_FSDP")):
+        from .utils.dataclasses import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = FullyShardedDataParallelPlugin()
+    return fsdp_plugin, torch_tp_plugin
+
+
+def fsdp_mesh(device_mesh: Any, parallelism_config: Any) -> Any:
+    """The sub-mesh FSDP shards over when a ParallelismConfig built the mesh (None: all ranks)."""
+    if device_mesh is None or parallelism_config is None:
+        return None
+    names = tuple(parallelism_config.fsdp_dim_names)
+    try:
+        return device_mesh[names]
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
+def prepare_tensor_parallel_if_asked(model: nn.Module, state: Any, device: torch.device | str | None) -> nn.Module:
+    """Apply tensor parallelism when the state carries a ParallelismConfig with tp_size > 1 or a
+    TorchTensorParallelPlugin with tp_size > 1; otherwise return `model` unchanged."""
+    if is_sharded(model):
+        return model
+    config = getattr(state, "parallelism_config", None)
+    plugin = getattr(state, "torch_tp_plugin", None)
+    if config is not None and getattr(config, "tp_enabled", False):
+        mesh = getattr(state, "device_mesh", None)
+        plan = getattr(getattr(config, "tp_handler", None), "plan", None)
+        return prepare_tensor_parallel(model, mesh=mesh["tp"] if mesh is not None else None,
+                                       tp_size=config.tp_size, plan=plan, device=device)
+    if plugin is not None and int(getattr(plugin, "tp_size", 1) or 1) > 1:
+        return prepare_tensor_parallel(model, tp_size=plugin.tp_size, mesh=getattr(plugin, "torch_device_mesh", None),
+                                       device=device)
+    return model
