@@ -326,18 +326,30 @@ def _canonical(name: str) -> str:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients that may be DTensor shards (FSDP2/TP) by their global norm; returns that norm as a plain
-    tensor, equal on every rank."""
+    """Clip gradients that may be DTensor shards (FSDP2/TP), possibly mixed with plain replicated ones, by
+    their global norm; returns that norm as a plain tensor, equal on every rank."""
     from torch.distributed.tensor import DTensor
 
     parameters = [p for p in parameters if p.grad is not None]
     if not parameters:
         return torch.tensor(0.0)
-    grads = [p.grad for p in parameters]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    norm_type = float(norm_type)
+    parts = []
+    for wanted in (True, False):  # DTensor gradients and plain ones cannot meet in one foreach call
+        grads = [p.grad for p in parameters if isinstance(p.grad, DTensor) == wanted]
+        if grads:
+            part = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+            parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    if len(parts) == 1:
+        total = parts[0]
+    elif norm_type == float("inf"):
+        total = torch.maximum(parts[0].to(parts[1].device), parts[1])
+    else:
+        total = sum(p.to(parts[-1].device) ** norm_type for p in parts) ** (1.0 / norm_type)
+    for wanted in (True, False):
+        group = [p for p in parameters if isinstance(p.grad, DTensor) == wanted]
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

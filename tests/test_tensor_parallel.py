@@ -58,6 +58,13 @@ def _scenario(rank: int):
     out = model(x)
     out.sum().backward()
     grad = model.layers[0].up.weight.grad.full_tensor()
+    # gradient clipping over DTensor shards mixed with plain replicated parameters (norm, out)
+    ref_norm = torch.nn.utils.clip_grad_norm_(base.parameters(), 0.1)
+    norm = sharding.clip_grad_norm_(model.parameters(), 0.1)
+    clipped = model.layers[0].up.weight.grad.full_tensor()
+    clip_diff = max(abs(float(norm) - float(ref_norm)),
+                    (clipped - base.layers[0].up.weight.grad).abs().max().item(),
+                    (model.out.weight.grad - base.out.weight.grad).abs().max().item())
     # the same through a ParallelismConfig mesh, with the states reporting the ranks
     from nbaccel import ParallelismConfig
     from nbaccel.state import AcceleratorState
@@ -79,13 +86,14 @@ def _scenario(rank: int):
         except ValueError as error:
             errors.append(str(error))
     return {"out_diff": (out - reference).abs().max().item(), "grad_diff": (grad - ref_grad).abs().max().item(),
-            "mesh_diff": mesh_diff, "ranks": ranks, "errors": errors}
+            "mesh_diff": mesh_diff, "clip_diff": clip_diff, "ranks": ranks, "errors": errors}
 
 
 def test_tensor_parallel_matches_unsharded():
     for rank, result in enumerate(run_ranks(_scenario, world_size=2, init=True, timeout=120)):
         assert result["out_diff"] < 1e-5 and result["grad_diff"] < 1e-5 and result["mesh_diff"] < 1e-5
         assert result["ranks"] == (rank, 0, 0)
+        assert result["clip_diff"] < 1e-5
         divide, no_plan = result["errors"]
         assert divide and "tp_size=3 must divide the number of processes (2)" in divide
         assert no_plan and "no plan for this model" in no_plan
