@@ -59,6 +59,7 @@ def _scenario(rank: int):
     out.sum().backward()
     grad = model.layers[0].up.weight.grad.full_tensor()
     # gradient clipping over DTensor shards mixed with plain replicated parameters (norm, out)
+    base(x).sum().backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(base.parameters(), 0.1)
     norm = sharding.clip_grad_norm_(model.parameters(), 0.1)
     clipped = model.layers[0].up.weight.grad.full_tensor()
