@@ -92,13 +92,15 @@ def test_launch_two_processes(tmp_path):
     ]
 
 
-def test_launch_reports_a_failed_worker(tmp_path):
+def test_launch_restarts_then_reports_a_failed_worker(tmp_path):
     script = write(tmp_path / "fail.py", """
         import os, sys
+        print("rank", os.environ["RANK"], "attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
     """)
-    code, _, err = nbaccel("launch", "--num_processes", "2", "--cpu", str(script))
+    code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "--max_restarts", "1", str(script))
     assert code == 1
+    assert "rank 1 attempt 0" in out and "rank 1 attempt 1" in out  # restarted once by the elastic agent
     assert "nbaccel launch: rank 1 failed (exit code 3)" in err
 
 
@@ -301,3 +303,29 @@ def test_python_dash_m_and_discovered_commands():
     assert code == 1 and "usage: nbaccel" in out
     choices = build_parser()._subparsers._group_actions[0].choices
     assert {"config", "env", "launch", "test"} <= set(choices)
+
+
+def test_unsupported_config_is_refused_before_start():
+    with pytest.raises(LaunchOptionError, match="distributed_type XLA: TPU processes are started by notebook_launcher"):
+        resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(distributed_type="XLA"))
+    with pytest.raises(LaunchOptionError, match="AMAZON_SAGEMAKER"):
+        resolve_settings(launch_args("examples/hello_ranks.py"), LaunchConfig(compute_environment="AMAZON_SAGEMAKER"))
+
+
+def test_config_update_rewrites_old_format(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("distributed_type: MULTI_CPU\nfp16: true\nnum_processes: 2\n")
+    code, out, _ = nbaccel_inprocess(capsys, "config", "update", "--config_file", str(old))
+    assert code == 0 and "updated" in out
+    text = old.read_text()
+    assert "fp16: true" not in text and "mixed_precision: fp16" in text
+    code, _, err = nbaccel_inprocess(capsys, "config", "update", "--config_file", str(tmp_path / "none.yaml"))
+    assert code == 2 and "no such config file" in err
+
+
+def test_bundled_example_runs_like_run_sh_demo():
+    code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "examples/hello_ranks.py")
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"rank {rank}/2 on cpu: all_reduce(sum of rank+1) = 3 ok; gathered ['0@" in out
+    assert out.count("Hello from 2 process(es)") == 1  # printed by the main process only

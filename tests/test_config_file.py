@@ -163,3 +163,9 @@ def test_write_basic_config(home, capsys):
 
 def test_display_path_uses_tilde(home):
     assert cf.display_path(Path.home() / "a" / "b.yaml") == "~/a/b.yaml"
+
+
+def test_accelerate_unset_process_count(home):
+    path = home / "slurm.yaml"
+    path.write_text("distributed_type: MULTI_GPU\nnum_processes: -1\n")
+    assert load_config(path).num_processes is None

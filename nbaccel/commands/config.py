@@ -144,6 +144,22 @@ def default_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def update_command(args: argparse.Namespace) -> int:
+    """`nbaccel config update`: rewrite an existing (e.g. older Accelerate) config file in the current format."""
+    from ..utils.config_file import find_config_file, load_config
+
+    path = find_config_file(args.config_file)
+    if path is None:
+        args._parser.error("no config file to update; write one with `nbaccel config` or `nbaccel config default`")
+    try:
+        config = load_config(path)
+        config.save(path)
+    except ConfigError as exc:
+        args._parser.error(str(exc).replace("\n", "; "))
+    print(f"nbaccel configuration updated at {display_path(path)}")
+    return 0
+
+
 def register(subparsers) -> None:
     from .main import CommandParser, add_command
 
@@ -158,3 +174,7 @@ def register(subparsers) -> None:
     default.add_argument("--mixed_precision", "--mixed-precision", default="no", choices=MIXED_PRECISION_CHOICES,
                          help="Mixed precision mode to write.")
     default.set_defaults(_parser=default)
+    update = add_command(actions, "update", update_command,
+                         help="Rewrite an existing config file (e.g. an old Accelerate one) in the current format.")
+    update.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS, help="The file to update.")
+    update.set_defaults(_parser=update)

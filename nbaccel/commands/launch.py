@@ -119,6 +119,7 @@ def _device_count() -> int:
 def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> LaunchSettings:
     """Merge `args` over `config` over defaults; raise LaunchOptionError for anything that cannot work."""
     cfg = config or LaunchConfig()
+    _check_supported(cfg)
 
     def pick(name: str, default=None):
         value = getattr(args, name, None)
@@ -127,7 +128,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         from_config = getattr(cfg, name, None) if config is not None else None
         return default if from_config is None else from_config
 
-    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu)
+    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu) or str(cfg.distributed_type) == "MULTI_CPU"
     num_machines = pick("num_machines", 1)
     settings = LaunchSettings(
         script=args.training_script,
@@ -171,12 +172,29 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
     return settings
 
 
+def _check_supported(cfg: LaunchConfig) -> None:
+    """Configurations `nbaccel launch` cannot run, said before anything starts."""
+    where = f"{cfg.path}: " if cfg.path is not None else ""
+    if str(cfg.compute_environment) == "AMAZON_SAGEMAKER":
+        raise LaunchOptionError(f"{where}compute_environment AMAZON_SAGEMAKER: nbaccel launch runs on this machine "
+                                "only; use `accelerate launch` for SageMaker jobs")
+    unsupported = {
+        "XLA": "TPU processes are started by notebook_launcher (torch_xla) in a TPU notebook, not by nbaccel launch",
+        "MEGATRON_LM": "Megatron-LM is not supported by nbaccel",
+    }
+    if str(cfg.distributed_type) in unsupported:
+        raise LaunchOptionError(f"{where}distributed_type {cfg.distributed_type}: {unsupported[str(cfg.distributed_type)]}")
+
+
 def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     def fail(message: str) -> None:
         raise LaunchOptionError(message)
 
     if s.module:
-        if importlib.util.find_spec(s.script.split(".")[0]) is None and not Path(s.script.replace(".", "/")).exists():
+        local = Path(s.script.replace(".", "/"))
+        if importlib.util.find_spec(s.script.split(".")[0]) is None and not (
+            local.is_dir() or local.with_suffix(".py").is_file()
+        ):
             fail(f"module {s.script!r} not found (with -m, give an importable module name)")
     elif not Path(s.script).is_file():
         fail(f"training script {s.script!r} not found" + (" (it is a directory)" if Path(s.script).is_dir() else ""))
@@ -340,6 +358,7 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
 def run_settings(s: LaunchSettings) -> int:
     """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(worker_environment(s))
@@ -355,6 +374,9 @@ def run_settings(s: LaunchSettings) -> int:
     except KeyboardInterrupt:
         print("nbaccel launch: interrupted; workers stopped", file=sys.stderr)
         return 130
+    except SignalException as exc:  # the agent turns SIGTERM/SIGINT/... into this after stopping the workers
+        print(f"nbaccel launch: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -150,6 +150,8 @@ class LaunchConfig:
                 values[key] = {}
         if values.get("mixed_precision") is None and "mixed_precision" in values:
             values["mixed_precision"] = "no"
+        if values.get("num_processes") == -1:  # Accelerate's "not set" (e.g. SLURM-driven configs)
+            values["num_processes"] = None
         if values.get("gpu_ids") is not None:
             values["gpu_ids"] = str(values["gpu_ids"])
         if isinstance(values.get("downcast_bf16"), bool):
