@@ -201,6 +201,16 @@ def test_matches_accelerate_device_maps():
             # the map); nbaccel maps them too. Everything else must be identical.
             buffers = {n for n, _ in model.named_buffers()}
             assert {k: v for k, v in ours.items() if k not in buffers} == dict(theirs), (budget, no_split)
+    # accelerator budgets (computed the same way without GPUs: only sizes matter) and balancing
+    total = sizes[""]
+    for budget in ({0: total // 3, 1: total // 3, "cpu": total // 4}, {0: total // 5, "cpu": total // 2}):
+        ours = infer_auto_device_map(model, max_memory=dict(budget), no_split_module_classes=["Block"])
+        theirs = accelerate_modeling.infer_auto_device_map(model, max_memory=dict(budget),
+                                                           no_split_module_classes=["Block"])
+        assert dict(ours) == dict(theirs), budget
+        for low_zero in (False, True):
+            assert get_balanced_memory(model, dict(budget), ["Block"], low_zero=low_zero) == \
+                accelerate_modeling.get_balanced_memory(model, dict(budget), ["Block"], low_zero=low_zero)
 
 
 def test_offload_files_roundtrip(tmp_path):
