@@ -735,7 +735,17 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, De
                     tensor = tensor.to(_normalize_device(device))
                 result[key] = tensor
         return result
-    return torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
+    return _torch_load(checkpoint_file)
+
+
+def _torch_load(path: str) -> dict:
+    """torch.load on the CPU, memory-mapped when the file is in the zip format (the default since torch 1.6)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error) and "zip" not in str(error):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
@@ -795,7 +805,7 @@ def _iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor | No
             for key in handle.keys():
                 yield key, None, handle
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = _torch_load(path)
         for key in list(state):
             yield key, state.pop(key), None
 
