@@ -196,3 +196,57 @@ def test_fsdp_errors_without_process_group():
         sharding.apply_fsdp2(Tiny(), make_plugin())
     with pytest.raises(ValueError, match="must be passed together"):
         sharding.check_fsdp2_prepare_args([torch.optim.SGD(Tiny().parameters(), lr=0.1)])
+
+
+def _accelerator_run(rank: int, folder: str, mode: str):
+    from nbaccel import Accelerator, ParallelismConfig
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode == "fsdp":
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap=["Block"]))
+    elif mode == "tp":
+        accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    else:
+        accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # tensor parallel ranks must see the same batch; data parallel ranks different ones
+    data = batches(0 if mode == "tp" else rank, 4)
+    norms = []
+    for x, y in data:
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.save_model(model, f"{folder}/{mode}")
+    extra = None
+    if mode == "tp":
+        extra = (accelerator.tensor_parallel_rank, accelerator.data_parallel_rank)
+    if mode == "fsdp":
+        try:  # an optimizer prepared without its model cannot be re-pointed at the shards
+            accelerator.prepare(torch.optim.SGD(Tiny().parameters(), lr=0.1))
+        except ValueError as error:
+            extra = str(error)
+    return {"norms": norms, "distributed_type": str(accelerator.distributed_type), "extra": extra}
+
+
+def test_accelerator_fsdp_and_tensor_parallel(tmp_path):
+    """The Accelerator's prepare/backward/clip_grad_norm_/save_model with FSDP2 give DDP's training; tensor
+    parallelism through a ParallelismConfig trains and reports its ranks."""
+    pytest.importorskip("nbaccel.accelerator")
+    pytest.importorskip("nbaccel.checkpointing")
+    from safetensors.torch import load_file
+
+    results = {mode: run_ranks(lambda rank, mode=mode: _accelerator_run(rank, str(tmp_path), mode), timeout=120)
+               for mode in ("ddp", "fsdp", "tp")}
+    assert results["fsdp"][0]["distributed_type"] == "FSDP"
+    assert results["fsdp"][0]["extra"] and "passed together" in results["fsdp"][0]["extra"]
+    ddp = load_file(tmp_path / "ddp" / "model.safetensors")
+    fsdp = load_file(tmp_path / "fsdp" / "model.safetensors")
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
+    assert results["fsdp"][0]["norms"] == pytest.approx(results["ddp"][0]["norms"], rel=1e-5)
+    assert [r["extra"] for r in results["tp"]] == [(0, 0), (1, 0)]
+    assert set(load_file(tmp_path / "tp" / "model.safetensors")) == set(ddp)
