@@ -30,7 +30,13 @@ from .hooks import (
     add_hook_to_module,
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
+    attach_layerwise_casting_hooks,
 )
+
+__all__ = [
+    "attach_layerwise_casting_hooks", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model",
+    "init_empty_weights", "init_on_device", "load_checkpoint_and_dispatch",
+]
 from .utils.modeling import (
     check_device_map,
     find_tied_parameters,

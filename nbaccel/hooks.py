@@ -440,3 +440,59 @@ class UserCpuOffloadHook:
 
     def remove(self) -> None:
         remove_hook_from_module(self.model)
+
+
+class LayerwiseCastingHook(ModelHook):
+    """Keep a layer's weights in `storage_dtype` (e.g. float8) and cast them to `compute_dtype` only for its
+    forward: memory of the small dtype, arithmetic of the large one."""
+
+    def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, non_blocking: bool) -> None:
+        self.storage_dtype = storage_dtype
+        self.compute_dtype = compute_dtype
+        self.non_blocking = non_blocking
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        module.to(dtype=self.compute_dtype, non_blocking=self.non_blocking)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
+        return output
+
+
+# Layers whose weights layerwise casting stores in a small dtype (norms and embeddings keep theirs).
+_CASTABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                    nn.Linear)
+
+
+def attach_layerwise_casting_hooks(
+    module: nn.Module,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    skip_modules_pattern: str | tuple[str, ...] | None = None,
+    skip_modules_classes: tuple[type[nn.Module], ...] | None = None,
+    non_blocking: bool = False,
+) -> None:
+    """Give every linear/convolution layer of `module` (except those whose name matches a regex of
+    `skip_modules_pattern` or whose class is in `skip_modules_classes`) a `LayerwiseCastingHook`."""
+    import re
+
+    if isinstance(skip_modules_pattern, str):
+        skip_modules_pattern = (skip_modules_pattern,)
+
+    def visit(current: nn.Module, prefix: str) -> None:
+        if skip_modules_classes is not None and isinstance(current, tuple(skip_modules_classes)):
+            return
+        if skip_modules_pattern is not None and any(re.search(p, prefix) for p in skip_modules_pattern):
+            return
+        if isinstance(current, _CASTABLE_LAYERS):
+            add_hook_to_module(current, LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking),
+                               append=True)
+            return
+        for name, child in current.named_children():
+            visit(child, f"{prefix}.{name}" if prefix else name)
+
+    visit(module, "")

@@ -349,3 +349,22 @@ def test_state_dict_of_offloaded_model(reference, tmp_path):
     expected = ref.state_dict()
     assert set(state) == set(expected)
     assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_layerwise_casting_hooks():
+    from nbaccel.big_modeling import attach_layerwise_casting_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    attach_layerwise_casting_hooks(model, storage_dtype=torch.bfloat16, compute_dtype=torch.float32,
+                                   skip_modules_pattern=("^2$",))
+    assert model[0].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
+    assert model[1].weight.dtype == torch.float32  # norms are not cast
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out = model(x)
+        reference[0].weight.copy_(reference[0].weight.to(torch.bfloat16).float())
+        reference[0].bias.copy_(reference[0].bias.to(torch.bfloat16).float())
+        assert out.dtype == torch.float32 and torch.allclose(out, reference(x), atol=1e-6)
+    assert model[0].weight.dtype == torch.bfloat16  # back to storage after the forward
