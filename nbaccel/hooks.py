@@ -18,6 +18,7 @@ from torch import nn
 
 from .utils.modeling import named_module_tensors, set_module_tensor_to_device
 from .utils.offload import PrefixedDataset
+from .utils.operations import find_device, send_to_device
 
 # Modules whose forward reads their submodules' weights without calling those submodules (so a submodule hook
 # would never fire): their whole subtree is loaded by one hook, as if named in `preload_module_classes`.
@@ -28,45 +29,8 @@ _ADDED_ATTRIBUTES = ["to", "cuda", "npu", "xpu", "mlu", "musa", "sdaa", "neuron"
 
 
 def _send_to_device(data: Any, device: Any, skip_keys: str | list[str] | None = None) -> Any:
-    """Move every tensor of a nested structure to `device` (objects with a `.to` method are moved too);
-    mapping entries named in `skip_keys` are left where they are."""
-    if device is None:
-        return data
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(skip_keys, str):
-        skip_keys = [skip_keys]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_send_to_device(v, device, skip_keys) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_send_to_device(v, device, skip_keys) for v in data)
-    if isinstance(data, Mapping):
-        skip = set(skip_keys or [])
-        moved = {k: (v if k in skip else _send_to_device(v, device, skip_keys)) for k, v in data.items()}
-        try:
-            return type(data)(moved)
-        except TypeError:
-            return moved
-    if hasattr(data, "to") and callable(data.to) and not isinstance(data, nn.Module):
-        try:
-            return data.to(device)
-        except TypeError:
-            return data
-    return data
-
-
-def _find_device(data: Any) -> torch.device | None:
-    """Device of the first tensor found in a nested structure."""
-    if isinstance(data, torch.Tensor):
-        return data.device
-    if isinstance(data, Mapping):
-        data = list(data.values())
-    if isinstance(data, (list, tuple)):
-        for item in data:
-            found = _find_device(item)
-            if found is not None:
-                return found
-    return None
+    """`send_to_device`, with no device meaning "leave it where it is"."""
+    return data if device is None else send_to_device(data, device, skip_keys=skip_keys)
 
 
 class ModelHook:
@@ -250,7 +214,7 @@ class AlignDevicesHook(ModelHook):
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         if self.io_same_device:
-            self.input_device = _find_device([args, kwargs])
+            self.input_device = find_device([args, kwargs])
         if self.offload:
             for name in self._offloaded(module):
                 set_module_tensor_to_device(module, name, self.execution_device, value=self.weights_map[name],
