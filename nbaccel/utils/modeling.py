@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from .dataclasses import CustomDtype
@@ -718,8 +719,6 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, De
     for safetensors files. Tensors of a safetensors file are memory-mapped, not read, until used."""
     checkpoint_file = str(checkpoint_file)
     if checkpoint_file.endswith(".safetensors"):
-        from safetensors import safe_open
-
         result = {}
         with safe_open(checkpoint_file, framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {"format": "pt"}
@@ -796,8 +795,6 @@ def _iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor | No
     "disk" are never read: the offload index points at the file instead.
     """
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
         with safe_open(path, framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}
             if metadata.get("format", "pt") != "pt":

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from torch import nn
 
 _NUMPY_STAND_IN = {"bfloat16": "int16"}  # numpy has no bfloat16 / float8: store their bits as integers
@@ -151,8 +152,6 @@ class OffloadedWeightsLoader(Mapping):
             return self.state_dict[key]
         info = self.index[key]
         if info.get("safetensors_file") is not None:
-            from safetensors import safe_open
-
             with safe_open(info["safetensors_file"], framework="pt", device="cpu") as handle:
                 tensor = handle.get_tensor(info.get("weight_name", key))
             if "dtype" in info:
