@@ -252,8 +252,12 @@ _PEAK_CHILD = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
     with init_empty_weights():
         model = Tower()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+    except OSError as error:
+        print(json.dumps({"skip": f"cannot reset the peak-RSS mark: {error}"}))
+        sys.exit(0)
     before = status("VmRSS")
     model = load_checkpoint_and_dispatch(model, ckpt, device_map="auto", max_memory={"cpu": budget},
                                          offload_folder=offload)
@@ -298,6 +302,8 @@ def test_peak_memory_stays_under_budget_plus_largest_layer(tmp_path):
                              str(out)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
     assert "disk" in report["map"].values() and "cpu" in report["map"].values()
     assert report["load_peak"] < budget + layer_bytes, f"peak {report['load_peak'] / 2**20:.1f} MiB in load"
     assert report["peak"] < budget + layer_bytes, f"peak {report['peak'] / 2**20:.1f} MiB in load + forward"
