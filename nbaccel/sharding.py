@@ -533,15 +533,35 @@ def prepare_tensor_parallel(
 
 
 def default_plugins(fsdp_plugin: Any, torch_tp_plugin: Any) -> tuple[Any, Any]:
-    """The plugins an Accelerator uses: the given ones, or an FSDP plugin built from the FSDP_* environment when
-    the launcher set NBACCEL_USE_FSDP / ACCELERATE_USE_FSDP (as `accelerate launch --use_fsdp` does)."""
+    """Check the plugins given to an Accelerator (TypeError/ValueError naming the argument), or build an FSDP
+    plugin from the FSDP_* environment when the launcher set NBACCEL_USE_FSDP / ACCELERATE_USE_FSDP (as
+    `accelerate launch --use_fsdp` does)."""
+    from .utils.dataclasses import FullyShardedDataParallelPlugin, TorchTensorParallelPlugin
     from .utils.environment import parse_flag_from_env
 
     if fsdp_plugin is None and (parse_flag_from_env("NBACCEL_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_FSDP")):
-        from .utils.dataclasses import FullyShardedDataParallelPlugin
-
         fsdp_plugin = FullyShardedDataParallelPlugin()
+    if fsdp_plugin is not None:
+        if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(fsdp_plugin).__name__}.")
+        if fsdp_plugin.fsdp_version != 2:
+            raise ValueError(
+                f"fsdp_plugin has fsdp_version={fsdp_plugin.fsdp_version}: nbaccel shards with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard). Use FullyShardedDataParallelPlugin(fsdp_version=2) with "
+                "reshard_after_forward instead of FSDP1's sharding_strategy / backward_prefetch."
+            )
+    if torch_tp_plugin is not None and not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
+        raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got {type(torch_tp_plugin).__name__}.")
     return fsdp_plugin, torch_tp_plugin
+
+
+def check_parallelism_config(parallelism_config: Any) -> None:
+    """TypeError unless `parallelism_config` is None or a ParallelismConfig."""
+    from .parallelism_config import ParallelismConfig
+
+    if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a nbaccel.ParallelismConfig, got "
+                        f"{type(parallelism_config).__name__}.")
 
 
 def fsdp_mesh(device_mesh: Any, parallelism_config: Any) -> Any:

@@ -196,6 +196,12 @@ def test_fsdp_errors_without_process_group():
         sharding.apply_fsdp2(Tiny(), make_plugin())
     with pytest.raises(ValueError, match="must be passed together"):
         sharding.check_fsdp2_prepare_args([torch.optim.SGD(Tiny().parameters(), lr=0.1)])
+    with pytest.raises(ValueError, match="fsdp_version=1: nbaccel shards with FSDP2"):
+        from nbaccel.utils import FullyShardedDataParallelPlugin
+
+        sharding.default_plugins(FullyShardedDataParallelPlugin(fsdp_version=1), None)
+    with pytest.raises(TypeError, match="torch_tp_plugin must be a TorchTensorParallelPlugin"):
+        sharding.default_plugins(None, {"tp_size": 2})
 
 
 def _accelerator_run(rank: int, folder: str, mode: str):
