@@ -98,6 +98,12 @@ class Accelerator:
             self.project_configuration.set_directories(os.fspath(project_dir))
         self.log_with = log_with
         self.trackers: list = []
+        if log_with is not None:  # unknown names, missing libraries, no directory: fail before anything starts
+            from . import tracking
+
+            self._chosen_trackers = tracking.filter_trackers(log_with, self.project_configuration.logging_dir)
+        else:
+            self._chosen_trackers = []
 
         # Precision
         if mixed_precision is None and not _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"):
@@ -893,7 +899,9 @@ class Accelerator:
             output_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
             dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
             process_index=self.process_index, num_processes=self.num_processes,
-            is_main_process=self.is_main_process, safe_serialization=safe_serialization, step=self.step,
+            # Without a shared filesystem (save_on_each_node) every machine writes its own copy.
+            is_main_process=self.is_local_main_process if config.save_on_each_node else self.is_main_process,
+            safe_serialization=safe_serialization, step=self.step,
             pre_hooks=list(self._save_model_state_pre_hook.values()), total_limit=total_limit,
             get_state_dict=self.get_state_dict,
         )
@@ -930,9 +938,9 @@ class Accelerator:
         """Start the trackers of `log_with` on the main process and record `config` (hyper-parameters)."""
         from . import tracking
 
-        chosen = tracking.filter_trackers(self.log_with, self.logging_dir)  # bad names fail on every process
         if self.is_main_process:
-            self.trackers.extend(tracking.init_trackers(chosen, project_name, logging_dir=self.logging_dir,
+            self.trackers.extend(tracking.init_trackers(self._chosen_trackers, project_name,
+                                                        logging_dir=self.logging_dir,
                                                         config=config, init_kwargs=init_kwargs))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:

@@ -236,7 +236,8 @@ def test_bad_arguments_are_named():
 
         errors = []
         for kwargs in ({"mixed_precision": "fp12"}, {"gradient_accumulation_steps": 0},
-                       {"rng_types": ["dice"]}, {"dynamo_backend": "warp"}, {"fsdp_plugin": object()}):
+                       {"rng_types": ["dice"]}, {"dynamo_backend": "warp"}, {"fsdp_plugin": object()},
+                       {"log_with": "carrier_pigeon"}):
             try:
                 Accelerator(**kwargs)
             except (ValueError, TypeError) as error:
@@ -244,8 +245,9 @@ def test_bad_arguments_are_named():
         return errors
 
     errors = run_ranks(body, world_size=1)[0]
-    assert len(errors) == 5
-    for word, message in zip(["fp12", "gradient_accumulation_steps", "dice", "warp", "fsdp_plugin"], errors):
+    assert len(errors) == 6
+    words = ["fp12", "gradient_accumulation_steps", "dice", "warp", "fsdp_plugin", "carrier_pigeon"]
+    for word, message in zip(words, errors):
         assert word in message
 
 

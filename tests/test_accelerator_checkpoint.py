@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 import torch._dynamo  # noqa: F401  DDP's constructor imports it (seconds); forked ranks inherit it
 from ranks_helper import run_ranks
-
-# TEMPORARY until branch `ckpt` (checkpointing.py, tracking.py) is merged; then these tests always run.
-pytestmark = pytest.mark.skipif(
-    not (Path(__file__).resolve().parent.parent / "nbaccel" / "checkpointing.py").exists(),
-    reason="nbaccel.checkpointing (branch ckpt) not merged yet",
-)
 
 
 def _setup(accelerator, seed_model: int = 1):
