@@ -51,6 +51,16 @@ def test_accelerate_names_exist(module_name: str, names: list[str]) -> None:
     assert not missing, f"{module_name} lacks {len(missing)} Accelerate name(s):\n" + "\n".join(missing)
 
 
+@pytest.mark.parametrize("submodule", sorted(surface.SUBMODULES))
+def test_accelerate_submodule_names_exist(submodule: str) -> None:
+    """`from accelerate.<submodule> import X` keeps working after the rename (tracking, data_loader, hooks, ...)."""
+    try:
+        missing = _missing(f"nbaccel.{submodule}", surface.SUBMODULES[submodule])
+    except ImportError as error:
+        pytest.fail(f"nbaccel.{submodule} cannot be imported ({error}); Accelerate users import from it")
+    assert not missing, f"nbaccel.{submodule} lacks {len(missing)} Accelerate name(s):\n" + "\n".join(missing)
+
+
 def test_accelerator_members_exist() -> None:
     missing = [name for name in surface.ACCELERATOR_MEMBERS if not hasattr(nbaccel.Accelerator, name)
                and f"Accelerator.{name}" not in KNOWN_MISSING]

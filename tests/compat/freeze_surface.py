@@ -8,6 +8,7 @@ EXCLUDED below and in docs/compat.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import pprint
 import re
@@ -42,7 +43,8 @@ EXCLUDED: dict[str, str] = {
     r"^(MITA_PROFILING_AVAILABLE_PYTORCH_VERSION|XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"
     r"|TORCH_DISTRIBUTED_OPERATION_TYPES|check_os_kernel|set_numa_affinity|is_import_timer_available"
     r"|is_amdsmi_available|recursive_getattr|ThreadLocalSharedDict|do_nothing|is_initialized|BaseEnum"
-    r"|EnumWithContains|FP8BackendType|CannotPadNestedTensorWarning)": "Accelerate-internal",
+    r"|EnumWithContains|FP8BackendType|CannotPadNestedTensorWarning|test_launch|move_to_device|patch_optimizer_step)":
+        "Accelerate-internal",
 }
 
 
@@ -72,6 +74,23 @@ def params(fn) -> list[str]:
             fn = cell.cell_contents
     sig = inspect.signature(fn)
     return [p.name for p in sig.parameters.values() if p.name != "self" and not p.name.startswith("_") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+# Submodules Accelerate users import from directly (`from accelerate.tracking import GeneralTracker`, ...): the names
+# each defines. accelerate.inference (pippy), accelerate.test_utils and accelerate.commands are not frozen: pipeline
+# parallelism is unsupported, test_utils is Accelerate's own test harness, commands is the CLI (tested elsewhere).
+SUBMODULES = ["tracking", "data_loader", "optimizer", "scheduler", "local_sgd", "launchers", "hooks", "big_modeling",
+              "checkpointing", "utils.operations", "utils.memory", "utils.random", "utils.modeling", "utils.other"]
+
+
+
+def submodule_names(name: str) -> list[str]:
+    """Names defined in accelerate.<name>; for utils.* only those also exported by accelerate.utils (the rest are
+    helpers of those helpers)."""
+    names = public(importlib.import_module(f"accelerate.{name}"), f"accelerate.{name}")
+    if name.startswith("utils."):
+        names = [n for n in names if n in public(accelerate.utils)]
+    return names
 
 
 ACCELERATOR_MEMBERS = sorted(
@@ -128,6 +147,7 @@ def main() -> None:
         "DATACLASSES": [n for n in public(acc_dataclasses, "accelerate.utils.dataclasses")
                         if inspect.isclass(getattr(acc_dataclasses, n))],
         "LOGGING": ["get_logger", "MultiProcessAdapter"],
+        "SUBMODULES": {name: submodule_names(name) for name in SUBMODULES},
         "ACCELERATOR_MEMBERS": ACCELERATOR_MEMBERS,
         "SIGNATURES": SIGNATURES,
         "CONFIG_FIELDS": CONFIG_FIELDS,
