@@ -158,3 +158,37 @@ def test_notebook_cells_with_notebook_launcher(capfd: pytest.CaptureFixture[str]
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"])
     out = capfd.readouterr().out
     assert out.count("epoch 1 loss") == 1, out[-2000:]
+
+
+def test_save_model_then_big_model_inference(tmp_path: Path) -> None:
+    """save_model, init_empty_weights + load_checkpoint_and_dispatch, split_between_processes + gather_object.
+    Accelerate 1.15 prints exactly this result (5 prompts: 3 on rank 0, 2 on rank 1)."""
+    result = single_result(launch(tmp_path, "inference.py", "--cpu", "--output_dir", "saved"))
+    assert result == {
+        "on_meta": True, "loaded_matches": True, "num_processes": 2,
+        "answers": ["prompt 0 -> rank 0", "prompt 1 -> rank 0", "prompt 2 -> rank 0", "prompt 3 -> rank 1",
+                    "prompt 4 -> rank 1"],
+    }
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["model.safetensors"]
+
+
+def test_local_sgd_on_one_process_and_bad_steps() -> None:
+    """LocalSGD (added by the compat area): a no-op without distribution; a clear error for a bad step count."""
+    import torch
+
+    from nbaccel.local_sgd import LocalSGD
+    from nbaccel.state import isolated_states
+
+    with isolated_states():
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(2, 1))
+        before = [p.detach().clone() for p in model.parameters()]
+        with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=1) as local_sgd:
+            assert not local_sgd.enabled
+            local_sgd.step()
+        assert local_sgd.num_steps == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        with pytest.raises(ValueError, match="local_sgd_steps"):
+            LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=0)
