@@ -101,8 +101,9 @@ def test_gradient_accumulation(tmp_path: Path) -> None:
 
 def test_tracking_tensorboard_and_custom_tracker(tmp_path: Path) -> None:
     """by_feature/tracking.py with log_with=["tensorboard", a user's GeneralTracker subclass], the tracker made
-    before the Accelerator, as in Accelerate's guide. (Accelerate 1.15 itself, under torchrun on a CPU machine, ends
-    up with one process per rank in this order; nbaccel keeps the 2-process run, which is what the user asked for.)"""
+    before the Accelerator, as in Accelerate's guide. (Accelerate 1.15 itself, under torchrun on a CPU machine, runs
+    independent single processes here, because the tracker creates `PartialState()` without cpu=True; nbaccel needs
+    no flag on CPU -- docs/state.md -- so the run has 2 processes and the main one writes the logs.)"""
     result = single_result(launch(tmp_path, "tracking.py", "--cpu", "--project_dir", "logs"))
     assert result["num_processes"] == 2 and result["steps"] == 4  # 16 samples / batch 4 / 2 processes x 2 epochs
     assert result["trackers"] == ["jsonlines", "tensorboard"]
