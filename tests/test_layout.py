@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nbaccel"
 
-_LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "notebook": 3, "commands": 4,
+_LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "launchers": 3, "notebook": 3, "commands": 4,
            "__init__": 4, "__main__": 4}
 _TRAINING_LAYER = 2  # accelerator, data_loader, optimizer, scheduler, checkpointing, tracking, ...
 _LAYER_NAMES = {0: "utils", 1: "state/telemetry", 2: "training modules", 3: "launch/notebook", 4: "commands"}

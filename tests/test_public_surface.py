@@ -188,3 +188,16 @@ def _log_on_each_rank(rank: int) -> list[str]:
     logger.info("main only")
     logger.info("all ranks", main_process_only=False)
     return seen
+
+
+def test_tqdm_only_on_local_main_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbaccel.utils import tqdm
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert tqdm(range(3)).disable
+    assert not tqdm(range(3), main_process_only=False).disable
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    bar = tqdm(range(3))
+    assert not bar.disable and list(bar) == [0, 1, 2]
+    with pytest.raises(ValueError, match="main_process_only"):
+        tqdm(True, range(3))
