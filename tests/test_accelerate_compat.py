@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parent / "compat" / "scripts"
 TIMEOUT = 120
@@ -175,8 +176,6 @@ def test_save_model_then_big_model_inference(tmp_path: Path) -> None:
 
 def test_local_sgd_on_one_process_and_bad_steps() -> None:
     """LocalSGD (added by the compat area): a no-op without distribution; a clear error for a bad step count."""
-    import torch
-
     from nbaccel.local_sgd import LocalSGD
     from nbaccel.state import isolated_states
 
@@ -193,3 +192,29 @@ def test_local_sgd_on_one_process_and_bad_steps() -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         with pytest.raises(ValueError, match="local_sgd_steps"):
             LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=0)
+
+
+def test_automatic_checkpoint_naming(tmp_path: Path) -> None:
+    """ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2), save_state() / load_state() without a
+    path, a registered user object. Accelerate 1.15: checkpoint_1 and checkpoint_2 remain, the latest is loaded."""
+    result = single_result(launch(tmp_path, "automatic_checkpoint_naming.py", "--cpu", "--project_dir", "project"))
+    assert result["checkpoints"] == ["checkpoint_1", "checkpoint_2"]
+    assert result["restored_weights"] and result["epochs"] == 3 and result["iteration"] == 3
+    accelerate_files = {"custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                        "random_states_1.pkl"}
+    assert accelerate_files <= set(result["files"]), result["files"]  # nbaccel may add files of its own
+
+
+def _debug_launched() -> None:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    value = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]), reduction="sum")
+    assert accelerator.num_processes == 2 and value.item() == 3.0
+
+
+def test_debug_launcher() -> None:
+    """Accelerate's `debug_launcher(function, num_processes=2)`: the function runs on 2 CPU processes."""
+    from nbaccel import debug_launcher
+
+    debug_launcher(_debug_launched, num_processes=2)
