@@ -218,3 +218,36 @@ def test_debug_launcher() -> None:
     from nbaccel import debug_launcher
 
     debug_launcher(_debug_launched, num_processes=2)
+
+
+# Values of api_tour.py where nbaccel deliberately differs from Accelerate 1.15 (see docs/compat.md).
+TOUR_DIFFERENCES = {
+    "state.device": "Accelerate reports cpu:0 on every CPU rank; nbaccel reports torch.device('cpu')",
+    "state.distributed_type": "str(DistributedType.MULTI_CPU) is 'MULTI_CPU' in nbaccel, "
+                              "'DistributedType.MULTI_CPU' in Accelerate (== comparisons are the same)",
+}
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        flat = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): value}
+
+
+def test_api_tour_matches_accelerate(tmp_path: Path) -> None:
+    """api_tour.py: accumulation with uneven data, clipping, scheduler, the operations, split_between_processes,
+    on_process decorators, get_state_dict, save, skip_first_batches. Every value equals what Accelerate 1.15 wrote
+    for the same script (tests/compat/expected/api_tour_rank*.json), except TOUR_DIFFERENCES."""
+    launch(tmp_path, "api_tour.py", "--cpu", "--out", "tour")
+    mismatches = []
+    for rank in range(2):
+        expected = _flatten(json.loads((SCRIPTS.parent / "expected" / f"api_tour_rank{rank}.json").read_text()))
+        got = _flatten(json.loads((tmp_path / "tour" / f"rank{rank}.json").read_text()))
+        for key in sorted(set(expected) | set(got)):
+            if key not in TOUR_DIFFERENCES and expected.get(key, "<missing>") != got.get(key, "<missing>"):
+                mismatches.append(f"rank {rank} {key}: Accelerate {expected.get(key, '<missing>')!r}, "
+                                  f"nbaccel {got.get(key, '<missing>')!r}")
+    assert not mismatches, "\n".join(mismatches)
