@@ -29,11 +29,12 @@ def renamed_source(name: str) -> str:
     return re.sub(r"\baccelerate\b", "nbaccel", (SCRIPTS / name).read_text())
 
 
-def launch(tmp_path: Path, name: str, *script_args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+def launch(tmp_path: Path, name: str, *script_args: str, expect_ok: bool = True,
+           launcher_args: tuple[str, ...] = ("--num_processes", "2", "--cpu")) -> subprocess.CompletedProcess:
     script = tmp_path / name
     if not script.exists():
         script.write_text(renamed_source(name))
-    command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script), *script_args]
+    command = [sys.executable, "-m", "nbaccel", "launch", *launcher_args, str(script), *script_args]
     # stdout stays block-buffered, as for a user piping to a file: each print reaches the pipe as whole lines
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
@@ -135,9 +136,11 @@ def test_multi_process_metrics(tmp_path: Path) -> None:
                       "mean_len": 37.0, "padded_len": 2, "num_processes": 2}
 
 
-def test_early_stopping(tmp_path: Path) -> None:
-    """by_feature/early_stopping.py: the last rank sets the trigger at step 3; every rank stops there."""
-    launch(tmp_path, "early_stopping.py", "--cpu")
+def test_early_stopping_with_accelerate_config_file(tmp_path: Path) -> None:
+    """by_feature/early_stopping.py: the last rank sets the trigger at step 3; every rank stops there. Launched
+    with `--config_file` pointing at a multi-CPU config written by Accelerate 1.15's config code (ClusterConfig)."""
+    config = SCRIPTS.parent / "fixtures" / "accelerate_multi_cpu_config.yaml"
+    launch(tmp_path, "early_stopping.py", "--cpu", launcher_args=("--config_file", str(config)))
     stops = [(tmp_path / f"stopped_rank{rank}.txt").read_text() for rank in range(2)]
     assert stops == ["3", "3"]
 
