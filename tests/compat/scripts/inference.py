@@ -18,11 +18,7 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.encoder(x)))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--output_dir", default="saved")
-    args = parser.parse_args()
+def training_function(args):
     accelerator = Accelerator(cpu=args.cpu)
     torch.manual_seed(0)
     model = accelerator.prepare(Net())
@@ -44,6 +40,13 @@ def main():
     accelerator.print("RESULT " + json.dumps({
         "on_meta": on_meta, "loaded_matches": same, "answers": all_answers, "num_processes": accelerator.num_processes,
     }))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--output_dir", default="saved")
+    training_function(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ FITS_IN_MEMORY = 16
 
 def training_function(args):
     accelerator = Accelerator(cpu=args.cpu)
-    observed_batch_size = 64
+    observed_batch_size = 32
     attempts = []
 
     @find_executable_batch_size(starting_batch_size=observed_batch_size)
