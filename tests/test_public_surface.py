@@ -168,8 +168,8 @@ def test_multi_process_adapter_quiet_off_main_process() -> None:
     from ranks_helper import run_ranks
 
     results = run_ranks(_log_on_each_rank, world_size=2)
-    assert results[0] == ["main only", "all ranks"]
-    assert results[1] == ["all ranks"]
+    assert results[0] == ["main only", "all ranks", "in order"]
+    assert results[1] == ["all ranks", "in order"]
 
 
 def _log_on_each_rank(rank: int) -> list[str]:
@@ -187,6 +187,7 @@ def _log_on_each_rank(rank: int) -> list[str]:
     logger.logger.addHandler(Keep())
     logger.info("main only")
     logger.info("all ranks", main_process_only=False)
+    logger.info("in order", in_order=True)  # every rank, one after the other (barriers in between)
     return seen
 
 
