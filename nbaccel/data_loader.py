@@ -311,6 +311,16 @@ class _PreparedLoaderMixin:
         self._resume_skip = int(state.get("batches_yielded", 0))
 
 
+def _start_iterator(loader: DataLoader, resuming: bool) -> Iterator[Any]:
+    """Start a pass of `loader`. Starting a pass draws a base seed from the global RNG; when the pass
+    resumes mid-epoch from a checkpoint, the restored RNG state already includes the draw the interrupted run
+    made at the start of that epoch, so the draw is made on a forked RNG to leave the restored state exact."""
+    if not resuming:
+        return DataLoader.__iter__(loader)
+    with torch.random.fork_rng(devices=[]):
+        return DataLoader.__iter__(loader)
+
+
 class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
     """A DataLoader yielding this process's batches on `device` (see the module docstring)."""
 
@@ -335,14 +345,14 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         self.set_epoch(self.iteration)
         skip = self.skip_batches + self._resume_skip
         self._batches_yielded = self._resume_skip + self.skip_batches  # the epoch's position, for state_dict
-        self._resume_skip = 0
+        resuming, self._resume_skip = self._resume_skip > 0, 0
         if skip and isinstance(self.batch_sampler, BatchSamplerShard):
             self.batch_sampler.skip_batches = skip  # skip indices, without loading the samples
             skip = 0
         self.begin()
         move, device, non_blocking = self._move, self.device, self.non_blocking
         try:
-            batches = DataLoader.__iter__(self)
+            batches = _start_iterator(self, resuming)
             if skip:
                 batches = itertools.islice(batches, skip, None)
             # Look one batch ahead, so end_of_dataloader is already True while the last batch is used.
@@ -441,10 +451,10 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
         self.set_epoch(self.iteration)
         skip = self.skip_batches + self._resume_skip
         self._batches_yielded = self._resume_skip
-        self._resume_skip = 0
+        resuming, self._resume_skip = self._resume_skip > 0, 0
         self.begin()
         try:
-            iterator = DataLoader.__iter__(self) if self.process_index == 0 else None
+            iterator = _start_iterator(self, resuming) if self.process_index == 0 else None
             first: list = []
             current = self._fetch(iterator, first)
             index = 0

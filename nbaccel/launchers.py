@@ -1,10 +1,11 @@
-"""`accelerate.launchers` under its Accelerate name: `from nbaccel.launchers import notebook_launcher` works.
+"""`nbaccel.launchers`: where Accelerate keeps its launchers (`accelerate.launchers`), so that
+`from accelerate.launchers import notebook_launcher, debug_launcher` works after the rename.
 
-The launchers live in `nbaccel.launch`; this module only gives them the import path Accelerate scripts use.
+The launchers themselves live in `nbaccel.launch` (launcher.py); this module only re-exports them.
 """
 
 from __future__ import annotations
 
-from .launch import debug_launcher, notebook_launcher
+from .launch.launcher import debug_launcher, notebook_launcher
 
 __all__ = ["debug_launcher", "notebook_launcher"]

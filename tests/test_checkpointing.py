@@ -689,11 +689,7 @@ def _accelerator_run(project_dir: str, stop_at: int | None, resume: bool, total_
             project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2))
         set_seed(0)
         model = Net()
-        # Dropout off: a prepared loader that restarts mid-epoch draws its iterator's base seed from the global
-        # RNG once more than the uninterrupted run did, so dropout masks shift by one draw. The data loader
-        # should create that iterator under torch.random.fork_rng when resuming (reported to the lead);
-        # RNG restoration itself is covered by test_resumed_run_matches_uninterrupted_run_bit_for_bit.
-        model.drop.p = 0.0
+        # Dropout stays on: the resumed pass must not shift the global RNG (see data_loader._start_iterator).
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
         data_rng = torch.Generator().manual_seed(42)
