@@ -1092,3 +1092,28 @@ __all__ = [
     "load_accelerator_state", "load_sharded_state_dict", "model_file_name", "next_checkpoint_dir",
     "restore_rng_states", "rotate_checkpoints", "save_accelerator_state", "save_model",
 ]
+
+
+# ----------------------------------------------------------------------------------------- one custom object
+def save_custom_state(obj: Any, path: str | os.PathLike, index: int = 0, save_on_each_node: bool = False) -> None:
+    """Write `obj.state_dict()` to `{path}/custom_checkpoint_{index}.pkl`, the file `save_state` writes for the
+    index-th object given to `register_for_checkpointing`, from the main process (each node's local main process
+    with `save_on_each_node`)."""
+    from .utils.other import save
+
+    check_checkpointable(obj)
+    location = Path(path) / f"{CUSTOM_CHECKPOINT_NAME}_{index}.pkl"
+    logger.info("Saving the state of %s to %s", type(obj).__name__, location)
+    save(obj.state_dict(), location, save_on_each_node=save_on_each_node)
+
+
+def load_custom_state(obj: Any, path: str | os.PathLike, index: int = 0) -> None:
+    """Restore `obj` from `{path}/custom_checkpoint_{index}.pkl` (written by `save_custom_state` or `save_state`).
+
+    Like Accelerate, arbitrary pickled Python objects are accepted: load only checkpoints you trust. A missing
+    or damaged file raises `CheckpointFileMissingError` / `CheckpointFileCorruptError` naming it.
+    """
+    check_checkpointable(obj)
+    location = Path(path) / f"{CUSTOM_CHECKPOINT_NAME}_{index}.pkl"
+    logger.info("Loading the state of %s from %s", type(obj).__name__, location)
+    obj.load_state_dict(_torch_load(location, allow_pickle_fallback=True))

@@ -293,11 +293,20 @@ class _PreparedLoaderMixin:
     def total_dataset_length(self) -> int | None:
         return self._total_dataset_length
 
+    end_of_dataloader = False
+    remainder = -1
+
+    def reset(self) -> None:
+        """Forget the end-of-data flag and the remainder (Accelerate's `DataLoaderStateMixin.reset`)."""
+        self.end_of_dataloader = False
+        self.remainder = -1
+
     def begin(self) -> None:
         """Start of an epoch: reset end-of-data, compute the padding remainder, register with GradientState."""
-        self.end_of_dataloader = False
-        length, total = self._total_dataset_length, self._total_batch_size
-        self.remainder = length % total if (self._even_batches and length is not None and total) else -1
+        self.reset()
+        length, total = getattr(self, "_total_dataset_length", None), getattr(self, "_total_batch_size", None)
+        if getattr(self, "_even_batches", False) and length is not None and total:
+            self.remainder = length % total
         self.gradient_state._add_dataloader(self)
 
     def end(self) -> None:
@@ -734,3 +743,63 @@ def _copy_loader(loader: DataLoader) -> DataLoader:
     new._batches_yielded = 0
     new._resume_skip = 0
     return new
+
+
+# ----------------------------------------------------------------------------------------- Accelerate's names
+DataLoaderStateMixin = _PreparedLoaderMixin
+"""Accelerate's name for what prepared loaders share: `end_of_dataloader`, `remainder`, `reset()`, and
+`begin()` / `end()` that register the loader with `self.gradient_state` (a `GradientState` the class creates)."""
+
+
+def get_sampler(dataloader: DataLoader) -> Sampler | None:
+    """The index sampler of `dataloader`: found through its batch sampler (or through `sampler` when that is a
+    `BatchSampler`); None when the loader has none (iterable datasets)."""
+    source = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
+    return getattr(source, "sampler", None)
+
+
+class DataLoaderAdapter:
+    """A `DataLoader` (a torchdata `StatefulDataLoader` with `use_stateful_dataloader=True`) built from the same
+    arguments and wrapped: attributes, `len`, iteration and `state_dict` go to it, and `isinstance(adapter,
+    DataLoader)` holds, so code expecting a DataLoader accepts the adapter.
+    """
+
+    def __init__(self, dataset: Any, use_stateful_dataloader: bool = False, batch_sampler: Any = None,
+                 **kwargs: Any) -> None:
+        from .utils.imports import is_torchdata_stateful_dataloader_available
+
+        self.use_stateful_dataloader = use_stateful_dataloader
+        if use_stateful_dataloader:
+            if not is_torchdata_stateful_dataloader_available():
+                raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader: "
+                                  "pip install 'torchdata>=0.8.0'.")
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            self.base_dataloader = StatefulDataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
+        else:
+            self.base_dataloader = DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base_dataloader":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)
+
+    @property
+    def __class__(self) -> type:  # isinstance(adapter, DataLoader) is True, as in Accelerate
+        return self.base_dataloader.__class__
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.base_dataloader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's position (only a `StatefulDataLoader` has one)."""
+        if not hasattr(self.base_dataloader, "state_dict"):
+            raise AttributeError("a plain DataLoader has no state_dict: build the adapter with "
+                                 "use_stateful_dataloader=True to save and restore its position.")
+        return self.base_dataloader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.base_dataloader.load_state_dict(state_dict)

@@ -318,3 +318,98 @@ def test_infer_auto_device_map_fallback_allocation():
     assert "cpu" not in plain.values()  # the reserve for the largest layer leaves no room for `big` first
     assert fallback["small"] == "cpu" and fallback["big"] == "disk"
     check_device_map(model, fallback)
+
+
+# --- Accelerate 1.15 names: tied-weights checks, precision helpers, peft ---------------------------------
+
+
+def test_check_tied_parameters_in_config_reads_transformers_config():
+    from types import SimpleNamespace
+
+    from nbaccel.utils.modeling import check_tied_parameters_in_config
+
+    class PreTrainedModel(nn.Module):  # stands in for transformers' base class, matched by name
+        def __init__(self, tie: bool):
+            super().__init__()
+            self.config = SimpleNamespace(tie_word_embeddings=tie)
+            self.head = nn.Linear(2, 2)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    assert check_tied_parameters_in_config(PreTrainedModel(tie=True)) is True
+    assert check_tied_parameters_in_config(PreTrainedModel(tie=False)) is False
+    assert check_tied_parameters_in_config(nn.Linear(2, 2)) is False  # not a transformers model
+
+
+def test_is_peft_model_false_for_plain_module():
+    from nbaccel.utils.modeling import is_peft_model
+
+    assert is_peft_model(nn.Linear(2, 2)) is False
+
+
+def test_get_mixed_precision_context_manager_follows_the_state():
+    import contextlib
+
+    from nbaccel.state import AcceleratorState, isolated_states
+    from nbaccel.utils import AutocastKwargs
+    from nbaccel.utils.modeling import get_mixed_precision_context_manager
+
+    assert isinstance(get_mixed_precision_context_manager(native_amp=False), contextlib.nullcontext)
+    with isolated_states():
+        with pytest.raises(RuntimeError, match="Accelerator"):
+            get_mixed_precision_context_manager(native_amp=True)
+        AcceleratorState(cpu=True, mixed_precision="bf16", _from_accelerator=True)
+        with get_mixed_precision_context_manager(True, AutocastKwargs(cache_enabled=False)):
+            out = nn.Linear(4, 4)(torch.ones(2, 4))
+        assert out.dtype == torch.bfloat16
+
+
+def test_get_grad_scaler_picks_the_scaler_class():
+    import warnings
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from nbaccel.utils import DistributedType
+    from nbaccel.utils.environment import get_current_device_type
+    from nbaccel.utils.modeling import get_grad_scaler
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch disables a CUDA scaler on a CPU-only machine, with a warning
+        scaler = get_grad_scaler(growth_interval=7)
+        sharded = get_grad_scaler(DistributedType.FSDP)
+    assert type(scaler) is torch.amp.GradScaler and scaler._device == get_current_device_type()[0]
+    assert scaler.is_enabled() == (scaler._device == "cuda" and torch.cuda.is_available())
+    if scaler.is_enabled():
+        assert scaler.get_growth_interval() == 7
+    assert isinstance(sharded, ShardedGradScaler)
+
+
+def test_ensure_weights_retied_keeps_ties_after_reinit():
+    from nbaccel.utils.fsdp_utils import ensure_weights_retied
+
+    class Tied(nn.Module):
+        _tied_weights_keys = ["a.weight", "b.weight"]
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight
+
+    def reinit(module):  # re-creates parameters, as FSDP's param_init_fn may
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.zeros_like(param)))
+        return module
+
+    model = Tied()
+    assert ensure_weights_retied(reinit, nn.Linear(2, 2), "cpu") is reinit  # nothing tied: unchanged
+    init = ensure_weights_retied(reinit, model, "cpu")
+    init(model.a)
+    init(model.b)
+    assert model.a.weight is model.b.weight
+
+
+def test_load_offloaded_weights_importable_from_modeling():
+    from nbaccel.utils import modeling, offload
+
+    assert modeling.load_offloaded_weights is offload.load_offloaded_weights

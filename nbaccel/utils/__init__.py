@@ -50,6 +50,7 @@ _MODULES: dict[str, list[str]] = {
         "is_torchdata_stateful_dataloader_available", "is_torchvision_available", "is_tqdm_available",
         "is_trackio_available", "is_triton_available", "is_weights_only_available", "is_xccl_available",
     ],
+    ".parallelism_config": ["ParallelismConfig"],
     ".random": ["set_seed", "synchronize_rng_state", "synchronize_rng_states"],
     ".modeling": [
         "calculate_maximum_sizes", "check_device_map", "compute_module_sizes", "convert_file_size_to_int",
@@ -57,10 +58,12 @@ _MODULES: dict[str, list[str]] = {
         "get_max_memory", "id_tensor_storage", "infer_auto_device_map", "load_checkpoint_in_model",
         "load_state_dict", "named_module_tensors", "retie_parameters", "set_module_tensor_to_device",
         "align_module_device", "check_tied_parameters_on_same_device", "clean_device_map",
-        "get_state_dict_offloaded_model", "has_offloaded_params",
+        "get_state_dict_offloaded_model", "has_offloaded_params", "check_tied_parameters_in_config",
+        "get_grad_scaler", "get_mixed_precision_context_manager", "is_peft_model",
     ],
     ".fsdp_utils": [
         "load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer",
+        "ensure_weights_retied",
     ],
     ".offload": [
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
@@ -70,6 +73,8 @@ _MODULES: dict[str, list[str]] = {
     ".other": [
         "convert_bytes", "extract_model_from_parallel", "get_pretty_name", "is_port_in_use",
         "merge_dicts", "save", "write_basic_config", "is_compiled_module", "get_free_port",
+        "clean_state_dict_for_safetensors", "compile_regions", "has_compiled_regions",
+        "get_module_children_bottom_up", "load",
     ],
     ".constants": [
         "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME",

@@ -168,3 +168,32 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.
     if remove_checkpoint_dir:
         shutil.rmtree(checkpoint_dir)
     return path
+
+
+def ensure_weights_retied(param_init_fn: Any, model: torch.nn.Module, device: Any) -> Any:
+    """Wrap FSDP's `param_init_fn` so weights tied in `model` stay tied after it re-creates parameters.
+
+    The tied names come from `model._tied_weights_keys` (transformers' attribute); without any, `param_init_fn`
+    is returned unchanged. The first parameter the wrapped function materializes for a tied group becomes the
+    one every other member of that group is set to. `device` is accepted for Accelerate's signature.
+    """
+    tied_names = getattr(model, "_tied_weights_keys", None)
+    if not tied_names:
+        return param_init_fn
+    # id of each original tied parameter -> the materialized parameter shared by its group (None until seen).
+    shared: dict[int, torch.nn.Parameter | None] = {}
+    for dotted in tied_names:
+        owner, _, name = dotted.rpartition(".")
+        shared[id(getattr(model.get_submodule(owner), name))] = None
+
+    def init_and_retie(module: torch.nn.Module) -> torch.nn.Module:
+        tied_here = [(name, id(p)) for name, p in module.named_parameters(recurse=False) if id(p) in shared]
+        module = param_init_fn(module)
+        for name, key in tied_here:
+            if shared[key] is None:
+                shared[key] = getattr(module, name)
+            else:
+                setattr(module, name, shared[key])
+        return module
+
+    return init_and_retie

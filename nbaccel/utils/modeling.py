@@ -1024,3 +1024,82 @@ def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
     if missing:
         logger.warning("These tensors are still on the meta device and were left out: %s", missing[:20])
     return state
+
+
+def is_peft_model(model: Any) -> bool:
+    """True when `model`, once unwrapped from DDP/compile wrappers, is a `peft.PeftModel` (False without peft)."""
+    from .imports import is_peft_available
+    from .other import extract_model_from_parallel
+
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    return isinstance(extract_model_from_parallel(model), PeftModel)
+
+
+def check_tied_parameters_in_config(model: nn.Module) -> bool:
+    """Whether a transformers `PreTrainedModel`'s config or modules ask for tied weights (False for other models).
+
+    Looks at `tie_word_embeddings` (with an output embedding), `is_encoder_decoder` + `tie_encoder_decoder`, and
+    any submodule defining `_tie_weights`, the cases `model.tie_weights()` handles.
+    """
+    if "PreTrainedModel" not in {cls.__name__ for cls in type(model).__mro__}:
+        return False
+    config = getattr(model, "config", None)
+    text_config = config
+    if config is not None and hasattr(config, "get_text_config"):
+        text_config = config.get_text_config(decoder=True)
+    word_embeddings = bool(
+        text_config is not None and getattr(text_config, "tie_word_embeddings", False)
+        and model.get_output_embeddings() is not None
+    )
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False))
+    tied_module = any(hasattr(module, "_tie_weights") for module in model.modules())
+    return word_embeddings or encoder_decoder or tied_module
+
+
+def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs: Any = None
+                                        ) -> contextlib.AbstractContextManager:
+    """The autocast context of the current `AcceleratorState`'s mixed precision, or a null context.
+
+    `native_amp=False` gives `contextlib.nullcontext()`. Otherwise fp16 autocasts to float16, bf16/fp8 to
+    bfloat16, on the state's device type; `autocast_kwargs` (an `AutocastKwargs`) adds its options.
+    """
+    if not native_amp:
+        return contextlib.nullcontext()
+    # utils may not import the state layer (docs/internals.md): use the state only if the program created one.
+    import sys
+
+    state_module = sys.modules.get("nbaccel.state")
+    if state_module is None or not state_module.AcceleratorState._shared_state:
+        raise RuntimeError("get_mixed_precision_context_manager(native_amp=True) needs the mixed precision of an "
+                           "Accelerator: create `Accelerator(mixed_precision=...)` first.")
+    state = state_module.AcceleratorState()
+    kwargs = {} if autocast_kwargs is None else autocast_kwargs.to_kwargs()
+    mixed_precision = getattr(state.mixed_precision, "value", state.mixed_precision)
+    if mixed_precision == "fp16":
+        kwargs["dtype"] = torch.float16
+    elif mixed_precision in ("bf16", "fp8"):
+        kwargs["dtype"] = torch.bfloat16
+    return torch.autocast(device_type=state.device.type, **kwargs)
+
+
+def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> Any:
+    """A gradient scaler for this machine: `ShardedGradScaler` under FSDP, else `torch.amp.GradScaler` for the
+    accelerator type (CUDA when none is found, which torch disables with a warning on a CPU-only machine).
+
+    `kwargs` go to the scaler (`init_scale`, `growth_factor`, ...).
+    """
+    from .dataclasses import DistributedType
+    from .environment import get_current_device_type
+
+    if distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(**kwargs)
+    device_type, _ = get_current_device_type()
+    return torch.amp.GradScaler(device_type, **kwargs)
+
+
+from .offload import load_offloaded_weights  # noqa: E402  (Accelerate also exposes it from utils.modeling)

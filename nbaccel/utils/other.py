@@ -148,21 +148,29 @@ def _rank_from_env() -> tuple[int, int]:
     return rank, local
 
 
-def _dedupe_shared_tensors(state_dict: dict) -> dict:
-    """safetensors refuses tensors sharing storage: keep the first name of each shared group, contiguous."""
-    seen: dict[tuple, str] = {}
+def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
+    """`state_dict` ready for safetensors, which refuses tensors that share memory: of each group of entries on
+    one storage (tied weights), keep the first name and drop the others with a warning; tensors made contiguous.
+
+    Non-tensor values (e.g. strings of bitsandbytes serialization) pass through. The input dict is not changed.
+    """
+    import torch
+
+    from .modeling import id_tensor_storage
+
+    seen: set[tuple] = set()
     cleaned = {}
     dropped = []
-    for name, tensor in state_dict.items():
-        if not hasattr(tensor, "untyped_storage"):
-            cleaned[name] = tensor
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            cleaned[name] = value
             continue
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if tensor.untyped_storage().data_ptr() != 0 and key in seen:
+        key = id_tensor_storage(value)
+        if key[1] != 0 and key in seen:  # pointer 0: meta/empty tensors own no memory to share
             dropped.append(name)
             continue
-        seen[key] = name
-        cleaned[name] = tensor.contiguous()
+        seen.add(key)
+        cleaned[name] = value.contiguous()
     if dropped:
         warnings.warn(
             f"Removed shared tensor(s) {', '.join(dropped)} while saving with safetensors; tie them again after "
@@ -185,7 +193,7 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
 
         if not isinstance(obj, dict):
             raise TypeError(f"safe_serialization=True saves a dict of tensors; got {type(obj).__name__}")
-        save_file(_dedupe_shared_tensors(obj), os.fspath(f), metadata={"format": "pt"})
+        save_file(clean_state_dict_for_safetensors(obj), os.fspath(f), metadata={"format": "pt"})
     else:
         import torch
 
@@ -229,3 +237,92 @@ def convert_bytes(size: float) -> str:
             return f"{round(size, 2)} {unit}"
         size /= 1024.0
     return f"{round(size, 2)} PB"
+
+
+def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """`torch.load` with `weights_only=True` unless given, like Accelerate 1.15.
+
+    numpy arrays and dtypes (RNG states, metrics) are allowed for the duration of the call; other pickled
+    objects need `weights_only=False` (only for files you trust).
+    """
+    import codecs
+
+    import numpy as np
+    import torch
+
+    kwargs.setdefault("weights_only", True)
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    allowed = [multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    allowed += [type(np.dtype(kind)) for kind in ("uint32", "int64", "float32", "float64")]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(f, map_location=map_location, **kwargs)
+
+
+def get_module_children_bottom_up(model: Any, return_fqns: bool = False) -> list:
+    """Every module of `model`, children before their parents, `model` itself last.
+
+    With `return_fqns=True` the items are `(qualified name, module)` pairs; the root's name is "".
+    """
+    stack = [("", model)]
+    top_down = []
+    while stack:
+        name, module = stack.pop()
+        top_down.append((name, module) if return_fqns else module)
+        for child_name, child in module.named_children():
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return top_down[::-1]
+
+
+def _is_repeated_blocks(module: Any) -> bool:
+    """A non-empty `nn.ModuleList` whose items all share the first item's class (e.g. transformer layers)."""
+    import torch
+
+    return (isinstance(module, torch.nn.ModuleList) and len(module) > 0
+            and all(isinstance(item, type(module[0])) for item in module))
+
+
+def has_compiled_regions(module: Any) -> bool:
+    """True when `module` or a submodule of it is a `torch.compile` wrapper (`OptimizedModule`)."""
+    import torch
+
+    if not module._modules:
+        return False
+    optimized = torch._dynamo.eval_frame.OptimizedModule
+    return any(isinstance(sub, optimized) for sub in module.modules())
+
+
+def compile_regions(module: Any, **compile_kwargs: Any) -> Any:
+    """Regional compilation: compile each block of a repeated-block `ModuleList` (e.g. transformer layers)
+    separately, so identical blocks reuse the compiler's cache, and compile whatever has no repeated blocks whole.
+
+    `module` is not changed: the result is a shallow copy whose parts are compiled (kept as `_orig_mod` for
+    `extract_model_from_parallel`). `compile_kwargs` go to `torch.compile`.
+    """
+    import types
+
+    import torch
+
+    def has_repeated(mod: Any) -> bool:
+        return bool(mod._modules) and any(_is_repeated_blocks(sub) for sub in mod.modules())
+
+    def compile_parts(mod: Any) -> Any:
+        if _is_repeated_blocks(mod):
+            return torch.nn.ModuleList(torch.compile(block, **compile_kwargs) for block in mod)
+        if not has_repeated(mod):
+            return torch.compile(mod, **compile_kwargs)
+        copy = type(mod).__new__(type(mod))
+        copy.__dict__.update(mod.__dict__)
+        for key, value in list(copy.__dict__.items()):  # methods bound to `mod` must act on the copy
+            if isinstance(value, types.MethodType) and value.__self__ is mod:
+                copy.__dict__[key] = types.MethodType(value.__func__, copy)
+        copy._modules = {}
+        for name, child in mod.named_children():
+            copy.add_module(name, compile_parts(child))
+        return copy
+
+    compiled = compile_parts(module)
+    compiled.__dict__.setdefault("_orig_mod", module)
+    return compiled
+
+
+from .operations import wait_for_everyone  # noqa: E402  (Accelerate also exposes it from utils.other)
