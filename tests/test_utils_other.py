@@ -93,3 +93,69 @@ def test_small_helpers():
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
     assert not is_port_in_use(free)
+
+
+# --- Accelerate 1.15 names: safetensors cleaning, regional compilation, module order, load ----------------
+
+
+def test_clean_state_dict_for_safetensors_drops_aliases():
+    from nbaccel.utils.other import clean_state_dict_for_safetensors
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    state = {"w": weight, "view": weight[0], "t": weight.t(), "b": torch.zeros(1), "note": "kept"}
+    with pytest.warns(UserWarning, match="view, t"):
+        cleaned = clean_state_dict_for_safetensors(state)
+    assert list(cleaned) == ["w", "b", "note"] and cleaned["note"] == "kept"
+    assert len(state) == 5  # the caller's dict is left as it was
+
+
+def test_get_module_children_bottom_up():
+    from nbaccel.utils.other import get_module_children_bottom_up
+
+    inner = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    model = torch.nn.Sequential(inner, torch.nn.ReLU())
+    named = get_module_children_bottom_up(model, return_fqns=True)
+    assert [name for name, _ in named] == ["0.0", "0", "1", ""]
+    assert named[-1][1] is model
+    assert get_module_children_bottom_up(model) == [module for _, module in named]
+
+
+def test_compile_regions_compiles_each_repeated_block():
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from nbaccel.utils.other import compile_regions, extract_model_from_parallel, has_compiled_regions
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)]), torch.nn.ReLU())
+    compiled = compile_regions(model, backend="eager")
+    assert all(isinstance(block, OptimizedModule) for block in compiled[0])
+    assert isinstance(compiled[1], OptimizedModule)
+    assert has_compiled_regions(compiled) and not has_compiled_regions(model)
+    assert not any(isinstance(m, OptimizedModule) for m in model.modules())  # the original is untouched
+    assert compiled._orig_mod is model
+    x = torch.ones(1, 2)
+    expected = model[1](model[0][2](model[0][1](model[0][0](x))))
+    out = compiled[1](compiled[0][2](compiled[0][1](compiled[0][0](x))))
+    assert torch.equal(out, expected)
+    assert isinstance(compile_regions(torch.nn.Linear(2, 2), backend="eager"), OptimizedModule)
+    whole = compile_regions(torch.nn.Linear(2, 2), backend="eager")
+    assert type(extract_model_from_parallel(whole, keep_torch_compile=False)) is torch.nn.Linear
+
+
+def test_load_defaults_to_weights_only(tmp_path):
+    import numpy as np
+
+    from nbaccel.utils.other import load
+
+    torch.save({"t": torch.ones(2), "rng": np.arange(3, dtype=np.uint32)}, tmp_path / "ok.pt")
+    loaded = load(tmp_path / "ok.pt", map_location="cpu")
+    assert torch.equal(loaded["t"], torch.ones(2)) and loaded["rng"].tolist() == [0, 1, 2]
+    torch.save({"obj": socket.AddressFamily.AF_INET}, tmp_path / "obj.pt")
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        load(tmp_path / "obj.pt")
+    assert load(tmp_path / "obj.pt", weights_only=False)["obj"] is socket.AddressFamily.AF_INET
+
+
+def test_wait_for_everyone_importable_from_other():
+    from nbaccel.utils import operations, other
+
+    assert other.wait_for_everyone is operations.wait_for_everyone

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .dataclasses import CustomDtype
+from .offload import load_offloaded_weights as load_offloaded_weights  # also Accelerate's home
 
 logger = logging.getLogger(__name__)
 
@@ -1101,5 +1102,3 @@ def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> Any:
     device_type, _ = get_current_device_type()
     return torch.amp.GradScaler(device_type, **kwargs)
 
-
-from .offload import load_offloaded_weights  # noqa: E402  (Accelerate also exposes it from utils.modeling)

@@ -15,6 +15,7 @@ from typing import Any
 
 from .config_file import LaunchConfig, default_config_file, display_path
 from .constants import DEFAULT_MAIN_PROCESS_PORT, MIXED_PRECISION_CHOICES
+from .operations import wait_for_everyone as wait_for_everyone  # Accelerate exposes it from this module too
 
 
 def _count_devices(use_xpu: bool) -> tuple[str, int]:
@@ -324,5 +325,3 @@ def compile_regions(module: Any, **compile_kwargs: Any) -> Any:
     compiled.__dict__.setdefault("_orig_mod", module)
     return compiled
 
-
-from .operations import wait_for_everyone  # noqa: E402  (Accelerate also exposes it from utils.other)
