@@ -753,7 +753,7 @@ DataLoaderStateMixin = _PreparedLoaderMixin
 
 def get_sampler(dataloader: DataLoader) -> Sampler | None:
     """The index sampler of `dataloader`: found through its batch sampler (or through `sampler` when that is a
-    `BatchSampler`); None when the loader has none (iterable datasets)."""
+    `BatchSampler`); None when there is no batch sampler (`batch_size=None`)."""
     source = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
     return getattr(source, "sampler", None)
 

@@ -762,3 +762,31 @@ def test_accelerate_reads_checkpoint_written_by_nbaccel(tmp_path, monkeypatch):
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
     assert torch.equal(fresh.fc1.weight, model.fc1.weight)
     assert repr(fresh_optimizer.state_dict()) == repr(optimizer.state_dict())
+
+
+def test_save_and_load_custom_state_use_save_states_file(tmp_path, monkeypatch):
+    from nbaccel.checkpointing import load_custom_state, save_custom_state
+
+    for key in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    obj = HoldsObjects()  # holds a Python object: loaded with full unpickling, as Accelerate does
+    obj.count = 4
+    save_custom_state(obj, tmp_path, index=2)
+    assert listing(tmp_path) == ["custom_checkpoint_2.pkl"]
+    fresh = HoldsObjects()
+    load_custom_state(fresh, tmp_path, index=2)
+    assert fresh.count == 4
+
+    counter = Counter()
+    counter.count = 9
+    out = save_accelerator_state(tmp_path / "c", custom_objects=[counter])  # same file name as save_state
+    restored = Counter()
+    load_custom_state(restored, out)
+    assert restored.count == 9
+    with pytest.raises(CheckpointFileMissingError, match="custom_checkpoint_5.pkl"):
+        load_custom_state(Counter(), out, index=5)
+    with pytest.raises(TypeError, match="state_dict"):
+        save_custom_state(object(), tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    save_custom_state(counter, tmp_path, index=7)  # only the main process writes
+    assert not (tmp_path / "custom_checkpoint_7.pkl").exists()

@@ -199,3 +199,65 @@ def test_shards_are_the_same_as_accelerates():
                             ours = IterableDatasetShard(range(size), bs, drop, n, i, split)
                             theirs = reference.IterableDatasetShard(range(size), bs, drop, n, i, split)
                             assert list(ours) == list(theirs)
+
+
+# --- Accelerate 1.15 names: get_sampler, DataLoaderStateMixin, DataLoaderAdapter --------------------------
+
+
+def test_get_sampler_looks_through_batch_samplers():
+    from torch.utils.data import RandomSampler
+
+    from nbaccel.data_loader import get_sampler
+
+    shuffled = DataLoader(range(10), batch_size=2, shuffle=True)
+    assert isinstance(get_sampler(shuffled), RandomSampler) and get_sampler(shuffled) is shuffled.sampler
+    inner = SequentialSampler(range(10))
+    sharded = DataLoader(range(10), batch_sampler=BatchSamplerShard(BatchSampler(inner, 2, False), 2, 0))
+    assert get_sampler(sharded) is inner
+    as_sampler = DataLoader(range(10), sampler=BatchSampler(inner, 2, False), batch_size=None)
+    assert get_sampler(as_sampler) is inner
+    assert get_sampler(DataLoader(range(4), batch_size=None)) is None  # no batching: no batch sampler to look in
+
+
+def test_data_loader_state_mixin_is_what_prepared_loaders_share():
+    from nbaccel.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
+
+    assert issubclass(DataLoaderShard, DataLoaderStateMixin) and issubclass(DataLoaderDispatcher, DataLoaderStateMixin)
+
+    class Registry:
+        def __init__(self):
+            self.loaders = []
+
+        def _add_dataloader(self, loader):
+            self.loaders.append(loader)
+
+        def _remove_dataloader(self, loader):
+            self.loaders.remove(loader)
+
+    class MyLoader(DataLoaderStateMixin):  # a subclass only has to provide `gradient_state`
+        def __init__(self):
+            self.gradient_state = Registry()
+
+    loader = MyLoader()
+    assert (loader.end_of_dataloader, loader.remainder) == (False, -1)
+    loader.end_of_dataloader, loader.remainder = True, 3
+    loader.begin()
+    assert (loader.end_of_dataloader, loader.remainder) == (False, -1)
+    assert loader.gradient_state.loaders == [loader]
+    loader.end()
+    assert loader.gradient_state.loaders == []
+
+
+def test_data_loader_adapter_wraps_and_delegates():
+    from nbaccel.data_loader import DataLoaderAdapter
+    from nbaccel.utils.imports import is_torchdata_stateful_dataloader_available
+
+    adapter = DataLoaderAdapter(torch.arange(6), batch_size=4)
+    assert isinstance(adapter, DataLoader) and type(adapter.base_dataloader) is DataLoader
+    assert adapter.batch_size == 4 and len(adapter) == 2
+    assert [b.tolist() for b in adapter] == [[0, 1, 2, 3], [4, 5]]
+    with pytest.raises(AttributeError, match="use_stateful_dataloader=True"):
+        adapter.state_dict()
+    if not is_torchdata_stateful_dataloader_available():
+        with pytest.raises(ImportError, match="torchdata"):
+            DataLoaderAdapter(torch.arange(6), use_stateful_dataloader=True)
