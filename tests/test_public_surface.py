@@ -127,6 +127,15 @@ def test_config_class_fields_match_accelerate(class_name: str) -> None:
 # --- nbaccel.logging behaves as accelerate.logging -------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _keep_root_log_level():
+    """`get_logger(log_level=...)` also sets the root logger's level (as Accelerate does): put it back, so later
+    tests (e.g. caplog at INFO in test_checkpointing) still see their records."""
+    level = logging.getLogger().level
+    yield
+    logging.getLogger().setLevel(level)
+
+
 def test_get_logger_without_state_refuses_clearly() -> None:
     from nbaccel.logging import get_logger
     from nbaccel.state import isolated_states
