@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from notebook_outputs import Executed, check_quickstart, read_outputs
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
@@ -24,53 +24,14 @@ EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume",
             "05_config_and_scripts")
 
 
-@dataclass
-class Cell:
-    source: str
-    text: str  # stream text, text/plain of results and displays, and error tracebacks, joined
-    mimetypes: set[str]
-    error: str | None  # "Name: message" of an error output
-
-
-@dataclass
-class Executed:
-    cells: list[Cell]
-    seconds: float
-
-    def cell(self, marker: str) -> Cell:
-        """The code cell whose source contains `marker` (exactly one must)."""
-        found = [cell for cell in self.cells if marker in cell.source]
-        assert len(found) == 1, f"{len(found)} cells contain {marker!r}"
-        return found[0]
-
-    @property
-    def text(self) -> str:
-        return "\n".join(cell.text for cell in self.cells)
-
-
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
     """Execute notebooks/`name` in a fresh kernel, in `workdir`; return its code cells with their outputs."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     started = time.monotonic()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
     seconds = time.monotonic() - started
-    cells = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        parts, mimetypes, error = [], set(), None
-        for output in cell.get("outputs", []):
-            if output.output_type == "stream":
-                parts.append(output.text)
-            elif output.output_type in ("execute_result", "display_data"):
-                mimetypes.update(output.data)
-                parts.append(output.data.get("text/plain", ""))
-            elif output.output_type == "error":
-                error = f"{output.ename}: {output.evalue}"
-                parts.append(re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(output.traceback)))
-        cells.append(Cell(cell.source, "\n".join(parts), mimetypes, error))
     print(f"{name}: {seconds:.1f} s")
-    return Executed(cells, seconds)
+    return read_outputs(nb, seconds)
 
 
 def test_each_notebook_is_listed_and_executable():
@@ -84,22 +45,7 @@ def test_each_notebook_is_listed_and_executable():
 
 @pytest.mark.timeout(300)
 def test_quickstart(tmp_path):
-    run = run_notebook("01_quickstart.ipynb", tmp_path)
-    launch = run.cell("notebook_launcher(train")
-    ranks = re.findall(r"rank (\d+) on (\w+): final accuracy ([0-9.]+)", launch.text)
-    assert [rank for rank, _, _ in ranks] == ["0", "1"], launch.text  # no GPU here: 2 CPU processes
-    assert {device for _, device, _ in ranks} == {"cpu"}
-    assert len({accuracy for _, _, accuracy in ranks}) == 1, "gather_for_metrics: every rank sees every image"
-    # The per-epoch lines come from rank 0 only (accelerator.print), through the launcher's output relay.
-    epochs = re.findall(r"\[rank 0\] epoch (\d+): accuracy ([0-9.]+) on 397 test images", launch.text)
-    assert [int(epoch) for epoch, _ in epochs] == list(range(8)), launch.text
-    assert "[rank 1] epoch" not in launch.text
-    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes, "the live dashboard was not shown"
-    plot = run.cell("plt.subplots")
-    assert "image/png" in plot.mimetypes
-    accuracy = float(re.search(r"final accuracy: ([0-9.]+)", plot.text).group(1))
-    assert accuracy > 0.85, plot.text
-    assert abs(accuracy - float(ranks[0][2])) < 1e-3
+    check_quickstart(run_notebook("01_quickstart.ipynb", tmp_path))
 
 
 @pytest.mark.timeout(300)
