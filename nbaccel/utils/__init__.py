@@ -13,7 +13,8 @@ _MODULES: dict[str, list[str]] = {
         "get_data_structure", "honor_type", "ignorant_find_batch_size", "initialize_tensors",
         "is_namedtuple", "is_tensor_information", "is_torch_tensor", "listify", "pad_across_processes",
         "pad_input_tensors", "recursively_apply", "reduce", "send_to_device", "slice_tensors",
-        "wait_for_everyone", "DistributedOperationException", "debug_mode_enabled",
+        "wait_for_everyone", "DistributedOperationException", "debug_mode_enabled", "CannotPadNestedTensorWarning",
+        "GatheredParameters",
     ],
     ".dataclasses": [
         "AutocastKwargs", "BnbQuantizationConfig", "ComputeEnvironment", "CustomDtype",

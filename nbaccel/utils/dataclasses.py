@@ -1123,3 +1123,11 @@ class BnbQuantizationConfig:
         if self.torch_dtype is None:
             self.torch_dtype = torch.float16 if self.load_in_8bit else self.bnb_4bit_compute_dtype
         self.torch_dtype = _bnb_dtype("torch_dtype", self.torch_dtype)
+
+
+@dataclass
+class TensorInformation:
+    """The shape and dtype of a tensor, standing in for it in `get_data_structure` / `initialize_tensors`."""
+
+    shape: torch.Size  # noqa: F821 - annotation only (postponed evaluation); no torch import at module load
+    dtype: torch.dtype  # noqa: F821

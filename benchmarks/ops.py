@@ -1,0 +1,158 @@
+"""Benchmark: nbaccel's collectives against the raw torch floor and Accelerate, on 2 gloo processes.
+
+    python benchmarks/ops.py [--reps 15] [--iters 50]
+
+Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
+torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
+at least pay), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
+checks), (d) accelerate.utils.gather when Accelerate is installed. Then gather_object and
+broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
+repetition (so machine load hits them alike); the median time per call is reported, with ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _time(fn, iters: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per call; CPU time is what load on the machine distorts least."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        fn()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    return (time.perf_counter() - start) / iters, cpu / iters
+
+
+def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        import accelerate.utils as acc
+        from accelerate import PartialState as AccPartialState
+
+        AccPartialState(cpu=True)  # initializes the gloo group; nbaccel uses the same one
+    except ImportError:
+        acc = None
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    from nbaccel.utils import operations as ops
+
+    data = {f"t{i}": torch.randn(1024) for i in range(16)}
+    flat = torch.randn(16 * 1024)
+    out = torch.empty(world * flat.numel())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    small = {"loss": 0.25 + rank, "step": 100, "name": "eval"}
+    to_send = [dict(small)]
+
+    keys = list(data)
+
+    def by_hand() -> dict:
+        """The least code that returns the same dict: cat, one all-gather, reorder, split (no checks)."""
+        received = torch.empty(world * flat.numel())
+        all_gather(received, torch.cat(list(data.values())))
+        parts = received.view(world, len(keys), -1).transpose(0, 1).reshape(len(keys), -1).unbind(0)
+        return dict(zip(keys, parts))
+
+    variants = {
+        "gather: nbaccel": lambda: ops.gather(data),
+        "gather: floor (one raw all-gather)": lambda: all_gather(out, flat),
+        "gather: by hand (cat, all-gather, split)": by_hand,
+        "gather_object: nbaccel": lambda: ops.gather_object([small]),
+        "broadcast_object_list: nbaccel": lambda: ops.broadcast_object_list(to_send),
+    }
+    if acc is not None:
+        variants["gather: accelerate"] = lambda: acc.gather(data)
+        variants["gather_object: accelerate"] = lambda: acc.gather_object([small])
+        variants["broadcast_object_list: accelerate"] = lambda: acc.broadcast_object_list(to_send)
+
+    # results agree before timing anything
+    assert all(torch.equal(ops.gather(data)[k], v) for k, v in by_hand().items())
+    if acc is not None:
+        mine, theirs = ops.gather(data), acc.gather(data)
+        assert all(torch.equal(mine[k], theirs[k]) for k in data)
+        assert ops.gather_object([small]) == acc.gather_object([small])
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for fn in variants.values():  # warm-up
+        _time(fn, 5)
+    for _ in range(reps):
+        for name, fn in variants.items():
+            samples[name].append(_time(fn, iters))
+    if rank == 0:
+        queue.put({
+            name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+            for name, values in samples.items()
+        })
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.reps, args.iters, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        medians = queue.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    print(f"{world} gloo processes, torch {torch.__version__}, median of {args.reps} x {args.iters} calls "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    print(f"  {'':<40} {'wall':>10} {'CPU (rank 0)':>14}")
+    for name, (wall, cpu) in medians.items():
+        print(f"  {name:<40} {wall * 1e6:8.1f} us {cpu * 1e6:11.1f} us")
+
+    def ratio(a: str, b: str, which: int = 0) -> float:
+        return medians[a][which] / medians[b][which]
+
+    floor = "gather: floor (one raw all-gather)"
+    print(f"gather, nbaccel / floor:        {ratio('gather: nbaccel', floor):5.2f}x wall, "
+          f"{ratio('gather: nbaccel', floor, 1):5.2f}x CPU  (goal <= 1.5x)")
+    print(f"gather, nbaccel / by hand:      {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)'):5.2f}x "
+          f"wall, {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)', 1):5.2f}x CPU")
+    if "gather: accelerate" in medians:
+        print(f"gather, accelerate / nbaccel:   {ratio('gather: accelerate', 'gather: nbaccel'):5.2f}x wall, "
+              f"{ratio('gather: accelerate', 'gather: nbaccel', 1):5.2f}x CPU  (goal >= 5x)")
+        for op in ("gather_object", "broadcast_object_list"):
+            print(f"{op}, accelerate / nbaccel: {ratio(f'{op}: accelerate', f'{op}: nbaccel'):5.2f}x wall, "
+                  f"{ratio(f'{op}: accelerate', f'{op}: nbaccel', 1):5.2f}x CPU")
+
+if __name__ == "__main__":
+    main()

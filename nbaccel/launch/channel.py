@@ -1,0 +1,158 @@
+"""The kernel <-> worker message channel: one local multiprocessing pipe per worker.
+
+Messages are small dicts (see docs/internals.md, "The channel"). Workers send them with `WorkerSink`; the
+kernel reads them with `recv_all` from its supervising thread and hands each one to its observers. Pipes
+never leave the machine: nothing is unpickled from the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import Any
+
+Message = dict[str, Any]
+Observer = Callable[[Message], None]
+
+
+def open_channel(ctx: BaseContext, duplex: bool = False) -> tuple[Connection, Connection]:
+    """(kernel end, worker end). With duplex=False the kernel only reads (notebook_launcher); persistent
+    ranks ask for duplex=True to send commands too."""
+    if duplex:
+        return ctx.Pipe(duplex=True)
+    reader, writer = ctx.Pipe(duplex=False)
+    return reader, writer
+
+
+BATCHED_KINDS = frozenset({"metrics", "step", "total", "memory", "collective"})
+BATCH_INTERVAL = 0.05  # seconds: telemetry reaches the kernel at most this late
+
+
+class WorkerSink:
+    """Send messages from any thread of a worker to the kernel: `sink(message)` or `sink.send(kind, ...)`.
+
+    Telemetry (BATCHED_KINDS) is queued and sent as one `batch` message every BATCH_INTERVAL seconds by a
+    sender thread (started at the first telemetry message, so a launch pays no thread start), so a training step pays for a deque append, not a pickle and a system call; the kernel
+    unpacks batches before observers see them. Every other message (status, result, error, ...) first
+    flushes the queue, then goes out at once, so the order is kept. If the kernel end is gone the sink goes
+    quiet instead of failing the training.
+    """
+
+    def __init__(self, conn: Connection, rank: int, local_rank: int | None = None,
+                 interval: float = BATCH_INTERVAL) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._pending: collections.deque[Message] = collections.deque()
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rank = rank
+        self.local_rank = rank if local_rank is None else local_rank
+        self.closed = False
+        self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
+        self.tick_interval = 1.0
+
+    def __call__(self, message: Message) -> None:
+        if self.closed:
+            return
+        message.setdefault("local_rank", self.local_rank)
+        if self._interval > 0 and message.get("kind") in BATCHED_KINDS:
+            self._pending.append(message)
+            if self._thread is None:
+                self._start_sender()
+            return
+        with self._lock:
+            self._flush_locked(message)
+
+    def queue(self, message: Message) -> None:
+        """Hold `message` until the next send or flush (e.g. a status that need not wake the kernel alone)."""
+        message.setdefault("local_rank", self.local_rank)
+        self._pending.append(message)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        fields.update(kind=kind, rank=self.rank, time=time.time())
+        self(fields)
+
+    def flush(self) -> None:
+        """Send what is queued now."""
+        with self._lock:
+            self._flush_locked()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        self.closed = True
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+    def _start_sender(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._sender, name="nbaccel-telemetry", daemon=True)
+                self._thread.start()
+
+    def _sender(self) -> None:
+        next_tick = 0.0
+        while not self._stop.wait(self._interval):
+            ticker = self.ticker
+            if ticker is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.tick_interval
+                try:
+                    ticker()
+                except Exception:  # a failed sample must never disturb the training
+                    pass
+            if self._pending:
+                self.flush()
+
+    def _flush_locked(self, last: Message | None = None) -> None:
+        """Send the queue (and `last` after it) in one write."""
+        batch = []
+        while True:
+            try:
+                batch.append(self._pending.popleft())
+            except IndexError:
+                break
+        if last is not None:
+            if not batch:
+                self._send_locked(last)
+                return
+            batch.append(last)
+        if batch:
+            self._send_locked({"kind": "batch", "rank": self.rank, "messages": batch})
+
+    def _send_locked(self, message: Message) -> None:
+        if self.closed:
+            return
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            self.closed = True
+
+
+def recv_all(conn: Connection) -> tuple[list[Message], bool]:
+    """Every message waiting on `conn` without blocking; the flag is True when the worker end closed."""
+    messages: list[Message] = []
+    try:
+        while conn.poll(0):
+            messages.append(conn.recv())
+    except (EOFError, OSError):
+        return messages, True
+    return messages, False
+
+
+def close_quietly(*things: Any) -> None:
+    for thing in things:
+        try:
+            if isinstance(thing, int):
+                os.close(thing)
+            elif thing is not None:
+                thing.close()
+        except OSError:
+            pass

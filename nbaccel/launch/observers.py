@@ -1,0 +1,69 @@
+"""Kernel-side subscribers to launch messages, and the one adapter that plugs in the dashboard."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .channel import Observer
+
+
+class DashboardHandle:
+    """Wraps a dashboard object: `.observer` for messages, `start()` and `close(results, failures)`."""
+
+    def __init__(self, dashboard: Any) -> None:
+        self.dashboard = dashboard
+        observe = getattr(dashboard, "observe", None)
+        self.observer: Observer = observe if callable(observe) else dashboard
+
+    def start(self) -> None:
+        start = getattr(self.dashboard, "start", None)
+        if callable(start):
+            start()
+
+    def close(self, results: list | None = None, failures: dict | None = None) -> None:
+        close = getattr(self.dashboard, "close", None)
+        if not callable(close):
+            return
+        try:
+            close(results=results, failures=failures)
+        except TypeError:
+            close()
+
+
+def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> DashboardHandle | None:
+    """The dashboard for a launch: False/None -> none; "auto"/True -> `nbaccel.notebook.Dashboard` when it
+    can be imported (True insists); an object with `.observe` or a callable -> used as is.
+
+    `dashboard=False` never imports the notebook package.
+    """
+    if dashboard is False or dashboard is None:
+        return None
+    if dashboard is True or dashboard == "auto":
+        try:
+            from ..notebook import Dashboard
+        except ImportError:
+            if dashboard is True:
+                raise
+            return None
+        try:
+            return DashboardHandle(_construct(Dashboard, num_processes, info))
+        except Exception as exc:
+            if dashboard is True:
+                raise
+            warnings.warn(f"nbaccel: the dashboard could not start ({exc!r}); launching without it",
+                          stacklevel=3)
+            return None
+    if callable(dashboard) or callable(getattr(dashboard, "observe", None)):
+        return DashboardHandle(dashboard)
+    raise TypeError(
+        f"dashboard={dashboard!r}: pass 'auto', True, False, or an object with .observe(message) / a callable"
+    )
+
+
+def _construct(factory: Callable[..., Any], num_processes: int, info: dict[str, Any]) -> Any:
+    try:
+        return factory(num_processes, **info)
+    except TypeError:
+        return factory(num_processes)

@@ -1,0 +1,88 @@
+"""Worker stdout/stderr captured at the file-descriptor level and forwarded line by line to the kernel.
+
+Worker side: `redirect_std_fds` points fds 1 and 2 at pipes the kernel reads (os.dup2), so output from C
+extensions and subprocesses is caught too, and rebinds `sys.stdout`/`sys.stderr` to line-buffered text
+files on those fds (in a kernel fork they were ipykernel streams that must not be used from a child).
+Kernel side: `LineForwarder` turns the bytes read from one pipe into whole lines, each delivered exactly
+once and in order; the pipe survives the worker, so whatever it wrote before dying is still read.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import os
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+READ_SIZE = 65536
+
+
+def redirect_std_fds(stdout_fd: int, stderr_fd: int) -> None:
+    """Make fds 1/2 (and sys.stdout/sys.stderr) write into the given pipe ends (the caller closes those)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A forked Jupyter worker inherits the kernel's ipykernel streams: flushing one from the child
+        # would send the kernel's own buffered text to the notebook a second time. Only flush plain files.
+        if stream is None or type(stream).__module__.startswith("ipykernel"):
+            continue
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    sys.stdout = sys.__stdout__ = _text_stream(1)
+    sys.stderr = sys.__stderr__ = _text_stream(2)
+
+
+def _text_stream(fd: int) -> TextIO:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True,
+                            write_through=False)
+
+
+def flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+class LineForwarder:
+    """Split one worker stream into lines and hand each complete line to `deliver(line)` (no newline)."""
+
+    def __init__(self, deliver: Callable[[str], None]) -> None:
+        self._deliver = deliver
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+
+    def feed(self, data: bytes) -> None:
+        text = self._partial + self._decoder.decode(data)
+        *lines, self._partial = text.split("\n")
+        for line in lines:
+            self._deliver(line.rstrip("\r"))
+
+    def finish(self) -> None:
+        """End of stream: deliver a last line that had no newline."""
+        text = self._partial + self._decoder.decode(b"", final=True)
+        self._partial = ""
+        if text:
+            self._deliver(text.rstrip("\r"))
+
+
+def read_available(fd: int) -> tuple[bytes, bool]:
+    """Read what the pipe holds without blocking: (data, at_end). Sets `fd` non-blocking."""
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return b"".join(chunks), False
+        except OSError:
+            return b"".join(chunks), True
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)

@@ -1,0 +1,132 @@
+"""Serialize the training function and its arguments once, in the kernel, with cloudpickle.
+
+cloudpickle pickles objects defined in `__main__` (notebook cells) by value, so closures, lambdas and
+cell-defined functions and classes reach workers started with fork or spawn alike. When something cannot
+be pickled, `find_culprit` walks closures, referenced globals, defaults, containers and attributes to name
+the object and the path that led to it (e.g. "train -> closure variable 'lock' -> _thread.lock").
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+
+from .errors import UnpicklableError
+
+_MAX_DEPTH = 8
+
+
+def dumps_payload(function: Any, args: tuple, kwargs: dict) -> bytes:
+    """cloudpickle `(function, args, kwargs)`; raise UnpicklableError naming the offending object."""
+    try:
+        return cloudpickle.dumps((function, tuple(args), dict(kwargs)))
+    except Exception as exc:  # pickling raises many types: TypeError, PicklingError, AttributeError, ...
+        roots = [(_name_of(function), function)]
+        roots += [(f"args[{i}]", value) for i, value in enumerate(args)]
+        roots += [(f"kwargs[{key!r}]", value) for key, value in kwargs.items()]
+        for label, value in roots:
+            path = find_culprit(value, label)
+            if path is not None:
+                raise UnpicklableError(
+                    f"cannot send {path} to the workers: it cannot be pickled ({type(exc).__name__}: {exc}). "
+                    "Create it inside the training function instead of passing or capturing it."
+                ) from exc
+        raise UnpicklableError(
+            f"cannot serialize the training function and its arguments: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def dumps_value(value: Any) -> bytes:
+    return cloudpickle.dumps(value)
+
+
+def loads(data: bytes) -> Any:
+    return cloudpickle.loads(data)
+
+
+def find_culprit(obj: Any, label: str) -> str | None:
+    """Return "label -> ... -> type" for the innermost part of `obj` that cannot be pickled, or None."""
+    if _pickles(obj):
+        return None
+    return _descend(obj, label, set(), 0)
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+        return True
+    except Exception:
+        return False
+    except RecursionError:
+        return False
+
+
+def _descend(obj: Any, path: str, seen: set[int], depth: int) -> str:
+    seen.add(id(obj))
+    if depth < _MAX_DEPTH:
+        for label, child in _children(obj):
+            if id(child) in seen or _pickles(child):
+                continue
+            joined = f"{path}{label}" if label.startswith("[") else f"{path} -> {label}"
+            return _descend(child, joined, seen, depth + 1)
+    return f"{path} -> {_type_name(obj)}"
+
+
+def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """The parts of `obj` that pickling it would pickle too, with a label for each."""
+    if isinstance(obj, types.MethodType):
+        yield "bound object", obj.__self__
+        yield "method", obj.__func__
+        return
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+            try:
+                yield f"closure variable {name!r}", cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+        for name in sorted(_global_names(code)):
+            if name in obj.__globals__:
+                yield f"global {name!r}", obj.__globals__[name]
+        for i, value in enumerate(obj.__defaults__ or ()):
+            yield f"default #{i}", value
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            yield f"default {name!r}", value
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"[{key!r}]", value
+        return
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for i, value in enumerate(obj):
+            yield f"[{i}]", value
+        return
+    if isinstance(obj, type):
+        for name, value in vars(obj).items():
+            if not name.startswith("__"):
+                yield f"class attribute {name!r}", value
+        return
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        for name, value in state.items():
+            yield f"attribute {name!r}", value
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _name_of(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or "function"
+
+
+def _type_name(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__

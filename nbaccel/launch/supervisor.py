@@ -1,0 +1,353 @@
+"""Watch every worker from the kernel: messages, output, exits; stop all on the first failure.
+
+The supervisor runs in the thread that called the launcher (in Jupyter: the cell's thread), so forwarded
+output lands in the calling cell and a kernel interrupt (KeyboardInterrupt) arrives right here. One
+`multiprocessing.connection.wait` watches the channels, the output pipes and the process sentinels.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol, TextIO
+
+from . import serialize
+from .channel import Message, Observer, close_quietly, recv_all
+from .errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
+from .output import LineForwarder, read_available
+from .processes import signal_name
+
+POLL = 0.1  # seconds between checks of the deadline when nothing happens
+DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+
+
+def _memory_interval() -> float:
+    try:
+        return float(os.environ.get("NBACCEL_MEMORY_INTERVAL", "1"))
+    except ValueError:
+        return 1.0
+
+
+class Backend(Protocol):
+    """What started the workers: local processes, torch elastic's agent or torch_xla's spawn."""
+
+    fail_fast: bool
+
+    def wait_objects(self) -> list[Any]: ...
+    def poll_exits(self) -> list[tuple[int, int]]: ...
+    def finished(self) -> bool: ...
+    def stop(self) -> None: ...
+    def exit_failures(self) -> dict[int, WorkerFailure]: ...
+
+
+@dataclass
+class WorkerHandle:
+    """The kernel's ends of one worker's channel and output pipes."""
+
+    local_rank: int
+    rank: int
+    channel: Connection
+    stdout_fd: int
+    stderr_fd: int
+    channel_open: bool = True
+    open_fds: set[int] = field(default_factory=set)
+    has_result: bool = False
+    result: Any = None
+    exited: bool = False
+    exitcode: int | None = None
+    generation: int = 0
+    seen: bool = False  # sent at least one message
+    pid: int | None = None
+    reports_memory: bool = False  # the worker sends its own `memory` messages
+    rss_peak: int = 0
+
+    def __post_init__(self) -> None:
+        self.open_fds = {self.stdout_fd, self.stderr_fd}
+
+
+class Supervisor:
+    """Run the loop until every worker is done, one failed, the deadline passed or the kernel interrupted."""
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerHandle],
+        backend: Backend,
+        observers: Sequence[Observer] = (),
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        timeout: float | None = None,
+        world_rank_of: Callable[[int], int] | None = None,
+    ) -> None:
+        self.workers = list(workers)
+        self.backend = backend
+        self.observers = list(observers)
+        self.stdout = stdout if stdout is not None else sys.stdout
+        self.stderr = stderr if stderr is not None else sys.stderr
+        self.timeout = timeout
+        self.failures: dict[int, WorkerFailure] = {}
+        self.first_failure: int | None = None
+        self.generation = 0
+        self._stopping = False  # exits after we stopped the workers are not failures
+        self._memory_interval = _memory_interval()
+        self._next_sample = time.monotonic() + self._memory_interval
+        self._by_channel = {id(w.channel): w for w in self.workers}
+        self._by_fd: dict[int, tuple[WorkerHandle, str, LineForwarder]] = {}
+        for w in self.workers:
+            self._by_fd[w.stdout_fd] = (w, "stdout", self._forwarder(w, "stdout"))
+            self._by_fd[w.stderr_fd] = (w, "stderr", self._forwarder(w, "stderr"))
+
+    # ------------------------------------------------------------------ observers and output
+    def notify(self, message: Message) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(message)
+            except Exception as exc:  # a broken observer must not break the launch
+                self.observers.remove(observer)
+                warnings.warn(f"nbaccel: launch observer {observer!r} failed and was removed: {exc!r}",
+                              stacklevel=2)
+
+    def _forwarder(self, worker: WorkerHandle, stream: str) -> LineForwarder:
+        target = self.stdout if stream == "stdout" else self.stderr
+
+        def deliver(line: str) -> None:
+            try:
+                target.write(f"[rank {worker.rank}] {line}\n")
+            except Exception:
+                pass
+            self.notify({"kind": "output", "rank": worker.rank, "local_rank": worker.local_rank,
+                         "time": time.time(), "stream": stream, "text": line})
+
+        return LineForwarder(deliver)
+
+    def _flush(self) -> None:
+        for target in (self.stdout, self.stderr):
+            try:
+                target.flush()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ reading
+    def _read_fd(self, fd: int) -> None:
+        worker, _, forwarder = self._by_fd[fd]
+        data, at_end = read_available(fd)
+        if data:
+            forwarder.feed(data)
+        if at_end:
+            forwarder.finish()
+            worker.open_fds.discard(fd)
+            close_quietly(fd)
+
+    def _read_channel(self, worker: WorkerHandle) -> None:
+        messages, closed = recv_all(worker.channel)
+        for message in messages:
+            self._handle(worker, message)
+        if closed:
+            worker.channel_open = False
+
+    def _handle(self, worker: WorkerHandle, message: Message) -> None:
+        worker.seen = True
+        kind = message.get("kind")
+        if kind == "batch":  # telemetry the worker queued (channel.WorkerSink)
+            for inner in message.get("messages", ()):
+                self._handle(worker, inner)
+            return
+        if kind == "memory":
+            worker.reports_memory = True
+        if kind == "status" and message.get("state") == "starting":
+            worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
+            worker.pid = message.get("pid", worker.pid)
+            restart = int(message.get("restart") or 0)
+            if restart > worker.generation:
+                worker.generation = restart
+                worker.has_result = False
+            if restart > self.generation:  # elastic restarted the workers: earlier failures are handled
+                self.generation = restart
+                cause = "; ".join(f.summary() for f in self.failures.values()) or "a worker failed"
+                try:
+                    self.stderr.write(f"[nbaccel] {cause}: restarting the workers (restart {restart})\n")
+                except Exception:
+                    pass
+                self.failures.clear()
+                self.first_failure = None
+        elif kind == "result":
+            try:
+                worker.result = serialize.loads(message.pop("value"))
+                worker.has_result = True
+                message["value"] = worker.result
+            except Exception as exc:
+                self._fail(WorkerFailure(worker.rank, type(exc).__name__,
+                                         f"the result of rank {worker.rank} cannot be unpickled in the kernel: {exc}"))
+        elif kind == "error":
+            self._fail(WorkerFailure(worker.rank, message.get("exc_type"), message.get("message", ""),
+                                     message.get("traceback", "")))
+        self.notify(message)
+
+    def _fail(self, failure: WorkerFailure) -> None:
+        known = self.failures.get(failure.rank)
+        if known is not None:  # keep the reported exception; add the exit details
+            known.exitcode = failure.exitcode if failure.exitcode is not None else known.exitcode
+            known.signal = failure.signal or known.signal
+            return
+        self.failures[failure.rank] = failure
+        if self.first_failure is None:
+            self.first_failure = failure.rank
+
+    def _on_exit(self, local_rank: int, exitcode: int) -> None:
+        worker = self.workers[local_rank]
+        if worker.channel_open:
+            self._read_channel(worker)  # the error/result it sent before exiting
+        worker.exited, worker.exitcode = True, exitcode
+        if self._stopping and worker.rank not in self.failures:
+            if exitcode != 0 or not worker.has_result:
+                self.notify({"kind": "status", "rank": worker.rank, "local_rank": local_rank,
+                             "time": time.time(), "state": "stopped"})
+            return
+        if exitcode != 0:
+            sig = signal_name(exitcode)
+            if sig == "SIGKILL":
+                message = "killed by SIGKILL (out of memory? the OOM killer sends SIGKILL)"
+            elif sig:
+                message = f"killed by {sig}"
+            else:
+                message = f"exited with code {exitcode}"
+            reported = worker.rank in self.failures
+            self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig))
+            if not reported:
+                self.notify({"kind": "status", "rank": worker.rank, "local_rank": local_rank,
+                             "time": time.time(), "state": "failed", "error": message})
+        elif not worker.has_result:
+            self._fail(WorkerFailure(worker.rank, None, "exited without returning a result", "", exitcode))
+
+    # ------------------------------------------------------------------ the loop
+    def pump(self, timeout: float) -> None:
+        """One round: wait up to `timeout` s for anything to read, then handle messages, output lines and
+        exits (and the periodic memory samples). Persistent ranks drive the supervisor with this."""
+        objects: list[Any] = [w.channel for w in self.workers if w.channel_open]
+        for w in self.workers:
+            objects += list(w.open_fds)
+        objects += self.backend.wait_objects()
+        ready = wait(objects, timeout=timeout) if objects else time.sleep(timeout) or []
+        for obj in ready:
+            if isinstance(obj, int) and obj in self._by_fd:
+                self._read_fd(obj)
+            elif id(obj) in self._by_channel:
+                self._read_channel(self._by_channel[id(obj)])
+        self._flush()
+        for local_rank, exitcode in self.backend.poll_exits():
+            self._on_exit(local_rank, exitcode)
+        if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
+            self._next_sample = time.monotonic() + self._memory_interval
+            self._sample_memory()
+
+    def run(self) -> list[Any]:
+        """Supervise until the end; return results by local rank or raise LaunchError/KeyboardInterrupt."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        outcome = "finished"
+        try:
+            while True:
+                wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
+                self.pump(wait_for)
+                if self.failures and self.backend.fail_fast:
+                    outcome = "failed"
+                    break
+                if self.backend.finished():
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    outcome = "timeout"
+                    break
+        except KeyboardInterrupt:
+            self._shutdown("interrupted")
+            raise
+        except BaseException:
+            self._shutdown("failed")
+            raise
+        if outcome != "finished":
+            self._shutdown(outcome)
+        else:
+            self._drain()
+            for failure in self.backend.exit_failures().values():
+                self._fail(failure)
+            if getattr(self.backend, "workers_may_not_start", False):  # torch_xla picks how many run
+                self.workers = [w for w in self.workers if w.seen]
+            for worker in self.workers:
+                if not worker.has_result and worker.rank not in self.failures:
+                    self._fail(WorkerFailure(worker.rank, None, "finished without returning a result"))
+            if self.failures:
+                outcome = "failed"
+        self._close()
+        if outcome == "timeout":
+            running = [w.rank for w in self.workers
+                       if w.seen and not w.has_result and w.rank not in self.failures]
+            if not any(w.seen for w in self.workers):
+                state = "no worker had started yet (for several nodes: is every node up?)"
+            else:
+                state = f"ranks still running: {running or 'none'}"
+            raise LaunchTimeout(
+                f"the launch did not finish within timeout={self.timeout} s; stopped every worker ({state})",
+                self.failures)
+        if self.failures:
+            raise LaunchError(format_failures(self.failures, self.first_failure), self.failures)
+        return [w.result for w in self.workers]
+
+    def _sample_memory(self) -> None:
+        """Host memory of workers that do not report it themselves (they never sent telemetry), via psutil."""
+        try:
+            import psutil
+        except ImportError:
+            return
+        for worker in self.workers:
+            if worker.reports_memory or worker.pid is None or worker.exited:
+                continue
+            try:
+                rss = psutil.Process(worker.pid).memory_info().rss
+            except Exception:
+                continue
+            worker.rss_peak = max(worker.rss_peak, rss)
+            self.notify({"kind": "memory", "rank": worker.rank, "local_rank": worker.local_rank,
+                         "time": time.time(), "rss": rss, "rss_peak": worker.rss_peak, "device_allocated": None,
+                         "device_reserved": None, "device_peak": None, "source": "kernel"})
+
+    def _shutdown(self, outcome: str) -> None:
+        """Stop every worker (even if interrupted again meanwhile), then read what they left."""
+        self._stopping = True
+        try:
+            self.backend.stop()
+        finally:
+            try:
+                self._drain(0.5 if outcome == "interrupted" else DRAIN)
+            finally:
+                self._close()
+
+    def _drain(self, limit: float = DRAIN) -> None:
+        """Read every message and every line left in the pipes (until end of stream or `limit` seconds)."""
+        deadline = time.monotonic() + limit
+        for worker in self.workers:
+            if worker.channel_open:
+                self._read_channel(worker)
+        while time.monotonic() < deadline:
+            fds = [fd for w in self.workers for fd in w.open_fds]
+            if not fds:
+                break
+            for fd in wait(fds, timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                self._read_fd(fd)
+            for local_rank, exitcode in self.backend.poll_exits():
+                self._on_exit(local_rank, exitcode)
+        for worker in self.workers:
+            if worker.channel_open:
+                self._read_channel(worker)
+        self._flush()
+
+    def _close(self) -> None:
+        for worker in self.workers:
+            for fd in list(worker.open_fds):
+                self._by_fd[fd][2].finish()
+                close_quietly(fd)
+            worker.open_fds.clear()
+            close_quietly(worker.channel)
+            worker.channel_open = False
+        self._flush()

@@ -1,0 +1,188 @@
+"""The worker entry: what runs in each launched process.
+
+`run_worker` is the multiprocessing target of notebook_launcher (and of persistent ranks): it points the
+process's stdout/stderr at the kernel's pipes, sets the launcher environment (docs/internals.md), plugs a
+telemetry sink into the channel, runs the function and reports its return value or exception.
+`elastic_entry` and `xla_entry` adapt it to torch elastic and torch_xla, which start processes themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .channel import WorkerSink, close_quietly
+from .output import flush_std, redirect_std_fds
+
+DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"
+MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"
+
+
+def run_worker(
+    payload: bytes,
+    channel: Connection,
+    stdout: Connection,
+    stderr: Connection,
+    env: dict[str, str],
+) -> None:
+    """Run the pickled `(function, args, kwargs)` with `env` set; exit code 1 after reporting a failure."""
+    redirect_std_fds(stdout.fileno(), stderr.fileno())
+    close_quietly(stdout, stderr)
+    os.environ.update(env)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    sink = WorkerSink(channel, rank, local_rank)
+    ok = execute(payload, sink)
+    sink.close()
+    if not ok:
+        sys.exit(1)
+
+
+def execute(payload: bytes, sink: WorkerSink) -> bool:
+    """Unpickle and call the function, reporting status, result or error through `sink`. True on success."""
+    from .. import telemetry
+
+    telemetry.attach(sink, sink.rank)
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
+                "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+    try:
+        from . import serialize
+
+        function, args, kwargs = serialize.loads(payload)
+        sink.send("status", state="running", device=device)
+        _start_memory_reports(telemetry, sink)
+        try:
+            value = function(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            value = None
+        try:
+            data = serialize.dumps_value(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the return value of rank {sink.rank} ({type(value).__name__}) cannot be pickled: {exc}"
+            ) from exc
+        flush_std()
+        _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
+        sink.queue({"kind": "result", "rank": sink.rank, "time": time.time(), "value": data})
+        sink.send("status", state="finished", device=device)  # one write with the result
+        return True
+    except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_frame.f_code is execute.__code__ and tb.tb_next is not None:
+            tb = tb.tb_next  # start the remote traceback at the user's code
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        flush_std()
+        _stop_telemetry_sampler(telemetry)
+        message = str(exc)
+        sink.send("error", exc_type=type(exc).__name__, message=message, traceback=text)
+        sink.send("status", state="failed", device=device,
+                  error=f"{type(exc).__name__}: {message}".splitlines()[0] if message else type(exc).__name__)
+        return False
+    finally:
+        sink.ticker = None
+        _destroy_process_group()
+        telemetry.detach()
+        flush_std()
+
+
+def _destroy_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
+    """`memory` messages every NBACCEL_MEMORY_INTERVAL seconds (default 1; 0: none), sent by the sink's
+    sender thread once the function reports telemetry (the kernel samples host memory of workers that
+    never do). No thread starts here: on a busy machine a thread start delays the function by ~10 ms."""
+    try:
+        interval = float(os.environ.get(MEMORY_INTERVAL_ENV, "1"))
+    except ValueError:
+        interval = 1.0
+    if interval <= 0:
+        return
+    sample = getattr(telemetry, "memory_sample", None) or memory_sample
+    sink.tick_interval = interval
+    sink.ticker = lambda: sink.send("memory", **sample())
+
+
+def _stop_telemetry_sampler(telemetry: Any) -> None:
+    """If the function started nbaccel.telemetry's own sampler, let it send what it holds first."""
+    stop = getattr(telemetry, "stop_sampler", None)
+    if callable(stop):
+        try:
+            stop()
+        except Exception:
+            pass
+
+
+def memory_sample() -> dict[str, int | None]:
+    """Host RSS (current, peak) and, when CUDA is in use in this process, device memory, in bytes."""
+    import resource
+
+    sample: dict[str, int | None] = {
+        "rss": _current_rss(),
+        "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
+        "device_allocated": None,
+        "device_reserved": None,
+        "device_peak": None,
+    }
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            sample["device_allocated"] = torch.cuda.memory_allocated()
+            sample["device_reserved"] = torch.cuda.memory_reserved()
+            sample["device_peak"] = torch.cuda.max_memory_allocated()
+    except Exception:
+        pass
+    return sample
+
+
+def _current_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+        except Exception:
+            return None
+
+
+def elastic_entry(payload: bytes, channels: list[Connection], stdouts: list[Connection],
+                  stderrs: list[Connection], env: dict[str, str]) -> None:
+    """Entry point under torch elastic: it sets RANK/LOCAL_RANK/...; pick this local rank's pipes."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    for i in range(len(channels)):
+        if i != local_rank:
+            close_quietly(channels[i], stdouts[i], stderrs[i])
+    local_env = dict(env)
+    local_env[DEVICE_ENV] = env.get(DEVICE_ENV, "cpu").replace("{local_rank}", str(local_rank))
+    run_worker(payload, channels[local_rank], stdouts[local_rank], stderrs[local_rank], local_env)
+
+
+def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: list[Connection],
+              stderrs: list[Connection], env: dict[str, str]) -> None:
+    """Entry point under torch_xla's multiprocessing (called with the local ordinal first)."""
+    local_env = dict(env)
+    local_env.setdefault("LOCAL_RANK", str(index))
+    local_env.setdefault("RANK", str(int(env.get("NBACCEL_NODE_RANK", "0")) * len(channels) + index))
+    os.environ["LOCAL_RANK"] = local_env["LOCAL_RANK"]
+    os.environ["RANK"] = local_env["RANK"]
+    for i in range(len(channels)):
+        if i != index:
+            close_quietly(channels[i], stdouts[i], stderrs[i])
+    local_env[DEVICE_ENV] = f"xla:{index}"
+    run_worker(payload, channels[index], stdouts[index], stderrs[index], local_env)

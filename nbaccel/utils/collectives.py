@@ -1,0 +1,526 @@
+"""Collectives over nested structures of tensors: gather, reduce, broadcast, pad_across_processes.
+
+A structure moves in as few communications as its data allows: gather and broadcast pack every tensor
+(any dtype, viewed as bytes) into one buffer per device and make ONE torch.distributed call; reduce makes one
+call per dtype (a sum of float16 and int64 cannot share a buffer). The result is split and reshaped back
+into the caller's containers (lists, tuples, namedtuples, dicts, Mapping subclasses keep their types).
+
+In one process (no process group, or a group of one) every operation returns its input: gather returns the
+tensor itself, reduce a copy. `utils` sits below `state`, so this module talks to torch.distributed directly.
+Every communication runs inside `collective_trace.in_collective`, which is what the hang report reads.
+
+Debug mode (NBACCEL_DEBUG_MODE=1 or ACCELERATE_DEBUG_MODE=1) adds one object exchange before each
+collective: the ranks compare their structures' shapes and dtypes and, when they differ, all raise
+`DistributedOperationException` naming each rank's shapes, instead of hanging or mixing data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import packing
+from .collective_trace import in_collective
+from .structures import flatten_tensors, iter_leaves, rebuild, recursively_apply
+
+try:  # the environment helpers land in utils.environment; fall back to reading os.environ directly
+    from .environment import parse_flag_from_env as _parse_flag_from_env
+except ImportError:  # pragma: no cover - depends on which modules have landed
+    _parse_flag_from_env = None
+
+_TRUE = {"1", "true", "yes", "y", "on", "t"}
+_REDUCTIONS = ("mean", "sum", "max", "min", "none")
+_KEEP_RECEIVE_BYTES = 1 << 20  # gathers up to this size keep their receive buffer for the next call
+_TRACE_EACH = 4  # up to this many tensors, the trace records each shape; beyond, the packed buffer's
+
+
+class DistributedOperationException(Exception):
+    """A collective cannot run as called: the ranks passed data that does not match (shapes, structure)."""
+
+
+class CannotPadNestedTensorWarning(UserWarning):
+    """`pad_across_processes` met a nested (jagged) tensor, which it leaves unpadded."""
+
+
+def debug_mode_enabled() -> bool:
+    """Whether debug mode is on: NBACCEL_DEBUG_MODE when set (PartialState(debug=...) sets it), else
+    ACCELERATE_DEBUG_MODE. Read on every call, so turning it on or off takes effect at the next collective."""
+    name = "NBACCEL_DEBUG_MODE" if os.environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
+    if _parse_flag_from_env is not None:
+        return _parse_flag_from_env(name, False)
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+_backend_of: tuple[Any, str] = (None, "")
+
+
+def _backend() -> str:
+    """The default group's backend name, lowercased (cached per group: this runs on every collective)."""
+    global _backend_of
+    group = dist.group.WORLD
+    if _backend_of[0] is not group:
+        _backend_of = (group, str(dist.get_backend(group)).lower())
+    return _backend_of[1]
+
+
+_GLOO_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+    torch.int64, torch.bool, torch.complex64, torch.complex128,
+}
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """Whether the backend moves `dtype` as it is (gloo has no int16, uint16/32/64 or float8)."""
+    return dtype in _GLOO_DTYPES or _backend() != "gloo"
+
+
+def _reducible_as(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction runs in: `dtype`, or a wider one the backend supports."""
+    if _native(dtype):
+        return dtype
+    return torch.float32 if dtype.is_floating_point else torch.int64
+
+
+def _all_gather_fn() -> tuple[Callable[..., Any], str]:
+    """torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`."""
+    fn = getattr(dist, "all_gather_single", None)
+    if fn is not None:
+        return fn, "all_gather_single"
+    return dist.all_gather_into_tensor, "all_gather_into_tensor"
+
+
+def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = (), out: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather the 1-D tensor `flat` (same size on every rank) into a (world, size) tensor, traced as `op`.
+
+    `out`: a 1-D receive buffer of world * size elements to reuse (else a new one)."""
+    all_gather, call = _all_gather_fn()
+    if out is None:
+        out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
+    with in_collective(op, call, traced if traced != () else [flat]):
+        _call_checked(op, all_gather, out, flat)
+    return out.view(-1, flat.numel())
+
+
+def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
+    """Run a torch collective; a size mismatch between ranks becomes an error that says what to do."""
+    try:
+        fn(*args)
+    except RuntimeError as exc:
+        if "size" not in str(exc):
+            raise
+        raise DistributedOperationException(
+            f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
+            "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
+            "ranks compare their shapes and name them."
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checking the input (before any communication, so every rank with the same bad input fails the same way)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _collect(op: str, data: Any) -> list[torch.Tensor]:
+    """The tensors of `data` in traversal order; TypeError/ValueError naming the first offending leaf."""
+    tensors: list[torch.Tensor] = []
+    if not flatten_tensors(data, tensors):
+        path, leaf = next((p, v) for p, v in iter_leaves(data) if not isinstance(v, torch.Tensor))
+        hint = " Use gather_object for Python objects." if op == "gather" else ""
+        raise TypeError(
+            f"{op}: {path} is a {type(leaf).__name__}, not a tensor. {op} takes tensors nested in lists, "
+            f"tuples and dicts.{hint}"
+        )
+    if not tensors:
+        return tensors
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            where = ", ".join(f"{p} on {v.device}" for p, v in iter_leaves(data) if isinstance(v, torch.Tensor))
+            raise ValueError(
+                f"{op}: the tensors are on different devices ({where}). Put them on one device first, "
+                "e.g. `send_to_device(data, device)`."
+            )
+    if device.type == "meta":
+        raise ValueError(
+            f"{op}: the tensors are on the 'meta' device, which holds no data to communicate. "
+            "Materialize them on a real device first."
+        )
+    if device.type != "cuda" and _backend() == "nccl":
+        raise ValueError(
+            f"{op}: the process group uses nccl, which moves CUDA tensors only, but the data is on {device}. "
+            "Move it first: `send_to_device(data, accelerator.device)`."
+        )
+    return tensors
+
+
+def _describe(data: Any, pad_dim: int | None = None) -> Any:
+    """The structure of `data` with "dtype[shape]" in place of tensors (size along `pad_dim` as '*')."""
+
+    def one(t: torch.Tensor) -> str:
+        shape = [str(s) for s in t.shape]
+        if pad_dim is not None and -t.ndim <= pad_dim < t.ndim:
+            shape[pad_dim] = "*"
+        return f"{str(t.dtype).replace('torch.', '')}[{', '.join(shape)}]"
+
+    return recursively_apply(one, data, test_type=lambda x: isinstance(x, torch.Tensor))
+
+
+def _debug_check(op: str, data: Any, error: Exception | None, pad_dim: int | None = None) -> None:
+    """Debug mode: exchange structures; raise DistributedOperationException on every rank if they differ."""
+    try:
+        mine = {"op": op, "structure": repr(_describe(data, pad_dim)), "error": None}
+    except Exception as exc:  # an exotic container that cannot be described: report it rather than hang
+        mine = {"op": op, "structure": f"<{type(data).__name__}>", "error": f"{type(exc).__name__}: {exc}"}
+    if error is not None:
+        mine["error"] = f"{type(error).__name__}: {error}"
+    everyone: list[Any] = [None] * _world_size()
+    with in_collective(op, "all_gather_object (debug check)"):
+        dist.all_gather_object(everyone, mine)
+    failed = [(rank, s["error"]) for rank, s in enumerate(everyone) if s["error"]]
+    if failed:
+        lines = "\n".join(f"  - rank {rank}: {message}" for rank, message in failed)
+        raise DistributedOperationException(f"{op} cannot run: invalid input on some ranks:\n{lines}")
+    ops = {s["op"] for s in everyone}
+    if len(ops) > 1:
+        lines = "\n".join(f"  - rank {rank}: {s['op']}" for rank, s in enumerate(everyone))
+        raise DistributedOperationException(f"the ranks are in different collectives:\n{lines}")
+    if any(s["structure"] != everyone[0]["structure"] for s in everyone):
+        lines = "\n".join(f"  - rank {rank}: {s['structure']}" for rank, s in enumerate(everyone))
+        what = "the same shapes except along `dim`" if pad_dim is not None else "the same shapes and dtypes"
+        hint = " (use pad_across_processes before gathering tensors of different lengths)" if op == "gather" else ""
+        raise DistributedOperationException(
+            f"{op} needs {what} on every rank, got:\n{lines}{hint}"
+        )
+
+
+def _prepare(
+    op: str, data: Any, pad_dim: int | None = None, check: Callable[[], None] | None = None
+) -> list[torch.Tensor]:
+    """Validate `data` for collective `op` (plus `check()`); in debug mode, also check every rank matches."""
+    error: Exception | None = None
+    tensors: list[torch.Tensor] = []
+    try:
+        tensors = _collect(op, data)
+        if check is not None:
+            check()
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if debug_mode_enabled():
+        _debug_check(op, data, error, pad_dim)
+    if error is not None:
+        raise error
+    return tensors
+
+
+def _without_grad(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `function` with autograd off: communication is not differentiable, results never carry a graph.
+    (A plain `with torch.no_grad()`: cheaper per call than torch's decorator form.)"""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)
+        with torch.no_grad():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _communication_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Tensors that share one buffer: all of them (as bytes), or one group per dtype on XLA (no byte views)."""
+    if tensors[0].device.type == "xla":
+        return _dtype_groups(tensors)
+    return [list(range(len(tensors)))]
+
+
+def _traced(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> Sequence[torch.Tensor]:
+    """What the collective trace records: the caller's tensors when few, else the packed buffer (cheaper)."""
+    return tensors if len(tensors) <= _TRACE_EACH else [buffer]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gather, reduce, broadcast, pad_across_processes
+# ---------------------------------------------------------------------------------------------------------
+
+
+@_without_grad
+def gather(tensor: Any) -> Any:
+    """Gather a tensor, or a nested structure of them, from every process, concatenated along dim 0.
+
+    Every process gets the result. Tensors must have the same shape on every process (pad them first with
+    `pad_across_processes` when their first dims differ); 0-dim tensors gather into a 1-D tensor.
+    """
+    world = _world_size()
+    if world == 1:
+        return tensor
+    tensors = _prepare("gather", tensor)
+    if not tensors:
+        return tensor
+    if len(tensors) == 1 and _native(tensors[0].dtype):
+        results = [_gather_one(tensors[0], world)]
+    else:
+        results = [None] * len(tensors)
+        for group in _communication_groups(tensors):
+            members = [tensors[i] for i in group]
+            plan = packing.plan_for(members, world, as_bytes=not _native(members[0].dtype))
+            buffer = packing.pack(plan, members)
+            # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when free
+            reuse = plan.lock.acquire(blocking=False)
+            try:
+                rows = all_gather_rows("gather", buffer, _traced(members, buffer), plan.receive if reuse else None)
+                if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+                    plan.receive = rows.view(-1)
+                for i, out in zip(group, packing.unpack_gathered(plan, rows, members)):
+                    results[i] = out
+            finally:
+                if reuse:
+                    plan.lock.release()
+    if isinstance(tensor, torch.Tensor):
+        return results[0]
+    return rebuild(tensor, iter(results))
+
+
+def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
+    """A lone tensor needs no packing: gather it straight into the result."""
+    t = t.detach()
+    src = t.reshape(1) if t.ndim == 0 else t.contiguous()
+    out = src.new_empty((world,) if t.ndim == 0 else (world * t.shape[0], *t.shape[1:]))
+    all_gather, call = _all_gather_fn()
+    with in_collective("gather", call, [t]):
+        _call_checked("gather", all_gather, out, src)
+    return out
+
+
+@_without_grad
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduce a tensor, or a nested structure of them, across processes; returns new tensors.
+
+    `reduction`: "mean", "sum", "max", "min" or "none" (no communication). `scale` multiplies the result.
+    One communication per dtype of the structure.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduce: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}.")
+    world = _world_size()
+    if world == 1 or reduction == "none":
+        scaled = (lambda t: t.clone() * scale) if scale != 1.0 else (lambda t: t.clone())
+        return recursively_apply(scaled, tensor, error_on_other_type=True)
+    tensors = _prepare("reduce", tensor, check=(lambda: _check_mean(tensor)) if reduction == "mean" else None)
+    if not tensors:
+        return tensor
+    op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+        reduction
+    ]
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    for group in _dtype_groups(tensors):  # a sum needs one dtype per buffer
+        members = [tensors[i] for i in group]
+        plan = packing.plan_for(members, world)
+        buffer = packing.pack(plan, members)
+        if len(members) == 1 and buffer.data_ptr() == members[0].data_ptr():
+            buffer = buffer.clone()  # a lone contiguous tensor packs as a view: never reduce into the input
+        wide = _reducible_as(buffer.dtype)
+        if wide != buffer.dtype:  # e.g. int16 on gloo: reduce in a wider dtype, then come back
+            narrow, buffer = buffer, buffer.to(wide)
+        with in_collective("reduce", "all_reduce", _traced(members, buffer)):
+            dist.all_reduce(buffer, op)
+        if wide != members[0].dtype:
+            buffer = narrow.copy_(buffer)
+        if reduction == "mean":
+            buffer /= world
+        if scale != 1.0:
+            buffer *= scale
+        for i, out in zip(group, packing.unpack(plan, buffer, members)):
+            results[i] = out
+    if isinstance(tensor, torch.Tensor):
+        return results[0]
+    return rebuild(tensor, iter(results))
+
+
+def _check_mean(data: Any) -> None:
+    for path, leaf in iter_leaves(data):
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"reduce: reduction='mean' needs floating-point tensors, but {path} is {leaf.dtype}. "
+                "Use reduction='sum', or convert it with `.float()`."
+            )
+
+
+@_without_grad
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Copy a tensor, or a nested structure of them, from process `from_process` into every process's tensors.
+
+    The tensors are overwritten in place (they must have the same shapes and dtypes on every process); the
+    structure is returned for convenience.
+    """
+    world = _world_size()
+    if world == 1:
+        return tensor
+    if not isinstance(from_process, int) or not 0 <= from_process < world:
+        raise ValueError(f"broadcast: from_process must be a process index in [0, {world - 1}], got {from_process!r}.")
+    tensors = _prepare("broadcast", tensor)
+    if not tensors:
+        return tensor
+    sending = dist.get_rank() == from_process
+    for group in _communication_groups(tensors):
+        members = [tensors[i].detach() for i in group]
+        native = _native(members[0].dtype)
+        if len(members) == 1 and native and members[0].is_contiguous():  # broadcast straight into the tensor
+            with in_collective("broadcast", "broadcast", members):
+                dist.broadcast(members[0], src=from_process)
+            continue
+        plan = packing.plan_for(members, world, as_bytes=not native)
+        if sending:
+            buffer = packing.pack(plan, members)
+        else:
+            buffer = torch.empty(plan.total, dtype=torch.uint8 if plan.mixed else members[0].dtype,
+                                 device=members[0].device)
+        with in_collective("broadcast", "broadcast", _traced(members, buffer)):
+            dist.broadcast(buffer, src=from_process)
+        if not sending:
+            torch._foreach_copy_(members, packing.unpack(plan, buffer, members))
+    return tensor
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    """Pad every tensor of a nested structure along `dim` to the largest size any process has.
+
+    Padding uses `pad_index` and goes at the end (`pad_first=True`: at the start), so the result can be
+    gathered. All sizes move in one communication. Tensors with fewer than `dim + 1` dims are left as they
+    are (as in Accelerate), but a `dim` that fits no tensor at all is an error.
+    """
+    world = _world_size()
+    if world == 1:
+        _pad_eligible(tensor, dim)  # the same argument checks as with several processes
+        return tensor
+    eligible: list[torch.Tensor] = []
+    tensors = _prepare(
+        "pad_across_processes", tensor, pad_dim=dim, check=lambda: eligible.extend(_pad_eligible(tensor, dim))
+    )
+    if not tensors or not eligible:
+        return tensor
+    lengths = torch.tensor([t.shape[dim] for t in eligible], dtype=torch.int64, device=eligible[0].device)
+    everyone = all_gather_rows("pad_across_processes", lengths, eligible)
+    targets = everyone.max(dim=0).values.tolist()
+    padded = {id(t): _pad_one(t, dim, n, pad_index, pad_first) for t, n in zip(eligible, targets)}
+    if isinstance(tensor, torch.Tensor):
+        return padded.get(id(tensor), tensor)
+    return recursively_apply(lambda t: padded.get(id(t), t), tensor)
+
+
+def _pad_eligible(data: Any, dim: int) -> list[torch.Tensor]:
+    """The tensors `pad_across_processes` pads; ValueError if `dim` fits none of them."""
+    tensors: list[torch.Tensor] = []
+    flatten_tensors(data, tensors)
+    eligible = []
+    for t in tensors:
+        if getattr(t, "is_nested", False):
+            warnings.warn(
+                "pad_across_processes cannot pad a nested tensor (its rows have their own lengths); "
+                "it is left as it is.",
+                CannotPadNestedTensorWarning,
+                stacklevel=3,
+            )
+        elif -t.ndim <= dim < t.ndim:
+            eligible.append(t)
+    plain = [t for t in tensors if not getattr(t, "is_nested", False)]
+    if plain and not eligible:
+        ndims = sorted({t.ndim for t in plain})
+        raise ValueError(
+            f"pad_across_processes: dim={dim} is out of range for every tensor (their numbers of dims: "
+            f"{ndims}); pass a dim in [-{max(ndims)}, {max(ndims) - 1}]."
+        )
+    return eligible
+
+
+def _pad_one(t: torch.Tensor, dim: int, length: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
+    dim = dim % t.ndim
+    old = t.shape[dim]
+    if length == old:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length
+    out = t.new_full(shape, pad_index)
+    out.narrow(dim, length - old if pad_first else 0, old).copy_(t)
+    return out
+
+
+def wait_for_everyone() -> None:
+    """Block until every process reaches this call (a barrier); nothing to wait for in one process."""
+    if _world_size() == 1:
+        return
+    with in_collective("wait_for_everyone", "barrier"):
+        if _backend() == "nccl" and torch.cuda.is_available():
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+def verify_operation(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: in debug mode, check that the first argument (`tensor`) has the same shapes on every rank
+    before calling `function`; raise DistributedOperationException on every rank if not."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _world_size() > 1 and debug_mode_enabled():
+            data = kwargs["tensor"] if "tensor" in kwargs else args[0]
+            _debug_check(f"{function.__module__}.{function.__name__}", data, None)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def chained_operation(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: a DistributedOperationException raised inside `function` is re-raised naming `function`."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except DistributedOperationException as exc:
+            raise DistributedOperationException(
+                f"{function.__module__}.{function.__name__} failed: {exc}"
+            ) from exc
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def GatheredParameters(  # noqa: N802 - Accelerate's name
+    params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+) -> Iterator[None]:
+    """Inside the block, DeepSpeed ZeRO-3 partitioned `params` are whole on every rank (DeepSpeed's own
+    `deepspeed.zero.GatheredParameters`); for parameters DeepSpeed does not partition, nothing to do."""
+    single = isinstance(params, torch.Tensor)
+    items = [params] if single else list(params) if params is not None else []  # a generator is read once
+    if enabled and any(hasattr(p, "ds_id") for p in items):  # ZeRO-3 tags the parameters it partitions
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params if single else items, modifier_rank=modifier_rank,
+                                               fwd_module=fwd_module, enabled=enabled):
+            yield
+    else:
+        yield
+
+
+def is_torch_xpu_tensor(tensor: Any) -> bool:
+    """True for a tensor on an Intel XPU."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xpu"

@@ -1,0 +1,449 @@
+"""notebook_launcher / debug_launcher on 2 local CPU processes (gloo): results, output, failures, stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch  # noqa: F401  (imported here so forked workers inherit it instead of importing it again)
+
+from nbaccel.launch import LaunchError, debug_launcher, notebook_launcher
+from nbaccel.launch.errors import LaunchTimeout, PortInUseError, UnpicklableError
+from nbaccel.launch.processes import choose_start_method
+
+
+def launch(function, args=(), **options):
+    options.setdefault("num_processes", 2)
+    options.setdefault("dashboard", False)
+    options.setdefault("timeout", 60)
+    return notebook_launcher(function, args, **options)
+
+
+def live_children() -> list[psutil.Process]:
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def all_reduce_rank(scale):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    print(f"rank says {dist.get_rank()}")
+    return dist.get_rank() * scale, value.item(), os.environ["LOCAL_WORLD_SIZE"]
+
+
+def test_returns_per_rank_values_and_forwards_output_once(capsys):
+    results = launch(all_reduce_rank, (10,))
+    assert results == [(0, 3.0, "2"), (10, 3.0, "2")]
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("[rank 0] rank says 0") == 1
+    assert out.count("[rank 1] rank says 1") == 1
+    assert live_children() == []
+
+
+CELL = '''
+import os
+offset = 100
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+def make_adder(n):
+    return lambda x: Box(x + n + offset + int(os.environ["RANK"]))
+
+def train(fn, x):
+    print("cell function on rank", os.environ["RANK"])
+    return fn(x).value
+'''
+
+
+def cell_namespace() -> dict:
+    namespace = {"__name__": "__main__"}  # what a notebook cell's definitions look like to cloudpickle
+    exec(compile(CELL, "<cell>", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_cell_functions_closures_lambdas_and_classes(start_method, capsys):
+    cell = cell_namespace()
+    results = launch(cell["train"], (cell["make_adder"](5), 1), start_method=start_method)
+    assert results == [106, 107]
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("[rank 0] cell function on rank 0") == 1 and out.count("[rank 1] cell function on rank 1") == 1
+
+
+def test_kwargs_and_debug_launcher():
+    def fn(a, *, b):
+        return (int(os.environ["RANK"]), a + b, os.environ["NBACCEL_USE_CPU"])
+
+    assert launch(fn, (1,), kwargs={"b": 2}) == [(0, 3, "1"), (1, 3, "1")]
+    assert debug_launcher(lambda: (int(os.environ["WORLD_SIZE"]), os.environ["FORK_LAUNCHED"])) == [(2, "1")] * 2
+
+
+def test_one_process_runs_in_the_kernel():
+    assert launch(lambda: os.getpid(), num_processes=1) == [os.getpid()]
+
+
+def test_c_level_and_subprocess_output_is_captured(capsys):
+    def noisy():
+        os.write(1, b"raw fd line\n")
+        os.system("echo from a subprocess; echo to stderr 1>&2")
+        print("no newline at the end", end="")
+
+    launch(noisy)
+    captured = capsys.readouterr()
+    for rank in (0, 1):
+        for line in ("raw fd line", "from a subprocess", "no newline at the end"):
+            assert captured.out.splitlines().count(f"[rank {rank}] {line}") == 1, captured.out
+        assert f"[rank {rank}] to stderr" in captured.err.splitlines()
+
+
+def fail_on_rank_one():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is broken")
+    time.sleep(60)
+
+
+def test_failure_stops_everything_fast_and_next_launch_works():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(fail_on_rank_one)
+    assert time.monotonic() - start < 5 + 3  # 5 s budget after the failure; start-up included
+    error = info.value
+    assert "rank 1" in str(error) and "ValueError: rank one is broken" in str(error)
+    assert "Traceback" in str(error) and "fail_on_rank_one" in str(error)
+    assert list(error.failures) == [1]
+    record = error.failures[1]
+    assert (record.exc_type, record.message, record.exitcode) == ("ValueError", "rank one is broken", 1)
+    assert "raise ValueError" in record.traceback
+    assert live_children() == []
+    assert launch(lambda: 1) == [1, 1]  # relaunch at once, on a new free port
+
+
+def test_killed_rank_names_the_signal():
+    def die():
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    with pytest.raises(LaunchError, match="SIGKILL") as info:
+        launch(die)
+    assert info.value.failures[0].signal == "SIGKILL"
+    assert live_children() == []
+
+
+def test_keyboard_interrupt_stops_workers():
+    fired: list[float] = []
+
+    def interrupt() -> None:
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(1.0, interrupt)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(time.sleep, (60,))
+        assert time.monotonic() - fired[0] < 3  # every worker stopped within 3 s of the interrupt
+    finally:
+        timer.cancel()
+    assert live_children() == []
+
+
+def test_timeout():
+    with pytest.raises(LaunchTimeout, match="timeout=1") as info:
+        launch(time.sleep, (60,), timeout=1)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, LaunchError)
+    assert live_children() == []
+
+
+def test_busy_port_is_named_before_starting():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(PortInUseError, match=str(port)):
+            launch(lambda: 1, use_port=port)
+    assert live_children() == []
+
+
+def test_unpicklable_capture_is_named():
+    lock = threading.Lock()
+
+    def train():
+        with lock:
+            return 1
+
+    with pytest.raises(UnpicklableError, match=r"train -> closure variable 'lock' -> _thread.lock"):
+        launch(train)
+    with pytest.raises(UnpicklableError, match=r"args\[1\]\[\'k\'\] -> _thread.lock"):
+        launch(lambda a, b: 1, (1, {"k": lock}))
+
+
+def test_unpicklable_return_value_fails_the_rank():
+    with pytest.raises(LaunchError, match="return value of rank 0"):
+        launch(threading.Lock)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "text"),
+    [
+        ({"num_processes": 0}, ValueError, "num_processes"),
+        ({"node_rank": 2, "num_nodes": 2}, ValueError, "node_rank"),
+        ({"mixed_precision": "fp32"}, ValueError, "mixed_precision"),
+        ({"start_method": "thread"}, ValueError, "start_method"),
+        ({"timeout": -1}, ValueError, "timeout"),
+        ({"timeout": "soon"}, ValueError, "timeout"),
+        ({"use_port": "http"}, ValueError, "use_port"),
+        ({"rdzv_backend": "zmq"}, ValueError, "rdzv_backend"),
+        ({"max_restarts": -1}, ValueError, "max_restarts"),
+        ({"args": (1, 2)}, TypeError, "cannot be called with args"),
+        ({"dashboard": 3}, TypeError, "dashboard"),
+    ],
+)
+def test_bad_arguments_fail_before_starting(options, error, text):
+    args = options.pop("args", ())
+    with pytest.raises(error, match=text):
+        launch(lambda x=0: x, args, **options)
+    assert live_children() == []
+
+
+def test_start_method_choice(monkeypatch):
+    assert choose_start_method(None) == ("fork", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    method, note = choose_start_method(None)
+    assert method == "spawn" and "CUDA is already initialized" in note
+    with pytest.raises(ValueError, match="start_method='fork' is unsafe here: CUDA"):
+        choose_start_method("fork")
+    assert choose_start_method("spawn") == ("spawn", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert choose_start_method(None)[0] == "spawn"
+
+
+def test_explicit_fork_after_cuda_init_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="unsafe"):
+        launch(lambda: 1, start_method="fork")
+
+
+def test_one_process_per_gpu(monkeypatch):
+    import nbaccel.launch.launcher as module
+
+    monkeypatch.setattr(module, "_visible_gpus", lambda: 2)
+
+    def report():
+        return os.environ["NBACCEL_LAUNCH_DEVICE"], os.environ.get("NBACCEL_USE_CPU")
+
+    assert launch(report, num_processes=None) == [("cuda:0", None), ("cuda:1", None)]
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        launch(report, num_processes=3)
+    monkeypatch.setattr(module, "_visible_gpus", lambda: 1)
+    monkeypatch.setitem(sys.modules, "google.colab", object())
+    assert launch(os.getpid, num_processes=2) == [os.getpid()]  # Colab, one GPU: in the kernel, like Accelerate
+
+
+def test_mixed_precision_reaches_every_worker():
+    def read():
+        return os.environ["NBACCEL_MIXED_PRECISION"], os.environ["ACCELERATE_MIXED_PRECISION"]
+
+    assert launch(read, mixed_precision="BF16") == [("bf16", "bf16")] * 2
+
+
+def test_observers_get_status_output_metrics_and_results():
+    messages = []
+
+    def train():
+        from nbaccel import telemetry
+
+        telemetry.log_metrics({"loss": 0.5}, step=1)
+        print("a line")
+        return 7
+
+    assert launch(train, observers=[messages.append]) == [7, 7]
+    kinds = {(m["kind"], m.get("state")) for m in messages}
+    for expected in [("launch", "started"), ("status", "starting"), ("status", "running"),
+                     ("status", "finished"), ("result", None), ("metrics", None), ("launch", "finished")]:
+        assert expected in kinds
+    outputs = [m for m in messages if m["kind"] == "output"]
+    assert sorted((m["rank"], m["stream"], m["text"]) for m in outputs) == [
+        (0, "stdout", "a line"), (1, "stdout", "a line")]
+    metrics = [m for m in messages if m["kind"] == "metrics"]
+    assert sorted(m["rank"] for m in metrics) == [0, 1] and metrics[0]["values"] == {"loss": 0.5}
+
+
+def test_dashboard_adapter_and_false_never_imports_it(monkeypatch):
+    class FakeDashboard:
+        def __init__(self):
+            self.seen, self.closed = [], None
+
+        def observe(self, message):
+            self.seen.append(message["kind"])
+
+        def start(self):
+            self.seen.append("start")
+
+        def close(self, results=None, failures=None):
+            self.closed = results
+
+    board = FakeDashboard()
+    assert launch(lambda: 3, dashboard=board) == [3, 3]
+    assert board.seen[0] == "start" and "result" in board.seen and board.closed == [3, 3]
+    monkeypatch.delitem(sys.modules, "nbaccel.notebook", raising=False)
+    launch(lambda: 3, dashboard=False)
+    assert "nbaccel.notebook" not in sys.modules
+
+
+def test_tpu_without_torch_xla_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    monkeypatch.setitem(sys.modules, "torch_xla.distributed.xla_multiprocessing", None)
+    with pytest.raises(ImportError, match=r"pip install nbaccel\[tpu\]"):
+        launch(lambda: 1, num_processes=None)
+
+
+def test_tpu_path_runs_through_xmp_spawn(monkeypatch):
+    """The TPU path with a stand-in for torch_xla's xmp.spawn (fn(index, *args) on each process)."""
+    import types
+
+    import torch.multiprocessing as torch_mp
+
+    calls = []
+
+    def spawn(fn, args=(), nprocs=None, start_method="fork"):
+        calls.append((nprocs, start_method))
+        torch_mp.start_processes(fn, args=args, nprocs=2, start_method=start_method)
+
+    xmp = types.ModuleType("torch_xla.distributed.xla_multiprocessing")
+    xmp.spawn = spawn
+    distributed = types.ModuleType("torch_xla.distributed")
+    distributed.xla_multiprocessing = xmp
+    package = types.ModuleType("torch_xla")
+    package.distributed = distributed
+    monkeypatch.setitem(sys.modules, "torch_xla", package)
+    monkeypatch.setitem(sys.modules, "torch_xla.distributed", distributed)
+    monkeypatch.setitem(sys.modules, "torch_xla.distributed.xla_multiprocessing", xmp)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+
+    def where():
+        print("on", os.environ["NBACCEL_LAUNCH_DEVICE"])
+        return int(os.environ["RANK"]), os.environ["NBACCEL_MIXED_PRECISION"]
+
+    assert launch(where, num_processes=None, mixed_precision="bf16") == [(0, "bf16"), (1, "bf16")]
+    assert calls == [(None, "fork")]
+
+
+def test_memory_reports_from_workers_and_from_the_kernel(monkeypatch):
+    monkeypatch.setenv("NBACCEL_MEMORY_INTERVAL", "0.2")
+    messages = []
+
+    def quiet():  # reports nothing itself: the kernel samples its memory
+        time.sleep(0.7)
+
+    def chatty():  # logs: its own sender thread samples memory
+        from nbaccel import telemetry
+
+        for step in range(8):
+            telemetry.report_step(step + 1, 8)
+            time.sleep(0.1)
+
+    launch(quiet, observers=[messages.append])
+    kernel_samples = [m for m in messages if m["kind"] == "memory"]
+    assert {m["rank"] for m in kernel_samples} == {0, 1}
+    assert all(m["source"] == "kernel" and m["rss"] > 0 for m in kernel_samples)
+    messages.clear()
+    launch(chatty, observers=[messages.append])
+    samples = [m for m in messages if m["kind"] == "memory"]
+    assert {m["rank"] for m in samples} == {0, 1} and all(m["rss"] > 0 for m in samples)
+    assert [m["step"] for m in messages if m["kind"] == "step" and m["rank"] == 0] == list(range(1, 9))
+
+
+def test_partial_state_builds_from_the_launcher_environment():
+    def state():
+        from nbaccel.state import PartialState
+
+        ps = PartialState()
+        return ps.process_index, ps.num_processes, str(ps.device), ps.backend
+
+    assert launch(state) == [(0, 2, "cpu", "gloo"), (1, 2, "cpu", "gloo")]
+
+
+def test_exit_without_result_is_a_failure():
+    def leave():
+        if os.environ["RANK"] == "1":
+            os._exit(0)
+        return 1
+
+    with pytest.raises(LaunchError, match="rank 1: exited without returning a result"):
+        launch(leave)
+
+
+def test_lots_of_output_arrives_complete_and_in_order(capsys):
+    def chatter():
+        for i in range(5000):
+            print(f"line {i}")
+        os.write(2, b"".join(b"err %d\n" % i for i in range(5000)))
+
+    launch(chatter)
+    captured = capsys.readouterr()
+    for rank in (0, 1):
+        prefix = f"[rank {rank}] "
+        assert [line for line in captured.out.splitlines() if line.startswith(prefix)] == [
+            f"{prefix}line {i}" for i in range(5000)]
+        assert [line for line in captured.err.splitlines() if line.startswith(prefix)] == [
+            f"{prefix}err {i}" for i in range(5000)]
+
+
+def test_one_process_honours_timeout_and_observers():
+    messages = []
+    with pytest.raises(LaunchTimeout, match="timeout=0.5"):
+        launch(time.sleep, (10,), num_processes=1, timeout=0.5)
+    assert launch(lambda: 4, num_processes=1, observers=[messages.append]) == [4]
+    assert [m["state"] for m in messages if m["kind"] == "status"] == ["running", "finished"]
+
+
+def test_dashboard_auto_uses_nbaccel_notebook_when_present(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "nbaccel.notebook", None)  # not importable: launch without it
+    assert launch(lambda: 1, dashboard="auto") == [1, 1]
+    with pytest.raises(ImportError):
+        launch(lambda: 1, dashboard=True)
+
+    made = []
+
+    class Dashboard:  # the dashboard's API: Dashboard(num_processes, *, title=None, ...), observe, start, close
+        def __init__(self, num_processes, *, title=None):
+            self.num_processes, self.kinds, self.closed = num_processes, [], False
+            made.append(self)
+
+        def start(self):
+            return self
+
+        def observe(self, message):
+            self.kinds.append(message["kind"])
+
+        def close(self):
+            self.closed = True
+
+    fake = types.ModuleType("nbaccel.notebook")
+    fake.Dashboard = Dashboard
+    monkeypatch.setitem(sys.modules, "nbaccel.notebook", fake)
+    assert launch(lambda: 2, dashboard="auto") == [2, 2]
+    (board,) = made
+    assert board.num_processes == 2 and board.closed and "result" in board.kinds and "launch" in board.kinds

@@ -1,0 +1,125 @@
+"""notebook_launcher through torch.distributed.elastic: restarts and two nodes on this machine (c10d)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import psutil
+import torch  # noqa: F401  (forked workers inherit it)
+
+from nbaccel.launch import notebook_launcher
+from nbaccel.launch.processes import free_port
+
+
+def flaky(counter: str):
+    """Fails on the first two attempts of the worker group, succeeds on the third."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if os.environ["RANK"] == "0":
+        with open(counter, "a") as file:
+            file.write(f"{attempt}\n")
+    if attempt < 2:
+        raise RuntimeError(f"attempt {attempt} fails")
+    dist.init_process_group("gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return attempt, value.item()
+
+
+def test_max_restarts_restarts_failed_workers(tmp_path: Path, capsys):
+    counter = tmp_path / "attempts.txt"
+    results = notebook_launcher(flaky, (str(counter),), num_processes=2, max_restarts=2, dashboard=False,
+                                timeout=120)
+    assert results == [(2, 2.0), (2, 2.0)]
+    assert counter.read_text().split() == ["0", "1", "2"]
+    assert psutil.Process().children() == [] or all(
+        c.status() == psutil.STATUS_ZOMBIE for c in psutil.Process().children())
+
+
+def rank_and_world():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size(), total.item()
+
+
+def test_two_nodes_through_c10d_rendezvous():
+    endpoint = f"127.0.0.1:{free_port()}"
+    results: dict[int, object] = {}
+
+    def node(node_rank: int) -> None:
+        try:
+            results[node_rank] = notebook_launcher(
+                rank_and_world, num_processes=2, num_nodes=2, node_rank=node_rank, rdzv_backend="c10d",
+                rdzv_endpoint=endpoint, rdzv_id="nbaccel-test", dashboard=False, timeout=120)
+        except BaseException as exc:  # reported by the assertion below
+            results[node_rank] = exc
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert all(isinstance(value, list) for value in results.values()), results
+    ranks = sorted(rank for node_results in results.values() for rank, *_ in node_results)
+    assert ranks == [0, 1, 2, 3]
+    for node_results in results.values():
+        assert [local for _, local, _, _ in node_results] == [0, 1]  # indexed by local rank
+        assert {(world, total) for _, _, world, total in node_results} == {(4, 6.0)}
+
+
+def test_restarts_used_up_raise_the_last_failure(tmp_path: Path):
+    import pytest
+
+    from nbaccel.launch import LaunchError
+
+    with pytest.raises(LaunchError, match="attempt 1 fails") as info:
+        notebook_launcher(flaky, (str(tmp_path / "n.txt"),), num_processes=2, max_restarts=1, dashboard=False,
+                          timeout=120)
+    assert sorted(info.value.failures) == [0, 1]
+    assert info.value.failures[0].exc_type == "RuntimeError"
+
+
+def test_missing_node_times_out_instead_of_waiting_forever():
+    import time
+
+    import pytest
+
+    from nbaccel.launch import LaunchTimeout
+
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="no worker had started"):
+        notebook_launcher(rank_and_world, num_processes=1, num_nodes=2, rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", dashboard=False, timeout=2)
+    assert time.monotonic() - start < 2 + 6
+    assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]  # agent thread ended
+
+
+def test_interrupt_stops_elastic_workers_without_restarting_them():
+    import signal
+    import time
+
+    import pytest
+
+    fired: list[float] = []
+
+    def interrupt() -> None:
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(2.0, interrupt)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(time.sleep, (60,), num_processes=2, max_restarts=3, dashboard=False, timeout=60)
+        assert time.monotonic() - fired[0] < 3  # every worker stopped within 3 s of the interrupt
+    finally:
+        timer.cancel()
+    alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]

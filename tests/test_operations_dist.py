@@ -1,0 +1,338 @@
+"""Distributed operations on 2 gloo processes: values, container types, one communication per group,
+bad input failing on every rank, and debug mode's shape check."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch  # imported here so the forked ranks inherit it instead of importing it again
+from ranks_helper import free_port, run_ranks
+
+import nbaccel.utils.operations  # noqa: F401 - likewise
+
+ROOT = Path(__file__).resolve().parent.parent
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Record(Mapping):
+    """A read-only Mapping subclass (constructor takes a dict), like transformers' model outputs."""
+
+    def __init__(self, data):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+def _nested(rank: int):
+    """dict of list of tuple / namedtuple / Mapping subclass, with a 0-dim and a non-contiguous tensor."""
+
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+    return {
+        "outer": [(base, torch.tensor([1, 2], dtype=torch.int64) + rank), Pair(base.t(), torch.tensor(float(rank)))],
+        "record": Record({"half": torch.full((2,), rank, dtype=torch.float16), "flag": torch.tensor([rank == 1])}),
+    }
+
+
+class Counter:
+    """Counts calls to torch.distributed's collectives in this process."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+             "all_gather_object", "broadcast_object_list", "barrier")
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.calls, self.saved = dist, [], {}
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self.saved[name] = original
+
+            def wrapper(*args, _name=name, _original=original, **kwargs):
+                self.calls.append(_name)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+
+    def take(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def restore(self) -> None:
+        for name, original in self.saved.items():
+            setattr(self.dist, name, original)
+
+
+def _check_values_and_types(rank: int):
+
+    from nbaccel.utils import (
+        broadcast,
+        broadcast_object_list,
+        copy_tensor_to_devices,
+        gather,
+        gather_object,
+        pad_across_processes,
+        reduce,
+        wait_for_everyone,
+    )
+
+    counter = Counter()
+    data = _nested(rank)
+    both = [_nested(0), _nested(1)]
+
+    # gather: dim-0 concatenation of every tensor, containers keep their types, ONE communication (mixed dtypes)
+    out = gather(data)
+    assert counter.take() in (["all_gather_single"], ["all_gather_into_tensor"])
+    assert type(out) is dict and type(out["outer"]) is list and type(out["outer"][1]) is Pair
+    assert type(out["record"]) is Record and type(out["outer"][0]) is tuple
+    assert torch.equal(out["outer"][0][0], torch.cat([b["outer"][0][0] for b in both]))
+    assert torch.equal(out["outer"][0][1], torch.tensor([1, 2, 2, 3]))
+    assert torch.equal(out["outer"][1].left, torch.cat([b["outer"][1].left for b in both]))  # non-contiguous
+    assert torch.equal(out["outer"][1].right, torch.tensor([0.0, 1.0]))  # 0-dim -> 1-D
+    assert out["record"]["half"].dtype == torch.float16 and out["record"]["half"].tolist() == [0, 0, 1, 1]
+    assert out["record"]["flag"].tolist() == [False, True]
+    again = gather(_nested(rank + 5))  # same layout: reuses the receive buffer, must not touch `out`
+    assert torch.equal(out["outer"][0][1], torch.tensor([1, 2, 2, 3])) and again["outer"][0][1].tolist() == [6, 7, 7, 8]
+    assert out["record"]["half"].tolist() == [0, 0, 1, 1] and again["record"]["half"].tolist() == [5, 5, 6, 6]
+    counter.take()
+    single = gather(torch.tensor(float(rank)))
+    assert single.tolist() == [0.0, 1.0]
+    assert len(counter.take()) == 1
+
+    # reduce: one all_reduce per dtype (float32, int64, float16, bool not for mean -> sum on ints)
+    floats = {"a": [data["outer"][0][0], data["outer"][1].left], "b": torch.tensor(2.0 + rank)}
+    mean = reduce(floats)
+    assert counter.take() == ["all_reduce"]
+    assert torch.allclose(mean["a"][0], (both[0]["outer"][0][0] + both[1]["outer"][0][0]) / 2)
+    assert mean["b"].item() == 2.5 and type(mean["a"]) is list
+    assert floats["b"].item() == 2.0 + rank, "reduce must not modify its input"
+    mixed = reduce(Pair(torch.tensor([1, 2]) * (rank + 1), torch.tensor([1.5]) * (rank + 1)), "sum")
+    assert sorted(counter.take()) == ["all_reduce", "all_reduce"]
+    assert type(mixed) is Pair and mixed.left.tolist() == [3, 6] and mixed.right.tolist() == [4.5]
+    assert reduce(torch.tensor([rank, 5 - rank]), "max").tolist() == [1, 5]
+    assert reduce(torch.tensor([rank, 5 - rank]), "min").tolist() == [0, 4]
+    assert reduce(torch.tensor([1.0 + rank]), "sum", scale=2.0).tolist() == [6.0]
+    assert counter.take() == ["all_reduce"] * 3
+
+    # broadcast: in place, from process 1, structure and non-contiguous tensors included, ONE communication
+    target = _nested(rank)
+    returned = broadcast(target, from_process=1)
+    assert counter.take() == ["broadcast"]
+    assert returned is target
+    source = _nested(1)
+    assert torch.equal(target["outer"][1].left, source["outer"][1].left)
+    assert torch.equal(target["outer"][0][1], source["outer"][0][1])
+    assert target["record"]["half"].tolist() == [1, 1] and target["record"]["flag"].tolist() == [True]
+    lone = torch.zeros(3) + rank
+    broadcast(lone)
+    assert lone.tolist() == [0, 0, 0]
+    column = (torch.zeros(3, 2) + rank)[:, 1]
+    broadcast(column, from_process=1)
+    assert column.tolist() == [1, 1, 1]
+    assert counter.take() == ["broadcast", "broadcast"]
+
+    # pad_across_processes: one size exchange for the whole structure
+    ragged = {"x": torch.ones(2 + rank, 3), "y": [torch.ones(1, 4 + 2 * rank, dtype=torch.int64)]}
+    padded = pad_across_processes(ragged, dim=0, pad_index=-1)
+    assert len(counter.take()) == 1
+    assert padded["x"].shape == (3, 3) and padded["y"][0].shape == (1, 4 + 2 * rank)
+    if rank == 0:
+        assert padded["x"][2].tolist() == [-1, -1, -1]
+    wide = pad_across_processes(ragged, dim=1, pad_first=True)
+    assert wide["y"][0].shape == (1, 6) and wide["x"].shape == (2 + rank, 3)
+    if rank == 0:
+        assert wide["y"][0].tolist() == [[0, 0, 1, 1, 1, 1]]
+    assert gather(pad_across_processes(torch.arange(1 + rank), pad_index=9)).tolist() == [0, 9, 0, 1]
+    counter.take()
+
+    # object collectives: one communication for a small object, two for one beyond the first block
+    got = gather_object([{"rank": rank}])
+    assert got == [{"rank": 0}, {"rank": 1}] and len(counter.take()) == 1
+    assert gather_object(rank) == [0, 1]
+    big = gather_object(["x" * (10_000 * (rank + 1))])
+    assert [len(s) for s in big] == [10_000, 20_000] and len(counter.take()) == 3
+    objects = [{"lr": 0.1}, "cfg"] if rank == 0 else [None, None]
+    assert broadcast_object_list(objects) is objects and objects == [{"lr": 0.1}, "cfg"]
+    assert len(counter.take()) == 1
+    large = [list(range(5000))] if rank == 1 else [None]
+    broadcast_object_list(large, from_process=1)
+    assert large == [list(range(5000))] and len(counter.take()) == 2
+
+    # int16: gloo has no such dtype; gather/broadcast move it as bytes, reduce widens it and comes back
+    short = torch.tensor([rank, 7], dtype=torch.int16)
+    assert gather(short).tolist() == [0, 7, 1, 7] and gather([short, short])[1].dtype == torch.int16
+    summed = reduce(short, "sum")
+    assert summed.tolist() == [1, 14] and summed.dtype == torch.int16 and short.tolist() == [rank, 7]
+    broadcast(short, from_process=1)
+    assert short.tolist() == [1, 7]
+    counter.take()
+
+    # parameters (leaves that require grad): gathered, reduced, and broadcast into in place
+    weight = torch.nn.Parameter(torch.full((2,), float(rank)))
+    assert reduce({"w": weight}, "sum")["w"].tolist() == [1.0, 1.0] and weight.tolist() == [rank, rank]
+    assert gather([weight, weight])[1].tolist() == [0, 0, 1, 1]
+    broadcast([weight, torch.zeros(1)], from_process=1)
+    assert weight.tolist() == [1.0, 1.0] and weight.requires_grad
+    counter.take()
+
+    shared = copy_tensor_to_devices(torch.arange(6).reshape(2, 3) if rank == 1 else None)
+    assert shared.tolist() == [[0, 1, 2], [3, 4, 5]] and shared.dtype == torch.int64
+    wait_for_everyone()
+    assert counter.take()[-1] == "barrier"
+    assert gather({}) == {} and gather([]) == [] and counter.take() == []
+    counter.restore()
+    return True
+
+
+def test_every_operation_on_nested_data_two_ranks():
+    assert run_ranks(_check_values_and_types, init=True) == [True, True]
+
+
+def _check_trace(rank: int):
+
+    from nbaccel.utils import collective_trace, gather, reduce
+
+    seen = []
+    collective_trace.add_listener(lambda event, record: seen.append((event, record.op, record.call, record.shapes)))
+    gather({"a": torch.ones(2, 3), "b": torch.ones(1)})
+    reduce(torch.ones(2), "sum")
+    assert collective_trace.current() is None
+    return seen
+
+
+def _bad_inputs(rank: int):
+
+    from nbaccel.utils import broadcast, gather, gather_object, pad_across_processes, reduce
+
+    errors = {}
+    cases = {
+        "non_tensor": lambda: gather({"ids": torch.ones(2), "labels": [torch.ones(1), "cat"]}),
+        "devices": lambda: gather([torch.ones(2), torch.empty(2, device="meta")]),
+        "reduction": lambda: reduce(torch.ones(1), reduction="avg"),
+        "pad_dim": lambda: pad_across_processes({"a": torch.ones(2, 3)}, dim=2),
+        "mean_int": lambda: reduce({"n": torch.tensor([3])}),
+        "from_process": lambda: broadcast(torch.ones(1), from_process=2),
+        "unpicklable": lambda: gather_object(lambda: rank) if rank == 1 else gather_object(lambda: 0),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    # the group still works after all of these
+    errors["after"] = gather(torch.tensor([rank])).tolist()
+    errors["unpicklable_lock"] = _unpicklable(rank)
+    errors["trace"] = _check_trace(rank)
+    return errors
+
+
+def test_bad_input_raises_clear_errors_on_every_rank_and_collectives_are_traced():
+    for errors in run_ranks(_bad_inputs, init=True):
+        assert errors["non_tensor"] == (
+            "TypeError: gather: data['labels'][1] is a str, not a tensor. gather takes tensors nested in lists, "
+            "tuples and dicts. Use gather_object for Python objects."
+        )
+        assert errors["devices"].startswith("ValueError: gather: the tensors are on different devices")
+        assert "data[0] on cpu" in errors["devices"] and "data[1] on meta" in errors["devices"]
+        assert errors["reduction"].startswith("ValueError: reduce: reduction must be one of 'mean', 'sum', 'max'")
+        assert errors["pad_dim"].startswith("ValueError: pad_across_processes: dim=2 is out of range")
+        assert "data['n'] is torch.int64" in errors["mean_int"]
+        assert "from_process must be a process index in [0, 1], got 2" in errors["from_process"]
+        assert errors["after"] == [0, 1]
+        # lambdas are cloudpickled, so this one works; a lock cannot be pickled: every rank raises
+        assert "unpicklable" not in errors
+        assert "rank 1: cannot pickle a lock" in errors["unpicklable_lock"]
+        # every collective runs inside collective_trace.in_collective
+        enters = [entry for entry in errors["trace"] if entry[0] == "enter"]
+        assert [op for _, op, _, _ in enters] == ["gather", "reduce"]
+        assert enters[0][2] in ("all_gather_single", "all_gather_into_tensor") and enters[0][3] == [[2, 3], [1]]
+        assert enters[1][2] == "all_reduce"
+
+
+def _unpicklable(rank: int):
+    import threading
+
+    from nbaccel.utils import DistributedOperationException, gather_object
+
+    try:
+        gather_object(threading.Lock() if rank == 1 else "fine")
+    except DistributedOperationException as exc:
+        return str(exc)
+    return "no error"
+
+
+def _debug_mismatch(rank: int):
+
+    from nbaccel.utils import (
+        DistributedOperationException,
+        debug_mode_enabled,
+        gather,
+        pad_across_processes,
+        reduce,
+    )
+
+    assert debug_mode_enabled()
+    found = {}
+    for name, call in {
+        "gather": lambda: gather({"x": torch.ones(2 + rank, 3)}),
+        "reduce": lambda: reduce([torch.ones(2)] * (1 + rank)),
+        "invalid_on_one": lambda: gather({"x": torch.ones(2) if rank == 0 else "oops"}),
+    }.items():
+        try:
+            call()
+            found[name] = "no error"
+        except DistributedOperationException as exc:
+            found[name] = str(exc)
+    from nbaccel.utils.operations import verify_operation
+
+    @verify_operation
+    def user_op(tensor):
+        return "ran"
+
+    try:
+        found["verify_operation"] = user_op(torch.ones(1 + rank))
+    except DistributedOperationException as exc:
+        found["verify_operation"] = str(exc)
+    # lengths may differ along the padded dim in debug mode, and then gather works
+    found["ok"] = gather(pad_across_processes({"x": torch.ones(2 + rank, 3)}))["x"].shape[0]
+    return found
+
+
+def test_debug_mode_reports_mismatched_shapes_on_every_rank():
+    results = run_ranks(_debug_mismatch, init=True, env={"NBACCEL_DEBUG_MODE": "1"})
+    for found in results:
+        assert "gather needs the same shapes and dtypes on every rank" in found["gather"]
+        assert "rank 0: {'x': 'float32[2, 3]'}" in found["gather"]
+        assert "rank 1: {'x': 'float32[3, 3]'}" in found["gather"]
+        assert "pad_across_processes" in found["gather"]
+        assert "rank 0: ['float32[2]']" in found["reduce"] and "rank 1: ['float32[2]', 'float32[2]']" in found["reduce"]
+        assert "rank 1: TypeError: gather: data['x'] is a str" in found["invalid_on_one"]
+        assert found["ok"] == 6
+        assert "user_op needs the same shapes" in found["verify_operation"] and "rank 1: 'float32[2]'" in found["verify_operation"]
+
+
+@pytest.mark.timeout(90)
+def test_check_operations_script_under_torchrun():
+    script = ROOT / "nbaccel" / "test_utils" / "scripts" / "check_operations.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok   gather (") == 1  # only rank 0 prints
+    assert "FAIL" not in proc.stdout
