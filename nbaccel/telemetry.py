@@ -8,6 +8,9 @@ them. Message shape and kinds are documented in docs/internals.md ("The channel"
 
 from __future__ import annotations
 
+import collections
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +32,9 @@ def attach(sink: Sink, rank: int) -> None:
 
 
 def detach() -> None:
-    """Stop reporting; later calls are no-ops again."""
+    """Stop reporting (after the sampler, if running, sent what it holds); later calls are no-ops again."""
     global _sink
+    stop_sampler()
     _sink = None
     collective_trace.remove_listener(_on_collective)
 
@@ -49,17 +53,36 @@ def emit(kind: str, **fields: Any) -> None:
 
 
 def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
-    """What `Accelerator.log` recorded: numbers only, as floats."""
+    """What `Accelerator.log` recorded: numbers only, as floats.
+
+    While the sampler runs, the values (stamped now) are queued and the sampler thread sends the queue
+    every FLUSH_INTERVAL seconds as ONE `metrics` message: `values`/`step`/`time` are the latest log, and
+    `history` lists the earlier ones ({"values", "step", "time"}, oldest first). The kernel gets every
+    logged value; the training loop pays a list append instead of a pipe write per log.
+    """
     if _sink is None:
         return
     numbers = {key: float(value) for key, value in values.items() if _is_number(value)}
-    if numbers:
+    if not numbers:
+        return
+    if _sampler is not None:
+        _queue.append({"values": numbers, "step": step, "time": time.time()})
+    else:
         emit("metrics", values=numbers, step=step)
 
 
 def report_step(step: int, total: int | None = None) -> None:
-    """One optimizer step done (`step` counts from 1); `total` when the run length is known."""
-    if _sink is not None:
+    """One optimizer step done (`step` counts from 1); `total` when the run length is known.
+
+    While the sampler runs, the step is only recorded here and the sampler sends the latest one a few
+    times a second, so a fast training loop pays an attribute write per step, not a message.
+    """
+    global _pending_step
+    if _sink is None:
+        return
+    if _sampler is not None:
+        _pending_step = (step, total)
+    else:
         emit("step", step=step, total=total)
 
 
@@ -70,6 +93,8 @@ def report_total_steps(total: int) -> None:
 
 
 def _is_number(value: Any) -> bool:
+    if type(value) is float:  # the common case first: `loss.item()`
+        return True
     if isinstance(value, bool):
         return False
     if isinstance(value, (int, float)):
@@ -79,3 +104,149 @@ def _is_number(value: Any) -> bool:
 
 def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> None:
     emit("collective", event=event, **record.to_dict())
+
+
+# --- the background sampler: memory and the latest step, a few times a second ---------------------------
+
+FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages: the dashboard redraws at most 4/s
+
+_sampler: _Sampler | None = None
+_pending_step: tuple[int, int | None] | None = None
+_queue: collections.deque[Message] = collections.deque()
+
+
+def start_sampler(interval: float = 0.5) -> None:
+    """Start a daemon thread sending a `memory` message every `interval` seconds, and every
+    FLUSH_INTERVAL the latest `step` and the queued `metrics` (see `report_step`, `log_metrics`).
+
+    Host memory comes from psutil (RSS; the peak from the OS where it keeps one); device memory from
+    torch.cuda once CUDA is initialized in this process, or from torch_xla on TPU (which reports the
+    memory in use and the device's limit, sent as `device_limit`, rather than a reserved pool). Restarting replaces a
+    running sampler. Nothing is sent while no sink is attached.
+    """
+    if not (isinstance(interval, (int, float)) and interval > 0):
+        raise ValueError(f"start_sampler: interval must be a positive number of seconds, got {interval!r}")
+    stop_sampler(flush=False)
+    global _sampler
+    _sampler = _Sampler(float(interval))
+    _sampler.start()
+
+
+def stop_sampler(flush: bool = True) -> None:
+    """Stop the sampler thread; with `flush`, send the queued metrics, the last step and a final memory
+    sample first (the launcher calls this before reporting the result, so nothing logged is lost)."""
+    global _sampler, _pending_step
+    sampler, _sampler = _sampler, None
+    if sampler is not None:
+        sampler.stop()
+        if flush:
+            sampler.flush()
+            sampler.sample_memory()
+    _pending_step = None
+    _queue.clear()
+
+
+def memory_sample() -> dict[str, int | None]:
+    """This process's memory now, in bytes: the fields of a `memory` message (None where unknown)."""
+    sample: dict[str, int | None] = dict(
+        rss=None, rss_peak=None, device_allocated=None, device_reserved=None, device_peak=None
+    )
+    sample.update(_host_memory())
+    sample.update(_device_memory())
+    return sample
+
+
+class _Sampler:
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._stopped = threading.Event()
+        self._last_step: tuple[int, int | None] | None = None
+        self._rss_peak = 0
+        self._thread = threading.Thread(target=self._run, name="nbaccel-telemetry-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_memory = 0.0
+        while not self._stopped.is_set():
+            try:  # a failed sample must never take down training; try again next tick
+                self.flush()
+                if time.monotonic() >= next_memory:
+                    next_memory = time.monotonic() + self.interval
+                    self.sample_memory()
+            except Exception:
+                pass
+            self._stopped.wait(min(self.interval, FLUSH_INTERVAL))
+
+    def flush(self) -> None:
+        """Send the queued metrics messages and the latest step, if it moved."""
+        sink = _sink
+        if sink is None:
+            return
+        entries = []
+        while _queue:
+            entries.append(_queue.popleft())
+        if entries:
+            latest = entries.pop()
+            message = {"kind": "metrics", "rank": _rank, **latest}
+            if entries:
+                message["history"] = entries
+            sink(message)
+        pending = _pending_step
+        if pending is not None and pending != self._last_step:
+            self._last_step = pending
+            emit("step", step=pending[0], total=pending[1])
+
+    def sample_memory(self) -> None:
+        if _sink is None:
+            return
+        sample = memory_sample()
+        if sample["rss"] is not None:  # platforms without an OS peak: the highest value sampled
+            self._rss_peak = max(self._rss_peak, sample["rss"], sample["rss_peak"] or 0)
+            sample["rss_peak"] = self._rss_peak
+        emit("memory", **sample)
+
+
+def _host_memory() -> dict[str, int | None]:
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    rss = psutil.Process().memory_info().rss
+    peak = None
+    try:
+        import resource
+
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = maxrss if sys.platform == "darwin" else maxrss * 1024  # Linux reports KiB, macOS bytes
+    except (ImportError, OSError):
+        pass
+    return {"rss": rss, "rss_peak": max(peak, rss) if peak else None}
+
+
+def _device_memory() -> dict[str, int | None]:
+    # Only look at runtimes the training code already loaded: the sampler never initializes one.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        return {
+            "device_allocated": torch.cuda.memory_allocated(device),
+            "device_reserved": torch.cuda.memory_reserved(device),
+            "device_peak": torch.cuda.max_memory_allocated(device),
+        }
+    xla_model = sys.modules.get("torch_xla.core.xla_model")
+    if xla_model is not None:
+        info = xla_model.get_memory_info(xla_model.xla_device())
+        if "bytes_used" in info:  # torch_xla >= 2.5
+            return {"device_allocated": info["bytes_used"], "device_limit": info.get("bytes_limit"),
+                    "device_peak": info.get("peak_bytes_used")}
+        if "kb_total" in info:  # older torch_xla
+            used = (info["kb_total"] - info["kb_free"]) * 1024
+            return {"device_allocated": used, "device_limit": info["kb_total"] * 1024}
+    return {}

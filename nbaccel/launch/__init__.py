@@ -11,14 +11,17 @@ from .errors import LaunchError, LaunchTimeout, PortInUseError, UnpicklableError
 from .launcher import debug_launcher, notebook_launcher
 
 __all__ = [
-    "LaunchError", "LaunchTimeout", "PortInUseError", "RankPool", "UnpicklableError", "WorkerFailure",
-    "debug_launcher", "notebook_launcher",
+    "CollectiveMismatchError", "LaunchError", "LaunchTimeout", "PortInUseError", "RankFailedError", "RankPool",
+    "RankPoolError", "RankTimeoutError", "UnpicklableError", "WorkerFailure", "debug_launcher", "notebook_launcher",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "RankPool":  # persistent ranks live in .pool (built on this package's modules)
-        from .pool import RankPool
+_POOL_NAMES = ("RankPool", "CollectiveMismatchError", "RankTimeoutError", "RankFailedError", "RankPoolError")
 
-        return RankPool
+
+def __getattr__(name: str) -> Any:
+    if name in _POOL_NAMES:  # persistent ranks live in .pool (built on this package's modules)
+        from . import pool
+
+        return getattr(pool, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

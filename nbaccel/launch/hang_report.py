@@ -1,0 +1,113 @@
+"""Decide whether a running cell is hung in a collective, and say where each rank is.
+
+The pool asks busy ranks for a status snapshot (see `pool_worker.snapshot`) while a cell runs longer than
+a moment. From the snapshots and the ranks that are already done, `diagnose` tells:
+- a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
+  (it finished or failed the cell, does not run the cell, or waits in a different collective);
+- a *timeout*: a rank has waited in one collective for `timeout` seconds;
+- nothing yet (None).
+Collectives nbaccel runs are known exactly (`collective_trace` records name, torch call, shapes, dtypes and
+the cell line); raw `torch.distributed` calls are recognised from the main thread's stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..utils.collective_trace import CollectiveRecord
+
+
+@dataclass
+class RankState:
+    """What the kernel knows about one rank of the pool during a call."""
+
+    rank: int
+    phase: str  # "running", "finished", "failed", "idle" (not running this call), "dead"
+    error: str = ""  # first line of the error, for "failed"/"dead"
+    snapshot: dict[str, Any] | None = None  # the latest status snapshot, for "running"
+    raw_since: float | None = None  # when the kernel first saw it in the current raw torch.distributed call
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def collective(self) -> CollectiveRecord | None:
+        data = (self.snapshot or {}).get("collective")
+        return CollectiveRecord(**data) if data else None
+
+    def waiting(self, now: float) -> tuple[str, float] | None:
+        """(what it waits in, for how many seconds), or None when it is not inside a collective."""
+        if self.phase != "running" or not self.snapshot:
+            return None
+        record = self.collective()
+        if record is not None:
+            return record.describe(), max(0.0, now - record.started)
+        raw = self.snapshot.get("raw_call")
+        if raw:
+            line = self.snapshot.get("line")
+            where = f"{raw} at cell line {line}" if line else raw
+            return where, max(0.0, now - (self.raw_since or now))
+        return None
+
+    def signature(self) -> str | None:
+        """Which collective, without shapes or call site: ranks in different ones can never meet."""
+        record = self.collective()
+        if record is not None:
+            return f"{record.op}/{record.call}"
+        return (self.snapshot or {}).get("raw_call")
+
+    def describe(self, now: float) -> str:
+        waiting = self.waiting(now)
+        if waiting is not None:
+            return f"rank {self.rank} waits in {waiting[0]} for {waiting[1]:.1f} s"
+        if self.phase == "finished":
+            return f"rank {self.rank} finished the cell"
+        if self.phase == "failed":
+            return f"rank {self.rank} failed the cell ({self.error})"
+        if self.phase == "idle":
+            return f"rank {self.rank} does not run this cell"
+        if self.phase == "dead":
+            return f"rank {self.rank} died ({self.error})"
+        line = (self.snapshot or {}).get("line")
+        return f"rank {self.rank} is still running" + (f" (cell line {line}, not in a collective)" if line else "")
+
+
+@dataclass
+class Diagnosis:
+    kind: str  # "mismatch" or "timeout"
+    summary: str  # one line: "rank 0 waits in gather(...) at cell line 2 for 2.0 s; rank 1 finished the cell"
+    details: str  # stacks of the waiting ranks
+
+
+def diagnose(states: list[RankState], now: float, timeout: float, grace: float) -> Diagnosis | None:
+    """A hang to report now, or None to keep waiting."""
+    waits = {state.rank: state.waiting(now) for state in states}
+    waiting = [state for state in states if waits[state.rank] is not None]
+    if not waiting:
+        return None
+    longest = max(waits[state.rank][1] for state in waiting)  # type: ignore[index]
+    kind = None
+    if longest >= timeout:
+        kind = "timeout"
+    elif longest >= grace:
+        cannot_join = any(state.phase != "running" for state in states)
+        signatures = {state.signature() for state in waiting}
+        if cannot_join or len(signatures) > 1:
+            kind = "mismatch"
+    if kind is None:
+        return None
+    summary = "; ".join(state.describe(now) for state in sorted(states, key=lambda s: s.rank))
+    details = []
+    for state in waiting:
+        stack = (state.snapshot or {}).get("stack", "").rstrip()
+        if stack:
+            details.append(f"rank {state.rank}, main thread (most recent call last):\n{stack}")
+    return Diagnosis(kind, summary, "\n".join(details))
+
+
+def explain(diagnosis: Diagnosis, timeout: float, grace: float) -> str:
+    """The sentence that follows the summary line in the error."""
+    if diagnosis.kind == "mismatch":
+        return (f"Not every rank can enter the same collective (detected after {grace:g} s): a collective "
+                "returns only when every rank of the process group calls it, with the same operation and "
+                "matching shapes.")
+    return (f"A collective did not complete within timeout={timeout:g} s. If the ranks are only slow, pass a "
+            "larger timeout (RankPool(timeout=...) or %%ranks --timeout S).")

@@ -1,0 +1,283 @@
+"""`RankPool`: persistent ranks that keep their process group and variables between cells.
+
+The workers start once (fork where safe, like notebook_launcher), each with `PartialState` ready, and then
+run what the kernel sends: `exec(source)` runs a cell's source in each rank's own namespace, `run(fn)` a
+cloudpickled function. Results come back per rank (output, value of the last expression, error).
+
+A cell in which not every rank enters the same collective does not freeze the kernel: while a call runs the
+pool asks the busy ranks where they are (hang_report.py) and raises `CollectiveMismatchError` or
+`RankTimeoutError` with a report of which rank waits in which collective. A rank stuck in a gloo/NCCL
+collective cannot be released, so the pool then restarts every rank (their variables are lost) and says so.
+
+No rank outlives the pool: `shutdown()`, the context manager, garbage collection (weakref.finalize) and
+interpreter exit stop them, and a rank exits by itself when the kernel process dies (PR_SET_PDEATHSIG on
+Linux, and end-of-file on its status pipe everywhere).
+"""
+
+
+from __future__ import annotations
+
+import ast
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import UnpicklableError
+from .hang_report import Diagnosis, explain
+from .pool_call import MISMATCH_GRACE, Call, Hang
+from .pool_processes import START_TIMEOUT, RankProcesses
+from .pool_results import (
+    CollectiveMismatchError,
+    RankFailedError,
+    RankPoolError,
+    RankResult,
+    RankResults,
+    RankStartError,
+    RankTimeoutError,
+    results_equal,
+)
+from .processes import choose_start_method
+from .serialize import dumps_payload, dumps_value, find_culprit
+
+__all__ = [
+    "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
+    "RankStartError", "RankTimeoutError", "results_equal",
+]
+
+PG_TIMEOUT_MARGIN = 10.0  # the process group's own timeout: the pool's timeout plus this (a backstop)
+
+
+class RankPool:
+    """Persistent ranks for debugging collectives cell by cell.
+
+    `RankPool(num_processes=2)` starts the ranks with the process group initialized and `PartialState`
+    built; `exec(source)` and `run(fn, *args, **kwargs)` run on them and return per-rank results. `timeout`
+    (seconds) bounds how long a rank may wait inside one collective before the call fails; a collective
+    that another rank cannot join fails after a couple of seconds. Use it as a context manager or call
+    `shutdown()`; it is also stopped when garbage-collected and when the interpreter exits.
+    """
+
+    def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
+                 timeout: float = 30) -> None:
+        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+        self.timeout = _check_timeout(timeout, "timeout")
+        from .arguments import MIXED_PRECISION_CHOICES
+        from .launcher import _common_env, _visible_gpus
+
+        precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
+        precision = getattr(precision, "value", precision)
+        if precision not in MIXED_PRECISION_CHOICES:
+            raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
+        self.start_method, note = choose_start_method(start_method)
+        gpus = _visible_gpus()
+        if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
+            print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+                  f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+            gpus = 0
+        if note:
+            print(note, file=sys.stderr)
+        self.num_processes = num_processes
+        self.mixed_precision = precision
+        self.restarts = 0
+        self._env = _common_env(precision, use_cpu=not gpus)
+        self._env["NBACCEL_PG_TIMEOUT"] = str(self.timeout + PG_TIMEOUT_MARGIN)
+        self._device = "cuda:{local_rank}" if gpus else "cpu"
+        self._ids = itertools.count(1)
+        self._cells = itertools.count(1)
+        self._lock = threading.RLock()
+        self._workers: RankProcesses | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._start()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        try:
+            self._start_once()
+        except RankStartError as exc:
+            if "address already in use" not in str(exc).lower():
+                raise
+            self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
+
+    def _start_once(self) -> None:
+        workers = RankProcesses(self.num_processes, self.start_method, self._env, self._device)
+        self._finalizer = weakref.finalize(self, workers.close, False)
+        self._workers = workers
+        try:
+            workers.wait_ready(START_TIMEOUT)
+        except BaseException:  # a rank failed to start, or the user interrupted: nothing may stay behind
+            self._stop(graceful=False)
+            raise
+
+    def restart(self) -> None:
+        """Stop every rank and start fresh ones (new process group, empty namespaces)."""
+        with self._lock:
+            self._stop(graceful=True)
+            self.restarts += 1
+            self._start()
+
+    def shutdown(self) -> None:
+        """Stop every rank; no process is left. Calling it again does nothing."""
+        with self._lock:
+            self._stop(graceful=True)
+
+    close = shutdown
+
+    def _stop(self, graceful: bool) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._workers is not None:
+            self._workers.close(graceful=graceful)
+            self._workers = None
+
+    @property
+    def running(self) -> bool:
+        return self._workers is not None and not self._workers.closed
+
+    @property
+    def pids(self) -> list[int]:
+        return [rank.pid for rank in self._workers.ranks] if self._workers else []
+
+    @property
+    def devices(self) -> list[str]:
+        return [rank.device for rank in self._workers.ranks] if self._workers else []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return (f"RankPool(num_processes={self.num_processes}, start_method={self.start_method!r}, "
+                f"timeout={self.timeout:g}, {state})")
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per rank: pid, device, alive."""
+        if self._workers is None:
+            return []
+        return [{"rank": rank.rank, "pid": rank.pid, "device": rank.device, "alive": rank.process.is_alive()}
+                for rank in self._workers.ranks]
+
+    # ------------------------------------------------------------------------------------------ calls
+    def exec(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
+             on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
+        """Run a cell's source on each rank (in its own namespace); return the per-rank results.
+
+        Like IPython, the value of a last expression statement is returned (not when the cell ends with
+        `;`). An exception on a rank is in its result (`.error`), not raised; a hang raises
+        CollectiveMismatchError / RankTimeoutError (after restarting the ranks). `on_progress(partial)` is
+        called with the results so far (output, finished ranks) when a cell that runs longer than
+        PROGRESS_DELAY seconds prints something, at most every PROGRESS_INTERVAL seconds (live views).
+        """
+        if not isinstance(source, str):
+            raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
+        filename = f"<rank-cell-{next(self._cells)}>"
+        ast.parse(source, filename, "exec")  # a SyntaxError is raised here, before any rank sees the cell
+        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout, on_progress)
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `function(*args, **kwargs)` on every rank (cloudpickled once, like notebook_launcher); return
+        the values per rank. An exception on a rank raises RankFailedError with the remote traceback."""
+        if not callable(function):
+            raise TypeError(f"function must be callable, got {type(function).__name__}")
+        payload = dumps_payload(function, args, kwargs)
+        results = self._call(lambda call_id, rank: ("run", call_id, payload), None, None)
+        results.raise_if_failed()
+        return results.values
+
+    def push(self, name: str, value: Any, ranks: Iterable[int] | None = None) -> None:
+        """Set variable `name` to `value` (cloudpickled) in the namespace of every rank (or of `ranks`)."""
+        _check_name(name)
+        try:
+            data = dumps_value(value)
+        except Exception as exc:
+            path = find_culprit(value, name) or name
+            raise UnpicklableError(f"cannot send {path} to the ranks: it cannot be pickled "
+                                   f"({type(exc).__name__}: {exc})") from exc
+        self._call(lambda call_id, rank: ("push", call_id, name, data), ranks, None).raise_if_failed()
+
+    def pull(self, name: str, ranks: Iterable[int] | None = None) -> list[Any]:
+        """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
+        _check_name(name)
+        results = self._call(lambda call_id, rank: ("pull", call_id, name), ranks, None)
+        results.raise_if_failed()
+        return results.values
+
+    # ------------------------------------------------------------------------------------------ the wait
+    def _call(self, make: Callable[[int, int], tuple], ranks: Iterable[int] | None,
+              timeout: float | None, on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
+        timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+        with self._lock:
+            if self._workers is None:
+                raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
+            selected = self._select(ranks)
+            call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress)
+            try:
+                return call.run(make)
+            except Hang as hang:
+                error = self._hang_error(hang, call)  # before the restart: it reads the stuck ranks' output
+                self._recover(graceful=False)
+                raise error from None
+            except KeyboardInterrupt:
+                if call.pending:
+                    self._recover(graceful=False)
+                    print(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
+                          "were restarted and their variables are lost.", file=sys.stderr)
+                raise
+            finally:
+                if call.broken and self._workers is not None and not call.pending:
+                    self._recover(graceful=False)
+                    print(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
+                          "their variables are lost: re-run the cells that define them.", file=sys.stderr)
+
+    def _select(self, ranks: Iterable[int] | None) -> list[int]:
+        if ranks is None:
+            return list(range(self.num_processes))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        try:
+            selected = sorted(set(ranks))
+        except TypeError:
+            raise ValueError(f"ranks must be a list of rank numbers (or one rank), got {ranks!r}") from None
+        bad = [rank for rank in selected if isinstance(rank, bool) or not isinstance(rank, int)
+               or not 0 <= rank < self.num_processes]
+        if bad or not selected:
+            raise ValueError(f"ranks must be a non-empty list of ranks in 0..{self.num_processes - 1}, got {ranks!r}")
+        return selected
+
+    def _recover(self, graceful: bool) -> None:
+        self._stop(graceful=graceful)
+        self.restarts += 1
+        self._start()
+
+    def _hang_error(self, hang: Hang, call: Call) -> RankPoolError:
+        diagnosis: Diagnosis = hang.diagnosis
+        stuck = [state.rank for state in hang.states if state.waiting(hang.now) is not None]
+        head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
+                else f"a collective did not complete within timeout={call.timeout:g} s")
+        lines = [f"{head}:", diagnosis.summary, "",
+                 explain(diagnosis, call.timeout, min(MISMATCH_GRACE, call.timeout))]
+        if diagnosis.details:
+            lines += ["", diagnosis.details]
+        lines += ["", f"The ranks were restarted: rank{'s' if len(stuck) > 1 else ''} "
+                      f"{', '.join(map(str, stuck))} stayed inside a collective, which cannot be undone. Variables "
+                      "defined on the ranks are lost: re-run the cells that define them."]
+        cls = CollectiveMismatchError if diagnosis.kind == "mismatch" else RankTimeoutError
+        return cls("\n".join(lines), call.partial_results(), restarted=True)
+
+
+def _check_timeout(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name must be a Python identifier (a variable name), got {name!r}")

@@ -1,0 +1,249 @@
+"""One `RankPool` call: send the command to the selected ranks and wait for their replies.
+
+The wait blocks on the ranks' pipes (replies, output, process exits) without polling. Once the call has run
+for CHECK_INTERVAL seconds it also asks the busy ranks for a status snapshot every CHECK_INTERVAL seconds
+and hands the picture to `hang_report.diagnose`; a hang ends the wait with `Hang`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .errors import WorkerFailure
+from .hang_report import Diagnosis, RankState, diagnose
+from .pool_processes import RankProcess, exit_text
+from .pool_results import RankResult, RankResults
+from .serialize import loads
+
+CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
+MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another rank cannot join
+PROGRESS_DELAY = 0.5  # seconds a cell runs before on_progress is called (quick cells: never)
+PROGRESS_INTERVAL = 0.3  # seconds between on_progress calls
+INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt before they are restarted
+
+
+class Hang(Exception):
+    def __init__(self, diagnosis: Diagnosis, states: list[RankState], now: float) -> None:
+        super().__init__(diagnosis.summary)
+        self.diagnosis = diagnosis
+        self.states = states
+        self.now = now
+
+
+class Call:
+    """One command sent to the selected ranks, and the wait for their replies (with hang checks)."""
+
+    def __init__(self, ranks: list[RankProcess], selected: list[int], call_id: int, timeout: float,
+                 on_progress: Callable[[RankResults], None] | None = None) -> None:
+        self.ranks = ranks
+        self.selected = selected
+        self.call_id = call_id
+        self.timeout = timeout
+        self.pending: set[int] = set(selected)
+        self.replies: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, tuple[str, str]] = {}
+        self.snapshots: dict[int, dict[str, Any]] = {}
+        self.raw_seen: dict[int, tuple[Any, float]] = {}
+        self.broken: str | None = None
+        self.on_progress = on_progress
+        self.changed = False
+        self.progress_at = time.monotonic() + PROGRESS_DELAY
+
+    def run(self, make: Callable[[int, int], tuple]) -> RankResults:
+        for index in self.selected:
+            rank = self.ranks[index]
+            rank.take_output()  # what a rank wrote between calls (background threads) is not this call's
+            _discard_stale(rank.status)
+            try:
+                rank.commands.send(make(self.call_id, index))
+            except (OSError, ValueError):
+                self._dead(index)
+        check_at = time.monotonic() + CHECK_INTERVAL
+        asked: set[int] = set()
+        try:
+            while self.pending:
+                if not asked and time.monotonic() >= check_at:
+                    asked = self._ask_status()
+                    check_at = time.monotonic() + CHECK_INTERVAL
+                objects: dict[Any, tuple[str, int]] = {}
+                for index in self.selected:
+                    rank = self.ranks[index]
+                    for fd in (rank.out_fd, rank.err_fd):
+                        if fd not in rank.closed_fds:
+                            objects[fd] = ("fd", index)
+                    if index in self.pending:
+                        objects[rank.commands] = ("reply", index)
+                        objects[rank.process.sentinel] = ("exit", index)
+                for index in asked:
+                    objects[self.ranks[index].status] = ("status", index)
+                round_done = False
+                wake = min(check_at, self.progress_at) if self.changed and self.on_progress else check_at
+                for obj in wait(list(objects), max(0.0, wake - time.monotonic())):
+                    what, index = objects[obj]
+                    if what == "fd":
+                        self.ranks[index].drain(obj)
+                        self.changed = True
+                    elif what == "reply" and index in self.pending:
+                        self._reply(index)
+                    elif what == "exit" and index in self.pending and not self.ranks[index].commands.poll(0):
+                        self._dead(index)
+                    elif what == "status" and index in asked:
+                        asked.discard(index)
+                        self._status(index)
+                        round_done = not asked
+                if round_done and self.pending:
+                    self._check()
+                if self.on_progress and self.changed and self.pending and time.monotonic() >= self.progress_at:
+                    self.changed = False
+                    self.progress_at = time.monotonic() + PROGRESS_INTERVAL
+                    self.on_progress(self.progress())
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        return self.results()
+
+    # -------------------------------------------------------------------------------------- messages
+    def _reply(self, index: int) -> None:
+        rank = self.ranks[index]
+        try:
+            message = rank.commands.recv()
+        except (EOFError, OSError):
+            self._dead(index)
+            return
+        if message.get("kind") != "reply" or message.get("id") != self.call_id:
+            return  # a late reply of an interrupted earlier call
+        self.replies[index] = message
+        self.outputs[index] = rank.take_output()
+        self.pending.discard(index)
+        if message.get("pg_broken") and message.get("error") and self.broken is None:
+            self.broken = f"rank {index}: {message['error']['exc_type']}: {message['error']['message']}".splitlines()[0]
+
+    def _dead(self, index: int) -> None:
+        rank = self.ranks[index]
+        rank.process.join(1.0)
+        self.outputs[index] = rank.take_output()
+        how = exit_text(rank.process.exitcode)
+        self.replies[index] = {"error": {"exc_type": "RankDied", "message": f"the rank process ended ({how})",
+                                         "traceback": ""}}
+        self.pending.discard(index)
+        self.broken = f"rank {index} died ({how})"
+
+    def _ask_status(self) -> set[int]:
+        asked = set()
+        for index in self.pending:
+            try:
+                self.ranks[index].status.send("status")
+                asked.add(index)
+            except (OSError, ValueError):
+                pass
+        return asked
+
+    def _status(self, index: int) -> None:
+        try:
+            snapshot = self.ranks[index].status.recv()
+        except (EOFError, OSError):
+            return
+        if index not in self.pending or snapshot.get("call_id") != self.call_id:
+            return
+        self.snapshots[index] = snapshot
+        raw = (snapshot.get("raw_call"), snapshot.get("line"), snapshot.get("call_id"))
+        if snapshot.get("raw_call") is None:
+            self.raw_seen.pop(index, None)
+        elif self.raw_seen.get(index, (None,))[0] != raw:
+            self.raw_seen[index] = (raw, snapshot.get("time", time.time()))
+
+    def states(self) -> list[RankState]:
+        states = []
+        for index in range(len(self.ranks)):
+            if index not in self.selected:
+                states.append(RankState(index, "idle"))
+            elif index in self.pending:
+                seen = self.raw_seen.get(index)
+                states.append(RankState(index, "running", snapshot=self.snapshots.get(index),
+                                        raw_since=seen[1] if seen else None))
+            else:
+                error = self.replies[index].get("error")
+                if error is None:
+                    states.append(RankState(index, "finished"))
+                else:
+                    first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
+                    states.append(RankState(index, "dead" if error["exc_type"] == "RankDied" else "failed", first))
+        return states
+
+    def _check(self) -> None:
+        states = self.states()
+        now = time.time()
+        diagnosis = diagnose(states, now, self.timeout, min(MISMATCH_GRACE, self.timeout))
+        if diagnosis is not None:
+            raise Hang(diagnosis, states, now)
+
+    def _interrupt(self) -> None:
+        """Forward the interrupt to the busy ranks and give them INTERRUPT_GRACE seconds to reply."""
+        for index in self.pending:
+            try:
+                os.kill(self.ranks[index].pid, signal.SIGINT)
+            except OSError:
+                pass
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        while self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            conns = {self.ranks[index].commands: index for index in self.pending}
+            for conn in wait(list(conns), left):
+                self._reply(conns[conn])
+
+    # -------------------------------------------------------------------------------------- results
+    def results(self) -> RankResults:
+        return RankResults(self._result(index) for index in self.selected)
+
+    def _result(self, index: int, waiting: bool = False) -> RankResult:
+        if waiting:
+            out, err = self.ranks[index].take_output()
+            return RankResult(index, stdout=out, stderr=err, status="waiting")
+        reply = self.replies.get(index, {})
+        out, err = self.outputs.get(index, ("", ""))
+        result = RankResult(index, stdout=out, stderr=err, text=reply.get("text"), meta=reply.get("meta") or {},
+                            duration=reply.get("duration", 0.0))
+        data = reply.get("value")
+        if data is not None:
+            try:
+                result.value = loads(data)
+            except Exception as exc:  # e.g. a class the kernel cannot import
+                result.meta["value_error"] = f"{type(exc).__name__}: {exc}"
+        if reply.get("value_error"):
+            result.meta["value_error"] = reply["value_error"]
+        error = reply.get("error")
+        if error is not None:
+            result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"])
+            result.status = "failed"
+        return result
+
+    def progress(self) -> RankResults:
+        """The results so far: finished ranks' results, and the output the others printed until now."""
+        partial = []
+        for index in self.selected:
+            if index in self.pending:
+                rank = self.ranks[index]
+                partial.append(RankResult(index, stdout=bytes(rank.out).decode("utf-8", "replace"),
+                                          stderr=bytes(rank.err).decode("utf-8", "replace"), status="running"))
+            else:
+                partial.append(self._result(index))
+        return RankResults(partial)
+
+    def partial_results(self) -> list[RankResult]:
+        return [self._result(index, waiting=index in self.pending) for index in self.selected]
+
+
+def _discard_stale(conn: Connection) -> None:
+    """Drop status answers left over from an interrupted call, so each query reads its own answer."""
+    try:
+        while conn.poll(0):
+            conn.recv()
+    except (EOFError, OSError):
+        pass

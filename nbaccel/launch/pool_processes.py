@@ -1,0 +1,192 @@
+"""The rank processes of a `RankPool`: start them with their pipes, wait until they are ready, stop them.
+
+Kept apart from `RankPool` so that finalizers (garbage collection, interpreter exit) hold these objects and
+never the pool itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util
+import os
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .channel import close_quietly
+from .output import read_available
+from .pool_results import RankStartError
+from .processes import (
+    free_port,
+    get_context,
+    main_module_hidden,
+    resource_tracker_scope,
+    signal_name,
+    stop_processes,
+)
+from .worker import DEVICE_ENV
+
+START_TIMEOUT = 120.0  # seconds for every rank to build its process group
+
+
+class RankProcess:
+    """The kernel's ends of one rank: process, command pipe, status pipe, stdout/stderr pipes."""
+
+    def __init__(self, rank: int, process: Any, commands: Connection, status: Connection, out_fd: int,
+                 err_fd: int) -> None:
+        self.rank = rank
+        self.process = process
+        self.commands = commands
+        self.status = status
+        self.out_fd = out_fd
+        self.err_fd = err_fd
+        self.out = bytearray()
+        self.err = bytearray()
+        self.device = "cpu"
+        self.pid = process.pid
+        self.closed_fds: set[int] = set()
+
+    def drain(self, fd: int) -> None:
+        if fd in self.closed_fds:
+            return
+        data, at_end = read_available(fd)
+        (self.out if fd == self.out_fd else self.err).extend(data)
+        if at_end:
+            self.closed_fds.add(fd)
+
+    def take_output(self) -> tuple[str, str]:
+        self.drain(self.out_fd)
+        self.drain(self.err_fd)
+        out, err = bytes(self.out).decode("utf-8", "replace"), bytes(self.err).decode("utf-8", "replace")
+        self.out.clear()
+        self.err.clear()
+        return out, err
+
+
+class RankProcesses:
+    """Start and stop the rank processes. Separate from RankPool so finalizers never keep the pool alive."""
+
+    def __init__(self, num_processes: int, start_method: str, env: dict[str, str], device: str) -> None:
+        self.ranks: list[RankProcess] = []
+        self.closed = False
+        self.start_method = start_method
+        self._tracker = resource_tracker_scope()
+        self._tracker.__enter__()
+        ctx = get_context(start_method)
+        port = free_port()
+        kernel_fds: list[int] = []
+        death_signal = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the thread
+        try:
+            for rank in range(num_processes):
+                commands, worker_commands = ctx.Pipe(duplex=True)
+                status, worker_status = ctx.Pipe(duplex=True)
+                out_read, out_write = os.pipe()
+                err_read, err_write = os.pipe()
+                kernel_fds += [commands.fileno(), status.fileno(), out_read, err_read]
+                rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_processes),
+                                LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port))
+                rank_env[DEVICE_ENV] = device.format(local_rank=rank)
+                from .pool_worker import pool_worker
+
+                process = ctx.Process(
+                    target=pool_worker, name=f"nbaccel-rank-{rank}",
+                    args=(worker_commands, worker_status, Connection(out_write, readable=False),
+                          Connection(err_write, readable=False), rank_env,
+                          list(kernel_fds) if start_method == "fork" else [], death_signal),
+                )
+                with main_module_hidden(start_method):
+                    process.start()
+                close_quietly(worker_commands, worker_status, out_write, err_write)
+                self.ranks.append(RankProcess(rank, process, commands, status, out_read, err_read))
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        _LIVE.add(self)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every rank built its process group; on failure stop them all and raise RankStartError."""
+        pending = {rank.commands: rank for rank in self.ranks}
+        sentinels = {rank.process.sentinel: rank for rank in self.ranks}
+        deadline = time.monotonic() + timeout
+        problem = None
+        while pending and problem is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                problem = f"ranks {sorted(r.rank for r in pending.values())} did not start within {timeout:g} s"
+                break
+            for obj in wait([*pending, *sentinels], left):
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        message = obj.recv()
+                    except (EOFError, OSError):
+                        problem = f"rank {rank.rank} exited while starting"
+                        break
+                    if message.get("error"):
+                        error = message["error"]
+                        problem = f"rank {rank.rank} failed to start:\n{error['traceback'].rstrip()}"
+                        break
+                    rank.device = message.get("device", "cpu")
+                elif obj in sentinels and sentinels[obj].commands in pending:
+                    rank = sentinels[obj]
+                    if not rank.commands.poll(0):
+                        problem = f"rank {rank.rank} exited while starting ({exit_text(rank.process.exitcode)})"
+                        break
+        if problem is not None:
+            output = "\n".join(text for rank in self.ranks for text in rank.take_output() if text.strip())
+            self.close(graceful=False)
+            raise RankStartError(problem + (f"\n\nOutput of the ranks:\n{output.rstrip()}" if output else ""))
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank. Graceful: ask them to leave (they destroy the process group); after a short wait,
+        or at once when not graceful, closing the status pipes makes them exit; SIGTERM/SIGKILL last."""
+        if self.closed:
+            return
+        self.closed = True
+        _LIVE.discard(self)
+        processes = [rank.process for rank in self.ranks]
+        if graceful:
+            for rank in self.ranks:
+                try:
+                    rank.commands.send(("stop",))
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 2.0
+            for process in processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+        for rank in self.ranks:
+            close_quietly(rank.status)  # end of file: the rank's status thread exits the process
+        deadline = time.monotonic() + 1.0
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        stop_processes(processes)
+        for rank in self.ranks:
+            close_quietly(rank.commands, rank.out_fd, rank.err_fd)
+        try:
+            self._tracker.__exit__(None, None, None)
+        except Exception:
+            pass
+
+
+_LIVE: weakref.WeakSet[RankProcesses] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    for workers in list(_LIVE):
+        try:
+            workers.close(graceful=False)
+        except Exception:
+            pass
+
+
+atexit.register(_close_all)
+# multiprocessing's own exit handler joins non-daemon children: close ours before it does
+multiprocessing.util.Finalize(None, _close_all, exitpriority=100)
+
+
+def exit_text(exitcode: int | None) -> str:
+    name = signal_name(exitcode)
+    return f"killed by {name}" if name else f"exit code {exitcode}"

@@ -1,0 +1,340 @@
+"""The persistent rank: what each process of a `RankPool` runs until the pool stops it.
+
+A rank sets the launcher environment (docs/internals.md), builds `PartialState` (which creates the process
+group), then serves commands from the kernel over its duplex pipe, one at a time, in its main thread:
+`exec` (a cell's source, run in the rank's own namespace like a kernel runs a cell), `run` (a cloudpickled
+function), `push`/`pull` (one variable). Each command gets exactly one `reply`. Output goes to the kernel
+through the fd-level pipes of `output.py`; the reply is sent after stdout/stderr are flushed, so the kernel
+has every byte of a cell's output once it holds the reply.
+
+A helper thread answers `status` queries on a second pipe while the main thread is busy (or stuck in a
+collective): which collective it is in (`collective_trace.current()`), how long, and where the main thread
+is (its stack). When that pipe reaches end-of-file the kernel is gone and the rank exits at once, even if
+its main thread is stuck in a collective: a rank never outlives its kernel.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .channel import close_quietly
+from .output import flush_std, redirect_std_fds
+
+CELL_PREFIX = "<rank-cell-"
+PREVIEW_CHARS = 2000
+_PR_SET_PDEATHSIG = 1
+
+_busy: tuple[int, float] | None = None  # (command id, start time) while the main thread runs a command
+_inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank
+
+
+def pool_worker(commands: Connection, status: Connection, stdout: Connection, stderr: Connection,
+                env: dict[str, str], inherited_fds: list[int], parent_death_signal: bool) -> None:
+    """Multiprocessing target of one rank: set up, then serve commands until `stop` or the kernel leaves."""
+    global _inherited_exception
+    _inherited_exception = sys.exc_info()[1]
+    if parent_death_signal:
+        _die_with_parent()
+    for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
+        close_quietly(fd)
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)  # a terminal's or Jupyter's SIGINT reaches the kernel only; the pool forwards it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt only counts while a command runs (_handle)
+    redirect_std_fds(stdout.fileno(), stderr.fileno())
+    close_quietly(stdout, stderr)
+    os.environ.update(env)
+    rank = int(os.environ.get("RANK", "0"))
+    _start_status_thread(status)
+    try:
+        device = _set_up()
+    except BaseException as exc:
+        flush_std()
+        _send(commands, {"kind": "ready", "rank": rank, "error": _error_info(exc)})
+        os._exit(1)
+    flush_std()
+    _send(commands, {"kind": "ready", "rank": rank, "device": device, "pid": os.getpid()})
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    serve(commands, namespace, rank)
+    _destroy_process_group()
+    flush_std()
+    os._exit(0)  # skip interpreter teardown: gloo threads and the kernel's inherited atexit hooks
+
+
+def _set_up() -> str:
+    """Build PartialState (it creates the process group); return the device string for the status."""
+    from ..state import PartialState
+    from ..utils import collective_trace
+
+    # with a listener registered, every traced collective records its call site ("cell line 4")
+    collective_trace.add_listener(_ignore)
+    state = PartialState()
+    return str(state.device)
+
+
+def _ignore(event: str, record: Any) -> None:
+    return None
+
+
+def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
+    """Answer commands until `stop` (or end of file)."""
+    global _busy
+    while True:
+        try:
+            message = commands.recv()
+        except (EOFError, OSError):
+            return
+        kind = message[0]
+        if kind == "stop":
+            return
+        call_id = message[1]
+        _busy = (call_id, time.time())
+        reply = _handle(kind, message, namespace, rank)
+        _busy = None
+        flush_std()
+        reply.update(kind="reply", id=call_id, rank=rank)
+        if not _send(commands, reply):
+            return
+
+
+def _handle(kind: str, message: tuple, namespace: dict[str, Any], rank: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    reply: dict[str, Any] = {}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            _dispatch(kind, message, namespace, rank, reply)
+        finally:  # never between pipe reads/writes: a half-sent message would desynchronize the pipe
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except BaseException as exc:
+        reply["error"] = _error_info(exc)
+        reply["pg_broken"] = _breaks_process_group(exc)
+    reply["duration"] = time.perf_counter() - started
+    return reply
+
+
+def _dispatch(kind: str, message: tuple, namespace: dict[str, Any], rank: int, reply: dict[str, Any]) -> None:
+    """Run one command; what goes back to the kernel is written into `reply`."""
+    if kind == "exec":
+        _, _, source, filename = message
+        value, shown = run_cell(source, filename, namespace)
+        if shown:
+            reply.update(describe(value))
+            reply["value"] = _dumps_value(value, reply)
+    elif kind == "run":
+        from . import serialize
+
+        function, args, kwargs = serialize.loads(message[2])
+        value = function(*args, **kwargs)
+        reply.update(describe(value))
+        reply["value"] = _dumps_value(value, reply, required=True)
+    elif kind == "push":
+        from . import serialize
+
+        namespace[message[2]] = serialize.loads(message[3])
+    elif kind == "pull":
+        name = message[2]
+        if name not in namespace:
+            raise NameError(f"name {name!r} is not defined on rank {rank}")
+        reply["value"] = _dumps_value(namespace[name], reply, required=True)
+    else:
+        raise ValueError(f"unknown command {kind!r}")
+
+
+def run_cell(source: str, filename: str, namespace: dict[str, Any]) -> tuple[Any, bool]:
+    """Run `source` like IPython: every statement, then the last one's value if it is an expression.
+
+    Returns (value, shown); `shown` is False when the cell does not end with an expression, its value is None, or it ends with a
+    semicolon (IPython's way to hide the value).
+    """
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
+    tree = ast.parse(source, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    if tree.body:
+        exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None, False
+    value = eval(compile(last, filename, "eval"), namespace)
+    return value, value is not None and not source.rstrip().endswith(";")
+
+
+def describe(value: Any) -> dict[str, Any]:
+    """What the kernel shows for `value` without unpickling it: a short text, and for tensors their facts."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        meta = {"type": "tensor", "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+                "device": str(value.device)}
+        try:
+            with torch._tensor_str.printoptions(threshold=64, edgeitems=3, linewidth=80):
+                text = repr(value)
+        except Exception as exc:
+            text = f"<tensor, repr failed: {exc}>"
+        return {"text": _shorten(text), "meta": meta}
+    try:
+        text = repr(value)
+    except Exception as exc:
+        text = f"<{type(value).__name__}, repr failed: {exc}>"
+    return {"text": _shorten(text), "meta": {"type": type(value).__name__}}
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + f"... ({len(text)} characters)"
+
+
+def _dumps_value(value: Any, reply: dict[str, Any], required: bool = False) -> bytes | None:
+    """Pickle `value` for the kernel (device tensors arrive on the CPU: the kernel must not touch a GPU)."""
+    if value is None:
+        return None
+    try:
+        return _cpu_dumps(value)
+    except Exception as exc:
+        if required:
+            raise TypeError(f"the value ({type(value).__name__}) cannot be pickled for the kernel: {exc}") from exc
+        reply["value_error"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _cpu_dumps(value: Any) -> bytes:
+    import io
+
+    import cloudpickle
+
+    class CpuPickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+                return obj.detach().cpu().__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    CpuPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _error_info(exc: BaseException) -> dict[str, str]:
+    _drop_inherited_context(exc)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # start the remote traceback at the user's code
+    return {"exc_type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, tb))}
+
+
+def _drop_inherited_context(exc: BaseException) -> None:
+    """A forked rank starts inside the kernel's stack; if that was handling an exception, Python would chain
+    it to every error of the rank ("During handling of the above exception..."): cut that link."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _inherited_exception is not None and exc.__context__ is _inherited_exception:
+            exc.__context__ = None
+            return
+        exc = exc.__context__
+
+
+def _breaks_process_group(exc: BaseException) -> bool:
+    """A backend error (a gloo timeout, a peer gone) leaves the process group unusable: restart the ranks."""
+    dist = sys.modules.get("torch.distributed")
+    backend_error = getattr(dist, "DistBackendError", None) if dist is not None else None
+    if backend_error is not None and isinstance(exc, backend_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection closed by peer" in text
+                                             or "Timed out" in text and "ProcessGroup" in text)
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> bool:
+    try:
+        conn.send(message)
+        return True
+    except (BrokenPipeError, ConnectionError, EOFError, OSError):
+        return False
+
+
+def _destroy_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel's death (even SIGKILL) kills this rank too (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- status
+def _start_status_thread(conn: Connection) -> None:
+    main = threading.main_thread().ident
+    thread = threading.Thread(target=_status_loop, args=(conn, main), name="nbaccel-rank-status", daemon=True)
+    thread.start()
+
+
+def _status_loop(conn: Connection, main_ident: int | None) -> None:
+    while True:
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            os._exit(1)  # the kernel is gone (or closed the pool): leave now, even from inside a collective
+        except Exception:
+            continue
+        try:
+            conn.send(snapshot(main_ident))
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            os._exit(1)
+        except Exception:
+            pass
+
+
+def snapshot(main_ident: int | None) -> dict[str, Any]:
+    """Where this rank's main thread is now: the traced collective, a raw torch.distributed call, the line."""
+    from ..utils import collective_trace
+
+    record = collective_trace.current()
+    busy = _busy
+    info: dict[str, Any] = {"kind": "status", "time": time.time(), "busy": busy is not None,
+                            "call_id": busy[0] if busy else None, "since": busy[1] if busy else None,
+                            "collective": record.to_dict() if record is not None else None,
+                            "raw_call": None, "line": None, "stack": ""}
+    frame = sys._current_frames().get(main_ident) if main_ident is not None else None
+    if frame is None:
+        return info
+    stack = traceback.extract_stack(frame)
+    for entry in reversed(stack):
+        if entry.filename.startswith(CELL_PREFIX):
+            info["line"] = entry.lineno
+            break
+    for entry in stack:  # the outermost torch.distributed function the user's code called
+        path = entry.filename.replace(os.sep, "/")
+        if "/torch/distributed/" in path and entry.name not in ("wrapper", "inner"):
+            info["raw_call"] = f"torch.distributed.{entry.name}"
+            break
+    # the user's part: from the first frame below this module's command handler (a cell, or run()'s function)
+    start = next((i + 1 for i in range(len(stack) - 1, -1, -1) if stack[i].filename == __file__), 0)
+    shown = []
+    for entry in stack[start:]:  # ... down to the torch.distributed function it called, not torch's insides
+        shown.append(entry)
+        if "/torch/distributed/" in entry.filename.replace(os.sep, "/") and entry.name not in ("wrapper", "inner"):
+            break
+    info["stack"] = "".join(traceback.format_list(shown[-10:]))
+    return info

@@ -1,0 +1,247 @@
+"""`Dashboard`: the live per-rank view of a launch, fed with the launcher's channel messages.
+
+The launcher calls `dashboard(message)` (or `.observe(message)`) from its supervising thread for every
+message; the model is updated at once and the view redrawn at most `max_redraws_per_second` times (a
+trailing redraw catches the last change of a burst). Where it draws is chosen by `mode`:
+
+- "widget": ipywidgets in a notebook (widget_view.py); at `finish` a static HTML/SVG summary is displayed
+  below it, which survives saving and reopening the notebook;
+- "terminal": a rich live table (console.py);
+- "plain": log lines, throttled (console.py);
+- "auto": widget inside an IPython kernel with ipywidgets, terminal on a TTY, plain otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .dashboard_model import DashboardModel
+
+MODES = ("auto", "widget", "terminal", "plain")
+_FALLBACK_HTML = (
+    "<div class='nbaccel-dashboard-fallback'><i>nbaccel live dashboard (an ipywidgets view; it needs the "
+    "running kernel). The run's summary is the output below it.</i></div>"
+)
+
+
+class Throttle:
+    """Allows an action at most once every `min_interval` seconds; `delay()` says how long until next."""
+
+    def __init__(self, min_interval: float, clock: Callable[[], float] = time.monotonic):
+        self.min_interval = min_interval
+        self.clock = clock
+        self._last: float | None = None
+
+    def ready(self) -> bool:
+        return self.delay() <= 0
+
+    def delay(self) -> float:
+        if self._last is None:
+            return 0.0
+        return self._last + self.min_interval - self.clock()
+
+    def mark(self) -> None:
+        self._last = self.clock()
+
+
+def in_notebook_kernel() -> bool:
+    """Whether this process is an IPython kernel (Jupyter, Colab, VS Code), not a terminal IPython."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def resolve_mode(mode: str) -> str:
+    """The concrete view for `mode` ("auto" -> widget / terminal / plain, see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"Dashboard mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode != "auto":
+        return mode
+    if in_notebook_kernel():
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            return "plain"
+        return "widget"
+    isatty = getattr(sys.stdout, "isatty", None)
+    return "terminal" if isatty is not None and isatty() else "plain"
+
+
+class Dashboard:
+    """Live per-rank status, memory, throughput and logged metrics of a launch.
+
+    `Dashboard(num_processes, title=None, total_steps=None, mode="auto")`; `start()` shows it,
+    `observe(message)` (or calling the instance) feeds it a channel message, `finish(results, failures)`
+    leaves a static summary, `close()` ends it (idempotent; a started dashboard is finished first, with
+    `close(results=..., failures=...)` as the launcher calls it). Other keyword
+    arguments (the launcher passes `start_method`, `world_size`, `device`) are shown in the header.
+    """
+
+    def __init__(
+        self,
+        num_processes: int,
+        *,
+        title: str | None = None,
+        total_steps: int | None = None,
+        mode: str = "auto",
+        max_redraws_per_second: float = 4.0,
+        plain_interval: float = 10.0,
+        **launch_info: Any,
+    ):
+        if not (isinstance(max_redraws_per_second, (int, float)) and max_redraws_per_second > 0):
+            raise ValueError(f"max_redraws_per_second must be a positive number, got {max_redraws_per_second!r}")
+        self.model = DashboardModel(num_processes, title=title, total_steps=total_steps, info=launch_info)
+        self.mode = resolve_mode(mode)
+        self.plain_interval = plain_interval
+        self.redraws = 0
+        self._throttle = Throttle(1.0 / max_redraws_per_second)
+        self._lock = threading.RLock()
+        self._timer: threading.Timer | None = None
+        self._view: Any = None
+        self._display_handle: Any = None
+        self._drawn_version = -1
+        self._started = self._finished = self._closed = False
+        self._broken = False
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> Dashboard:
+        """Show the dashboard (displays the widget, starts the live table or the log lines)."""
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+            self._guard(self._create_view)
+            self._drawn_version = self.model.version
+            self._throttle.mark()
+        return self
+
+    def observe(self, message: dict[str, Any]) -> None:
+        """Apply one channel message; redraws are throttled. Never raises: a view error is warned once."""
+        with self._lock:
+            if not self.model.update(message) or not self._started or self._finished:
+                return
+            if self._throttle.ready():
+                self._redraw()
+            elif self._timer is None:
+                self._timer = threading.Timer(max(self._throttle.delay(), 0.0), self._trailing_redraw)
+                self._timer.daemon = True
+                self._timer.start()
+
+    __call__ = observe
+
+    def finish(self, results: list | None = None, failures: dict | None = None) -> None:
+        """The launch is over: mark final states and leave the static summary on display."""
+        with self._lock:
+            if self._finished:
+                return
+            if not self._started:
+                self.start()
+            self._cancel_timer()
+            self.model.finish(results, failures)
+            self._finished = True
+            self._redraw()
+            self._guard(self._finish_view)
+            self.close()
+
+    def close(self, results: list | None = None, failures: dict | None = None) -> None:
+        """End the live view; what is displayed stays. A started dashboard not finished yet is finished
+        first (static summary) with the launch's `results` / `failures` when given; ranks that never
+        reported their end then show as failed ("stopped before reporting its end", e.g. an interrupt)."""
+        with self._lock:
+            if not self._finished and (self._started or results is not None or failures is not None):
+                self.finish(results, failures)
+            if self._closed:
+                return
+            self._closed = True
+            self._cancel_timer()
+            if self.mode in ("terminal", "plain") and self._view is not None:
+                self._guard(self._view.close)
+
+    def __enter__(self) -> Dashboard:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not self._finished:
+            self.finish(failures={s.rank: exc for s in self.model.ranks if not s.done})
+        else:
+            self.finish()
+
+    # --- drawing ---------------------------------------------------------------------------------------
+
+    def _create_view(self) -> None:
+        if self.mode == "widget":
+            from IPython.display import display
+
+            from .widget_view import WidgetView
+
+            _enable_colab_widgets()
+            self._view = WidgetView(self.model)
+            bundle = self._view.mimebundle(_FALLBACK_HTML)
+            self._display_handle = display(bundle, raw=True, display_id=True)
+        elif self.mode == "terminal":
+            from .console import RichView
+
+            self._view = RichView(self.model)
+        else:
+            from .console import PlainView
+
+            self._view = PlainView(self.model, interval=self.plain_interval)
+
+    def _finish_view(self) -> None:
+        if self.mode == "widget":
+            from IPython.display import HTML, display
+
+            from .render import summary_html
+
+            display(HTML(summary_html(self.model)))
+        elif self._view is not None:
+            self._view.finish(self.model)
+
+    def _redraw(self) -> None:
+        if self._view is not None and not self._broken:
+            self._guard(lambda: self._view.render(self.model))
+        self._drawn_version = self.model.version
+        self._throttle.mark()
+        self.redraws += 1
+
+    def _trailing_redraw(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self._finished and self._drawn_version != self.model.version:
+                self._redraw()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _guard(self, action: Callable[[], Any]) -> None:
+        """Run a drawing action; a failure disables drawing (with one warning) instead of breaking the launch."""
+        try:
+            action()
+        except Exception as error:  # the dashboard must never take a training run down
+            if not self._broken:
+                self._broken = True
+                warnings.warn(f"nbaccel dashboard stopped drawing: {type(error).__name__}: {error}",
+                              RuntimeWarning, stacklevel=3)
+
+
+def _enable_colab_widgets() -> None:
+    """Colab renders only its built-in widgets unless asked: turn on its custom widget manager (bqplot)."""
+    if "google.colab" not in sys.modules:
+        return
+    try:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    except Exception:  # an older Colab without it: the charts will not show, the rest does
+        pass

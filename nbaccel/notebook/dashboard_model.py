@@ -1,0 +1,402 @@
+"""The dashboard's state, updated from channel messages: no widgets, no terminal, no clock of its own.
+
+Every view (ipywidgets, rich, plain lines, the static HTML summary) reads this model, so what a run looks
+like is decided once and tested without a display. Message kinds and fields are those of
+docs/internals.md ("The channel"); times come from the messages, so a recorded stream replays the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+STATES = ("starting", "running", "finished", "failed")
+RATE_WINDOW_S = 5.0  # steps per second: measured over the last few seconds of step reports
+
+
+@dataclass
+class RankState:
+    """What the dashboard knows of one rank."""
+
+    rank: int
+    device: str = ""
+    state: str = "starting"
+    error: str | None = None
+    rss: int | None = None
+    rss_peak: int | None = None
+    device_allocated: int | None = None
+    device_reserved: int | None = None
+    device_peak: int | None = None
+    device_limit: int | None = None
+    step: int = 0
+    total: int | None = None
+    steps_per_second: float | None = None
+    last_output: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    first_seen: float | None = None
+    last_seen: float | None = None
+    _rate_window: deque = field(default_factory=lambda: deque(maxlen=256), repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "failed")
+
+
+@dataclass
+class MetricSeries:
+    """One logged metric: for each x (the logged step, or the n-th log when no step was given) the value
+    of every rank that logged it there."""
+
+    name: str
+    points: dict[float, dict[int, float]] = field(default_factory=dict)
+    _count: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def add(self, rank: int, value: float, step: int | None) -> None:
+        count = self._count.get(rank, 0) + 1
+        self._count[rank] = count
+        x = float(step) if step is not None else float(count)
+        self.points.setdefault(x, {})[rank] = value
+
+    def mean_series(self, max_points: int | None = None) -> tuple[list[float], list[float]]:
+        """(xs, mean across ranks at each x), x ascending; averaged down to `max_points` buckets if longer."""
+        xs = sorted(self.points)
+        means = [_mean(self.points[x].values()) for x in xs]
+        if max_points is not None and len(xs) > max_points:
+            xs, means = _downsample(xs, means, max_points)
+        return xs, means
+
+    def last_by_rank(self) -> dict[int, float]:
+        """The latest value (highest x) each rank logged."""
+        last: dict[int, float] = {}
+        for x in sorted(self.points):
+            last.update(self.points[x])
+        return last
+
+
+class DashboardModel:
+    """Per-rank state, logged metrics and run progress, built from channel messages by `update`."""
+
+    def __init__(self, num_processes: int, *, title: str | None = None, total_steps: int | None = None,
+                 info: dict[str, Any] | None = None):
+        if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
+            raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        self.title = title or "nbaccel"
+        self.info = {key: value for key, value in (info or {}).items() if value is not None}
+        self.total_steps = total_steps
+        self.ranks = [RankState(rank) for rank in range(num_processes)]
+        self.metrics: dict[str, MetricSeries] = {}
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.finished = False
+        self.version = 0  # bumped on every change: views redraw only when it moved
+
+    # --- updates ---------------------------------------------------------------------------------------
+
+    def update(self, message: dict[str, Any]) -> bool:
+        """Apply one channel message; returns whether anything shown changed. Unknown kinds are ignored."""
+        kind = message.get("kind")
+        handler = _HANDLERS.get(kind)
+        rank = message.get("rank")
+        if handler is None or not isinstance(rank, int) or rank < 0:
+            return False
+        # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too.
+        local_rank = message.get("local_rank")
+        state = self._rank(local_rank if isinstance(local_rank, int) and local_rank >= 0 else rank)
+        state.rank = rank
+        now = message.get("time")
+        if isinstance(now, (int, float)):
+            if self.start_time is None or now < self.start_time:
+                self.start_time = now
+            state.first_seen = now if state.first_seen is None else min(state.first_seen, now)
+            state.last_seen = now if state.last_seen is None else max(state.last_seen, now)
+        handler(self, state, message)
+        self.version += 1
+        return True
+
+    def finish(self, results: list | None = None, failures: dict | None = None, end_time: float | None = None):
+        """The run is over: ranks named in `failures` ({rank: error}) failed, ranks with a result
+        finished, and any rank still marked starting/running takes the outcome of the whole run."""
+        failures = dict(failures or {})
+        for rank, error in failures.items():
+            if isinstance(rank, int) and rank >= 0:
+                state = self._rank(rank)
+                state.state, state.error = "failed", _first_line(error) or state.error or "failed"
+        for rank, _result in enumerate(results or []):
+            if rank < len(self.ranks) and not self.ranks[rank].done:
+                self.ranks[rank].state = "finished"
+        for state in self.ranks:
+            if not state.done:
+                # A launcher that raised for one rank stopped the others: they did not finish their work.
+                # With neither results nor failures, a rank that never reported its end did not finish.
+                if failures:
+                    state.state, state.error = "failed", state.error or "stopped after another rank failed"
+                elif results is not None:
+                    state.state = "finished"
+                else:
+                    state.state, state.error = "failed", state.error or "stopped before reporting its end"
+        if end_time is not None:
+            self.end_time = end_time
+        else:  # the last message of the run (message times, so a replayed stream gives the same summary)
+            self.end_time = max((s.last_seen for s in self.ranks if s.last_seen is not None), default=None)
+        self.finished = True
+        self.version += 1
+
+    def _rank(self, rank: int) -> RankState:
+        while rank >= len(self.ranks):  # a rank beyond num_processes (e.g. a larger world): show it too
+            self.ranks.append(RankState(len(self.ranks)))
+        return self.ranks[rank]
+
+    def _on_status(self, state: RankState, message: dict) -> None:
+        new = message.get("state")
+        if new in STATES:
+            state.state = new
+        if message.get("device"):
+            state.device = str(message["device"])
+        if new == "failed":
+            state.error = _first_line(message.get("error")) or state.error or "failed"
+        if new in ("finished", "failed") and all(s.done for s in self.ranks):
+            self.end_time = max(s.last_seen or 0 for s in self.ranks)
+
+    def _on_output(self, state: RankState, message: dict) -> None:
+        text = str(message.get("text", "")).rstrip("\r\n")
+        if text.strip():
+            state.last_output = text[-500:]
+        self._mark_running(state)
+
+    def _on_metrics(self, state: RankState, message: dict) -> None:
+        # A sampler-batched message carries the earlier logs of its interval in `history`, oldest first.
+        for entry in message.get("history") or ():
+            if isinstance(entry, dict):
+                self._add_metrics(state, entry.get("values") or {}, entry.get("step"))
+        self._add_metrics(state, message.get("values") or {}, message.get("step"))
+        self._mark_running(state)
+
+    def _add_metrics(self, state: RankState, values: dict, step: Any) -> None:
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        for name, value in values.items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isnan(value) or math.isinf(value):
+                continue
+            self.metrics.setdefault(name, MetricSeries(str(name))).add(state.rank, value, step)
+            state.metrics[name] = value
+
+    def _on_step(self, state: RankState, message: dict) -> None:
+        step = message.get("step")
+        if isinstance(step, int):
+            state.step = step
+            now = message.get("time")
+            if isinstance(now, (int, float)):
+                window = state._rate_window
+                window.append((now, step))
+                while len(window) > 2 and now - window[0][0] > RATE_WINDOW_S:
+                    window.popleft()
+                (t0, s0), (t1, s1) = window[0], window[-1]
+                if t1 > t0:
+                    state.steps_per_second = (s1 - s0) / (t1 - t0)
+        if isinstance(message.get("total"), int):
+            state.total = message["total"]
+        self._mark_running(state)
+
+    def _on_total(self, state: RankState, message: dict) -> None:
+        if isinstance(message.get("total"), int):
+            state.total = message["total"]
+
+    def _on_memory(self, state: RankState, message: dict) -> None:
+        for key in ("rss", "device_allocated", "device_reserved", "device_limit"):
+            if message.get(key) is not None:
+                setattr(state, key, int(message[key]))
+        # Peaks only grow: the max of what the worker says and what was seen.
+        for peak_key, current_key in (("rss_peak", "rss"), ("device_peak", "device_allocated")):
+            candidates = [v for v in (message.get(peak_key), message.get(current_key), getattr(state, peak_key))
+                          if v is not None]
+            if candidates:
+                setattr(state, peak_key, int(max(candidates)))
+
+    def _on_error(self, state: RankState, message: dict) -> None:
+        state.state = "failed"
+        kind = message.get("exc_type") or message.get("type")
+        text = message.get("message") or message.get("error") or kind
+        if kind and message.get("message"):
+            text = f"{kind}: {message['message']}"
+        state.error = _first_line(text) or "failed"
+
+    def _on_result(self, state: RankState, message: dict) -> None:
+        if not state.done:
+            state.state = "finished"
+
+    @staticmethod
+    def _mark_running(state: RankState) -> None:
+        if state.state == "starting":
+            state.state = "running"
+
+    # --- what views read -------------------------------------------------------------------------------
+
+    @property
+    def total(self) -> int | None:
+        """The run's number of steps: given to the dashboard, or reported by the data loader."""
+        if self.total_steps is not None:
+            return self.total_steps
+        totals = [s.total for s in self.ranks if s.total]
+        return max(totals) if totals else None
+
+    @property
+    def progress(self) -> float | None:
+        """Fraction done (0..1) of the slowest rank still running, None when the total is unknown."""
+        total = self.total
+        if not total:
+            return None
+        if self.finished and all(s.state == "finished" for s in self.ranks):
+            return 1.0
+        steps = [s.step for s in self.ranks if s.state != "failed"] or [s.step for s in self.ranks]
+        return max(0.0, min(1.0, min(steps) / total))
+
+    @property
+    def wall_time(self) -> float | None:
+        """Seconds from the first message to the end (or to the latest message while running)."""
+        if self.start_time is None:
+            return None
+        end = self.end_time
+        if end is None:
+            end = max((s.last_seen for s in self.ranks if s.last_seen is not None), default=self.start_time)
+        return max(0.0, end - self.start_time)
+
+    @property
+    def overall_state(self) -> str:
+        states = {s.state for s in self.ranks}
+        if "failed" in states:
+            return "failed"
+        if states == {"finished"}:
+            return "finished"
+        if "running" in states or "finished" in states:
+            return "running"
+        return "starting"
+
+    def summary(self) -> dict[str, Any]:
+        """The static end-of-run summary: final status, peak memory per rank, wall time, last metrics."""
+        return {
+            "title": self.title,
+            "state": self.overall_state,
+            "wall_time": self.wall_time,
+            "total": self.total,
+            "ranks": [
+                {
+                    "rank": s.rank, "device": s.device, "state": s.state, "error": s.error, "step": s.step,
+                    "steps_per_second": s.steps_per_second, "rss_peak": s.rss_peak,
+                    "device_peak": s.device_peak, "metrics": dict(s.metrics),
+                }
+                for s in self.ranks
+            ],
+            "metrics": {
+                name: {"mean": _mean(series.last_by_rank().values()), "by_rank": series.last_by_rank()}
+                for name, series in self.metrics.items()
+            },
+        }
+
+
+_HANDLERS = {
+    "status": DashboardModel._on_status,
+    "output": DashboardModel._on_output,
+    "metrics": DashboardModel._on_metrics,
+    "step": DashboardModel._on_step,
+    "total": DashboardModel._on_total,
+    "memory": DashboardModel._on_memory,
+    "error": DashboardModel._on_error,
+    "result": DashboardModel._on_result,
+}
+
+
+def format_bytes(value: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> '–'."""
+    if value is None:
+        return "–"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def format_rate(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}/s" if value < 100 else f"{value:.0f}/s"
+
+
+def format_step(state: RankState, total: int | None) -> str:
+    total = state.total or total
+    return f"{state.step}/{total}" if total else str(state.step)
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_value(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4g}"
+
+
+def device_memory_text(state: RankState) -> str:
+    """'1.2 GiB / 2.0 GiB (peak 1.5 GiB)': allocated / reserved (or the XLA limit), and the peak."""
+    if state.device_allocated is None:
+        return "–"
+    text = format_bytes(state.device_allocated)
+    second = state.device_reserved if state.device_reserved is not None else state.device_limit
+    if second is not None:
+        text += f" / {format_bytes(second)}"
+    if state.device_peak is not None:
+        text += f" (peak {format_bytes(state.device_peak)})"
+    return text
+
+
+def host_memory_text(state: RankState) -> str:
+    if state.rss is None:
+        return "–"
+    peak = f" (peak {format_bytes(state.rss_peak)})" if state.rss_peak is not None else ""
+    return format_bytes(state.rss) + peak
+
+
+def status_text(state: RankState) -> str:
+    return f"failed: {state.error}" if state.state == "failed" and state.error else state.state
+
+
+def _first_line(error: Any) -> str | None:
+    """The line that says what went wrong: an exception's `Type: message`, a traceback's last line, or
+    the first line of a message."""
+    if error is None:
+        return None
+    if isinstance(error, BaseException):
+        error = f"{type(error).__name__}: {error}"
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    if lines[0].startswith("Traceback (most recent call last)"):
+        unindented = [line for line in lines[1:] if not line[:1].isspace()]
+        return (unindented[0] if unindented else lines[-1]).strip()[:300]
+    return lines[0].strip()[:300]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _downsample(xs: list[float], ys: list[float], buckets: int) -> tuple[list[float], list[float]]:
+    size = len(xs) / buckets
+    out_x, out_y = [], []
+    for index in range(buckets):
+        lo, hi = int(index * size), max(int((index + 1) * size), int(index * size) + 1)
+        out_x.append(xs[hi - 1])
+        out_y.append(sum(ys[lo:hi]) / (hi - lo))
+    return out_x, out_y

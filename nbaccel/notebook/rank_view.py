@@ -1,0 +1,111 @@
+"""Show the per-rank results of a `RankPool` call side by side: HTML (one column per rank) and plain text.
+
+Values are shown from the text each rank made of them (`RankResult.text`): tensors with shape, dtype and
+device next to torch's short preview. A value that reads the same on every rank is shown once, as
+"all ranks: ...". Only the standard library is used (no ipywidgets), so results render anywhere.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+MAX_LINES = 200  # per rank and stream; the full text stays in RankResult.stdout / .stderr
+STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "running": "running...",
+                 "not run": "not run"}
+
+
+def tail(text: str, max_lines: int = MAX_LINES) -> str:
+    """The last `max_lines` lines of `text`, saying how many were left out."""
+    lines = text.rstrip("\n").splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join([f"... ({len(lines) - max_lines} earlier lines: see .stdout/.stderr of the results)",
+                      *lines[-max_lines:]])
+
+
+def value_line(result: Any) -> str | None:
+    """The value as text, tensors with their facts: `tensor([0, 1]) (shape [2], int64, cpu)`."""
+    if result.text is None:
+        return None
+    meta = result.meta or {}
+    if meta.get("type") == "tensor":
+        return f"{result.text}  (shape {meta.get('shape')}, {meta.get('dtype')}, {meta.get('device')})"
+    return result.text
+
+
+def common_value(results: Sequence[Any]) -> str | None:
+    """The value text when every rank shows the same one (and there are at least two ranks)."""
+    lines = [value_line(result) for result in results]
+    if len(results) > 1 and lines[0] is not None and all(line == lines[0] for line in lines):
+        return lines[0]
+    return None
+
+
+def render_text(results: Sequence[Any]) -> str:
+    """Plain-text view: each rank's output lines prefixed `[rank i]`, then the values (once if equal)."""
+    if not results:
+        return "(no ranks)"
+    out: list[str] = []
+    for result in results:
+        label = STATUS_LABELS.get(result.status, result.status)
+        if label:
+            out.append(f"[rank {result.rank}] ({label})")
+        for stream in (result.stdout, result.stderr):
+            if stream:
+                out += [f"[rank {result.rank}] {line}" for line in tail(stream).splitlines()]
+        if result.error is not None:
+            text = result.error.traceback.rstrip() or f"{result.error.exc_type}: {result.error.message}"
+            out += [f"[rank {result.rank}] {line}" for line in text.splitlines()]
+    shared = common_value(results)
+    if shared is not None:
+        out.append(_indent(f"all ranks: {shared}"))
+    else:
+        for result in results:
+            line = value_line(result)
+            if line is not None:
+                out.append(_indent(f"rank {result.rank}: {line}"))
+    return "\n".join(out) if out else "(no output)"
+
+
+def _indent(text: str) -> str:
+    head, *rest = text.splitlines() or [""]
+    pad = " " * min(len(head) - len(head.lstrip(" ")) + 4, 12)
+    return "\n".join([head, *[pad + line for line in rest]])
+
+
+_STYLE = ("display:flex;gap:12px;align-items:flex-start;font-family:var(--jp-code-font-family,monospace);"
+          "font-size:12px")
+_COLUMN = "flex:1 1 0;min-width:0;border:1px solid #ccc;border-radius:4px;padding:4px 6px"
+_PRE = "margin:2px 0;white-space:pre-wrap;word-break:break-word"
+
+
+def render_html(results: Sequence[Any]) -> str:
+    """One column per rank (output, error, value); a value shared by all ranks appears once below."""
+    shared = common_value(results)
+    columns = []
+    for result in results:
+        label = STATUS_LABELS.get(result.status, result.status)
+        head = f"<b>rank {result.rank}</b>"
+        if label:
+            color = "#b00" if result.status in ("failed", "waiting") else "#666"
+            head += f" <span style='color:{color}'>{html.escape(label)}</span>"
+        if result.duration:
+            head += f" <span style='color:#888'>{result.duration * 1000:.1f} ms</span>"
+        parts = [f"<div>{head}</div>"]
+        if result.stdout:
+            parts.append(f"<pre style='{_PRE}'>{html.escape(tail(result.stdout))}</pre>")
+        if result.stderr:
+            parts.append(f"<pre style='{_PRE};background:#fdd'>{html.escape(tail(result.stderr))}</pre>")
+        if result.error is not None:
+            text = result.error.traceback.rstrip() or f"{result.error.exc_type}: {result.error.message}"
+            parts.append(f"<pre style='{_PRE};color:#b00'>{html.escape(text)}</pre>")
+        line = value_line(result)
+        if line is not None and shared is None:
+            parts.append(f"<pre style='{_PRE};border-top:1px dashed #ccc'>{html.escape(line)}</pre>")
+        columns.append(f"<div style='{_COLUMN}'>{''.join(parts)}</div>")
+    body = f"<div style='{_STYLE}'>{''.join(columns)}</div>"
+    if shared is not None:
+        body += f"<pre style='{_PRE};font-size:12px'><b>all ranks:</b> {html.escape(shared)}</pre>"
+    return f"<div class='nbaccel-ranks'>{body}</div>"

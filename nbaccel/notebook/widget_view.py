@@ -1,0 +1,107 @@
+"""The dashboard as ipywidgets: a per-rank table, a progress bar and a live line chart per logged metric.
+
+Charts use bqplot. It is built on ipywidgets itself (its marks are widgets, so a redraw sends only the new
+x/y arrays over the comm and the browser re-renders the line: no image round trip, no second widget
+framework), it is maintained by the Jupyter community, ships its JupyterLab / Notebook 7 extension inside
+the wheel, and loads from the widget CDN in VS Code and Colab. plotly's FigureWidget would need anywidget
+and a much larger JavaScript bundle; ipympl re-renders PNG frames on the kernel side for every update.
+The static summary at the end is drawn separately (render.py, matplotlib SVG) so it survives without any
+widget state.
+
+Kernel side only: workers never import this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as widgets
+
+from . import render
+from .dashboard_model import DashboardModel
+
+MAX_CHART_POINTS = 500  # the live chart averages longer series down to this many points
+CHART_COLOR = "#1f6feb"
+
+
+class _MetricPanel:
+    """One metric: a bqplot line chart of the mean across ranks, and a table of each rank's last value."""
+
+    def __init__(self, name: str):
+        import bqplot
+
+        self.name = name
+        x_scale, y_scale = bqplot.LinearScale(), bqplot.LinearScale()
+        self.line = bqplot.Lines(
+            x=[], y=[], scales={"x": x_scale, "y": y_scale}, colors=[CHART_COLOR], stroke_width=2,
+            labels=[f"{name} (mean)"],
+        )
+        self.points = bqplot.Scatter(
+            x=[], y=[], scales={"x": x_scale, "y": y_scale}, colors=[CHART_COLOR], default_size=12,
+            tooltip=bqplot.Tooltip(fields=["x", "y"], labels=["step", f"mean {name}"], formats=["", ".4g"]),
+        )
+        self.figure = bqplot.Figure(
+            marks=[self.line, self.points],
+            axes=[
+                bqplot.Axis(scale=x_scale, label="step", tick_format="d", num_ticks=5),
+                bqplot.Axis(scale=y_scale, side="left", tick_format=".3g", num_ticks=5),
+            ],
+            title=name,
+            fig_margin={"top": 36, "bottom": 36, "left": 56, "right": 16},
+            layout=widgets.Layout(width="380px", height="240px"),
+            animation_duration=0,
+        )
+        self.figure.add_class("nbaccel-chart")
+        self.table = widgets.HTML()
+        self.box = widgets.VBox([self.figure, self.table])
+
+    def update(self, model: DashboardModel) -> None:
+        xs, ys = model.metrics[self.name].mean_series(max_points=MAX_CHART_POINTS)
+        with self.line.hold_sync(), self.points.hold_sync():
+            self.line.x, self.line.y = xs, ys
+            # Hover markers only while the series is short enough for a marker per point to stay readable.
+            self.points.x, self.points.y = (xs, ys) if len(xs) <= 100 else ([], [])
+        self.table.value = render.metric_table_html(model, self.name)
+
+
+class WidgetView:
+    """The live dashboard widget tree; `render(model)` brings it up to date."""
+
+    def __init__(self, model: DashboardModel):
+        self.header = widgets.HTML()
+        self.table = widgets.HTML()
+        self.progress = widgets.FloatProgress(
+            value=0.0, min=0.0, max=1.0, description="progress", bar_style="info",
+            layout=widgets.Layout(width="420px", display="none"),
+        )
+        self.progress_text = widgets.Label(layout=widgets.Layout(display="none"))
+        self.charts = widgets.Box(layout=widgets.Layout(flex_flow="row wrap"))
+        self.panels: dict[str, _MetricPanel] = {}
+        self.root = widgets.VBox(
+            [self.header, self.table, widgets.HBox([self.progress, self.progress_text]), self.charts]
+        )
+        self.root.add_class("nbaccel-dashboard")
+        self.render(model)
+
+    def render(self, model: DashboardModel) -> None:
+        self.header.value = render.header_html(model)
+        self.table.value = render.rank_table_html(model)
+        progress = model.progress
+        if progress is not None:
+            self.progress.layout.display = self.progress_text.layout.display = None
+            self.progress.value = progress
+            self.progress.bar_style = {"failed": "danger", "finished": "success"}.get(model.overall_state, "info")
+            steps = min(s.step for s in model.ranks)
+            self.progress_text.value = f"{round(progress * 100)}% ({steps}/{model.total} steps)"
+        for name in model.metrics:
+            if name not in self.panels:
+                self.panels[name] = _MetricPanel(name)
+                self.charts.children = tuple(panel.box for panel in self.panels.values())
+            self.panels[name].update(model)
+
+    def mimebundle(self, fallback_html: str) -> dict[str, Any]:
+        """The widget's display data plus a text/html fallback for frontends without its widget state."""
+        data = self.root._repr_mimebundle_()
+        data = dict(data[0] if isinstance(data, tuple) else data)
+        data["text/html"] = fallback_html
+        return data

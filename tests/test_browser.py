@@ -1,0 +1,262 @@
+"""The dashboard and the config widget rendered by JupyterLab in headless Chromium (Playwright).
+
+One JupyterLab server per module (127.0.0.1, random port, token, temporary root dir). The test notebook's
+first cell runs a 2-rank launch with the dashboard on; the test waits until the rendered widget shows
+both ranks "finished" and its chart has points, and saves a screenshot under test-output/browser/. The
+second cell shows `config_widget()`: the test types a value, clicks Save and reads the YAML back.
+
+Chromium comes from the Debian package (/usr/bin/chromium, installed by .ci/run); Playwright drives it
+through `executable_path`, no browser download. Without it the tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "test-output" / "browser"
+CHROMIUM = os.environ.get("NBACCEL_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+
+if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)", allow_module_level=True)
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+TRAIN_WITH_LAUNCHER = """\
+from nbaccel import notebook_launcher
+
+def train(steps=40):
+    import time
+    from nbaccel import telemetry
+    telemetry.report_total_steps(steps)
+    for step in range(1, steps + 1):
+        time.sleep(0.02)
+        telemetry.report_step(step, steps)
+        telemetry.log_metrics({"loss": 1.0 / step}, step=step)
+    return step
+
+results = notebook_launcher(train, num_processes=2)
+print("results", results)
+"""
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Replaces conftest's per-test check: the server and browser live for the module (see `lab`)."""
+    yield
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a temporary root; yields (base url, token, root dir)."""
+    root = tmp_path_factory.mktemp("lab-root")
+    home = tmp_path_factory.mktemp("lab-home")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "ws"),
+               NBACCEL_CONFIG_FILE=str(root / "nbaccel-config.yaml"))
+    (home / "config").mkdir()
+    # Server extensions the test does not need only slow the start-up down.
+    (home / "config" / "jupyter_server_config.json").write_text(json.dumps(
+        {"ServerApp": {"jpserver_extensions": {"jupyter_lsp": False}}}))
+    # User settings: start the notebook's kernel without asking; no news (no network, no toast).
+    for plugin, values in {"notebook-extension/tracker": {"autoStartDefaultKernel": True},
+                           "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}
+                           }.items():
+        settings = home / "settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps(values))
+    log = open(home / "lab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+         "jupyterlab.NeverCheckForUpdate", *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                pytest.fail("JupyterLab did not start:\n" + (home / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield base, token, root
+    finally:
+        # Stop kernels first (they are the server's children), then the server.
+        try:
+            _delete_kernels(base, token)
+        except OSError:
+            pass
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+        _check_no_children()
+
+
+def _check_no_children() -> None:
+    """What conftest checks per test, once for the module: nothing it started (kernels, browser) is left."""
+    import psutil
+
+    deadline = time.monotonic() + 15
+    while True:
+        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if alive:
+        described = "; ".join(f"pid {c.pid}: {' '.join(c.cmdline()[:3])}" for c in alive)
+        for child in alive:
+            child.kill()
+        pytest.fail(f"the browser test left processes running: {described}")
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    with playwright_sync.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        yield context.new_page()
+        context.close()
+        browser.close()
+
+
+def _write_notebook(root: Path, config_path: Path) -> str:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(TRAIN_WITH_LAUNCHER),
+        nbformat.v4.new_code_cell(f"from nbaccel import config_widget\nconfig_widget({str(config_path)!r})"),
+    ]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, root / "dashboard.ipynb")
+    return "dashboard.ipynb"
+
+
+def test_dashboard_and_config_widget_in_jupyterlab(lab, page):
+    try:
+        _drive_notebook(lab, page)
+    except Exception as error:
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(OUTPUT / "failure.png"), full_page=True)
+        outputs = page.locator(".jp-OutputArea").all_inner_texts()
+        raise AssertionError(f"browser check failed; screenshot {OUTPUT / 'failure.png'}; outputs: {outputs}") from error
+
+
+def _drive_notebook(lab, page) -> None:
+    base, token, root = lab
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    config_path = root / "saved-config.yaml"
+    name = _write_notebook(root, config_path)
+    page.set_default_timeout(60_000)
+    page.goto(f"{base}/lab/tree/{name}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    select_kernel = page.locator(".jp-Dialog button", has_text="Select")
+    if select_kernel.count():  # a JupyterLab that asks which kernel despite the setting
+        select_kernel.click()
+
+    # Run both cells from the keyboard: Shift+Enter in the first cell's editor, then in the second. A key
+    # press that lands while the page is still wiring the kernel up is dropped: retry until it runs.
+    for index in (0, 1):
+        prompt = page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").nth(index)
+        for _attempt in range(4):
+            page.locator(".jp-Notebook .jp-Cell .cm-content").nth(index).click()
+            page.keyboard.press("Shift+Enter")
+            try:
+                page.wait_for_function("(node) => /\\[[*0-9]+\\]/.test(node.textContent)",
+                                       arg=prompt.element_handle(), timeout=10_000)
+                break
+            except playwright_sync.TimeoutError:
+                continue
+
+    # The live widget: both ranks finished, and the chart has a line with points.
+    dashboard = page.locator(".nbaccel-dashboard")
+    dashboard.first.wait_for(timeout=90_000)
+    page.wait_for_function(
+        """() => document.querySelectorAll(
+               ".nbaccel-dashboard tr.nbaccel-rank[data-state='finished']").length === 2""",
+        timeout=90_000,
+    )
+    page.wait_for_function(
+        """() => [...document.querySelectorAll(".nbaccel-dashboard .nbaccel-chart path.line")]
+                  .some(path => (path.getAttribute("d") || "").split("L").length > 5)""",
+        timeout=30_000,
+    )
+    # The static summary below it, with its SVG chart.
+    page.wait_for_selector(".nbaccel-summary[data-state='finished'] svg", timeout=30_000)
+    page.screenshot(path=str(OUTPUT / "dashboard.png"), full_page=True)
+    assert "results" in page.locator(".jp-OutputArea-output pre").first.inner_text()
+
+    # The config widget: a bad value is refused next to its field, a good one saved.
+    form = page.locator(".nbaccel-config")
+    form.wait_for(timeout=60_000)
+    processes = form.locator(".nbaccel-config-num_processes input")
+    processes.fill("many")
+    form.get_by_role("button", name="Save").click()
+    page.wait_for_function(
+        """() => (document.querySelector(".nbaccel-config-error-num_processes")?.textContent || "")
+                  .includes("not a whole number")""",
+        timeout=20_000,
+    )
+    assert not config_path.exists()
+    processes.fill("3")
+    form.locator(".nbaccel-config-main_process_port input").fill("29517")
+    form.get_by_role("button", name="Save").click()
+    page.wait_for_function(
+        """() => (document.querySelector(".nbaccel-config")?.textContent || "").includes("saved to")""",
+        timeout=20_000,
+    )
+    page.screenshot(path=str(OUTPUT / "config_widget.png"), full_page=True)
+    data = yaml.safe_load(config_path.read_text())
+    assert data["num_processes"] == 3 and data["main_process_port"] == 29517
+
+    # Saved, its kernel gone, reopened: the static summary (HTML + SVG) still renders.
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while "nbaccel-summary" not in (root / name).read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "nbaccel-summary" in (root / name).read_text(), "the notebook was not saved"
+    _delete_kernels(base, token)
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .nbaccel-summary[data-state='finished'] svg", timeout=60_000)
+    page.locator(".nbaccel-summary").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUTPUT / "reopened.png"))
+
+
+def _delete_kernels(base: str, token: str) -> None:
+    request = urllib.request.Request(f"{base}/api/kernels?token={token}")
+    for kernel in json.load(urllib.request.urlopen(request, timeout=5)):
+        urllib.request.urlopen(urllib.request.Request(
+            f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE"), timeout=10)

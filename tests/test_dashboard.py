@@ -1,0 +1,313 @@
+"""The dashboard without a display: model from channel messages, throttled redraws, summary, views."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+from dashboard_streams import T0, MiB, scripted_stream  # noqa: E402  (tests/ is on sys.path)
+from ranks_helper import run_ranks
+
+from nbaccel import telemetry
+from nbaccel.notebook import Dashboard
+from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
+from nbaccel.notebook.dashboard import Throttle, resolve_mode
+from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes
+from nbaccel.notebook.render import summary_html, summary_text
+
+
+def replay(messages: list[dict], num_processes: int = 2) -> DashboardModel:
+    model = DashboardModel(num_processes, title="test")
+    for message in messages:
+        model.update(message)
+    return model
+
+
+def test_model_from_scripted_stream():
+    model = replay(scripted_stream())
+    assert [s.state for s in model.ranks] == ["finished", "finished"]
+    assert [s.device for s in model.ranks] == ["cpu:0", "cpu:1"]
+    rank1 = model.ranks[1]
+    assert rank1.step == 10 and rank1.total == 10 and model.total == 10
+    assert rank1.steps_per_second == pytest.approx(10.0)
+    assert rank1.rss == 110 * MiB and rank1.rss_peak == 110 * MiB
+    assert rank1.last_output == "rank 1 step 10"
+    xs, means = model.metrics["loss"].mean_series()
+    assert xs == [float(s) for s in range(1, 11)]
+    assert means == pytest.approx([1.0 / s + 0.5 for s in range(1, 11)])
+    assert model.metrics["loss"].last_by_rank() == pytest.approx({0: 0.1, 1: 1.1})
+    assert model.progress == 1.0
+    assert model.wall_time == pytest.approx(1.5)
+    assert model.overall_state == "finished"
+
+
+def test_model_failure_shows_exception_line():
+    model = replay(scripted_stream(fail_rank=1))
+    assert model.ranks[1].state == "failed"
+    assert model.ranks[1].error == "ValueError: loss is nan"
+    assert model.overall_state == "failed"
+    model.finish(failures={1: "ignored: the status already said"})
+    assert model.ranks[0].state == "finished"
+
+
+def test_finish_marks_unfinished_ranks():
+    model = replay(scripted_stream()[:20])  # cut mid-run
+    assert {s.state for s in model.ranks} == {"running"}
+    model.finish(failures={0: RuntimeError("boom\nmore")})
+    assert model.ranks[0].state == "failed" and model.ranks[0].error == "RuntimeError: boom"
+    assert model.ranks[1].state == "failed" and "another rank failed" in model.ranks[1].error
+    clean = replay(scripted_stream()[:20])
+    clean.finish(results=[1, 2])
+    assert [s.state for s in clean.ranks] == ["finished", "finished"]
+
+
+def test_model_ignores_malformed_and_grows_for_unknown_ranks():
+    model = DashboardModel(1)
+    assert not model.update({"kind": "nope", "rank": 0})
+    assert not model.update({"kind": "step"})  # no rank
+    assert model.update({"kind": "metrics", "rank": 2, "time": T0, "values": {"acc": "x", "b": float("nan")}})
+    assert len(model.ranks) == 3 and model.metrics == {}
+    with pytest.raises(ValueError, match="num_processes"):
+        DashboardModel(0)
+
+
+def test_metric_without_step_uses_log_count_and_downsamples():
+    model = DashboardModel(1)
+    for i in range(1000):
+        model.update({"kind": "metrics", "rank": 0, "time": T0 + i, "values": {"lr": float(i)}, "step": None})
+    xs, ys = model.metrics["lr"].mean_series(max_points=100)
+    assert len(xs) == 100 and xs[-1] == 1000.0 and ys[0] == pytest.approx(4.5)
+
+
+def test_device_memory_peaks_only_grow():
+    model = DashboardModel(1)
+    for allocated, peak in ((5, 10), (3, None), (12, 11)):
+        model.update({"kind": "memory", "rank": 0, "time": T0, "rss": 1, "rss_peak": 2,
+                      "device_allocated": allocated * MiB, "device_reserved": 20 * MiB,
+                      "device_peak": None if peak is None else peak * MiB})
+    state = model.ranks[0]
+    assert state.device_allocated == 12 * MiB and state.device_peak == 12 * MiB
+    assert format_bytes(state.device_reserved) == "20.0 MiB"
+
+
+def test_summary_html_and_text():
+    model = replay(scripted_stream(fail_rank=1))
+    model.finish()
+    summary = model.summary()
+    assert summary["state"] == "failed"
+    assert summary["ranks"][0]["rss_peak"] == 110 * MiB
+    assert summary["metrics"]["loss"]["mean"] == pytest.approx(0.6)
+    page = summary_html(model)
+    assert page.count("<svg") == 1 and "ValueError: loss is nan" in page
+    assert "data-state='finished'" in page and "data-state='failed'" in page
+    assert "1.5 s" in page
+    text = summary_text(model)
+    assert "rank 1 [cpu:1] failed: ValueError: loss is nan" in text and "loss=0.1" in text
+
+
+def test_throttle_counts_with_fake_clock():
+    now = [0.0]
+    throttle = Throttle(0.25, clock=lambda: now[0])
+    assert throttle.ready()
+    throttle.mark()
+    now[0] = 0.2
+    assert not throttle.ready() and throttle.delay() == pytest.approx(0.05)
+    now[0] = 0.26
+    assert throttle.ready()
+
+
+def test_dashboard_redraws_are_throttled_with_a_trailing_redraw(capsys):
+    dashboard = Dashboard(2, mode="plain", max_redraws_per_second=4)
+    dashboard.start()
+    started = time.monotonic()
+    messages = scripted_stream()
+    for _ in range(20):  # a burst: 20 x 90 messages as fast as possible
+        for message in messages[:-2]:
+            dashboard(message)
+    burst = time.monotonic() - started
+    assert dashboard.redraws <= 2 + 4 * burst + 1
+    time.sleep(0.4)  # the trailing redraw draws the last state of the burst
+    assert dashboard._drawn_version == dashboard.model.version
+    dashboard.observe(messages[-2])
+    dashboard.observe(messages[-1])
+    dashboard.finish()
+    out = capsys.readouterr().out
+    assert "rank 0 on cpu:0: finished" in out and "rank 1 on cpu:1: finished" in out
+    assert dashboard.model.finished and dashboard._timer is None
+
+
+def test_plain_view_throttles_progress_lines():
+    now = [0.0]
+    model = DashboardModel(2, title="t")
+    stream = io.StringIO()
+    view = PlainView(model, stream, interval=10, clock=lambda: now[0])
+    for message in scripted_stream()[:-2]:
+        model.update(message)
+        now[0] += 0.05  # 86 messages: ~4.3 s, under the interval
+        view.render(model)
+    lines = stream.getvalue().splitlines()
+    assert sum("running" in line for line in lines) == 2 and not any("step" in line for line in lines)
+    now[0] = 20
+    view.render(model)
+    progress = stream.getvalue().splitlines()[len(lines):]
+    assert len(progress) == 2 and "step 10/10 (10.0/s)" in progress[0] and "loss=0.1" in progress[0]
+
+
+def test_rich_renderable_shows_ranks_and_metrics():
+    from rich.console import Console
+
+    model = replay(scripted_stream(fail_rank=0))
+    console = Console(record=True, width=200, color_system=None)
+    console.print(rich_renderable(model))
+    text = console.export_text()
+    assert "failed: ValueError: loss is nan" in text and "finished" in text
+    assert "loss" in text and "10/10" in text and "100%" in text and "110.0M/110.0M" in text
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+
+
+def test_widget_view_builds_table_progress_and_chart():
+    pytest.importorskip("bqplot")
+    from nbaccel.notebook.widget_view import WidgetView
+
+    model = replay(scripted_stream())
+    view = WidgetView(model)
+    assert "finished" in view.table.value and "cpu:1" in view.table.value
+    assert view.progress.value == 1.0 and view.progress.layout.display is None
+    panel = view.panels["loss"]
+    assert list(panel.line.x) == [float(s) for s in range(1, 11)] and len(panel.line.y) == 10
+    assert "rank 1" in panel.table.value
+    bundle = view.mimebundle("<i>fallback</i>")
+    assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == "<i>fallback</i>"
+
+
+def test_mode_resolution_and_bad_arguments(monkeypatch):
+    assert resolve_mode("plain") == "plain"
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # no TTY, not a kernel
+    assert resolve_mode("auto") == "plain"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Dashboard(2, mode="fancy")
+    with pytest.raises(ValueError, match="num_processes"):
+        Dashboard(-1)
+
+
+def _record_worker(rank: int) -> list[dict]:
+    """On a worker: the real telemetry reporter and sampler, the sink collecting messages."""
+    import torch
+
+    from nbaccel import telemetry as worker_telemetry
+
+    messages: list[dict] = []
+    worker_telemetry.attach(messages.append, rank)
+    worker_telemetry.emit("status", state="running", device="cpu")
+    worker_telemetry.start_sampler(0.05)
+    worker_telemetry.report_total_steps(40)
+    weight = torch.ones(8)
+    for step in range(1, 41):
+        loss = (torch.ones(4, 8) @ weight).pow(2).mean()
+        weight -= 0.01 * weight  # a stand-in for an optimizer step (torch.optim's first use is slow)
+        worker_telemetry.report_step(step, 40)
+        worker_telemetry.log_metrics({"loss": loss.detach(), "note": "text is dropped"}, step=step)
+        time.sleep(0.005)
+    worker_telemetry.stop_sampler()
+    worker_telemetry.emit("status", state="finished", device="cpu")
+    worker_telemetry.detach()
+    return messages
+
+
+def test_recorded_worker_stream_feeds_the_model():
+    import torch  # noqa: F401  (imported once here: the forked ranks inherit it instead of importing it twice)
+
+    streams = run_ranks(_record_worker, world_size=2, timeout=60)
+    for messages in streams:
+        kinds = [m["kind"] for m in messages]
+        metrics = [m for m in messages if m["kind"] == "metrics"]
+        assert 1 <= len(metrics) < 40  # batched by the sampler: latest values + the interval's history
+        logged = [entry["step"] for m in metrics for entry in [*m.get("history", []), m]]
+        assert logged == list(range(1, 41))
+        assert 2 <= kinds.count("step") < 40  # steps are sampled, not sent one by one
+        assert kinds.count("memory") >= 2
+        assert [m for m in messages if m["kind"] == "step"][-1]["step"] == 40  # the sampler flushes the last
+    model = replay(sorted(streams[0] + streams[1], key=lambda m: m["time"]))
+    model.finish()
+    for state in model.ranks:
+        assert state.state == "finished" and state.step == 40 and state.total == 40
+        assert state.rss > 10 * MiB and state.rss_peak >= state.rss
+        assert state.steps_per_second and state.steps_per_second > 1
+    assert sorted(model.metrics) == ["loss"] and len(model.metrics["loss"].points) == 40
+
+
+def test_sampler_is_quiet_without_sink_and_rejects_bad_interval():
+    assert not telemetry.is_attached()
+    telemetry.start_sampler(0.01)
+    time.sleep(0.05)
+    telemetry.stop_sampler()
+    with pytest.raises(ValueError, match="interval"):
+        telemetry.start_sampler(0)
+    sample = telemetry.memory_sample()
+    assert sample["rss"] > 0 and sample["device_allocated"] is None
+
+
+def test_rows_follow_local_rank_and_error_messages():
+    model = DashboardModel(2)
+    model.update({"kind": "status", "rank": 5, "local_rank": 1, "time": T0, "state": "running", "device": "cpu"})
+    model.update({"kind": "error", "rank": 5, "local_rank": 1, "time": T0 + 1, "exc_type": "KeyError",
+                  "message": "'x'\nsecond line", "traceback": "..."})
+    assert len(model.ranks) == 2 and model.ranks[1].rank == 5
+    assert model.ranks[1].state == "failed" and model.ranks[1].error == "KeyError: 'x'"
+
+
+def test_close_with_results_finishes_like_the_launcher_does(capsys):
+    dashboard = Dashboard(2, mode="plain", start_method="fork", world_size=2, device="cpu")
+    dashboard.start()
+    for message in scripted_stream()[:20]:
+        dashboard(message)
+    dashboard.close(results=None, failures={1: "RuntimeError: worker 1 exited with code 1"})
+    assert dashboard.model.finished and dashboard.model.ranks[1].error == "RuntimeError: worker 1 exited with code 1"
+    assert dashboard.model.ranks[0].error == "stopped after another rank failed"
+    dashboard.close()  # idempotent
+    out = capsys.readouterr().out
+    assert "nbaccel: failed" in out and "rank 1 [cpu:1] failed: RuntimeError" in out
+    assert dashboard.model.info == {"start_method": "fork", "world_size": 2, "device": "cpu"}
+
+
+def test_close_after_an_interrupt_still_leaves_a_summary(capsys):
+    dashboard = Dashboard(2, mode="plain")
+    dashboard.start()
+    for message in scripted_stream()[:20]:
+        dashboard(message)
+    dashboard.close()  # what the launcher does after KeyboardInterrupt: no results, no failures
+    assert dashboard.model.finished
+    assert {s.error for s in dashboard.model.ranks} == {"stopped before reporting its end"}
+    assert "rank 0 [cpu:0] failed: stopped before reporting its end" in capsys.readouterr().out
+
+
+def test_memory_sample_reads_cuda_and_xla_counters_without_initializing(monkeypatch):
+    """The field mapping, with stand-ins for the runtimes (no GPU or TPU here): CUDA counters are read only
+    once CUDA is initialized; torch_xla's memory info maps to allocated / limit / peak."""
+    import sys
+    import types
+
+    calls = []
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: bool(calls),
+        current_device=lambda: 1,
+        memory_allocated=lambda device: 10 * MiB,
+        memory_reserved=lambda device: 16 * MiB,
+        max_memory_allocated=lambda device: 12 * MiB,
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert telemetry.memory_sample()["device_allocated"] is None  # not initialized: nothing read
+    calls.append("init")
+    sample = telemetry.memory_sample()
+    assert (sample["device_allocated"], sample["device_reserved"], sample["device_peak"]) == (10 * MiB, 16 * MiB, 12 * MiB)
+
+    calls.clear()
+    xla = types.SimpleNamespace(xla_device=lambda: "xla:0",
+                                get_memory_info=lambda device: {"bytes_used": 3, "bytes_limit": 8, "peak_bytes_used": 5})
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xla)
+    sample = telemetry.memory_sample()
+    assert (sample["device_allocated"], sample["device_limit"], sample["device_peak"]) == (3, 8, 5)
+    model = DashboardModel(1)
+    model.update({"kind": "memory", "rank": 0, "time": T0, **sample})
+    assert device_memory_text(model.ranks[0]) == "3 B / 8 B (peak 5 B)"

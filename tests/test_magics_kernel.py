@@ -1,0 +1,137 @@
+"""%ranks / %%ranks in a real Jupyter kernel (ipykernel driven by nbclient), as a notebook user runs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow, pytest.mark.timeout(180)]
+ROOT = Path(__file__).resolve().parent.parent
+
+CELLS = [
+    "%load_ext nbaccel\n%ranks start -n 2 --timeout 5",
+    "%%ranks\nimport torch\nimport torch.distributed as dist\nfrom nbaccel import PartialState\n"
+    "from nbaccel.utils.collective_trace import in_collective\nstate = PartialState()\n"
+    "print('hello from', state.process_index)\nx = torch.arange(3) + 10 * state.process_index\nx",
+    # state kept across cells, and a collective across the ranks (traced as nbaccel's operations do)
+    "%%ranks\nout = torch.zeros(6, dtype=x.dtype)\nwith in_collective('gather', 'all_gather_into_tensor', [x]):\n"
+    "    dist.all_gather_into_tensor(out, x)\nout",
+    # only rank 0 enters the collective
+    "%%ranks\nif state.process_index == 0:\n    with in_collective('gather', 'all_gather_into_tensor', [x]):\n"
+    "        dist.all_gather_into_tensor(out, x)",
+    "%%ranks\nfrom nbaccel import PartialState\nPartialState().process_index",
+    "%%ranks\n1 / 0 if PartialState().process_index == 1 else 'fine'",
+    "value = 41\n%ranks push value",
+    "%%ranks --ranks 1\nvalue += 1",
+    "%ranks pull value\nassert value == [41, 42]\npulled = %ranks pull value\npulled",
+    "%%ranks\nimport time\nfor i in range(3):\n    print('step', i, flush=True)\n    time.sleep(0.4)\n'done'",
+    "%ranks status",
+    "%ranks stop",
+    "import psutil\nprint('children', len([c for c in psutil.Process().children(recursive=True)"
+    " if c.status() != psutil.STATUS_ZOMBIE]))",
+    # ranks left running when the kernel shuts down are stopped with it
+    "%ranks start -n 2\nfrom nbaccel.notebook import magics\nprint('pids', *magics._magics.pool.pids)",
+]
+
+
+def _run(cells: list[str], tmp_path: Path) -> list[str]:
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    client = nbclient.NotebookClient(notebook, timeout=90, allow_errors=True, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    return [_text(cell) for cell in notebook.cells]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _text(cell) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream":
+            parts.append(output["text"])
+        elif output["output_type"] == "error":
+            parts.append(f"{output['ename']}: {output['evalue']}\n" + "\n".join(output["traceback"]))
+        else:
+            parts.append(output.get("data", {}).get("text/plain", ""))
+            parts.append(output.get("data", {}).get("text/html", ""))
+    return "\n".join(parts)
+
+
+def test_ranks_magics_in_a_kernel(tmp_path):
+    out = _run(CELLS, tmp_path)
+    assert "Started 2 ranks" in out[0]
+    assert "[rank 0] hello from 0" in out[1] and "[rank 1] hello from 1" in out[1]
+    assert "rank 1: tensor([10, 11, 12])  (shape [3], int64, cpu)" in out[1]
+    assert "<b>rank 0</b>" in out[1]  # the HTML view: one column per rank
+    assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in out[2]
+    assert "CollectiveMismatchError" in out[3]
+    assert re.search(r"^rank 0 waits in gather\(all_gather_into_tensor, shape \[3\], int64\) at cell line 2 "
+                     r"for [\d.]+ s; rank 1 finished the cell", out[3], re.M)
+    assert "restarted" in out[3]
+    assert "rank 0: 0" in out[4] and "rank 1: 1" in out[4]  # the next cell works (on new ranks)
+    assert "RankFailedError: rank 1 raised; first: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
+    assert "Pushed value to 2 ranks" in out[6]
+    assert "differs between ranks" in out[8] and "[41, 42]" in out[8]
+    assert "[rank 1] step 2" in out[9] and "all ranks: 'done'" in out[9]  # the live view, updated in place
+    assert "running..." not in out[9]
+    assert "2 ranks running" in out[10]
+    assert "Stopped 2 ranks" in out[11]
+    assert "children 0" in out[12]
+    pids = [int(pid) for pid in out[13].split("pids", 1)[1].split()]
+    assert len(pids) == 2 and _gone(pids), pids
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbaccel.utils.operations") is None,
+                    reason="nbaccel.utils.operations (gather, ...) is not in this tree yet")
+def test_debug_collectives_notebook_runs_top_to_bottom(tmp_path):
+    notebook = nbformat.read(ROOT / "notebooks" / "02_debug_collectives.ipynb", as_version=4)
+    cells = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    out = "\n".join(_run(cells, tmp_path))
+    assert "tensor([ 0,  1,  2, 10, 11, 12])" in out
+    assert re.search(r"^rank 0 waits in gather", out, re.M) and "rank 1 finished" in out
+    assert "Stopped 2 ranks" in out
+
+
+def test_magic_usage_errors_say_what_is_allowed(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbaccel.notebook.magics import MagicUsageError
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_line_magic("load_ext", "nbaccel")
+        with pytest.raises(MagicUsageError, match="unknown subcommand 'bogus'"):
+            shell.run_line_magic("ranks", "bogus")
+        with pytest.raises(MagicUsageError, match="no ranks are running"):
+            shell.run_cell_magic("ranks", "", "1")
+        with pytest.raises(MagicUsageError, match="timeout must be > 0"):
+            shell.run_line_magic("ranks", "start --timeout -1")
+        with pytest.raises(MagicUsageError, match="--ranks takes comma-separated"):
+            shell.run_cell_magic("ranks", "--ranks a,b", "1")
+        shell.run_line_magic("ranks", "status")
+        assert "No ranks running" in capsys.readouterr().out
+        shell.run_line_magic("unload_ext", "nbaccel")
+    finally:
+        InteractiveShell.clear_instance()

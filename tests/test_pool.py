@@ -1,0 +1,288 @@
+"""RankPool: persistent ranks (2 gloo processes), their results, hang reports, restarts and cleanup."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from nbaccel.launch.errors import WorkerFailure
+from nbaccel.launch.hang_report import RankState, diagnose
+from nbaccel.launch.pool import (
+    CollectiveMismatchError,
+    RankFailedError,
+    RankPool,
+    RankResult,
+    RankResults,
+    RankStartError,
+    RankTimeoutError,
+    results_equal,
+)
+from nbaccel.notebook.rank_view import render_html, render_text
+
+pytestmark = pytest.mark.timeout(120)
+
+SETUP = """
+import torch
+import torch.distributed as dist
+from nbaccel import PartialState
+from nbaccel.utils.collective_trace import in_collective
+state = PartialState()
+x = torch.arange(3) + 10 * state.process_index
+"""
+
+TRACED_GATHER_ON_RANK_0 = """
+if state.process_index == 0:
+    out = torch.zeros(6, dtype=x.dtype); print("entering")
+    with in_collective("gather", "all_gather_into_tensor", [x]):
+        dist.all_gather_into_tensor(out, x)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_exec_run_namespaces_output_errors_push_pull():
+    with RankPool(2, timeout=20) as pool:
+        assert pool.devices == ["cpu", "cpu"]
+        results = pool.exec(SETUP + "print('hello', state.process_index)\nstate.num_processes, x")
+        assert isinstance(results, RankResults) and [r.rank for r in results] == [0, 1]
+        assert [r.stdout for r in results] == ["hello 0\n", "hello 1\n"]
+        assert results[0].value[0] == 2 and results[1].value[1].tolist() == [10, 11, 12]
+        # each rank keeps its own namespace between calls
+        results = pool.exec("y = int(x[0]) + 1\ny")
+        assert results.values == [1, 11]
+        assert pool.exec("y * 2").values == [2, 22]
+        # fd-level output (C extensions, subprocesses) and stderr
+        results = pool.exec("import os, sys\nos.write(1, b'raw\\n')\nprint('err', file=sys.stderr)")
+        assert [r.stdout for r in results] == ["raw\n", "raw\n"] and results[1].stderr == "err\n"
+        assert results.values == [None, None] and results[0].text is None
+        # a trailing semicolon hides the value, like IPython
+        assert pool.exec("y;")[0].text is None
+        # an error on one rank: the other rank's result is still there
+        results = pool.exec("print('before')\n1 / 0 if state.process_index == 1 else 'fine'")
+        assert results[0].ok and results[0].value == "fine"
+        assert not results[1].ok and results[1].error.exc_type == "ZeroDivisionError"
+        assert "<rank-cell-" in results[1].error.traceback and results[1].stdout == "before\n"
+        assert "During handling" not in results[1].error.traceback
+        assert "ZeroDivisionError" in repr(results[1]) and "rank 1" in render_text(results)
+        with pytest.raises(RankFailedError, match="ZeroDivisionError"):
+            results.raise_if_failed()
+        # a syntax error is raised in the kernel, before any rank sees the cell
+        with pytest.raises(SyntaxError):
+            pool.exec("def (")
+        # run(): a cloudpickled function, like notebook_launcher
+        offset = 5
+        assert pool.run(lambda a, b=0: a + b + offset, 1, b=2) == [8, 8]
+        with pytest.raises(RankFailedError, match="rank 0 failed.*ValueError: no"):
+            pool.run(_raise_on_rank_0)
+        # a collective through nbaccel's trace, on all ranks, works
+        results = pool.exec("out = torch.zeros(6, dtype=x.dtype)\n"
+                            "with in_collective('gather', 'all_gather_into_tensor', [x]):\n"
+                            "    dist.all_gather_into_tensor(out, x)\nout")
+        assert [r.value.tolist() for r in results] == [[0, 1, 2, 10, 11, 12]] * 2
+        assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in render_text(results)
+        assert "(shape [6], int64, cpu)" in render_text(results)
+        # push / pull move a variable between the kernel and every rank
+        pool.push("data", {"a": [1, 2]})
+        assert pool.exec("data['a'].append(state.process_index)\ndata").values == [{"a": [1, 2, 0]},
+                                                                               {"a": [1, 2, 1]}]
+        assert pool.pull("data") == [{"a": [1, 2, 0]}, {"a": [1, 2, 1]}]
+        pool.push("same", 3)
+        assert results_equal(pool.pull("same")) and not results_equal(pool.pull("data"))
+        with pytest.raises(RankFailedError, match="NameError"):
+            pool.pull("not_defined_anywhere")
+        # a long cell reports its progress (live views); a quick one does not
+        seen = []
+        results = pool.exec("import time\nfor i in range(4):\n    print('step', i, flush=True)\n    time.sleep(0.3)\n"
+                            "'done'", on_progress=seen.append)
+        assert results.values == ["done", "done"] and results[0].stdout.splitlines()[-1] == "step 3"
+        assert seen and all(r.status == "running" for r in seen[0]) and "step" in seen[-1][0].stdout
+        pool.exec("1", on_progress=seen.append)
+        assert all(len(partial) == 2 for partial in seen) and seen[-1][0].status == "running"
+        # a subset of the ranks
+        results = pool.exec("z = 'only here'\nz", ranks=[1])
+        assert [r.rank for r in results] == [1] and results.values == ["only here"]
+        assert not pool.exec("'z' in dir()").values[0] and pool.exec("z", ranks=1).values == ["only here"]
+        with pytest.raises(ValueError, match="ranks"):
+            pool.exec("1", ranks=[2])
+    assert not pool.running
+
+
+def _raise_on_rank_0() -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("no")
+    return 1
+
+
+def test_mismatch_timeout_and_raw_collective_are_reported_and_the_pool_recovers():
+    with RankPool(2, timeout=4) as pool:
+        pool.exec(SETUP)
+        first_pids = pool.pids
+        start = time.monotonic()
+        with pytest.raises(CollectiveMismatchError) as caught:
+            pool.exec(TRACED_GATHER_ON_RANK_0)
+        assert time.monotonic() - start < 4 + 10
+        message = str(caught.value)
+        assert "rank 0 waits in gather(all_gather_into_tensor, shape [3], int64) at cell line 4 for" in message
+        assert "rank 1 finished the cell" in message
+        assert "restarted" in message and "lost" in message
+        assert caught.value.restarted and pool.pids != first_pids and _gone(first_pids)
+        assert [r.status for r in caught.value.results] == ["waiting", "finished"]
+        assert caught.value.results[0].stdout == "entering\n"  # what the stuck rank printed
+        # usable afterwards, but the namespaces are new
+        results = pool.exec("from nbaccel import PartialState\nPartialState().process_index")
+        assert results.values == [0, 1]
+        assert pool.exec("x")[0].error.exc_type == "NameError"
+
+        # a raw torch.distributed call that only rank 0 makes is seen through its stack
+        pool.exec(SETUP)
+        with pytest.raises(CollectiveMismatchError, match=r"rank 0 waits in torch\.distributed\.all_reduce at "
+                                                          r"cell line 3 for [\d.]+ s; rank 1 finished the cell"):
+            pool.exec("t = torch.ones(1)\nif state.process_index == 0:\n    dist.all_reduce(t)\n")
+
+        # a rank that does not finish (nor enter the collective) within the timeout: RankTimeoutError
+        pool.exec(SETUP)
+        start = time.monotonic()
+        with pytest.raises(RankTimeoutError) as caught:
+            pool.exec(TRACED_GATHER_ON_RANK_0 + "else:\n    import time\n    time.sleep(60)\n")
+        assert 3.5 < time.monotonic() - start < 4 + 10
+        assert "rank 0 waits in gather(" in str(caught.value)
+        assert "rank 1 is still running (cell line 8, not in a collective)" in str(caught.value)
+        assert pool.exec("1 + 1").values == [2, 2]
+        assert pool.restarts == 3
+
+
+def test_restart_and_shutdown_leave_no_process():
+    pool = RankPool(2, timeout=10)
+    pool.exec("a = 1")
+    old = pool.pids
+    # interrupting the kernel interrupts the ranks; they stay up, with their variables
+    def interrupt_once_both_sleep(partial: RankResults) -> None:  # what the stop button does, at that moment
+        if all("sleeping" in result.stdout for result in partial):
+            raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.exec("import time\nprint('sleeping', flush=True)\ntime.sleep(30)", on_progress=interrupt_once_both_sleep)
+    assert time.monotonic() - start < 10 and pool.pids == old and pool.restarts == 0
+    assert pool.exec("a").values == [1, 1]
+    pool.restart()
+    assert _gone(old) and pool.pids != old
+    assert pool.exec("'a' in dir()").values == [False, False]
+    pids = pool.pids
+    pool.shutdown()
+    pool.shutdown()  # twice is fine
+    assert _gone(pids, within=1.0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.exec("1")
+
+
+def test_garbage_collection_stops_the_ranks():
+    pool = RankPool(2, timeout=10)
+    pids = pool.pids
+    del pool
+    gc.collect()
+    assert _gone(pids)
+
+
+def test_ranks_die_with_their_kernel(tmp_path):
+    """Even a SIGKILLed kernel leaves no rank behind."""
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        from nbaccel.launch.pool import RankPool
+        pool = RankPool(2, timeout=10)
+        print(*pool.pids, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    pids = [int(pid) for pid in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr
+    assert _gone(pids)
+
+
+def test_bad_arguments_fail_before_any_process_starts():
+    with pytest.raises(ValueError, match="num_processes"):
+        RankPool(0)
+    with pytest.raises(ValueError, match="timeout"):
+        RankPool(2, timeout=-1)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        RankPool(2, mixed_precision="fp9")
+    with pytest.raises(ValueError, match="start_method"):
+        RankPool(2, start_method="thread")
+    assert not psutil.Process().children()
+
+
+def test_diagnose_rules():
+    now = 100.0
+    record = {"op": "gather", "call": "all_gather_into_tensor", "shapes": [[2]], "dtypes": ["float32"],
+              "site": "cell line 4", "started": 90.0}
+    waiting = RankState(0, "running", snapshot={"collective": record})
+    done = RankState(1, "finished")
+    diagnosis = diagnose([waiting, done], now, timeout=30, grace=2)
+    assert diagnosis.kind == "mismatch"
+    assert diagnosis.summary == ("rank 0 waits in gather(all_gather_into_tensor, shape [2], float32) at cell line 4 "
+                                 "for 10.0 s; rank 1 finished the cell")
+    both = [waiting, RankState(1, "running", snapshot={"collective": dict(record, started=99.5)})]
+    assert diagnose(both, now, timeout=30, grace=2) is None  # the same collective: still meeting
+    assert diagnose(both, now, timeout=10, grace=2).kind == "timeout"
+    other = RankState(1, "running", snapshot={"collective": dict(record, op="broadcast", call="broadcast")})
+    assert diagnose([waiting, other], now, timeout=30, grace=2).kind == "mismatch"
+    idle = diagnose([waiting, RankState(1, "idle")], now, timeout=30, grace=2)  # %%ranks --ranks 0
+    assert idle.kind == "mismatch" and idle.summary.endswith("rank 1 does not run this cell")
+    failed = diagnose([waiting, RankState(1, "failed", "ValueError: bad")], now, timeout=30, grace=2)
+    assert failed.summary.endswith("rank 1 failed the cell (ValueError: bad)")
+    raw = RankState(1, "running", snapshot={"collective": None, "raw_call": "torch.distributed.barrier", "line": 3},
+                    raw_since=95.0)
+    assert diagnose([waiting, raw], now, timeout=30, grace=2).summary.endswith(
+        "rank 1 waits in torch.distributed.barrier at cell line 3 for 5.0 s")
+    busy = RankState(1, "running", snapshot={"collective": None, "line": 7})
+    assert diagnose([waiting, busy], now, timeout=30, grace=2) is None  # rank 1 may still get there
+    assert diagnose([RankState(0, "running", snapshot={"collective": dict(record, started=99.0)}), done], now,
+                    timeout=30, grace=2) is None
+
+
+def test_rank_view_shows_equal_values_once_and_columns():
+    same = RankResults([RankResult(0, text="tensor([1])", meta={"type": "tensor", "shape": [1], "dtype": "int64",
+                                                                "device": "cpu"}),
+                        RankResult(1, text="tensor([1])", meta={"type": "tensor", "shape": [1], "dtype": "int64",
+                                                                "device": "cpu"})])
+    assert render_text(same) == "all ranks: tensor([1])  (shape [1], int64, cpu)"
+    different = RankResults([RankResult(0, stdout="a\n", text="1"),
+                             RankResult(1, text=None, status="failed",
+                                        error=WorkerFailure(1, "ValueError", "bad", "Traceback...\nValueError: bad"))])
+    text = render_text(different)
+    assert "[rank 0] a" in text and "[rank 1] ValueError: bad" in text and "rank 0: 1" in text
+    many = RankResults([RankResult(0, stdout="".join(f"line {i}\n" for i in range(500)))])
+    assert "300 earlier lines" in render_text(many) and "[rank 0] line 499" in render_text(many)
+    assert "line 299\n" not in render_text(many) + "\n" and "line 300" in render_html(many)
+    html = render_html(different)
+    assert html.count("<b>rank ") == 2 and "ValueError: bad" in html and "all ranks" not in html
+
+
+def test_a_rank_that_cannot_start_raises_with_its_traceback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nbaccel-no-such-if0")  # gloo cannot create the process group
+    with pytest.raises(RankStartError, match="failed to start") as caught:
+        RankPool(2, timeout=5)
+    assert "Traceback" in str(caught.value)
