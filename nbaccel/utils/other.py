@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,10 @@ def write_basic_config(
 
 def is_compiled_module(module: Any) -> bool:
     """Whether `module` is the result of `torch.compile` (an OptimizedModule)."""
-    import torch
-
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized = getattr(optimized, "OptimizedModule", None)
+    # A compiled module exists only once torch._dynamo was imported; looking it up through `torch` would
+    # import it (seconds), so ask sys.modules instead.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(module, optimized)
 
 

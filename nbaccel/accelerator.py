@@ -1,0 +1,1010 @@
+"""Accelerator: Accelerate's training front door, composed from nbaccel's smaller modules.
+
+The states (`nbaccel.state`) know the processes and devices; `data_loader`, `optimizer`, `scheduler` and
+`precision` wrap the user's objects; `checkpointing`, `tracking` and `utils.memory` save, log and free.
+This class validates arguments, keeps the prepared objects, and routes each call to the module that does
+the work. Names, arguments, defaults and meaning are Accelerate's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import importlib.util
+import os
+import re
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import data_loader as _data_loader
+from . import precision as _precision
+from .optimizer import AcceleratedOptimizer
+from .scheduler import AcceleratedScheduler
+from .state import AcceleratorState, GradientState
+from .utils.dataclasses import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+    RNGType,
+    TorchDynamoPlugin,
+)
+from .utils.operations import gather, gather_object, pad_across_processes, recursively_apply, reduce
+
+_UNSET = object()  # `split_batches` given explicitly or not
+_DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU,
+              DistributedType.MULTI_XPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA,
+              DistributedType.MULTI_SDAA, DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON)
+
+
+def _unsupported(name: str, what: str) -> ValueError:
+    return ValueError(
+        f"{name} was given, but nbaccel does not drive {what}: leave {name}=None (nbaccel trains with "
+        "DistributedDataParallel), or run this script with Hugging Face Accelerate for that backend."
+    )
+
+
+class Accelerator:
+    """Prepare models, optimizers, data loaders and schedulers for the current processes, and train them."""
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = _UNSET,  # type: ignore[assignment]
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
+        rng_types: list[str | RNGType] | None = None,
+        log_with: Any = None,
+        project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: Any = None,
+    ) -> None:
+        for name, value, what in (
+            ("deepspeed_plugin", deepspeed_plugin, "DeepSpeed"), ("deepspeed_plugins", deepspeed_plugins, "DeepSpeed"),
+            ("fsdp_plugin", fsdp_plugin, "FSDP"), ("torch_tp_plugin", torch_tp_plugin, "tensor parallelism"),
+            ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM"),
+            ("parallelism_config", parallelism_config, "composable parallelism (ParallelismConfig)"),
+        ):
+            if value is not None:
+                raise _unsupported(name, what)
+
+        # Projects, trackers
+        self.project_configuration = project_config if project_config is not None else ProjectConfiguration(
+            project_dir=os.fspath(project_dir) if project_dir is not None else None)
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(os.fspath(project_dir))
+        self.log_with = log_with
+        self.trackers: list = []
+        if log_with is not None:  # unknown names, missing libraries, no directory: fail before anything starts
+            from . import tracking
+
+            self._chosen_trackers = tracking.filter_trackers(log_with, self.project_configuration.logging_dir)
+        else:
+            self._chosen_trackers = []
+
+        # Precision
+        if mixed_precision is None and not _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"):
+            mixed_precision = _config_default("mixed_precision")
+        if mixed_precision is not None:
+            mixed_precision = _precision.validate_mixed_precision(mixed_precision)
+
+        # Data loading
+        if dataloader_config is None:
+            dataloader_config = DataLoaderConfiguration()
+        if split_batches is not _UNSET:
+            if not isinstance(split_batches, bool):
+                raise TypeError(f"split_batches must be True or False, got {split_batches!r}.")
+            dataloader_config.split_batches = split_batches
+        self.dataloader_config = dataloader_config
+
+        # Kwargs handlers: one of each kind
+        self.ddp_handler = self.scaler_handler = self.init_handler = self.autocast_handler = None
+        self.fp8_recipe_handler = self.ao_recipe_handler = self.te_recipe_handler = None
+        self.msamp_recipe_handler = self.profile_handler = None
+        self._set_handlers(kwargs_handlers or [])
+        self.has_fp8_handler = any(h is not None for h in (
+            self.fp8_recipe_handler, self.ao_recipe_handler, self.te_recipe_handler, self.msamp_recipe_handler))
+        self.delayed_fp8_autocast = False  # a transformer_engine option; nbaccel's fp8 runs through torchao
+        self.has_lomo_optimizer = False
+
+        # torch.compile
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ValueError("Pass dynamo_backend or dynamo_plugin, not both.")
+        if dynamo_backend is None and dynamo_plugin is None:
+            dynamo_plugin = TorchDynamoPlugin()  # reads NBACCEL_/ACCELERATE_DYNAMO_* set by a launcher
+            if str(dynamo_plugin.backend) == "NO":
+                dynamo_backend = (_config_default("dynamo_config") or {}).get("dynamo_backend")
+        if dynamo_backend is not None:
+            backend = str(dynamo_backend).upper()
+            if backend not in DynamoBackend:
+                raise ValueError(f"Unknown dynamo_backend={dynamo_backend!r}: choose one of {DynamoBackend.list()}.")
+            dynamo_plugin = TorchDynamoPlugin(backend=DynamoBackend(backend))
+        self._dynamo_plugin = dynamo_plugin
+
+        # fp8 needs an external backend: say which to install before any process group starts.
+        effective = mixed_precision or _precision.validate_mixed_precision(
+            _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION") or "no")
+        self._fp8_backend = None
+        if effective == "fp8":
+            self._fp8_backend = _precision.find_fp8_backend(self._preferred_fp8_backend())
+
+        if gradient_accumulation_plugin is not None:
+            if gradient_accumulation_steps != 1:
+                raise ValueError(
+                    "Pass gradient_accumulation_steps or gradient_accumulation_plugin, not both "
+                    "(set num_steps on the plugin)."
+                )
+        else:
+            if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+                raise ValueError(
+                    f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}."
+                )
+            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
+        rng_types = self._check_rng_types(rng_types)
+
+        # States (process group, device, precision, gradient accumulation)
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        cpu = bool(cpu) or bool(_config_default("use_cpu"))
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
+                                      _from_accelerator=True, **init_kwargs)
+        self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.native_amp = self.state.mixed_precision in ("fp16", "bf16")
+        self.scaler = _precision.make_grad_scaler(
+            self.state.mixed_precision, self.device.type,
+            self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None)
+
+        self.rng_types = rng_types
+        self.step = 0
+        self.flag_tensor: torch.Tensor | None = None
+
+        # What prepare() and register_for_checkpointing() saw, for checkpoints and free_memory().
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoader] = []
+        self._custom_objects: list = []
+        self._save_model_state_pre_hook: OrderedDict = OrderedDict()
+        self._load_model_state_pre_hook: OrderedDict = OrderedDict()
+
+    def _set_handlers(self, handlers: list) -> None:
+        from .utils import dataclasses as _dc
+
+        kinds = {
+            DistributedDataParallelKwargs: "ddp_handler", GradScalerKwargs: "scaler_handler",
+            InitProcessGroupKwargs: "init_handler", AutocastKwargs: "autocast_handler",
+            _dc.FP8RecipeKwargs: "fp8_recipe_handler", _dc.AORecipeKwargs: "ao_recipe_handler",
+            _dc.TERecipeKwargs: "te_recipe_handler", _dc.MSAMPRecipeKwargs: "msamp_recipe_handler",
+            _dc.ProfileKwargs: "profile_handler",
+        }
+        seen = set()
+        for handler in handlers:
+            attr = kinds.get(type(handler)) or next((a for c, a in kinds.items() if isinstance(handler, c)), None)
+            if attr is None:
+                raise TypeError(
+                    f"Unsupported kwargs handler {handler!r}: pass instances of "
+                    f"{sorted(c.__name__ for c in kinds)}."
+                )
+            if attr in seen:
+                raise ValueError(f"Only one {type(handler).__name__} may be given in kwargs_handlers.")
+            seen.add(attr)
+            setattr(self, attr, handler)
+
+    def _preferred_fp8_backend(self) -> str | None:
+        """The fp8 backend a recipe handler asks for (AO, TE or MSAMP), if any."""
+        if self.ao_recipe_handler is not None:
+            return "AO"
+        if self.te_recipe_handler is not None:
+            return "TE"
+        if self.msamp_recipe_handler is not None:
+            return "MSAMP"
+        return getattr(self.fp8_recipe_handler, "backend", None)
+
+    def _check_rng_types(self, rng_types: list | None) -> list[str]:
+        if rng_types is None:
+            return ["generator"]
+        checked = []
+        for rng in rng_types:
+            if str(rng) not in RNGType:
+                raise ValueError(f"Unknown rng type {rng!r}: choose among {RNGType.list()}.")
+            checked.append(str(rng))
+        return checked
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def multi_device(self) -> bool:
+        return self.use_distributed and self.distributed_type in _DDP_TYPES and self.distributed_type != "MULTI_CPU"
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.state.mixed_precision
+
+    @property
+    def fp8_backend(self) -> str | None:
+        return self._fp8_backend
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return self.mixed_precision == "fp8"
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return False  # nbaccel does not drive FSDP (the constructor refuses fsdp_plugin)
+
+    @property
+    def parallelism_config(self) -> None:
+        return None
+
+    @property
+    def torch_device_mesh(self) -> None:
+        return None
+
+    @property
+    def should_save_model(self) -> bool:
+        """With data parallelism only, every replica holds the whole model: the local main process saves."""
+        return self.is_local_main_process
+
+    # Parallel ranks, as Accelerate: they need a parallelism_config (which nbaccel does not drive), so the
+    # state raises RuntimeError (tensor/data parallel) or NotImplementedError (pipeline/context) saying so.
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.state.tensor_parallel_rank
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.state.pipeline_parallel_rank
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self.state.context_parallel_rank
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.state.data_parallel_rank
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self.state.data_parallel_shard_rank
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        return None
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return getattr(self.dataloader_config, "use_stateful_dataloader", False)
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.gradient_state.plugin_kwargs.update({"num_steps": value})
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 overflow) on any prepared optimizer."""
+        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
+
+    # ------------------------------------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """Prepare every argument for this run; return them in the same order (one object when one is given).
+
+        Models, optimizers and data loaders first, schedulers after (they refer to prepared optimizers).
+        """
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects: give one per object."
+            )
+        result = list(args)
+        for index, (obj, place) in enumerate(zip(args, device_placement)):
+            result[index] = self._prepare_one(obj, first_pass=True, device_placement=place)
+        for index, obj in enumerate(result):
+            result[index] = self._prepare_one(obj, first_pass=False)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_one(self, obj: Any, first_pass: bool, device_placement: bool | None = None) -> Any:
+        if first_pass:
+            if isinstance(obj, DataLoader) and not isinstance(obj, _PREPARED_LOADERS):
+                return self.prepare_data_loader(obj, device_placement=device_placement)
+            if isinstance(obj, torch.nn.Module):
+                return self.prepare_model(obj, device_placement=device_placement)
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                return self.prepare_optimizer(obj, device_placement=device_placement)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            hasattr(obj, "optimizer") and hasattr(obj, "step") and hasattr(obj, "get_last_lr")
+            and not isinstance(obj, AcceleratedScheduler)
+        ):
+            return self.prepare_scheduler(obj)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Place `model` on the device, run its forward in the mixed precision, wrap it in DDP when several
+        processes train, and compile it when a dynamo backend is set."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
+        if any(model is prepared for prepared in self._models) or isinstance(
+                model, torch.nn.parallel.DistributedDataParallel):
+            return model  # prepared already: wrapping it again would nest DDP
+        if device_placement is None:
+            device_placement = self.device_placement and not self.verify_device_map(model)
+        self._models.append(model)
+        if device_placement:
+            model = model.to(self.device)
+        if self.fp8_backend == "AO":
+            model = _precision.convert_to_fp8(model, self.ao_recipe_handler)
+        if self.native_amp or self.fp8_enabled:
+            handler = self.autocast_handler
+
+            def make_context(handler=handler, device_type=self.device.type, mode=self.mixed_precision):
+                enabled = True if handler is None else handler.enabled
+                cache = None if handler is None else handler.cache_enabled
+                return _precision.autocast_context(device_type, mode, enabled, cache)
+
+            _precision.wrap_forward(model, make_context)
+        if (not evaluation_mode and self.use_distributed and self.distributed_type in _DDP_TYPES
+                and any(p.requires_grad for p in model.parameters())):
+            kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("comm_")}
+            if self.device.type != "cpu":
+                kwargs.setdefault("device_ids", [self.device.index if self.device.index is not None else 0])
+                kwargs.setdefault("output_device", kwargs["device_ids"][0])
+            model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+            if self.ddp_handler is not None and hasattr(self.ddp_handler, "register_comm_hook"):
+                self.ddp_handler.register_comm_hook(model)
+        self._models[-1] = model
+        plugin = self._dynamo_plugin
+        if plugin is not None and str(getattr(plugin, "backend", "NO")).upper() != "NO":
+            kwargs = plugin.to_kwargs()
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_regional_compilation",)}
+            kwargs["backend"] = str(kwargs.get("backend", "inductor")).lower()
+            model = torch.compile(model, **kwargs)
+            self._models[-1] = model
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
+        """Wrap `optimizer` so it steps only on synchronizing steps (and through the GradScaler with fp16)."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        if device_placement is None:
+            device_placement = self.device_placement
+        if type(optimizer).__name__ in ("Lomo", "AdaLomo"):
+            self.has_lomo_optimizer = True
+        prepared = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
+                                        device=self.device)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Callable | None = None) -> DataLoader:
+        """Shard `data_loader` across the processes and move its batches to the device."""
+        if device_placement is None:
+            device_placement = self.device_placement
+        config = self.dataloader_config
+        prepared = _data_loader.prepare_data_loader(
+            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
+            split_batches=config.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=getattr(config, "data_seed", None), non_blocking=config.non_blocking,
+            use_stateful_dataloader=getattr(config, "use_stateful_dataloader", False),
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap `scheduler` so it steps with its optimizer (see `nbaccel.scheduler`)."""
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        inner = getattr(scheduler, "optimizer", None)
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is inner or opt is inner] or inner
+        prepared = AcceleratedScheduler(scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                        split_batches=self.split_batches)
+        self._schedulers.append(prepared)
+        return prepared
+
+    # ------------------------------------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, divided by the accumulation steps and scaled with fp16."""
+        steps = self.gradient_state.num_steps
+        if steps > 1:
+            loss = loss / steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def _do_sync(self) -> None:
+        gradient_state = self.gradient_state
+        if gradient_state.sync_with_dataloader and gradient_state.end_of_dataloader:
+            self.step = 0
+            gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            gradient_state._set_sync_gradients(self.step % gradient_state.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-batch of gradient accumulation: gradients are synchronized (and the optimizer steps)
+        only every `gradient_accumulation_steps` calls and at the end of the data loader."""
+        self._do_sync()
+        allow_sync = self.sync_gradients or (
+            self.use_distributed and self.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        if allow_sync or not models:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Skip DDP's gradient all-reduce in the backward passes inside (a no-op on one process)."""
+        context = getattr(model, "no_sync", None) if self.use_distributed else None
+        if context is None:
+            yield
+        else:
+            with context():
+                yield
+
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+        """Synchronize gradients in the next backward even inside `no_sync` (DDP only)."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            yield
+            return
+        old_grad, old_param = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = True
+        model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = old_grad
+            model.require_forward_param_sync = old_param
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None,
+                 cache_enabled: bool | None = None) -> Iterator[None]:
+        """Run the block in the mixed precision (for code outside the prepared model's forward)."""
+        handler = autocast_handler or self.autocast_handler
+        enabled = True if handler is None else handler.enabled
+        if cache_enabled is None and handler is not None:
+            cache_enabled = handler.cache_enabled
+        with _precision.autocast_context(self.device.type, self.mixed_precision, enabled, cache_enabled):
+            yield
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16-scaled gradients by the scale (before clipping); a no-op without fp16."""
+        if self.scaler is None or not self.gradient_state.sync_gradients:
+            return
+        optimizers = self._optimizers if optimizer is None else (
+            optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in optimizers:
+            inner = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+            self.scaler.unscale_(inner)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` after unscaling fp16 gradients; returns the total norm."""
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """`torch.nn.utils.clip_grad_value_` after unscaling fp16 gradients."""
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backward and update in one pass with a LOMO/AdaLomo optimizer (package `lomo-optim`)."""
+        if importlib.util.find_spec("lomo_optim") is None:
+            raise ImportError("lomo_backward needs the LOMO optimizers: `pip install lomo-optim`.")
+        from lomo_optim import AdaLomo, Lomo
+
+        for optimizer in self._optimizers:
+            inner = optimizer.optimizer
+            if isinstance(inner, (Lomo, AdaLomo)):
+                inner.fused_backward(loss, learning_rate)
+                return
+        raise ValueError("lomo_backward needs a prepared lomo_optim.Lomo or AdaLomo optimizer; none was prepared.")
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's model without DDP (and, on request, without the mixed-precision forward or compile)."""
+        compiled = model if _is_compiled(model) else None
+        if compiled is not None:
+            model = compiled._orig_mod
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        if not keep_fp32_wrapper:
+            _precision.unwrap_forward(model)
+        if compiled is not None and keep_torch_compile:
+            compiled._orig_mod = model
+            return compiled
+        return model
+
+    # ------------------------------------------------------------------------------------------- collectives
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate `tensor` (or a nested structure of tensors) from every process along dim 0."""
+        return gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation: on the last batch, drop the samples `even_batches` repeated, so metrics see
+        each sample of the dataset exactly once. Non-tensor data is gathered as objects."""
+        if not use_gather_object and not _only_tensors(input_data):
+            use_gather_object = True
+        data = gather_object(input_data) if use_gather_object else gather(input_data)
+        gradient_state = self.gradient_state
+        if not gradient_state.end_of_dataloader:
+            return data
+        remainder = gradient_state.remainder
+        if remainder <= 0:
+            return data
+        if use_gather_object:
+            return data[:remainder]
+        return recursively_apply(lambda t: t[:remainder], data)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum (or average) `tensor` over the processes; every process gets the result."""
+        if reduction not in ("sum", "mean", "none", "max", "min"):
+            raise ValueError(f"reduction must be 'sum', 'mean', 'max', 'min' or 'none', got {reduction!r}.")
+        return reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad `tensor` along `dim` to the largest size over the processes (so it can be gathered)."""
+        return pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def wait_for_everyone(self) -> None:
+        """Barrier: every process waits here until all have arrived."""
+        self.state.wait_for_everyone()
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; `check_trigger` on every process then returns True (e.g. early stop)."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called `set_trigger` since the last check (one all-reduce)."""
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        flag = self.reduce(self.flag_tensor)
+        if flag.item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    # ------------------------------------------------------------------------------------------- processes
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the local main process only."""
+        self.state.print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first, the others after it (e.g. to download or preprocess once)."""
+        with self.state.main_process_first():
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like `main_process_first`, per machine."""
+        with self.state.local_main_process_first():
+            yield
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's part of `inputs` (list, tuple, dict of lists, tensor)."""
+        with self.state.split_between_processes(inputs, apply_padding=apply_padding) as part:
+            yield part
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on the main process only."""
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self.state.on_process(function, process_index=process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self.state.on_local_process(function, local_process_index=local_process_index)
+
+    # ------------------------------------------------------------------------------------------- data
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+        """A loader over the same data without its first `num_batches` batches (resume mid-epoch)."""
+        return _data_loader.skip_first_batches(dataloader, num_batches=num_batches)
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True when `model` was dispatched over several devices (big-model inference), which training
+        must not move."""
+        return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
+        """Train on data that gives processes different numbers of batches: DDP's `Join` shadows the
+        collectives of processes that ran out. `even_batches` overrides the prepared loaders' setting inside."""
+        if not (self.use_distributed and self.distributed_type in _DDP_TYPES):
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        changed = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                sampler = getattr(loader, "batch_sampler", None)
+                if isinstance(sampler, _data_loader.BatchSamplerShard):
+                    changed.append((loader, sampler, sampler.even_batches, loader._even_batches))
+                    sampler.even_batches = even_batches
+                    loader._even_batches = even_batches
+        try:
+            with Join(joinables, throw_on_early_termination=False):
+                yield
+        finally:
+            for loader, sampler, sampler_even, loader_even in changed:
+                sampler.even_batches, loader._even_batches = sampler_even, loader_even
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list | None = None, buffer_seq_dims: list | None = None,
+                               no_restore_buffers: set | None = None) -> Iterator[None]:
+        """Context parallelism is off in nbaccel (no parallelism_config): the block runs as written."""
+        yield
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        raise _unsupported("deepspeed_ulysses_dl_adapter", "DeepSpeed")
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[Any]:
+        """`torch.profiler.profile` configured by `ProfileKwargs`; with its `output_trace_dir` each process
+        writes `trace_<process_index>.json` there (Chrome trace format)."""
+        handler = profile_handler or self.profile_handler
+        profiler = handler.build() if handler is not None and hasattr(handler, "build") else torch.profiler.profile()
+        with profiler as running:
+            yield running
+        trace_dir = getattr(handler, "output_trace_dir", None)
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            running.export_chrome_trace(os.path.join(trace_dir, f"trace_{self.process_index}.json"))
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save `obj` once (main process; local main processes with save_on_each_node): torch.save, or
+        safetensors for a dict of tensors with safe_serialization=True."""
+        try:
+            from .utils.other import save as _save
+        except ImportError:  # nbaccel.utils.other not merged yet
+            _save = None
+        on_each_node = getattr(self.project_configuration, "save_on_each_node", False)
+        if _save is not None:
+            _save(obj, f, save_on_each_node=on_each_node, safe_serialization=safe_serialization)
+            return
+        if not (self.is_local_main_process if on_each_node else self.is_main_process):
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, os.fspath(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    # ------------------------------------------------------------------------------------------- memory
+    def free_memory(self, *objects: Any) -> list:
+        """Drop the references this Accelerator holds (models, optimizers, loaders, schedulers), collect
+        garbage and empty the device cache; returns `objects` released (as Accelerate: set yours to them)."""
+        self._schedulers = []
+        self._optimizers = []
+        self._models = []
+        self._dataloaders = []
+        self.step = 0
+        try:
+            from .utils.memory import release_memory
+        except ImportError:  # nbaccel.utils.memory not merged yet
+            release_memory = None
+        if release_memory is not None:
+            return release_memory(*objects)
+        objects = [None] * len(objects)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return objects
+
+    def clear(self, *objects: Any) -> list:
+        """Alias of `free_memory`."""
+        return self.free_memory(*objects)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load `objects` (anything with state_dict/load_state_dict) with save_state/load_state."""
+        invalid = [f"position {i}: {type(obj).__name__}" for i, obj in enumerate(objects)
+                   if not (callable(getattr(obj, "state_dict", None))
+                           and callable(getattr(obj, "load_state_dict", None)))]
+        if invalid:
+            raise ValueError(
+                "register_for_checkpointing needs objects with state_dict() and load_state_dict(); these lack "
+                "them: " + ", ".join(invalid)
+            )
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, weights, output_dir)` runs in save_state before the models are written."""
+        return _register_hook(self._save_model_state_pre_hook, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> Any:
+        """`hook(models, input_dir)` runs in load_state before the models are read."""
+        return _register_hook(self._load_model_state_pre_hook, hook)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's state dict (of the unwrapped model by default)."""
+        if unwrap:
+            model = self.unwrap_model(model, keep_torch_compile=False)
+        return model.state_dict()
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """Write the model's weights to `save_directory` (safetensors, sharded above `max_shard_size`)."""
+        from . import checkpointing
+
+        checkpointing.save_model(self.get_state_dict(model), os.fspath(save_directory), max_shard_size=max_shard_size,
+                                 safe_serialization=safe_serialization, is_main_process=self.is_main_process)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Save everything needed to resume: models, optimizers, schedulers, loader positions, scaler, RNGs,
+        registered objects. With automatic_checkpoint_naming the folder is chosen (and old ones rotated).
+        Call it on every process; returns the folder."""
+        from . import checkpointing
+
+        config = self.project_configuration
+        total_limit = None
+        if config.automatic_checkpoint_naming:
+            output_dir = checkpointing.next_checkpoint_dir(config)
+            total_limit = config.total_limit
+        elif output_dir is None:
+            raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+        location = checkpointing.save_accelerator_state(
+            output_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
+            dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
+            process_index=self.process_index, num_processes=self.num_processes,
+            # Without a shared filesystem (save_on_each_node) every machine writes its own copy.
+            is_main_process=self.is_local_main_process if config.save_on_each_node else self.is_main_process,
+            safe_serialization=safe_serialization, step=self.step,
+            pre_hooks=list(self._save_model_state_pre_hook.values()), total_limit=total_limit,
+            get_state_dict=self.get_state_dict,
+        )
+        config.iteration += 1
+        return os.fspath(location)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Restore what save_state wrote (the latest automatic checkpoint when `input_dir` is None)."""
+        from . import checkpointing
+
+        config = self.project_configuration
+        if input_dir is None:
+            if not config.automatic_checkpoint_naming:
+                raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+            input_dir = checkpointing.latest_checkpoint_dir(config)
+        load_kwargs = dict(load_kwargs or {})
+        map_location = load_kwargs.pop("map_location", None)
+        override = checkpointing.load_accelerator_state(
+            input_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
+            dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
+            process_index=self.process_index, map_location=map_location, device=self.device,
+            pre_hooks=list(self._load_model_state_pre_hook.values()), load_kwargs=load_kwargs,
+            **load_model_func_kwargs,
+        )
+        if override and "step" in override:
+            self.step = int(override["step"])
+        match = re.search(r"checkpoint_(\d+)$", os.path.basename(os.path.normpath(os.fspath(input_dir))))
+        if config.automatic_checkpoint_naming and match:
+            config.iteration = int(match.group(1)) + 1
+
+    # ------------------------------------------------------------------------------------------- trackers
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Start the trackers of `log_with` on the main process and record `config` (hyper-parameters)."""
+        from . import tracking
+
+        if self.is_main_process:
+            self.trackers.extend(tracking.init_trackers(self._chosen_trackers, project_name,
+                                                        logging_dir=self.logging_dir,
+                                                        config=config, init_kwargs=init_kwargs))
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker named `name` (its native run object with unwrap=True); a do-nothing tracker on the
+        processes that have none."""
+        from . import tracking
+
+        return tracking.get_tracker(self.trackers, name, unwrap=unwrap)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Record `values` in every tracker (main process) and in the notebook dashboard (every process)."""
+        from . import tracking
+
+        tracking.log_to_trackers(self.trackers, values, step=step, log_kwargs=log_kwargs)
+
+    def end_training(self) -> None:
+        """Finish every tracker; call it at the end of training, on every process."""
+        from . import tracking
+
+        tracking.finish_trackers(self.trackers)
+        self.wait_for_everyone()
+
+
+_PREPARED_LOADERS = (_data_loader.DataLoaderShard, _data_loader.DataLoaderDispatcher)
+
+
+class _RemovableHandle:
+    """What register_*_pre_hook returns: `.remove()` unregisters the hook."""
+
+    _next_id = 0
+
+    def __init__(self, hooks: OrderedDict) -> None:
+        self._hooks = hooks
+        self.id = _RemovableHandle._next_id
+        _RemovableHandle._next_id += 1
+
+    def remove(self) -> None:
+        self._hooks.pop(self.id, None)
+
+
+def _register_hook(hooks: OrderedDict, hook: Callable) -> _RemovableHandle:
+    handle = _RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def _first_env(*names: str) -> str | None:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def _config_default(key: str) -> Any:
+    """`key` of the saved launch configuration (`nbaccel config`), or None without a config file.
+
+    Used only where neither an argument nor a launcher's environment variable decided: e.g. an Accelerator
+    created directly in a notebook picks up the precision saved with `config_widget()`.
+    """
+    from .utils.config_file import load_config
+
+    config = load_config()
+    return None if config is None else getattr(config, key, None)
+
+
+def _is_compiled(model: Any) -> bool:
+    """Whether `model` came out of torch.compile (without importing torch._dynamo, which is slow to load)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
+
+
+def _only_tensors(data: Any) -> bool:
+    """Whether `data` is tensors in (nested) lists, tuples and dicts, which `gather` can concatenate."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return len(data) > 0 and all(_only_tensors(item) for item in data)
+    if isinstance(data, dict):
+        return len(data) > 0 and all(_only_tensors(item) for item in data.values())
+    return False

@@ -1,0 +1,736 @@
+"""Data loaders for several processes: sharding, device placement, end-of-data, resuming mid-epoch.
+
+`prepare_data_loader` turns a `torch.utils.data.DataLoader` into one whose batches are this process's share:
+- map-style datasets: the batch sampler is sharded (`BatchSamplerShard`): batch i goes to process
+  i % num_processes, or with `split_batches` every batch is cut in num_processes slices. With
+  `even_batches` the last round is completed with samples from the start, so every process sees the same
+  number of full batches (`gather_for_metrics` later drops the duplicates, see `remainder`).
+- iterable datasets: every process reads the stream and keeps its slice (`IterableDatasetShard`), or with
+  `dispatch_batches` only process 0 reads and broadcasts (`DataLoaderDispatcher`).
+- shuffling agrees across processes: the sampler's generator is broadcast from process 0 at the start of
+  each epoch, or with `use_seedable_sampler` it is seeded with seed + epoch (`SeedableRandomSampler`).
+
+The prepared loader (`DataLoaderShard` / `DataLoaderDispatcher`) moves batches to the device, looks one
+batch ahead so `end_of_dataloader` is True while the last batch is being used, and registers itself with
+`GradientState` while it is iterated. `state_dict()` / `load_state_dict()` record the epoch, the batches
+yielded so far and the shuffling generator, so a checkpoint taken mid-epoch resumes with the same batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from . import telemetry
+from .state import GradientState, PartialState
+from .utils.operations import broadcast, broadcast_object_list, send_to_device
+from .utils.random import synchronize_rng_states
+
+# DataLoader arguments carried over when a loader is rebuilt around a new sampler or dataset.
+_LOADER_KWARGS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+)
+
+
+def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+    kwargs = {name: getattr(dataloader, name) for name in _LOADER_KWARGS if hasattr(dataloader, name)}
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs
+
+
+# ----------------------------------------------------------------------------------------------- samplers
+
+
+class SeedableRandomSampler(RandomSampler):
+    """A RandomSampler whose order depends only on (seed, epoch): the same on every process and on resume."""
+
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.initial_seed = torch.random.initial_seed() if data_seed is None else int(data_seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+
+
+class BatchSamplerShard(BatchSampler):
+    """This process's batches of `batch_sampler` (see the module docstring for the rules)."""
+
+    def __init__(self, batch_sampler: Any, num_processes: int = 1, process_index: int = 0,
+                 split_batches: bool = False, even_batches: bool = True) -> None:
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        if split_batches and batch_size is not None and batch_size % num_processes != 0:
+            raise ValueError(
+                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
+                f"processes ({num_processes}): change the batch size or use split_batches=False."
+            )
+        self.batch_sampler = batch_sampler
+        self.sampler = getattr(batch_sampler, "sampler", None)
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.batch_size = batch_size
+        self.drop_last = getattr(batch_sampler, "drop_last", False)
+        self.skip_batches = 0  # set by the loader for one pass when resuming or skipping
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+    def __len__(self) -> int:
+        total, n = len(self.batch_sampler), self.num_processes
+        if self.split_batches:
+            return total
+        if self.drop_last or self.even_batches:
+            return total // n if self.drop_last else math.ceil(total / n)
+        return total // n + (1 if self.process_index < total % n else 0)
+
+    def __iter__(self) -> Iterator[list]:
+        batches = self._iter_split() if self.split_batches else self._iter_round_robin()
+        skip, self.skip_batches = self.skip_batches, 0
+        return itertools.islice(batches, skip, None) if skip else batches
+
+    def _iter_round_robin(self) -> Iterator[list]:
+        n, me = self.num_processes, self.process_index
+        if not _has_length(self.batch_sampler):  # a batch sampler of unknown length: plain round robin
+            yield from (b for i, b in enumerate(self.batch_sampler) if i % n == me)
+            return
+        total = len(self.batch_sampler)
+        if self.drop_last:
+            limit = (total // n) * n  # whole rounds only: no process steps alone
+        elif self.even_batches:
+            limit = math.ceil(total / n) * n  # the last round is completed below
+        else:
+            limit = total
+        full = self.batch_size
+        start: list = []  # samples from the start of the epoch, to complete the last round
+        for index, batch in enumerate(self.batch_sampler):
+            if index >= limit:
+                return
+            if full is None:
+                full = len(batch)
+            if self.even_batches and len(start) < full * n:
+                start.extend(batch)
+            if index == total - 1 and len(batch) < full and self.even_batches and not self.drop_last:
+                filler = itertools.cycle(start)
+                batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
+                if index % n == me:
+                    yield batch
+                break
+            if index % n == me:
+                yield batch
+        else:
+            filler = itertools.cycle(start) if start else None
+        if total >= limit or not start:
+            return
+        # Complete the last round with whole batches, cycling through the samples from the start.
+        for index in range(total, limit):
+            batch = [next(filler) for _ in range(full)]
+            if index % n == me:
+                yield batch
+
+    def _iter_split(self) -> Iterator[list]:
+        n, me = self.num_processes, self.process_index
+        start: list = []
+        full = self.batch_size
+        for batch in self.batch_sampler:
+            if full is None:
+                full = len(batch)
+                if full % n != 0:
+                    raise ValueError(
+                        f"split_batches=True needs batches whose size ({full}) is a multiple of the number "
+                        f"of processes ({n})."
+                    )
+            if len(start) < full:
+                start.extend(batch)
+            if len(batch) < full:
+                if self.drop_last:
+                    return
+                if self.even_batches:
+                    filler = itertools.cycle(start)
+                    batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
+                else:
+                    per = full // n  # the regular slices: the last processes may get less, or nothing
+                    piece = batch[me * per:(me + 1) * per]
+                    if piece:
+                        yield piece
+                    return
+            per = full // n
+            yield batch[me * per:(me + 1) * per]
+
+
+class SkipBatchSampler(BatchSampler):
+    """A batch sampler that leaves out the first `skip_batches` batches of `batch_sampler`."""
+
+    def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = getattr(batch_sampler, "sampler", None)
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.drop_last = getattr(batch_sampler, "drop_last", False)
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[list]:
+        return itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+
+class SkipDataLoader(DataLoader):
+    """A DataLoader that leaves out the first `skip_batches` batches of every pass (for iterable datasets,
+    where the batches cannot be skipped at the index level)."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(super().__iter__(), self.skip_batches, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.skip_batches, 0)
+
+
+class IterableDatasetShard(IterableDataset):
+    """This process's samples of an iterable dataset: every process reads the stream and keeps its slice
+    of each group of batch_size x num_processes samples (the last group completed from the start)."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, drop_last: bool = False, num_processes: int = 1,
+                 process_index: int = 0, split_batches: bool = False) -> None:
+        if split_batches and batch_size > 1 and batch_size % num_processes != 0:
+            raise ValueError(
+                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
+                f"processes ({num_processes})."
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
+        group = real * self.num_processes
+        if self.drop_last:
+            return (len(self.dataset) // group) * real
+        return math.ceil(len(self.dataset) / group) * real
+
+    def __iter__(self) -> Iterator[Any]:
+        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
+        group = real * self.num_processes
+        lo, hi = self.process_index * real, (self.process_index + 1) * real
+        first: list | None = None
+        buffer: list = []
+        for sample in self.dataset:
+            buffer.append(sample)
+            if len(buffer) == group:
+                yield from buffer[lo:hi]
+                if first is None:
+                    first = buffer
+                buffer = []
+        if buffer and not self.drop_last:
+            filler = itertools.cycle(first if first is not None else list(buffer))
+            while len(buffer) < group:
+                buffer.append(next(filler))
+            yield from buffer[lo:hi]
+
+
+# ----------------------------------------------------------------------------------------------- loaders
+
+_END = object()  # marks the end of the wrapped iterator
+
+
+class _PreparedLoaderMixin:
+    """What both prepared loaders share: end-of-data, GradientState registration, positions for resume."""
+
+    def _init_prepared(self, device, non_blocking: bool, total_batch_size: int | None,
+                       total_dataset_length: int | None, even_batches: bool) -> None:
+        self.device = device
+        self.non_blocking = non_blocking
+        self._move = device is not None and torch.device(device).type != "cpu"
+        self.gradient_state = GradientState()
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self.iteration = 0
+        self._total_batch_size = total_batch_size
+        self._total_dataset_length = total_dataset_length
+        self._even_batches = even_batches
+        self._batches_yielded = 0
+        self._resume_skip = 0
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples consumed per step over all processes."""
+        return self._total_batch_size
+
+    @property
+    def total_dataset_length(self) -> int | None:
+        return self._total_dataset_length
+
+    def begin(self) -> None:
+        """Start of an epoch: reset end-of-data, compute the padding remainder, register with GradientState."""
+        self.end_of_dataloader = False
+        length, total = self._total_dataset_length, self._total_batch_size
+        self.remainder = length % total if (self._even_batches and length is not None and total) else -1
+        self.gradient_state._add_dataloader(self)
+
+    def end(self) -> None:
+        self.gradient_state._remove_dataloader(self)
+
+    def _state(self) -> dict[str, Any]:
+        return {"epoch": self.iteration, "batches_yielded": self._batches_yielded}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.set_epoch(int(state.get("epoch", 0)))
+        self._resume_skip = int(state.get("batches_yielded", 0))
+
+
+def _start_iterator(loader: DataLoader, resuming: bool) -> Iterator[Any]:
+    """Start a pass of `loader`. Starting a pass draws a base seed from the global RNG; when the pass
+    resumes mid-epoch from a checkpoint, the restored RNG state already includes the draw the interrupted run
+    made at the start of that epoch, so the draw is made on a forked RNG to leave the restored state exact."""
+    if not resuming:
+        return DataLoader.__iter__(loader)
+    with torch.random.fork_rng(devices=[]):
+        return DataLoader.__iter__(loader)
+
+
+class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
+    """A DataLoader yielding this process's batches on `device` (see the module docstring)."""
+
+    def __init__(self, dataset: Any, device: torch.device | None = None, rng_types: list | None = None,
+                 synchronized_generator: torch.Generator | None = None, skip_batches: int = 0,
+                 non_blocking: bool = False, total_batch_size: int | None = None,
+                 total_dataset_length: int | None = None, even_batches: bool = True, **kwargs: Any) -> None:
+        DataLoader.__init__(self, dataset, **kwargs)
+        self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
+        # At each epoch's start every process takes process 0's state of these RNGs ("generator": the
+        # sampler's generator when the user gave it; one nbaccel created is agreed once, at prepare).
+        self.rng_types = [str(r) for r in rng_types or [] if synchronized_generator is not None or str(r) != "generator"]
+        self.synchronized_generator = synchronized_generator
+        self.skip_batches = skip_batches
+        self._epoch_generator_state: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.rng_types:
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        if self.synchronized_generator is not None:
+            self._epoch_generator_state = self.synchronized_generator.get_state()
+        self.set_epoch(self.iteration)
+        skip = self.skip_batches + self._resume_skip
+        self._batches_yielded = self._resume_skip + self.skip_batches  # the epoch's position, for state_dict
+        resuming, self._resume_skip = self._resume_skip > 0, 0
+        if skip and isinstance(self.batch_sampler, BatchSamplerShard):
+            self.batch_sampler.skip_batches = skip  # skip indices, without loading the samples
+            skip = 0
+        self.begin()
+        move, device, non_blocking = self._move, self.device, self.non_blocking
+        try:
+            batches = _start_iterator(self, resuming)
+            if skip:
+                batches = itertools.islice(batches, skip, None)
+            # Look one batch ahead, so end_of_dataloader is already True while the last batch is used.
+            current = next(batches, _END)
+            while current is not _END:
+                if move:
+                    current = send_to_device(current, device, non_blocking=non_blocking)
+                upcoming = next(batches, _END)
+                if upcoming is _END:
+                    self.end_of_dataloader = True
+                self._batches_yielded += 1
+                yield current
+                current = upcoming
+            self.end_of_dataloader = True
+            self.iteration += 1
+            self._batches_yielded = 0
+        finally:
+            self.end()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch: the seedable sampler, a sharded iterable dataset and datasets with set_epoch see it."""
+        self.iteration = epoch
+        sampler = self.get_sampler()
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def get_sampler(self) -> Sampler | None:
+        batch_sampler = self.batch_sampler
+        while batch_sampler is not None and not isinstance(getattr(batch_sampler, "sampler", None), Sampler):
+            batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+        return getattr(batch_sampler, "sampler", None) if batch_sampler is not None else self.sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start."""
+        state = self._state()
+        if self._epoch_generator_state is not None:
+            state["generator_state"] = self._epoch_generator_state.clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state`: the next iteration repeats the epoch's order and skips the batches yielded."""
+        self._load_state(state)
+        generator_state = state.get("generator_state")
+        if generator_state is not None and self.synchronized_generator is not None:
+            self.synchronized_generator.set_state(generator_state)
+
+
+class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
+    """A DataLoader where process 0 reads the data and sends each process its share (`dispatch_batches`).
+
+    For iterable datasets that cannot be read by every process (a stream, a queue). Per step: one object
+    broadcast of the batch's structure and shapes, then one tensor broadcast per tensor in the batch.
+    """
+
+    def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
+                 device: torch.device | None = None, non_blocking: bool = False,
+                 total_batch_size: int | None = None, total_dataset_length: int | None = None,
+                 even_batches: bool = True, slice_fn: Any = None, **kwargs: Any) -> None:
+        DataLoader.__init__(self, dataset, **kwargs)
+        self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
+        state = PartialState()
+        self.num_processes = state.num_processes
+        self.process_index = state.process_index
+        self.split_batches = split_batches
+        self.skip_batches = skip_batches
+        self.slice_fn = slice_fn or _slice_batch
+        self._comm_device = state.device if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+
+    def _read_group(self, iterator: Iterator[Any], first: list) -> tuple[Any, int]:
+        """On process 0: the next batch over all processes (concatenated), and how many real samples it has."""
+        wanted = 1 if self.split_batches else self.num_processes
+        batches = []
+        for _ in range(wanted):
+            try:
+                batches.append(next(iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return None, 0
+        if not first:
+            first.append(batches[0])
+        real = sum(_batch_length(b) for b in batches)
+        full = _batch_length(first[0]) * wanted
+        if real < full and self._even_batches:
+            # Complete the last group from the first batch, so every process gets a full share.
+            while sum(_batch_length(b) for b in batches) < full:
+                missing = full - sum(_batch_length(b) for b in batches)
+                batches.append(_slice_batch(first[0], 0, missing))
+        return _concatenate(batches), real
+
+    def __iter__(self) -> Iterator[Any]:
+        self.set_epoch(self.iteration)
+        skip = self.skip_batches + self._resume_skip
+        self._batches_yielded = self._resume_skip
+        resuming, self._resume_skip = self._resume_skip > 0, 0
+        self.begin()
+        try:
+            iterator = _start_iterator(self, resuming) if self.process_index == 0 else None
+            first: list = []
+            current = self._fetch(iterator, first)
+            index = 0
+            while current is not None:
+                upcoming = self._fetch(iterator, first)
+                if upcoming is None:
+                    self.end_of_dataloader = True
+                if index >= skip:
+                    self._batches_yielded += 1
+                    yield current
+                index += 1
+                current = upcoming
+            self.iteration += 1
+            self._batches_yielded = 0
+        finally:
+            self.end()
+
+    def _fetch(self, iterator: Iterator[Any] | None, first: list) -> Any:
+        """Every process: its share of the next group, or None at the end of the data."""
+        if self.process_index == 0:
+            group, _ = self._read_group(iterator, first)
+            meta = [None if group is None else _describe(group)]
+        else:
+            group, meta = None, [None]
+        broadcast_object_list(meta, from_process=0)
+        if meta[0] is None:
+            return None
+        group = _receive(meta[0], group, self._comm_device)
+        total = _batch_length(group)
+        per = total // self.num_processes
+        lo = self.process_index * per
+        hi = total if self.process_index == self.num_processes - 1 and not self._even_batches else lo + per
+        share = self.slice_fn(group, lo, hi)
+        if self._move:
+            share = send_to_device(share, self.device, non_blocking=self.non_blocking)
+        return share
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_state(state)
+
+    def __len__(self) -> int:
+        whole = DataLoader.__len__(self)
+        if self.split_batches:
+            return whole
+        return whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
+
+
+def _batch_length(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_length(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
+        return _batch_length(batch[0])
+    return len(batch)
+
+
+def _slice_batch(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi]
+    if isinstance(batch, dict):
+        return type(batch)({k: _slice_batch(v, lo, hi) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
+        items = [_slice_batch(v, lo, hi) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch[lo:hi]
+
+
+def _concatenate(batches: list) -> Any:
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches, dim=0)
+    if isinstance(first, dict):
+        return type(first)({k: _concatenate([b[k] for b in batches]) for k in first})
+    if isinstance(first, (list, tuple)) and first and not isinstance(first[0], (str, bytes, int, float)):
+        items = [_concatenate([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return [x for b in batches for x in b]
+
+
+class _TensorSlot:
+    """Where a tensor sits in a batch being broadcast: its shape and dtype."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+def _describe(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return _TensorSlot(batch)
+    if isinstance(batch, dict):
+        return type(batch)({k: _describe(v) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+        items = [_describe(v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def _receive(meta: Any, batch: Any, device: Any) -> Any:
+    """Broadcast every tensor of `batch` from process 0 into fresh tensors described by `meta` elsewhere."""
+    if isinstance(meta, _TensorSlot):
+        tensor = batch.to(device).contiguous() if batch is not None else torch.empty(
+            meta.shape, dtype=meta.dtype, device=device)
+        broadcast(tensor, from_process=0)
+        return tensor
+    if isinstance(meta, dict):
+        return type(meta)({k: _receive(v, None if batch is None else batch[k], device) for k, v in meta.items()})
+    if isinstance(meta, (list, tuple)) and any(isinstance(v, (_TensorSlot, dict, list, tuple)) for v in meta):
+        items = [_receive(v, None if batch is None else batch[i], device) for i, v in enumerate(meta)]
+        return type(meta)(*items) if hasattr(meta, "_fields") else type(meta)(items)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: list | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Any = None,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    torch_device_mesh: Any = None,
+) -> DataLoader:
+    """Wrap `dataloader` so this process gets its share of every batch (Accelerate's function and arguments)."""
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"prepare_data_loader expects a torch.utils.data.DataLoader, got {type(dataloader).__name__}.")
+    if use_stateful_dataloader:
+        raise ValueError(
+            "use_stateful_dataloader=True needs torchdata's StatefulDataLoader, which nbaccel does not wrap: "
+            "nbaccel's prepared loaders already have state_dict()/load_state_dict(); leave it False."
+        )
+    if torch_device_mesh is not None:
+        raise ValueError("torch_device_mesh (tensor/context parallel data loading) is not supported by nbaccel.")
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else num_processes
+    process_index = state.process_index if process_index is None else process_index
+    dataset = dataloader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = iterable and num_processes > 1 and put_on_device
+    batch_size = dataloader.batch_size
+    if batch_size is None and dataloader.batch_sampler is not None:
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+    if split_batches and batch_size is not None and batch_size % num_processes != 0:
+        raise ValueError(
+            f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of processes "
+            f"({num_processes}): change the batch size or use split_batches=False."
+        )
+    total_batch_size = None if batch_size is None else (batch_size if split_batches else batch_size * num_processes)
+    try:
+        total_length = len(dataset)
+    except TypeError:
+        total_length = None
+    place = device if put_on_device else None
+    kwargs = _loader_kwargs(dataloader)
+    common = dict(non_blocking=non_blocking, total_batch_size=total_batch_size,
+                  total_dataset_length=total_length, even_batches=even_batches)
+
+    if dispatch_batches and num_processes > 1:
+        loader_kwargs = dict(kwargs)
+        if iterable:
+            loader_kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
+        else:
+            loader_kwargs.update(batch_sampler=dataloader.batch_sampler)
+        prepared: DataLoader = DataLoaderDispatcher(
+            dataset, split_batches=split_batches, device=place, slice_fn=slice_fn_for_dispatch,
+            **common, **loader_kwargs)
+    elif iterable:
+        shard = dataset if num_processes == 1 else IterableDatasetShard(
+            dataset, batch_size=batch_size or 1, drop_last=dataloader.drop_last,
+            num_processes=num_processes, process_index=process_index, split_batches=split_batches)
+        per_process = batch_size // num_processes if (split_batches and batch_size) else batch_size
+        prepared = DataLoaderShard(shard, device=place, rng_types=rng_types, batch_size=per_process,
+                                   drop_last=dataloader.drop_last, **common, **kwargs)
+    else:
+        batch_sampler = dataloader.batch_sampler
+        sampler = getattr(batch_sampler, "sampler", None)
+        generator = None
+        sync = [str(r) for r in rng_types or []]
+        if isinstance(sampler, RandomSampler) and use_seedable_sampler:
+            seed = data_seed if data_seed is not None else _agreed_seed(sampler.generator)
+            sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
+                                            num_samples=sampler._num_samples, generator=sampler.generator,
+                                            data_seed=seed)
+            batch_sampler = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        elif isinstance(sampler, RandomSampler):
+            generator = sampler.generator
+            if generator is None:
+                # A generator of the sampler's own, seeded alike everywhere, draws the same order on every
+                # process epoch after epoch (one broadcast now instead of one per epoch), and its state at an
+                # epoch's start is what a checkpoint needs to repeat that epoch's order.
+                generator = sampler.generator = torch.Generator()
+                generator.manual_seed(_agreed_random_seed())
+                sync = [r for r in sync if r != "generator"]
+            elif "generator" not in sync and num_processes > 1:
+                sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
+        if num_processes > 1 or _has_length(batch_sampler):  # with one process too: resuming skips indices
+            batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
+                                              split_batches=split_batches, even_batches=even_batches)
+        prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
+                                   batch_sampler=batch_sampler, **common, **kwargs)
+    if _has_length(prepared):
+        telemetry.report_total_steps(len(prepared))
+    return prepared
+
+
+def _has_length(obj: Any) -> bool:
+    try:
+        len(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _agreed_random_seed() -> int:
+    """A fresh random seed drawn by process 0 (from torch's global RNG) and broadcast once."""
+    seed = [int(torch.empty((), dtype=torch.int64).random_().item())]
+    broadcast_object_list(seed, from_process=0)
+    return int(seed[0])
+
+
+def _agreed_seed(generator: torch.Generator | None) -> int:
+    """A seed every process agrees on: process 0's initial seed, broadcast once."""
+    seed = [generator.initial_seed() if generator is not None else torch.random.initial_seed()]
+    broadcast_object_list(seed, from_process=0)
+    return int(seed[0])
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader over the same data that leaves out the first `num_batches` batches (for resuming mid-epoch)."""
+    if num_batches < 0:
+        raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
+    if isinstance(dataloader, DataLoaderDispatcher):
+        new = _copy_loader(dataloader)
+        new.skip_batches = num_batches
+        return new
+    if isinstance(dataloader, DataLoaderShard):
+        new = _copy_loader(dataloader)
+        new.skip_batches = num_batches
+        return new
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"skip_first_batches expects a DataLoader, got {type(dataloader).__name__}.")
+    kwargs = _loader_kwargs(dataloader)
+    if isinstance(dataloader.dataset, IterableDataset):
+        return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
+                              drop_last=dataloader.drop_last, **kwargs)
+    return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
+                      **kwargs)
+
+
+def _copy_loader(loader: DataLoader) -> DataLoader:
+    """A shallow copy of a prepared loader with its own position (DataLoader forbids re-setting some fields)."""
+    new = loader.__class__.__new__(loader.__class__)
+    new.__dict__.update(loader.__dict__)
+    new.__dict__["_DataLoader__initialized"] = True
+    new._iterator = None
+    new._batches_yielded = 0
+    new._resume_skip = 0
+    return new

@@ -1,0 +1,850 @@
+"""Experiment trackers behind `Accelerator(log_with=...)`, `init_trackers`, `log` and `end_training`.
+
+Built in: `"jsonl"` (needs nothing: one JSON object per `log` call in `logging_dir/<project>/metrics.jsonl`)
+and `"tensorboard"` (`pip install nbaccel[tensorboard]`). Thin adapters for wandb, comet_ml, mlflow, aim,
+clearml, dvclive, trackio and swanlab use those libraries' public APIs when installed; naming one that is
+not installed raises ImportError saying what to install. `log_with="all"` takes every available one.
+Custom trackers subclass `GeneralTracker` and are passed as instances (or registered by name with
+`register_tracker_class`).
+
+`log_to_trackers` is what `Accelerator.log` calls: every tracker logs, and `nbaccel.telemetry` gets the
+numbers so the live dashboard charts them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import telemetry
+from .utils.dataclasses import LoggerType
+
+logger = logging.getLogger(__name__)
+
+JSONL = "jsonl"
+
+
+# ------------------------------------------------------------------------------ main-process guard
+def _is_main_process() -> bool:
+    """Rank 0 of torch.distributed when initialized, else by the launcher's RANK variable (default 0)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
+def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Method decorator: run only on the main process when the tracker's `main_process_only` is true.
+
+    The check happens at call time and initializes nothing (no process group, no state object).
+    """
+
+    @functools.wraps(function)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "main_process_only", True) and not _is_main_process():
+            return None
+        return function(self, *args, **kwargs)
+
+    return guarded
+
+
+# ------------------------------------------------------------------------------------- base class
+class GeneralTracker:
+    """Base of every tracker. Subclasses set `name` and `requires_logging_directory`, define the
+    `tracker` property (the underlying run/writer object) and override what they support:
+    `start()` (open the run), `store_init_configuration(config)`, `log(values, step, **kwargs)`,
+    `finish()`. `main_process_only` (default True) makes `on_main_process` methods run on rank 0 only.
+    """
+
+    main_process_only = True
+
+    def __init__(self, _blank: bool = False) -> None:
+        if _blank:
+            return
+        missing = [attr for attr in ("name", "requires_logging_directory") if not hasattr(self, attr)]
+        if "tracker" not in dir(self):
+            missing.append("tracker")
+        if missing:
+            raise NotImplementedError(
+                f"{type(self).__name__} is missing required tracker attributes: {', '.join(missing)}. "
+                "Define them in the class (name: str, requires_logging_directory: bool, tracker property)."
+            )
+
+    def start(self) -> None:
+        """Open the run. Called by `init_trackers` after construction, once the process group exists."""
+
+    def store_init_configuration(self, values: dict) -> None:
+        """Record `values` (hyperparameters: bool, str, int, float or None) as the run's configuration."""
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """Record `values` (name -> number, string or dict of numbers), at `step` when given."""
+
+    def finish(self) -> None:
+        """Flush and close the run."""
+
+
+def _require(module: str, install: str, tracker: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"The {tracker!r} tracker needs the `{module.split('.')[0]}` package, which is not installed: "
+            f"run `{install}`, or remove {tracker!r} from log_with."
+        ) from error
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly copy: one-element tensors/arrays become numbers, containers are walked, the rest str."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    item = getattr(value, "item", None)
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    if callable(item):
+        try:
+            count = numel() if callable(numel) else numel
+            if count == 1:
+                return _plain(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if callable(getattr(value, "tolist", None)):
+        return _plain(value.tolist())
+    return str(value)
+
+
+def _as_number(value: Any) -> float | int | None:
+    plain = _plain(value)
+    if isinstance(plain, bool):
+        return None
+    return plain if isinstance(plain, int | float) else None
+
+
+# ------------------------------------------------------------------------------------------ jsonl
+class JSONLTracker(GeneralTracker):
+    """Writes `logging_dir/<run_name>/metrics.jsonl`: one line per `log` call, `{"step", "time", "values"}`;
+    the configuration goes to `config.json` beside it. Appends, so a resumed run continues the same file.
+    Needs no extra package.
+    """
+
+    name = JSONL
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__()
+        if kwargs:
+            raise TypeError(f"The jsonl tracker takes no options; got {sorted(kwargs)}.")
+        self.run_name = run_name
+        self.logging_dir = Path(logging_dir) / run_name
+        self._file = None
+
+    @on_main_process
+    def start(self) -> None:
+        self.logging_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.logging_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    @property
+    def tracker(self) -> Any:
+        return self._file
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        path = self.logging_dir / "config.json"
+        path.write_text(json.dumps(_plain(values), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if self._file is None:
+            raise RuntimeError("The jsonl tracker was not started: call init_trackers() before log().")
+        record = {"step": step, "time": time.time(), "values": _plain(values), **_plain(kwargs)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    @on_main_process
+    def finish(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# ------------------------------------------------------------------------------------- tensorboard
+class TensorBoardTracker(GeneralTracker):
+    """TensorBoard event files in `logging_dir/<run_name>` through `torch.utils.tensorboard.SummaryWriter`
+    (tensorboardX when only that is installed). `kwargs` go to `SummaryWriter`."""
+
+    name = "tensorboard"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name = run_name
+        self.logging_dir = os.path.join(logging_dir, run_name)
+        self.init_kwargs = kwargs
+        self.writer = None
+
+    @on_main_process
+    def start(self) -> None:
+        self.writer = _summary_writer_class()(self.logging_dir, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        import yaml
+
+        hparams = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in values.items()}
+        self.writer.add_hparams(hparams, metric_dict={})
+        self.writer.flush()
+        os.makedirs(self.logging_dir, exist_ok=True)
+        with open(os.path.join(self.logging_dir, "hparams.yml"), "w", encoding="utf-8") as handle:
+            yaml.safe_dump(_plain(values), handle)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        for key, value in values.items():
+            if isinstance(value, str):
+                self.writer.add_text(key, value, global_step=step, **kwargs)
+            elif isinstance(value, Mapping):
+                numbers = {k: n for k, n in ((k, _as_number(v)) for k, v in value.items()) if n is not None}
+                self.writer.add_scalars(key, numbers, global_step=step, **kwargs)
+            else:
+                number = _as_number(value)
+                if number is None:
+                    logger.warning("tensorboard: %r is %s, not a number, string or dict; skipped",
+                                   key, type(value).__name__)
+                    continue
+                self.writer.add_scalar(key, number, global_step=step, **kwargs)
+        self.writer.flush()
+
+    @on_main_process
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """`values`: name -> batch of images (N,C,H,W array or tensor), through `SummaryWriter.add_images`."""
+        for key, images in values.items():
+            self.writer.add_images(key, images, global_step=step, **kwargs)
+        self.writer.flush()
+
+    @on_main_process
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _summary_writer_class() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter
+    except ImportError as error:
+        if importlib.util.find_spec("tensorboardX") is not None:
+            from tensorboardX import SummaryWriter
+
+            return SummaryWriter
+        raise ImportError(
+            "The 'tensorboard' tracker needs the `tensorboard` package, which is not installed: run "
+            "`pip install nbaccel[tensorboard]` (or `pip install tensorboard`), or remove 'tensorboard' "
+            "from log_with."
+        ) from error
+
+
+# ------------------------------------------------------------------------------- library adapters
+class WandBTracker(GeneralTracker):
+    """Weights & Biases: `wandb.init(project=run_name, **kwargs)`; `kwargs` go to `wandb.init`."""
+
+    name = "wandb"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
+
+    @on_main_process
+    def start(self) -> None:
+        wandb = _require("wandb", "pip install wandb", self.name)
+        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        self.run.config.update(values, allow_val_change=True)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        self.run.log(values, step=step, **kwargs)
+
+    @on_main_process
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """`values`: name -> list of images (arrays or PIL images), logged as `wandb.Image`s."""
+        wandb = _require("wandb", "pip install wandb", self.name)
+        for key, images in values.items():
+            self.run.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
+
+    @on_main_process
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """Log a `wandb.Table` built from `columns` + `data` rows, or from a pandas `dataframe`."""
+        wandb = _require("wandb", "pip install wandb", self.name)
+        table = wandb.Table(columns=columns, data=data, dataframe=dataframe)
+        self.run.log({table_name: table}, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class TrackioTracker(GeneralTracker):
+    """trackio (wandb-compatible, local first): `trackio.init(project=run_name, **kwargs)`."""
+
+    name = "trackio"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
+
+    @on_main_process
+    def start(self) -> None:
+        trackio = _require("trackio", "pip install trackio", self.name)
+        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        trackio = _require("trackio", "pip install trackio", self.name)
+        trackio.config.update(values, allow_val_change=True)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        self.run.log(values, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class CometMLTracker(GeneralTracker):
+    """Comet: `comet_ml.start(project_name=run_name, **kwargs)` (API key from Comet's config/env)."""
+
+    name = "comet_ml"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.init_kwargs, self.writer = run_name, kwargs, None
+
+    @on_main_process
+    def start(self) -> None:
+        comet_ml = _require("comet_ml", "pip install comet-ml", self.name)
+        if hasattr(comet_ml, "start"):
+            self.writer = comet_ml.start(project_name=self.run_name, **self.init_kwargs)
+        else:  # comet_ml < 3.41
+            self.writer = comet_ml.Experiment(project_name=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        self.writer.log_parameters(values)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if step is not None:
+            self.writer.set_step(step)
+        for key, value in values.items():
+            if isinstance(value, str):
+                self.writer.log_other(key, value, **kwargs)
+            elif isinstance(value, Mapping):
+                self.writer.log_metrics(value, step=step, **kwargs)
+            else:
+                self.writer.log_metric(key, _plain(value), step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        self.writer.end()
+
+
+class AimTracker(GeneralTracker):
+    """Aim: an `aim.Run` whose repository is `logging_dir`; hyperparameters under `run["hparams"]`."""
+
+    name = "aim"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike | None = ".", **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.aim_repo_path, self.init_kwargs = run_name, logging_dir, kwargs
+        self.writer = None
+
+    @on_main_process
+    def start(self) -> None:
+        aim = _require("aim", "pip install aim", self.name)
+        self.writer = aim.Run(repo=self.aim_repo_path, **self.init_kwargs)
+        self.writer.name = self.run_name
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        self.writer["hparams"] = values
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        for key, value in values.items():
+            self.writer.track(_plain(value), name=key, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class MLflowTracker(GeneralTracker):
+    """MLflow: finds or creates `experiment_name`, starts a run; numbers go to `mlflow.log_metrics`.
+    The environment variables MLFLOW_EXPERIMENT_NAME, MLFLOW_RUN_ID, MLFLOW_TAGS (JSON) and
+    MLFLOW_NESTED_RUN take priority over the arguments, as in Accelerate."""
+
+    name = "mlflow"
+    requires_logging_directory = False
+
+    def __init__(
+        self,
+        experiment_name: str | None = None,
+        logging_dir: str | os.PathLike | None = None,
+        run_id: str | None = None,
+        tags: dict[str, Any] | str | None = None,
+        nested_run: bool | None = False,
+        run_name: str | None = None,
+        description: str | None = None,
+    ) -> None:
+        super().__init__()
+        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
+        tags = os.environ.get("MLFLOW_TAGS", tags)
+        nested = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
+        self.experiment_name = experiment_name
+        self.logging_dir = None if logging_dir is None else str(logging_dir)
+        self.run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
+        self.tags = json.loads(tags) if isinstance(tags, str) else tags
+        self.nested_run = nested.strip().lower() in ("1", "true", "yes", "on") if isinstance(nested, str) \
+            else bool(nested)
+        self.run_name, self.description, self.active_run = run_name, description, None
+
+    @on_main_process
+    def start(self) -> None:
+        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
+        if found:
+            experiment_id = found[0].experiment_id
+        else:
+            experiment_id = mlflow.create_experiment(
+                name=self.experiment_name, artifact_location=self.logging_dir, tags=self.tags
+            )
+        self.active_run = mlflow.start_run(
+            run_id=self.run_id, experiment_id=experiment_id, run_name=self.run_name, nested=self.nested_run,
+            tags=self.tags, description=self.description,
+        )
+
+    @property
+    def tracker(self) -> Any:
+        return self.active_run
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        validation = importlib.import_module("mlflow.utils.validation")
+        limit = getattr(validation, "MAX_PARAM_VAL_LENGTH", 6000)
+        batch = getattr(validation, "MAX_PARAMS_TAGS_PER_BATCH", 100)
+        items = []
+        for key, value in values.items():
+            if len(str(value)) > limit:
+                logger.warning("mlflow: parameter %r is longer than %d characters; not logged", key, limit)
+            else:
+                items.append((key, value))
+        for start in range(0, len(items), batch):  # mlflow takes at most `batch` params per call
+            mlflow.log_params(dict(items[start:start + batch]))
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        metrics = {}
+        for key, value in values.items():
+            number = _as_number(value)
+            if number is None:
+                logger.warning("mlflow: %r is %s, not a number; not logged", key, type(value).__name__)
+            else:
+                metrics[key] = number
+        mlflow.log_metrics(metrics, step=step, **kwargs)
+
+    @on_main_process
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        """A matplotlib/plotly figure as a run artifact (`mlflow.log_figure`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_figure(
+            figure=figure, artifact_file=artifact_file, **save_kwargs)
+
+    @on_main_process
+    def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
+        """Every file of `local_dir` as run artifacts (`mlflow.log_artifacts`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_artifacts(
+            local_dir=local_dir, artifact_path=artifact_path)
+
+    @on_main_process
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """One file as a run artifact (`mlflow.log_artifact`)."""
+        _require("mlflow", "pip install mlflow", self.name).log_artifact(
+            local_path=local_path, artifact_path=artifact_path)
+
+    @on_main_process
+    def finish(self) -> None:
+        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        mlflow.end_run()
+
+
+class ClearMLTracker(GeneralTracker):
+    """ClearML: reuses `Task.current_task()` or calls `Task.init(project_name, task_name, **kwargs)`
+    (CLEARML_PROJECT / CLEARML_TASK take priority). With a step, values are scalars whose title/series come
+    from an `eval_`/`test_`/`train_` prefix; without one, single values."""
+
+    name = "clearml"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.user_provided_run_name, self.init_kwargs, self.task = run_name, kwargs, None
+        self._initialized_externally = False
+
+    @on_main_process
+    def start(self) -> None:
+        clearml = _require("clearml", "pip install clearml", self.name)
+        current = clearml.Task.current_task()
+        if current:
+            self.task, self._initialized_externally = current, True
+            return
+        arguments = dict(self.init_kwargs)
+        arguments.setdefault("project_name", os.environ.get("CLEARML_PROJECT", self.user_provided_run_name))
+        arguments.setdefault("task_name", os.environ.get("CLEARML_TASK", self.user_provided_run_name))
+        self.task = clearml.Task.init(**arguments)
+
+    @property
+    def tracker(self) -> Any:
+        return self.task
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> Any:
+        return self.task.connect_configuration(values)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        report = self.task.get_logger()
+        for key, value in values.items():
+            number = _as_number(value)
+            if number is None:
+                logger.warning("clearml: %r is %s, not a number; not logged", key, type(value).__name__)
+                continue
+            if step is None:
+                report.report_single_value(name=key, value=number, **kwargs)
+                continue
+            title, series = key, "train"
+            for prefix in ("eval", "test", "train"):
+                if key.startswith(prefix + "_"):
+                    title, series = key[len(prefix) + 1:], prefix
+                    break
+            report.report_scalar(title=title, series=series, value=number, iteration=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        if self.task is not None and not self._initialized_externally:
+            self.task.close()
+
+
+class DVCLiveTracker(GeneralTracker):
+    """DVCLive: a `dvclive.Live(**kwargs)` (or the `live` object given); metrics with `log_metric`,
+    steps with `live.step` / `next_step()`."""
+
+    name = "dvclive"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.live, self.init_kwargs = run_name, live, kwargs
+
+    @on_main_process
+    def start(self) -> None:
+        if self.live is None:
+            dvclive = _require("dvclive", "pip install dvclive", self.name)
+            self.live = dvclive.Live(**self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.live
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        self.live.log_params(values)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if step is not None:
+            self.live.step = step
+        for key, value in values.items():
+            number = _as_number(value)
+            if number is None:
+                logger.warning("dvclive: %r is %s, not a number; not logged", key, type(value).__name__)
+                continue
+            self.live.log_metric(key, number, **kwargs)
+        self.live.next_step()
+
+    @on_main_process
+    def finish(self) -> None:
+        self.live.end()
+
+
+class SwanLabTracker(GeneralTracker):
+    """SwanLab: `swanlab.init(project=run_name, **kwargs)`; config through `swanlab.config.update`."""
+
+    name = "swanlab"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
+
+    @on_main_process
+    def start(self) -> None:
+        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab.config.update(values)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab.log(values, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab.finish()
+
+
+# ------------------------------------------------------------------------------- registry & choice
+LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
+    "aim": AimTracker, "comet_ml": CometMLTracker, "mlflow": MLflowTracker, "tensorboard": TensorBoardTracker,
+    "wandb": WandBTracker, "clearml": ClearMLTracker, "dvclive": DVCLiveTracker, "swanlab": SwanLabTracker,
+    "trackio": TrackioTracker, JSONL: JSONLTracker,
+}
+
+# name -> (import name checked, what to install)
+_REQUIREMENTS: dict[str, tuple[str | None, str]] = {
+    "tensorboard": ("tensorboard", "pip install nbaccel[tensorboard]"),
+    "wandb": ("wandb", "pip install wandb"),
+    "trackio": ("trackio", "pip install trackio"),
+    "comet_ml": ("comet_ml", "pip install comet-ml"),
+    "mlflow": ("mlflow", "pip install mlflow"),
+    "aim": ("aim", "pip install aim"),
+    "clearml": ("clearml", "pip install clearml"),
+    "dvclive": ("dvclive", "pip install dvclive"),
+    "swanlab": ("swanlab", "pip install swanlab"),
+    JSONL: (None, ""),
+}
+
+
+def _library_installed(name: str) -> bool:
+    module, _ = _REQUIREMENTS.get(name, (None, ""))
+    if module is None:
+        return True
+    if name == "tensorboard" and importlib.util.find_spec("tensorboardX") is not None:
+        return True
+    return importlib.util.find_spec(module) is not None
+
+
+def get_available_trackers() -> list[str]:
+    """Names of the trackers usable here: built-ins whose library is installed, plus registered classes."""
+    return [name for name in LOGGER_TYPE_TO_CLASS if _library_installed(name)]
+
+
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
+    """Make a `GeneralTracker` subclass usable by its `name` in `log_with` (constructed as
+    `cls(project_name, logging_dir, **init_kwargs)` if it requires a logging directory, else
+    `cls(project_name, **init_kwargs)`)."""
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(f"`tracker_class` must be a subclass of GeneralTracker, got {tracker_class!r}.")
+    if not getattr(tracker_class, "name", None):
+        raise ValueError("The tracker class to register must define a non-empty `name` attribute.")
+    if not hasattr(tracker_class, "requires_logging_directory"):
+        raise ValueError("The tracker class to register must define `requires_logging_directory` (True/False).")
+    if tracker_class.name in LOGGER_TYPE_TO_CLASS:
+        warnings.warn(f"Tracker {tracker_class.name!r} is already registered; {tracker_class} replaces it.",
+                      stacklevel=2)
+    LOGGER_TYPE_TO_CLASS[str(tracker_class.name)] = tracker_class
+
+
+def filter_trackers(
+    log_with: str | LoggerType | GeneralTracker | Iterable[str | LoggerType | GeneralTracker] | None,
+    logging_dir: str | os.PathLike | None = None,
+) -> list[str | GeneralTracker]:
+    """Check `log_with` and return the trackers to start: names (str) and `GeneralTracker` instances.
+
+    - `"all"`: every available tracker (those needing a directory only when `logging_dir` is given), plus
+      the instances listed beside it;
+    - a name: ValueError if unknown (listing the choices), ImportError naming the package to install if
+      its library is missing, ValueError if it needs `logging_dir` and none is given;
+    - repeats are dropped.
+    """
+    if log_with is None:
+        return []
+    if isinstance(log_with, str | GeneralTracker) or not isinstance(log_with, Iterable):
+        log_with = [log_with]
+    entries = list(log_with)
+    chosen: list[str | GeneralTracker] = []
+
+    def add(item: str | GeneralTracker) -> None:
+        if all(item is not seen and item != seen for seen in chosen):
+            chosen.append(item)
+
+    wants_all = any(isinstance(e, str) and str(e).lower() == LoggerType.ALL.value for e in entries)
+    for entry in entries:
+        if isinstance(entry, GeneralTracker):
+            add(entry)
+            continue
+        if isinstance(entry, type) and issubclass(entry, GeneralTracker):
+            raise TypeError(
+                f"log_with got the class {entry.__name__}; pass an instance ({entry.__name__}(...)) or "
+                "register it with register_tracker_class and pass its name."
+            )
+        if not isinstance(entry, str):
+            raise TypeError(f"log_with entries must be tracker names or GeneralTracker instances, got {entry!r}.")
+        name = str(entry.value if isinstance(entry, LoggerType) else entry).lower()
+        if name == LoggerType.ALL.value:
+            continue
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(
+                f"Unsupported tracker {entry!r} in log_with. Choose from {['all', *LOGGER_TYPE_TO_CLASS]} or "
+                "pass a GeneralTracker instance."
+            )
+        if not _library_installed(name):
+            module, install = _REQUIREMENTS[name]
+            raise ImportError(
+                f"log_with={entry!r} needs the `{module}` package, which is not installed: run `{install}`, "
+                f"or remove {entry!r} from log_with."
+            )
+        if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
+            raise ValueError(
+                f"Logging with {name!r} needs a logging directory: pass Accelerator(project_dir=...) or "
+                "ProjectConfiguration(logging_dir=...)."
+            )
+        add(name)
+    if wants_all:
+        for name in get_available_trackers():
+            if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
+                logger.warning("log_with='all': skipping %r, which needs a logging directory", name)
+                continue
+            add(name)
+    return chosen
+
+
+def init_trackers(
+    log_with: Iterable[str | GeneralTracker],
+    project_name: str,
+    *,
+    logging_dir: str | os.PathLike | None = None,
+    config: dict | None = None,
+    init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[GeneralTracker]:
+    """Build (from `filter_trackers`' result), start, and configure the trackers; what
+    `Accelerator.init_trackers` does on the main process. `init_kwargs[name]` goes to tracker `name`."""
+    init_kwargs = dict(init_kwargs or {})
+    trackers: list[GeneralTracker] = []
+    for entry in log_with:
+        if isinstance(entry, GeneralTracker):
+            trackers.append(entry)
+            continue
+        tracker_class = LOGGER_TYPE_TO_CLASS[str(entry)]
+        options = dict(init_kwargs.get(str(entry), {}))
+        if tracker_class.requires_logging_directory:
+            trackers.append(tracker_class(project_name, logging_dir, **options))
+        else:
+            trackers.append(tracker_class(project_name, **options))
+    for tracker in trackers:
+        tracker.start()
+    if config is not None:
+        for tracker in trackers:
+            tracker.store_init_configuration(config)
+    return trackers
+
+
+def log_to_trackers(
+    trackers: Iterable[GeneralTracker],
+    values: dict,
+    step: int | None = None,
+    log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
+    """`Accelerator.log`: every tracker logs `values` (with `log_kwargs[tracker.name]`), and the numbers go
+    to `nbaccel.telemetry` for the live dashboard (a no-op outside a launcher)."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"log() takes a dict of name -> value, got {type(values).__name__}.")
+    log_kwargs = log_kwargs or {}
+    for tracker in trackers:
+        tracker.log(values, step=step, **dict(log_kwargs.get(tracker.name, {})))
+    telemetry.log_metrics(dict(values), step)
+
+
+def finish_trackers(trackers: Iterable[GeneralTracker]) -> None:
+    """`Accelerator.end_training`: finish every tracker, even if one of them fails (the first error is
+    raised after all were tried)."""
+    first_error: BaseException | None = None
+    for tracker in trackers:
+        try:
+            tracker.finish()
+        except Exception as error:  # noqa: BLE001 - finish the others first
+            logger.error("Finishing tracker %r failed: %s", getattr(tracker, "name", tracker), error)
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+
+
+def get_tracker(trackers: list[GeneralTracker], name: str, unwrap: bool = False) -> Any:
+    """`Accelerator.get_tracker`: the tracker called `name` (its `.tracker` with `unwrap=True`); with no
+    trackers (non-main processes) a blank GeneralTracker whose methods do nothing."""
+    if not trackers:
+        return GeneralTracker(_blank=True)
+    for tracker in trackers:
+        if tracker.name == name:
+            return tracker.tracker if unwrap else tracker
+    raise ValueError(f"{name} is not an available tracker stored inside the Accelerator: "
+                     f"{[t.name for t in trackers]}.")

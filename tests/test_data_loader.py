@@ -1,0 +1,201 @@
+"""Prepared data loaders: sharding rules, iterable datasets, dispatching, shuffling agreement, resuming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  DDP's constructor imports it (seconds); forked ranks inherit it
+from ranks_helper import run_ranks
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+
+from nbaccel.data_loader import BatchSamplerShard, IterableDatasetShard, SkipBatchSampler
+
+
+def _shards(size, batch_size, n, split=False, even=True, drop_last=False):
+    sampler = BatchSampler(SequentialSampler(range(size)), batch_size, drop_last)
+    return [list(BatchSamplerShard(sampler, n, i, split, even)) for i in range(n)]
+
+
+def test_round_robin_shards_complete_the_last_round_from_the_start():
+    assert _shards(10, 3, 2) == [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]
+    assert _shards(7, 2, 3) == [[[0, 1], [6, 0]], [[2, 3], [1, 2]], [[4, 5], [3, 4]]]
+
+
+def test_uneven_and_drop_last_shards():
+    assert _shards(10, 3, 2, even=False) == [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9]]]
+    assert _shards(10, 3, 2, drop_last=True) == [[[0, 1, 2]], [[3, 4, 5]]]
+
+
+def test_split_batches_cut_every_batch():
+    assert _shards(10, 4, 2, split=True) == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [0, 1]]]
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        _shards(10, 3, 2, split=True)
+
+
+def test_lengths_match_iteration():
+    for size, bs, n, split, even, drop in [(10, 3, 2, False, True, False), (11, 4, 2, True, True, False),
+                                           (7, 2, 3, False, False, False), (9, 2, 2, False, True, True)]:
+        sampler = BatchSampler(SequentialSampler(range(size)), bs, drop)
+        for i in range(n):
+            shard = BatchSamplerShard(sampler, n, i, split, even)
+            assert len(shard) == len(list(shard))
+
+
+def test_iterable_shard_keeps_its_slice_and_pads():
+    parts = [list(IterableDatasetShard(range(10), 3, False, 2, i)) for i in range(2)]
+    assert parts == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 0, 1]]
+
+
+def test_skip_batch_sampler():
+    sampler = SkipBatchSampler(BatchSampler(SequentialSampler(range(10)), 3, False), 2)
+    assert list(sampler) == [[6, 7, 8], [9]] and len(sampler) == 2
+
+
+class _Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n, dtype=torch.float32)[:, None].unbind(0))
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_iterable_dataset_two_processes(dispatch):
+    def body(rank):
+        from nbaccel import Accelerator, DataLoaderConfiguration
+
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+        loader = accelerator.prepare(DataLoader(_Stream(11), batch_size=2))
+        batches, gathered, ends = [], [], []
+        for batch in loader:
+            batches.append(batch[:, 0].tolist())
+            gathered.extend(accelerator.gather_for_metrics(batch)[:, 0].tolist())
+            ends.append(accelerator.gradient_state.end_of_dataloader)
+        return type(loader).__name__, batches, gathered, ends
+
+    (name, b0, g, ends), (_, b1, g1, _) = run_ranks(body)
+    assert name == ("DataLoaderDispatcher" if dispatch else "DataLoaderShard")
+    assert b0 == [[0, 1], [4, 5], [8, 9]] and b1 == [[2, 3], [6, 7], [10, 0]]
+    assert sorted(g) == list(range(11)) == sorted(g1)
+    assert ends == [False, False, True]
+
+
+def test_shuffling_agrees_across_processes_and_seedable_sampler_follows_epochs():
+    def body(rank):
+        from nbaccel import Accelerator, DataLoaderConfiguration
+
+        torch.manual_seed(100 + rank)  # different seeds: the loaders must still agree
+        out = {}
+        for mode in ("own generator", "seedable", "user generator"):
+            config = DataLoaderConfiguration(use_seedable_sampler=mode == "seedable")
+            accelerator = Accelerator(dataloader_config=config)
+            generator = torch.Generator().manual_seed(rank) if mode == "user generator" else None
+            loader = accelerator.prepare(DataLoader(torch.arange(16), batch_size=2, shuffle=True, generator=generator))
+            epochs = []
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                epochs.append([x for b in loader for x in accelerator.gather(b).tolist()])
+            out[mode] = epochs
+        return out
+
+    r0, r1 = run_ranks(body)
+    for mode in r0:
+        e0, e1 = r0[mode]
+        assert sorted(e0) == list(range(16)) == sorted(e1), mode  # a permutation: no sample twice, none lost
+        assert e0 != e1, mode  # a new order each epoch
+        assert r1[mode] == r0[mode], mode
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_dict_resumes_mid_epoch_with_the_same_batches(world_size):
+    def body(rank):
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        loader = accelerator.prepare(DataLoader(torch.arange(24), batch_size=2, shuffle=True))
+        for _ in loader:  # epoch 0, so the generator has moved on
+            pass
+        full = []
+        for index, batch in enumerate(loader):  # epoch 1, uninterrupted; a checkpoint after 2 batches
+            full.append(batch.tolist())
+            if index == 1:
+                state = loader.state_dict()
+        for _ in loader:  # epoch 2: the loader is elsewhere now
+            pass
+        loader.load_state_dict(state)
+        resumed = [b.tolist() for b in loader]
+        skipped = [b.tolist() for b in accelerator.skip_first_batches(loader, 1)]
+        return state, full, resumed, skipped, len(loader)
+
+    for state, full, resumed, skipped, length in run_ranks(body, world_size=world_size):
+        assert state["epoch"] == 1 and state["batches_yielded"] == 2 and "generator_state" in state
+        assert resumed == full[2:]
+        assert len(full) == length == 12 // world_size and len(skipped) == length - 1
+
+
+def test_batches_reach_the_device_and_end_of_data_is_reported():
+    def body(rank):
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        loader = accelerator.prepare(DataLoader(torch.arange(10.0), batch_size=4))
+        flags = []
+        for batch in loader:
+            flags.append((accelerator.gradient_state.end_of_dataloader, accelerator.gradient_state.remainder,
+                          batch.device.type))
+        return flags, accelerator.gradient_state.in_dataloader
+
+    flags, inside = run_ranks(body, world_size=1)[0]
+    assert flags == [(False, 2, "cpu"), (False, 2, "cpu"), (True, 2, "cpu")] and not inside
+
+
+def test_top_level_skip_first_batches_on_a_plain_loader():
+    from nbaccel import skip_first_batches
+
+    loader = skip_first_batches(DataLoader(torch.arange(10), batch_size=3), 2)
+    assert [b.tolist() for b in loader] == [[6, 7, 8], [9]]
+    stream = skip_first_batches(DataLoader(_Stream(7), batch_size=2), 2)
+    assert [b[:, 0].tolist() for b in stream] == [[4.0, 5.0], [6.0]] and len(stream) == 2
+    with pytest.raises(ValueError, match="num_batches"):
+        skip_first_batches(loader, -1)
+
+
+def test_dispatching_a_map_style_dataset():
+    def body(rank):
+        from nbaccel import Accelerator, DataLoaderConfiguration
+
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+        loader = accelerator.prepare(DataLoader(torch.arange(10), batch_size=3))
+        batches = [b.tolist() for b in loader]
+        loader2 = accelerator.prepare(DataLoader(torch.arange(10), batch_size=3))
+        gathered = [x for b in loader2 for x in accelerator.gather_for_metrics(b).tolist()]
+        return type(loader).__name__, batches, gathered, len(loader)
+
+    (name, b0, gathered, length), (_, b1, _, _) = run_ranks(body)
+    assert name == "DataLoaderDispatcher" and length == 2
+    assert b0 == [[0, 1, 2], [6, 7, 8]] and b1 == [[3, 4, 5], [9, 0, 1]]
+    assert gathered == list(range(10))
+
+
+def test_shards_are_the_same_as_accelerates():
+    """Same batches per process as Accelerate (so a run and its checkpoints see the same data)."""
+    reference = pytest.importorskip("accelerate.data_loader")
+    for size in range(1, 20):
+        for bs in (1, 2, 3, 4):
+            for n in (2, 3):
+                for split in (False, True):
+                    if split and bs % n:
+                        continue
+                    for drop in (False, True):
+                        for i in range(n):
+                            for even in (True, False):
+                                sampler = BatchSampler(SequentialSampler(range(size)), bs, drop)
+                                ours = BatchSamplerShard(sampler, n, i, split, even)
+                                theirs = reference.BatchSamplerShard(sampler, n, i, split, even)
+                                assert (list(ours), len(ours)) == (list(theirs), len(theirs))
+                            ours = IterableDatasetShard(range(size), bs, drop, n, i, split)
+                            theirs = reference.IterableDatasetShard(range(size), bs, drop, n, i, split)
+                            assert list(ours) == list(theirs)
