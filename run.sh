@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's two entry points, each creating or reusing the local virtual environment .venv:
-#   ./run.sh demo   run the main job (the bundled example on 2 CPU processes)
+#   ./run.sh demo   run the main job: the quickstart notebook, end to end in a real Jupyter kernel
 #   ./run.sh test   run the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,7 +28,7 @@ case "${1:-}" in
     demo)
         ensure_venv
         shift
-        exec "$VENV/bin/python" -m nbaccel launch --num_processes 2 --cpu examples/hello_ranks.py "$@"
+        exec "$VENV/bin/python" scripts/run_notebook.py notebooks/01_quickstart.ipynb "$@"
         ;;
     test)
         ensure_venv

@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "config_widget": ".notebook",
     "skip_first_batches": ".data_loader",
     "find_executable_batch_size": ".utils",
+    "ParallelismConfig": ".parallelism_config",
     "release_memory": ".utils",
     "infer_auto_device_map": ".utils",
     "load_checkpoint_in_model": ".utils",

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from . import data_loader as _data_loader
 from . import precision as _precision
+from . import sharding
 from .optimizer import AcceleratedOptimizer
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -85,9 +86,7 @@ class Accelerator:
     ) -> None:
         for name, value, what in (
             ("deepspeed_plugin", deepspeed_plugin, "DeepSpeed"), ("deepspeed_plugins", deepspeed_plugins, "DeepSpeed"),
-            ("fsdp_plugin", fsdp_plugin, "FSDP"), ("torch_tp_plugin", torch_tp_plugin, "tensor parallelism"),
             ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM"),
-            ("parallelism_config", parallelism_config, "composable parallelism (ParallelismConfig)"),
         ):
             if value is not None:
                 raise _unsupported(name, what)
@@ -159,6 +158,16 @@ class Accelerator:
                     "(set num_steps on the plugin)."
                 )
         else:
+            # As in Accelerate, a launcher's setting (nbaccel launch, notebook_launcher with a saved config)
+            # overrides the argument.
+            from_launcher = _first_env("NBACCEL_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+            if from_launcher:
+                if not from_launcher.strip().isdigit():
+                    raise ValueError(
+                        f"NBACCEL_GRADIENT_ACCUMULATION_STEPS / ACCELERATE_GRADIENT_ACCUMULATION_STEPS must be an "
+                        f"integer >= 1, got {from_launcher!r}."
+                    )
+                gradient_accumulation_steps = int(from_launcher)
             if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
                 raise ValueError(
                     f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}."
@@ -169,8 +178,13 @@ class Accelerator:
         # States (process group, device, precision, gradient accumulation)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         cpu = bool(cpu) or bool(_config_default("use_cpu"))
+        fsdp_plugin, torch_tp_plugin = sharding.default_plugins(fsdp_plugin, torch_tp_plugin)
+        sharding.check_parallelism_config(parallelism_config)
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
-                                      _from_accelerator=True, **init_kwargs)
+                                      fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
+                                      parallelism_config=parallelism_config, _from_accelerator=True, **init_kwargs)
+        if parallelism_config is not None:
+            self.state.device_mesh = parallelism_config.get_device_mesh(self.state.device.type)
         self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
 
         self.device_placement = device_placement
@@ -291,15 +305,15 @@ class Accelerator:
 
     @property
     def is_fsdp2(self) -> bool:
-        return False  # nbaccel does not drive FSDP (the constructor refuses fsdp_plugin)
+        return self.state.is_fsdp2
 
     @property
-    def parallelism_config(self) -> None:
-        return None
+    def parallelism_config(self) -> Any:
+        return self.state.parallelism_config
 
     @property
-    def torch_device_mesh(self) -> None:
-        return None
+    def torch_device_mesh(self) -> Any:
+        return self.state.device_mesh
 
     @property
     def should_save_model(self) -> bool:
@@ -410,7 +424,10 @@ class Accelerator:
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects: give one per object."
             )
         result = list(args)
-        for index, (obj, place) in enumerate(zip(args, device_placement)):
+        if self.is_fsdp2:  # shards the model and re-points its optimizer before the per-object preparation
+            result = sharding.prepare_fsdp2_args(result, self.state.fsdp_plugin, self.mixed_precision, self.device,
+                                                 mesh=sharding.fsdp_mesh(self.torch_device_mesh, self.parallelism_config))
+        for index, (obj, place) in enumerate(zip(result, device_placement)):
             result[index] = self._prepare_one(obj, first_pass=True, device_placement=place)
         for index, obj in enumerate(result):
             result[index] = self._prepare_one(obj, first_pass=False)
@@ -442,8 +459,10 @@ class Accelerator:
             return model  # prepared already: wrapping it again would nest DDP
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
+        model = sharding.prepare_tensor_parallel_if_asked(model, self.state, self.device)
+        sharded = sharding.is_sharded(model)  # FSDP2 / tensor parallel models place themselves, no DDP
         self._models.append(model)
-        if device_placement:
+        if device_placement and not sharded:
             model = model.to(self.device)
         if self.fp8_backend == "AO":
             model = _precision.convert_to_fp8(model, self.ao_recipe_handler)
@@ -456,7 +475,7 @@ class Accelerator:
                 return _precision.autocast_context(device_type, mode, enabled, cache)
 
             _precision.wrap_forward(model, make_context)
-        if (not evaluation_mode and self.use_distributed and self.distributed_type in _DDP_TYPES
+        if (not evaluation_mode and not sharded and self.use_distributed and self.distributed_type in _DDP_TYPES
                 and any(p.requires_grad for p in model.parameters())):
             kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith("comm_")}
@@ -604,6 +623,8 @@ class Accelerator:
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` after unscaling fp16 gradients; returns the total norm."""
         self.unscale_gradients()
+        if self.is_fsdp2 or any(sharding.is_sharded(m) for m in self._models):
+            return sharding.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # DTensor gradient shards
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
@@ -858,6 +879,8 @@ class Accelerator:
         """The model's state dict (of the unwrapped model by default)."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
+        if sharding.is_sharded(model):  # a collective: the full weights, gathered on the main process
+            return sharding.get_full_state_dict(model, cpu_offload=True)
         return model.state_dict()
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,

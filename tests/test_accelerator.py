@@ -371,6 +371,28 @@ def test_defaults_come_from_the_config_file_unless_an_argument_or_launcher_decid
     assert run_ranks(body, world_size=1, env={"NBACCEL_CONFIG_FILE": str(config)})[0] == ["bf16", "no", "fp16"]
 
 
+def test_gradient_accumulation_steps_from_the_launcher_override_the_argument():
+    def body(rank):
+        import os
+
+        import pytest
+
+        from nbaccel import Accelerator
+        from nbaccel.state import AcceleratorState
+
+        seen = [Accelerator(gradient_accumulation_steps=2).gradient_accumulation_steps]
+        AcceleratorState._reset_state(True)
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "4"  # what Accelerate's launcher sets
+        seen.append(Accelerator(gradient_accumulation_steps=2).gradient_accumulation_steps)
+        AcceleratorState._reset_state(True)
+        os.environ["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] = "three"
+        with pytest.raises(ValueError, match="NBACCEL_GRADIENT_ACCUMULATION_STEPS"):
+            Accelerator()
+        return seen
+
+    assert run_ranks(body, world_size=1)[0] == [2, 4]
+
+
 def _train_with(package: str, mixed_precision: str):
     def body(rank):
         import importlib

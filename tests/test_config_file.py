@@ -169,3 +169,25 @@ def test_accelerate_unset_process_count(home):
     path = home / "slurm.yaml"
     path.write_text("distributed_type: MULTI_GPU\nnum_processes: -1\n")
     assert load_config(path).num_processes is None
+
+
+def test_gradient_accumulation_steps_and_start_method_are_fields(home):
+    import warnings
+
+    path = home / "nb.yaml"
+    path.write_text("distributed_type: 'NO'\ngradient_accumulation_steps: 4\nstart_method: spawn\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ignoring unknown key(s)"
+        config = load_config(path)
+    assert (config.gradient_accumulation_steps, config.start_method, config.extra) == (4, "spawn", {})
+    config.save()
+    assert yaml.safe_load(path.read_text())["gradient_accumulation_steps"] == 4
+    unset = LaunchConfig()
+    assert unset.gradient_accumulation_steps is None and unset.start_method is None
+    assert "start_method" not in unset.to_dict() and "gradient_accumulation_steps" not in unset.to_dict()
+    errors = LaunchConfig(gradient_accumulation_steps=0, start_method="thread").validate()
+    assert errors["gradient_accumulation_steps"] == "0 is not an integer >= 1"
+    assert errors["start_method"] == "'thread' is not one of fork, spawn, forkserver (or unset)"
+    path.write_text("gradient_accumulation_steps: two\n")
+    with pytest.raises(ConfigError, match="nb.yaml: gradient_accumulation_steps: 'two' is not an integer >= 1"):
+        load_config(path)

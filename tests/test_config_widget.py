@@ -87,8 +87,9 @@ def test_gradient_accumulation_and_start_method_round_trip(config_path):
     assert data["gradient_accumulation_steps"] == 4 and data["start_method"] == "spawn"
     assert data["dynamo_config"] == {"dynamo_backend": "EAGER"}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # keys LaunchConfig does not model yet are kept, with a warning
+        warnings.simplefilter("error")  # both are LaunchConfig fields: no "unknown key" warning
         again = config_widget()
+    assert again.config.extra == {} and again.config.gradient_accumulation_steps == 4
     assert again.fields["gradient_accumulation_steps"].value == "4"
     assert again.fields["start_method"].value == "spawn"
     form.fields["gradient_accumulation_steps"].value = "0"

@@ -447,3 +447,14 @@ def test_dashboard_auto_uses_nbaccel_notebook_when_present(monkeypatch):
     assert launch(lambda: 2, dashboard="auto") == [2, 2]
     (board,) = made
     assert board.num_processes == 2 and board.closed and "result" in board.kinds and "launch" in board.kinds
+
+
+def test_accelerate_module_name_nbaccel_launchers():
+    import nbaccel.launchers
+
+    accelerate_launchers = pytest.importorskip("accelerate.launchers")
+    for name in ("notebook_launcher", "debug_launcher"):
+        assert hasattr(accelerate_launchers, name)  # the names Accelerate code imports from there
+    assert nbaccel.launchers.notebook_launcher is notebook_launcher
+    assert nbaccel.launchers.debug_launcher is debug_launcher
+    assert set(nbaccel.launchers.__all__) == {"notebook_launcher", "debug_launcher"}

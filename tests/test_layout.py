@@ -1,8 +1,8 @@
 """The import direction of docs/internals.md, checked on the source of every module in nbaccel/.
 
 Layers, bottom to top: `utils` (and `_lazy`); `state`, `telemetry`; the training modules; `launch`,
-`notebook`; `commands` (and the package root, `__main__`). A module may import its own layer and those
-below, never above. `utils` imports nothing of nbaccel but `utils` (and `_lazy`). Only `nbaccel/notebook`
+`launchers` (Accelerate's module name, re-exporting `launch`), `notebook`; `commands` (and the package
+root, `__main__`). A module may import its own layer and those below, never above. `utils` imports nothing of nbaccel but `utils` (and `_lazy`). Only `nbaccel/notebook`
 may import ipywidgets: worker processes never load it. Imports under `if TYPE_CHECKING:` do not count.
 """
 
@@ -15,8 +15,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nbaccel"
 
-_LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "notebook": 3, "commands": 4,
-           "__init__": 4, "__main__": 4}
+_LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "launchers": 3, "notebook": 3,
+           "commands": 4, "__init__": 4, "__main__": 4}
 _TRAINING_LAYER = 2  # accelerator, data_loader, optimizer, scheduler, checkpointing, tracking, ...
 _LAYER_NAMES = {0: "utils", 1: "state/telemetry", 2: "training modules", 3: "launch/notebook", 4: "commands"}
 
@@ -110,6 +110,8 @@ def test_import_direction_of_every_module():
         ("telemetry.py", "from nbaccel.launch import channel", "imports nbaccel.launch (launch/notebook"),
         ("tracking.py", "from .launch.worker import report", "training modules module imports nbaccel.launch"),
         ("launch/worker.py", "from ..commands import main", "imports nbaccel.commands (commands"),
+        ("launchers.py", "from .commands import main", "launch/notebook module imports nbaccel.commands"),
+        ("accelerator.py", "from .launchers import notebook_launcher", "imports nbaccel.launchers (launch/notebook"),
         ("launch/worker.py", "import ipywidgets", "imports ipywidgets"),
         ("accelerator.py", "def f():\n    from ipywidgets import Output", "imports ipywidgets"),
     ],
@@ -127,6 +129,7 @@ def test_checker_finds_violations(path, source, expected):
         ("accelerator.py", "from .state import PartialState\nfrom . import telemetry\nfrom .data_loader import x"),
         ("notebook/dashboard.py", "import ipywidgets\nfrom ..launch import RankPool"),
         ("commands/launch.py", "from nbaccel.launch import notebook_launcher"),
+        ("launchers.py", "from .launch.launcher import debug_launcher, notebook_launcher"),
         ("utils/operations.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..state import PartialState"),
     ],
 )

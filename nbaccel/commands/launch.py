@@ -148,7 +148,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         dynamo_config=dict(cfg.dynamo_config or {}),
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_accumulation_steps=pick("gradient_accumulation_steps", None),
         use_fsdp=bool(args.use_fsdp) or cfg.uses_fsdp,
         fsdp_config=dict(cfg.fsdp_config or {}),
         use_deepspeed=bool(args.use_deepspeed) or cfg.uses_deepspeed,

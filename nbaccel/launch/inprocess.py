@@ -21,8 +21,12 @@ from .observers import make_dashboard
 
 
 def run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixed_precision: str,
-                   dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
-    """One process: call the function here (Accelerate does the same), reporting to observers if any."""
+                   dashboard: Any, observers: Sequence[Observer], timeout: float | None,
+                   env: dict[str, str] | None = None) -> list[Any]:
+    """One process: call the function here (Accelerate does the same), reporting to observers if any.
+
+    `env` (e.g. the gradient accumulation of the saved config) is set, like the precision, for the call only.
+    """
     handle = make_dashboard(dashboard, 1, start_method="in-process")
     listeners = list(observers) + ([handle.observer] if handle else [])
 
@@ -40,7 +44,7 @@ def run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixe
         telemetry.attach(sink, 0)
     try:
         with _patched_env({"NBACCEL_MIXED_PRECISION": mixed_precision,
-                           "ACCELERATE_MIXED_PRECISION": mixed_precision}), _alarm(timeout):
+                           "ACCELERATE_MIXED_PRECISION": mixed_precision, **(env or {})}), _alarm(timeout):
             telemetry.emit("status", state="running", device="cpu", pid=os.getpid())
             results = [function(*args, **kwargs)]
         telemetry.emit("status", state="finished", device="cpu")

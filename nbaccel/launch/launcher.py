@@ -20,7 +20,7 @@ from .arguments import check_arguments, parse_port
 from .channel import Observer, close_quietly, open_channel
 from .errors import LaunchError, LaunchTimeout
 from .inprocess import run_in_process
-from .observers import make_dashboard
+from .observers import check_dashboard, make_dashboard
 from .processes import (
     LocalProcesses,
     check_port_free,
@@ -34,6 +34,7 @@ from .processes import (
     resource_tracker_scope,
     stop_processes,
 )
+from .saved_config import apply_saved_config, default
 from .serialize import dumps_payload
 from .supervisor import Supervisor, WorkerHandle
 from .worker import DEVICE_ENV, elastic_entry, run_worker, xla_entry
@@ -43,12 +44,12 @@ def notebook_launcher(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
     num_processes: int | None = None,
-    mixed_precision: str = "no",
+    mixed_precision: str = default("no"),
     use_port: int | str | None = None,
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    rdzv_backend: str = "static",
+    master_addr: str = default("127.0.0.1"),
+    node_rank: int = default(0),
+    num_nodes: int = default(1),
+    rdzv_backend: str = default("static"),
     rdzv_endpoint: str = "",
     rdzv_conf: dict[str, Any] | None = None,
     rdzv_id: str = "none",
@@ -70,17 +71,30 @@ def notebook_launcher(
     (seconds) bounds the whole run. `observers` (callables taking a message dict) and the dashboard see
     every status, output line, metric and result message. `num_nodes > 1` or `max_restarts > 0` go
     through torch.distributed.elastic (`rdzv_backend="c10d"` with `rdzv_endpoint="host:port"`).
+
+    Arguments left at their defaults take the saved launch configuration's values (`nbaccel config`,
+    `config_widget()`; see docs/launcher.md), as does the workers' gradient accumulation.
     """
     kwargs = dict(kwargs or {})
-    mixed_precision = check_arguments(function, args, kwargs, num_processes, mixed_precision, node_rank,
-                                       num_nodes, max_restarts, monitor_interval, rdzv_backend, timeout)
+    check_dashboard(dashboard)
+    gpus = _visible_gpus()
+    saved = apply_saved_config(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
+                               master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes,
+                               rdzv_backend=rdzv_backend, start_method=start_method, gpus=gpus)
+    num_processes, use_port, start_method = saved.num_processes, saved.use_port, saved.start_method
+    master_addr, node_rank, num_nodes, rdzv_backend = (saved.master_addr, saved.node_rank, saved.num_nodes,
+                                                       saved.rdzv_backend)
+    mixed_precision = check_arguments(function, args, kwargs, num_processes, saved.mixed_precision, node_rank,
+                                      num_nodes, max_restarts, monitor_interval, rdzv_backend, timeout)
     port = parse_port(use_port)
+    check_start_method(start_method)
+    if saved.use_cpu:
+        gpus = 0  # the config says CPU: workers get NBACCEL_USE_CPU
     from .xla import tpu_requested
 
     if tpu_requested():
         return _launch_xla(function, tuple(args), kwargs, num_processes, mixed_precision, start_method,
-                           dashboard, observers, timeout)
-    gpus = _visible_gpus()
+                           dashboard, observers, timeout, saved.env)
     if num_processes is None:
         num_processes = gpus or 1
     elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
@@ -92,11 +106,11 @@ def notebook_launcher(
             f"GPU. Pass num_processes<={gpus} (or hide the GPUs with CUDA_VISIBLE_DEVICES='' to use the CPU)."
         )
     if num_processes == 1 and num_nodes == 1 and max_restarts == 0:
-        check_start_method(start_method)  # still reject an unknown start_method
-        return run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout)
+        return run_in_process(function, tuple(args), kwargs, mixed_precision, dashboard, observers, timeout,
+                              env=saved.env)
     method, note = choose_start_method(start_method)
     payload = dumps_payload(function, tuple(args), kwargs)  # before any process starts
-    env = _common_env(mixed_precision, use_cpu=not gpus)
+    env = dict(_common_env(mixed_precision, use_cpu=not gpus), **saved.env)
     device = "cuda:{local_rank}" if gpus else "cpu"
     if note:
         print(note, file=sys.stderr)
@@ -280,16 +294,18 @@ def _launch_elastic(payload: bytes, env: dict[str, str], device: str, num_proces
 
 def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_processes: int | None,
                 mixed_precision: str, start_method: str | None, dashboard: Any,
-                observers: Sequence[Observer], timeout: float | None) -> list[Any]:
+                observers: Sequence[Observer], timeout: float | None,
+                extra_env: dict[str, str] | None = None) -> list[Any]:
     from .xla import TPU_CORES, import_xmp
 
     import_xmp()  # a clear ImportError before anything else
     nprocs = TPU_CORES if num_processes is None else num_processes
     if nprocs == 1:
-        return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout)
+        return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout,
+                              env=extra_env)
     method = start_method or "fork"
     payload = dumps_payload(function, args, kwargs)
-    env = dict(_common_env(mixed_precision, use_cpu=False), FORK_LAUNCHED="1")  # as Accelerate on TPU
+    env = dict(_common_env(mixed_precision, use_cpu=False), FORK_LAUNCHED="1", **(extra_env or {}))  # as Accelerate on TPU
     ctx = get_context(method)
     pipes = _Pipes(ctx, nprocs)
     with resource_tracker_scope():
@@ -323,7 +339,7 @@ def _supervise(handles: list[WorkerHandle], backend: Any, num_processes: int, da
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
         raise
     listeners = list(observers) + ([handle.observer] if handle else [])
-    supervisor = Supervisor(handles, backend, listeners, sys.stdout, sys.stderr, timeout)
+    supervisor = Supervisor(handles, backend, listeners, timeout=timeout)  # streams looked up per write
     if handle:
         handle.start()
     supervisor.notify({"kind": "launch", "state": "started", "rank": None, "time": time.time(),

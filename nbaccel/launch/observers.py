@@ -8,6 +8,8 @@ from typing import Any
 
 from .channel import Observer
 
+VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
+
 
 class DashboardHandle:
     """Wraps a dashboard object: `.observer` for messages, `start()` and `close(results, failures)`."""
@@ -32,9 +34,24 @@ class DashboardHandle:
             close()
 
 
+def check_dashboard(dashboard: Any) -> None:
+    """Reject a `dashboard=` value `make_dashboard` cannot use (TypeError), before any process starts."""
+    if dashboard is None or isinstance(dashboard, bool) or callable(dashboard):
+        return
+    if callable(getattr(dashboard, "observe", None)):
+        return
+    if isinstance(dashboard, str) and (dashboard == "auto" or dashboard in VIEW_MODES):
+        return
+    raise TypeError(
+        f"dashboard={dashboard!r}: pass 'auto', True, False, one of the views {', '.join(map(repr, VIEW_MODES))}, "
+        "or an object with .observe(message) / a callable"
+    )
+
+
 def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> DashboardHandle | None:
     """The dashboard for a launch: False/None -> none; "auto"/True -> `nbaccel.notebook.Dashboard` when it
-    can be imported (True insists); an object with `.observe` or a callable -> used as is.
+    can be imported (True insists); "widget"/"terminal"/"plain" -> `Dashboard(num_processes, mode=...)`
+    (errors raised, as with True); an object with `.observe` or a callable -> used as is.
 
     `dashboard=False` never imports the notebook package.
     """
@@ -55,15 +72,16 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
             warnings.warn(f"nbaccel: the dashboard could not start ({exc!r}); launching without it",
                           stacklevel=3)
             return None
-    if callable(dashboard) or callable(getattr(dashboard, "observe", None)):
-        return DashboardHandle(dashboard)
-    raise TypeError(
-        f"dashboard={dashboard!r}: pass 'auto', True, False, or an object with .observe(message) / a callable"
-    )
+    if isinstance(dashboard, str) and dashboard in VIEW_MODES:
+        from ..notebook import Dashboard
+
+        return DashboardHandle(_construct(Dashboard, num_processes, info, mode=dashboard))
+    check_dashboard(dashboard)
+    return DashboardHandle(dashboard)
 
 
-def _construct(factory: Callable[..., Any], num_processes: int, info: dict[str, Any]) -> Any:
+def _construct(factory: Callable[..., Any], num_processes: int, info: dict[str, Any], **options: Any) -> Any:
     try:
-        return factory(num_processes, **info)
+        return factory(num_processes, **info, **options)
     except TypeError:
-        return factory(num_processes)
+        return factory(num_processes, **options)

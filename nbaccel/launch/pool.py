@@ -21,6 +21,7 @@ import ast
 import itertools
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,6 +40,7 @@ from .pool_results import (
     RankTimeoutError,
     results_equal,
 )
+from .pool_telemetry import OutputLines, TelemetryReader, observer_of, status_message
 from .processes import choose_start_method
 from .serialize import dumps_payload, dumps_value, find_culprit
 
@@ -61,7 +63,7 @@ class RankPool:
     """
 
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
-                 timeout: float = 30) -> None:
+                 timeout: float = 30, observers: Iterable[Any] = ()) -> None:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         self.timeout = _check_timeout(timeout, "timeout")
@@ -91,6 +93,8 @@ class RankPool:
         self._lock = threading.RLock()
         self._workers: RankProcesses | None = None
         self._finalizer: weakref.finalize | None = None
+        self._observers: list[tuple[Any, Callable[[dict], None]]] = [(o, observer_of(o)) for o in observers]
+        self._reader: TelemetryReader | None = None
         self._start()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -108,9 +112,69 @@ class RankPool:
         self._workers = workers
         try:
             workers.wait_ready(START_TIMEOUT)
+            if self._observers:
+                self._telemetry_on()
         except BaseException:  # a rank failed to start, or the user interrupted: nothing may stay behind
             self._stop(graceful=False)
             raise
+
+    # ------------------------------------------------------------------------------------------ observers
+    def attach(self, observer: Any) -> None:
+        """Send the ranks' channel messages (status, output lines, metrics, steps, memory, collectives) to
+        `observer`: a `Dashboard` (its `.observe`) or a callable taking a message dict (see
+        docs/internals.md, "The channel"). The ranks report telemetry only while something is attached."""
+        function = observer_of(observer)
+        with self._lock:
+            self._observers.append((observer, function))
+            if self._workers is None:
+                return
+            if self._reader is None:
+                self._telemetry_on()
+            else:
+                for rank in self._workers.ranks:
+                    self._deliver_to(function, status_message(rank.rank, "running", rank.device, pid=rank.pid))
+
+    def detach(self, observer: Any) -> None:
+        """Stop sending messages to `observer` (the ranks stop reporting once nothing is attached)."""
+        with self._lock:
+            self._observers = [(o, f) for o, f in self._observers if not (o is observer or o == observer)]
+            if not self._observers and self._reader is not None and self._workers is not None:
+                self._telemetry_off()
+
+    @property
+    def observers(self) -> list[Any]:
+        return [o for o, _ in self._observers]
+
+    def _telemetry_on(self) -> None:
+        workers = self._workers
+        for rank in workers.ranks:
+            rank.on_output = OutputLines(rank.rank, self._notify)
+        self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
+        self._call(lambda call_id, rank: ("telemetry", call_id, True), None, None).raise_if_failed()
+        for rank in workers.ranks:
+            self._notify(status_message(rank.rank, "running", rank.device, pid=rank.pid))
+
+    def _telemetry_off(self) -> None:
+        self._call(lambda call_id, rank: ("telemetry", call_id, False), None, None)
+        self._stop_reader()
+
+    def _stop_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
+        for rank in self._workers.ranks if self._workers is not None else ():
+            rank.on_output = None
+
+    def _notify(self, message: dict) -> None:
+        for _, function in list(self._observers):
+            self._deliver_to(function, message)
+
+    def _deliver_to(self, function: Callable[[dict], None], message: dict) -> None:
+        try:
+            function(dict(message))
+        except Exception as exc:  # a broken observer must not break the pool
+            self._observers = [(o, f) for o, f in self._observers if f is not function]
+            warnings.warn(f"nbaccel: RankPool observer {function!r} failed and was removed: {exc!r}", stacklevel=2)
 
     def restart(self) -> None:
         """Stop every rank and start fresh ones (new process group, empty namespaces)."""
@@ -127,6 +191,7 @@ class RankPool:
     close = shutdown
 
     def _stop(self, graceful: bool) -> None:
+        self._stop_reader()  # before the pipes it reads are closed
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
@@ -179,7 +244,8 @@ class RankPool:
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
         filename = f"<rank-cell-{next(self._cells)}>"
         ast.parse(source, filename, "exec")  # a SyntaxError is raised here, before any rank sees the cell
-        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout, on_progress)
+        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout, on_progress,
+                          report=True)
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `function(*args, **kwargs)` on every rank (cloudpickled once, like notebook_launcher); return
@@ -187,7 +253,7 @@ class RankPool:
         if not callable(function):
             raise TypeError(f"function must be callable, got {type(function).__name__}")
         payload = dumps_payload(function, args, kwargs)
-        results = self._call(lambda call_id, rank: ("run", call_id, payload), None, None)
+        results = self._call(lambda call_id, rank: ("run", call_id, payload), None, None, report=True)
         results.raise_if_failed()
         return results.values
 
@@ -211,15 +277,23 @@ class RankPool:
 
     # ------------------------------------------------------------------------------------------ the wait
     def _call(self, make: Callable[[int, int], tuple], ranks: Iterable[int] | None,
-              timeout: float | None, on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
+              timeout: float | None, on_progress: Callable[[RankResults], None] | None = None,
+              report: bool = False) -> RankResults:
         timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
         with self._lock:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
             call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress)
+            report = report and bool(self._observers)  # status messages for a cell / function call
+            if report:
+                for index in selected:
+                    self._notify(status_message(index, "running", self._workers.ranks[index].device))
             try:
-                return call.run(make)
+                results = call.run(make)
+                if report:
+                    self._report_results(results)
+                return results
             except Hang as hang:
                 error = self._hang_error(hang, call)  # before the restart: it reads the stuck ranks' output
                 self._recover(graceful=False)
@@ -235,6 +309,16 @@ class RankPool:
                     self._recover(graceful=False)
                     print(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
                           "their variables are lost: re-run the cells that define them.", file=sys.stderr)
+
+    def _report_results(self, results: RankResults) -> None:
+        for result in results:
+            device = self._workers.ranks[result.rank].device if self._workers is not None else "cpu"
+            if result.error is None:
+                self._notify(status_message(result.rank, "finished", device))
+            else:
+                error = result.error
+                first = (f"{error.exc_type}: {error.message}" if error.exc_type else error.summary()).splitlines()[0]
+                self._notify(status_message(result.rank, "failed", device, error=first))
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -35,8 +36,10 @@ class RankProcess:
     """The kernel's ends of one rank: process, command pipe, status pipe, stdout/stderr pipes."""
 
     def __init__(self, rank: int, process: Any, commands: Connection, status: Connection, out_fd: int,
-                 err_fd: int) -> None:
+                 err_fd: int, telemetry: Connection | None = None) -> None:
         self.rank = rank
+        self.telemetry = telemetry  # read end of the rank's telemetry pipe (used while an observer attaches)
+        self.on_output: Callable[[str, bytes], None] | None = None  # (stream, data) of every read, if set
         self.process = process
         self.commands = commands
         self.status = status
@@ -53,6 +56,8 @@ class RankProcess:
             return
         data, at_end = read_available(fd)
         (self.out if fd == self.out_fd else self.err).extend(data)
+        if self.on_output is not None and data:
+            self.on_output("stdout" if fd == self.out_fd else "stderr", data)
         if at_end:
             self.closed_fds.add(fd)
 
@@ -82,9 +87,10 @@ class RankProcesses:
             for rank in range(num_processes):
                 commands, worker_commands = ctx.Pipe(duplex=True)
                 status, worker_status = ctx.Pipe(duplex=True)
+                telemetry, worker_telemetry = ctx.Pipe(duplex=False)
                 out_read, out_write = os.pipe()
                 err_read, err_write = os.pipe()
-                kernel_fds += [commands.fileno(), status.fileno(), out_read, err_read]
+                kernel_fds += [commands.fileno(), status.fileno(), telemetry.fileno(), out_read, err_read]
                 rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_processes),
                                 LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(port))
@@ -95,12 +101,12 @@ class RankProcesses:
                     target=pool_worker, name=f"nbaccel-rank-{rank}",
                     args=(worker_commands, worker_status, Connection(out_write, readable=False),
                           Connection(err_write, readable=False), rank_env,
-                          list(kernel_fds) if start_method == "fork" else [], death_signal),
+                          list(kernel_fds) if start_method == "fork" else [], death_signal, worker_telemetry),
                 )
                 with main_module_hidden(start_method):
                     process.start()
-                close_quietly(worker_commands, worker_status, out_write, err_write)
-                self.ranks.append(RankProcess(rank, process, commands, status, out_read, err_read))
+                close_quietly(worker_commands, worker_status, worker_telemetry, out_write, err_write)
+                self.ranks.append(RankProcess(rank, process, commands, status, out_read, err_read, telemetry))
         except BaseException:
             self.close(graceful=False)
             raise
@@ -164,7 +170,7 @@ class RankProcesses:
             process.join(max(0.0, deadline - time.monotonic()))
         stop_processes(processes)
         for rank in self.ranks:
-            close_quietly(rank.commands, rank.out_fd, rank.err_fd)
+            close_quietly(rank.commands, rank.telemetry, rank.out_fd, rank.err_fd)
         try:
             self._tracker.__exit__(None, None, None)
         except Exception:

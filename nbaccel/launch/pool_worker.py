@@ -3,7 +3,7 @@
 A rank sets the launcher environment (docs/internals.md), builds `PartialState` (which creates the process
 group), then serves commands from the kernel over its duplex pipe, one at a time, in its main thread:
 `exec` (a cell's source, run in the rank's own namespace like a kernel runs a cell), `run` (a cloudpickled
-function), `push`/`pull` (one variable). Each command gets exactly one `reply`. Output goes to the kernel
+function), `push`/`pull` (one variable), `telemetry` (report to an attached dashboard, or stop). Each command gets exactly one `reply`. Output goes to the kernel
 through the fd-level pipes of `output.py`; the reply is sent after stdout/stderr are flushed, so the kernel
 has every byte of a cell's output once it holds the reply.
 
@@ -37,13 +37,16 @@ _PR_SET_PDEATHSIG = 1
 
 _busy: tuple[int, float] | None = None  # (command id, start time) while the main thread runs a command
 _inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank
+_telemetry_conn: Connection | None = None  # the write end of this rank's telemetry pipe
 
 
 def pool_worker(commands: Connection, status: Connection, stdout: Connection, stderr: Connection,
-                env: dict[str, str], inherited_fds: list[int], parent_death_signal: bool) -> None:
+                env: dict[str, str], inherited_fds: list[int], parent_death_signal: bool,
+                telemetry: Connection | None = None) -> None:
     """Multiprocessing target of one rank: set up, then serve commands until `stop` or the kernel leaves."""
-    global _inherited_exception
+    global _inherited_exception, _telemetry_conn
     _inherited_exception = sys.exc_info()[1]
+    _telemetry_conn = telemetry  # used once an observer attaches to the pool (pool_telemetry.py)
     if parent_death_signal:
         _die_with_parent()
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
@@ -142,6 +145,10 @@ def _dispatch(kind: str, message: tuple, namespace: dict[str, Any], rank: int, r
         from . import serialize
 
         namespace[message[2]] = serialize.loads(message[3])
+    elif kind == "telemetry":
+        from .pool_telemetry import set_worker_telemetry
+
+        set_worker_telemetry(_telemetry_conn, bool(message[2]), rank)
     elif kind == "pull":
         name = message[2]
         if name not in namespace:

@@ -86,8 +86,10 @@ class Supervisor:
         self.workers = list(workers)
         self.backend = backend
         self.observers = list(observers)
-        self.stdout = stdout if stdout is not None else sys.stdout
-        self.stderr = stderr if stderr is not None else sys.stderr
+        # None: look sys.stdout/sys.stderr up at each write, so a dashboard started after this object
+        # (rich's Live redirects them) still gets the worker lines above its table.
+        self._stdout = stdout
+        self._stderr = stderr
         self.timeout = timeout
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure: int | None = None
@@ -102,6 +104,14 @@ class Supervisor:
             self._by_fd[w.stderr_fd] = (w, "stderr", self._forwarder(w, "stderr"))
 
     # ------------------------------------------------------------------ observers and output
+    @property
+    def stdout(self) -> TextIO:
+        return self._stdout if self._stdout is not None else sys.stdout
+
+    @property
+    def stderr(self) -> TextIO:
+        return self._stderr if self._stderr is not None else sys.stderr
+
     def notify(self, message: Message) -> None:
         for observer in list(self.observers):
             try:
@@ -112,9 +122,8 @@ class Supervisor:
                               stacklevel=2)
 
     def _forwarder(self, worker: WorkerHandle, stream: str) -> LineForwarder:
-        target = self.stdout if stream == "stdout" else self.stderr
-
         def deliver(line: str) -> None:
+            target = self.stdout if stream == "stdout" else self.stderr
             try:
                 target.write(f"[rank {worker.rank}] {line}\n")
             except Exception:

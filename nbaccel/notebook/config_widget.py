@@ -17,7 +17,7 @@ import ipywidgets as widgets
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
-# Form fields not (yet) in LaunchConfig's dataclass are kept in its `extra` mapping, written to the YAML.
+# Form fields not in LaunchConfig's dataclass would be kept in its `extra` mapping, written to the YAML.
 _INT_FIELDS = {  # name: (minimum, may be empty)
     "num_processes": (1, True),
     "gradient_accumulation_steps": (1, True),

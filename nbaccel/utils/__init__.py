@@ -56,10 +56,16 @@ _MODULES: dict[str, list[str]] = {
         "dtype_byte_size", "find_tied_parameters", "get_balanced_memory", "get_max_layer_size",
         "get_max_memory", "id_tensor_storage", "infer_auto_device_map", "load_checkpoint_in_model",
         "load_state_dict", "named_module_tensors", "retie_parameters", "set_module_tensor_to_device",
+        "align_module_device", "check_tied_parameters_on_same_device", "clean_device_map",
+        "get_state_dict_offloaded_model", "has_offloaded_params",
+    ],
+    ".fsdp_utils": [
+        "load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer",
     ],
     ".offload": [
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
         "load_offloaded_weight", "load_offloaded_weights", "offload_state_dict", "offload_weight",
+        "save_offload_index",
     ],
     ".other": [
         "convert_bytes", "extract_model_from_parallel", "get_pretty_name", "is_port_in_use",

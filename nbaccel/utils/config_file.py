@@ -24,6 +24,7 @@ from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend
 
 CONFIG_FILE_ENV = "NBACCEL_CONFIG_FILE"
 CONFIG_FILE_NAME = "default_config.yaml"
+START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,10 @@ class LaunchConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str = "static"
+    # nbaccel's own keys (Accelerate's file has neither; both optional): the Accelerator's default
+    # accumulation (None: not set) and how notebook_launcher starts processes (None: its own choice).
+    gradient_accumulation_steps: int | None = None
+    start_method: str | None = None
     same_network: bool = False
     main_training_function: str = "main"
     enable_cpu_affinity: bool = False
@@ -244,6 +249,9 @@ class LaunchConfig:
         integer("num_machines", 1)
         integer("machine_rank", 0)
         integer("main_process_port", 1, 65535, optional=True)
+        integer("gradient_accumulation_steps", 1, optional=True)
+        if self.start_method is not None and self.start_method not in START_METHODS:
+            errors["start_method"] = f"{self.start_method!r} is not one of {', '.join(START_METHODS)} (or unset)"
         if "machine_rank" not in errors and "num_machines" not in errors and self.machine_rank >= self.num_machines:
             errors["machine_rank"] = f"{self.machine_rank} must be below num_machines ({self.num_machines})"
         if (

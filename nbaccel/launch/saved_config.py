@@ -1,0 +1,120 @@
+"""The saved launch configuration (`nbaccel config`, `config_widget()`) as notebook_launcher's defaults.
+
+An argument the caller passed always wins; one left at its default takes the config file's value. To tell
+"left at its default" from "passed the same value" (e.g. `mixed_precision="no"`), the launcher's signature
+defaults are marked values (`DEFAULT_NO` is a str equal to "no"; `inspect.signature` still shows 'no').
+A file that cannot be read raises `ConfigError` ("<file>: <key>: <problem>") before any process starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _Default:
+    """Marks a signature default: the caller did not pass this argument."""
+
+    __slots__ = ()
+
+
+class _DefaultStr(_Default, str):
+    __slots__ = ()
+
+
+class _DefaultInt(_Default, int):
+    __slots__ = ()
+
+
+def default(value: Any) -> Any:
+    """`value` marked as a signature default (compares, prints and hashes like `value`)."""
+    if isinstance(value, str):
+        return _DefaultStr(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _DefaultInt(value)
+    raise TypeError(f"no default marker for {type(value).__name__}")
+
+
+def is_default(value: Any) -> bool:
+    """Whether `value` is a marked signature default (None counts too: "not given")."""
+    return value is None or isinstance(value, _Default)
+
+
+def plain(value: Any) -> Any:
+    """The value without its marker (what the rest of the launcher works with)."""
+    if isinstance(value, _DefaultStr):
+        return str(value)
+    if isinstance(value, _DefaultInt):
+        return int(value)
+    return value
+
+
+# Configs meant for an accelerator: on a machine without one, their process count is ignored.
+_ACCELERATOR_TYPES = {"MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                      "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "XLA"}
+
+
+@dataclass
+class LaunchDefaults:
+    """The launcher's settings after the config file filled in what the caller left at its default."""
+
+    num_processes: int | None
+    mixed_precision: str
+    use_port: int | str | None
+    master_addr: str
+    node_rank: int
+    num_nodes: int
+    rdzv_backend: str
+    start_method: str | None
+    use_cpu: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # extra worker environment (gradient accumulation)
+    source: str | None = None  # the config file used, if any
+
+
+def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_port: int | str | None,
+                       master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str,
+                       start_method: str | None, gpus: int) -> LaunchDefaults:
+    """Fill the arguments left at their defaults from the config file in use (none: unchanged).
+
+    `gpus` is the number of visible GPUs: a config for GPUs (e.g. `distributed_type: MULTI_GPU`) read on a
+    machine without one keeps CPU launches working (its process count is ignored, with a one-line note).
+    """
+    from ..utils.config_file import display_path, load_config
+
+    result = LaunchDefaults(num_processes, plain(mixed_precision), use_port, plain(master_addr), plain(node_rank),
+                            plain(num_nodes), plain(rdzv_backend), start_method)
+    config = load_config()  # ConfigError (file and key named) propagates: nothing has started yet
+    if config is None:
+        return result
+    where = display_path(config.path) if config.path is not None else "config"
+    result.source = where
+    result.use_cpu = bool(config.use_cpu)
+    distributed_type = str(getattr(config.distributed_type, "value", config.distributed_type))
+    for_accelerator = distributed_type in _ACCELERATOR_TYPES and not config.use_cpu
+    multi_node = is_default(num_nodes) and config.num_machines > 1
+    if multi_node:
+        result.num_nodes = config.num_machines
+        if is_default(node_rank):
+            result.node_rank = config.machine_rank
+        if is_default(master_addr) and config.main_process_ip:
+            result.master_addr = config.main_process_ip
+        if is_default(rdzv_backend):
+            result.rdzv_backend = config.rdzv_backend
+    if num_processes is None and config.num_processes is not None:
+        if for_accelerator and gpus == 0:
+            print(f"nbaccel: {where} is for distributed_type {distributed_type} but no GPU is visible: ignoring "
+                  f"its num_processes={config.num_processes}, running on the CPU.", file=sys.stderr)
+        else:  # Accelerate's file counts the processes of all machines; the launcher's are per node
+            result.num_processes = max(config.num_processes // max(result.num_nodes, 1), 1) if multi_node \
+                else config.num_processes
+    if is_default(mixed_precision) and config.mixed_precision:
+        result.mixed_precision = str(getattr(config.mixed_precision, "value", config.mixed_precision))
+    if start_method is None:
+        result.start_method = config.start_method
+    if use_port is None and config.main_process_port is not None:
+        result.use_port = config.main_process_port
+    if config.gradient_accumulation_steps is not None:
+        steps = str(config.gradient_accumulation_steps)
+        result.env = {"NBACCEL_GRADIENT_ACCUMULATION_STEPS": steps, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": steps}
+    return result
