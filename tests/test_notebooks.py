@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume", "04_distributed_inference",
-            "05_config_and_scripts")
+            "05_config_and_scripts", "07_big_models")
 
 
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
@@ -36,7 +36,7 @@ def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
 
 def test_each_notebook_is_listed_and_executable():
     names = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
-    assert names == sorted([*EXECUTED, "06_colab_tpu"])
+    assert names == sorted([*EXECUTED, "06_colab_tpu"]), "a new notebook needs its test here"
     for name in EXECUTED:
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         assert nb.metadata.get("nbaccel", {}).get("execute", True) is True, name
@@ -108,6 +108,21 @@ def test_config_and_scripts(tmp_path):
     assert "rank 0 of 2 done on cpu" in launched and "rank 1 of 2 done on cpu" in launched, launched
     epochs = re.findall(r"epoch (\d): loss [0-9.]+", launched)
     assert epochs == ["0", "1", "2"], launched  # accelerator.print: rank 0 only
+
+
+@pytest.mark.timeout(300)
+def test_big_models(tmp_path):
+    run = run_notebook("07_big_models.ipynb", tmp_path)
+    assert "parameters on meta" in run.cell("with init_empty_weights():").text
+    compared = run.cell("max |difference| of logits").text
+    assert "max |difference| of logits: 0.0" in compared, compared
+    dispatched = re.search(r"dispatched: (\[.*\])", compared)
+    reference = re.search(r"reference: +(\[.*\])", compared)
+    assert dispatched and reference and dispatched.group(1) == reference.group(1), compared
+    trained = run.cell("FullyShardedDataParallelPlugin(").text
+    losses = re.search(r"loss \(mean over the 2 ranks\): ([0-9.]+) at step 1 -> ([0-9.]+) at step 24", trained)
+    assert losses and float(losses.group(2)) < float(losses.group(1)), trained
+    assert re.search(r"the exported model continues 0\.\.9 with \d+", run.cell("load_file(os.path.join(export_dir").text)
 
 
 def test_tpu_recipe_is_marked_not_executed():
