@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "set_seed": ".utils",
     "synchronize_rng_states": ".utils",
     "wait_for_everyone": ".utils",
+    "is_rich_available": ".utils",
     **{name: ".utils" for name in _OPERATIONS + _CONFIGURATION},
     **{name: ".big_modeling" for name in _BIG_MODELING},
 }

@@ -79,6 +79,7 @@ _MODULES: dict[str, list[str]] = {
     ".memory": [
         "clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size",
     ],
+    ".progress": ["tqdm"],
 }
 
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
