@@ -13,6 +13,7 @@ import functools
 import gc
 import importlib.util
 import os
+import pathlib
 import re
 import sys
 from collections import OrderedDict
@@ -952,7 +953,23 @@ class Accelerator:
             # the exact shard folder, so a checkpoint folder whose own name holds the stem is not mistaken for it
             return os.fspath(directory) if full else os.path.join(os.fspath(directory), f"{stem}_{index}")
 
+        def check(directory: Any) -> None:
+            # every model/optimizer part is there before anything is loaded (no half-restored run)
+            from . import checkpointing
+
+            names = [fsdp_utils._weights_name(i) if full else f"{fsdp_utils.FSDP_MODEL_NAME}_{i}/.metadata"
+                     for i in range(len(models))]
+            names += [fsdp_utils._optimizer_name(i) if full else f"{fsdp_utils.OPTIMIZER_NAME}_{i}/.metadata"
+                      for i in range(len(self._optimizers))]
+            for name in names:
+                if not os.path.isfile(os.path.join(os.fspath(directory), name)):
+                    raise checkpointing.CheckpointFileMissingError(
+                        f"Checkpoint {directory} has no {name}: it was not saved by save_state with FSDP and "
+                        f"state_dict_type {plugin.state_dict_type.name}, or with other models/optimizers. Load it "
+                        "with the plugin's state_dict_type it was saved with, and the same prepare() objects.")
+
         return {
+            "check": check,
             "load_model_fn": lambda model, directory, index: fsdp_utils.load_fsdp_model(
                 plugin, self, self.unwrap_model(model, keep_torch_compile=False),
                 source(directory, fsdp_utils.FSDP_MODEL_NAME, index), index),
@@ -973,12 +990,15 @@ class Accelerator:
             input_dir = checkpointing.latest_checkpoint_dir(config)
         load_kwargs = dict(load_kwargs or {})
         map_location = load_kwargs.pop("map_location", None)
+        sharded_fns = self._sharded_checkpoint_fns("load")
+        if sharded_fns:
+            sharded_fns.pop("check")(checkpointing._resolve_readable_dir(pathlib.Path(os.fspath(input_dir))))
         override = checkpointing.load_accelerator_state(
             input_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
             dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
             process_index=self.process_index, map_location=map_location, device=self.device,
             pre_hooks=list(self._load_model_state_pre_hook.values()), load_kwargs=load_kwargs,
-            **self._sharded_checkpoint_fns("load"), **load_model_func_kwargs,
+            **sharded_fns, **load_model_func_kwargs,
         )
         if override and "step" in override:
             self.step = int(override["step"])

@@ -779,6 +779,14 @@ def _write_checkpoint_files(
     if save_optimizer_fn is not None:  # a collective too (sharded optimizer states): every process writes
         for index, optimizer in enumerate(optimizers):
             save_optimizer_fn(optimizer, directory, index)
+    by_functions: list[Path] = []
+    if durable and (save_model_fn is not None or save_optimizer_fn is not None):
+        # what the functions wrote (they end in a collective, so every rank's files are there): fsynced too,
+        # and their sub-folders, so the rename in step 3 never publishes a half-flushed shard
+        for root, _, names in os.walk(directory):
+            by_functions.extend(Path(root) / name for name in names)
+            if Path(root) != directory:
+                _fsync_dir(Path(root))
     for hook in pre_hooks:
         hook(models, weights, str(directory))
 
@@ -804,6 +812,9 @@ def _write_checkpoint_files(
     if durable:
         for path in written:
             _fsync_file(path)
+        for path in by_functions:
+            with contextlib.suppress(FileNotFoundError):  # another rank's hook may have renamed its own file
+                _fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------- load

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -258,7 +259,7 @@ def test_accelerator_fsdp_and_tensor_parallel(tmp_path):
     assert set(load_file(tmp_path / "tp" / "model.safetensors")) == set(ddp)
 
 
-def _resume_run(rank: int, folder: str, mode: str, steps: int = 6, save_at: int = 3):
+def _resume_run(rank: int, folder: str, mode: str, state_dict_type: str, steps: int = 6, save_at: int = 3):
     """Train `steps` steps with the Accelerator and FSDP2: "full" saves a checkpoint after `save_at` steps
     and goes on; "resume" builds everything afresh (other initial weights), loads that checkpoint and trains
     the remaining steps. Returns the final full weights (rank 0) and the checkpoint's file names."""
@@ -269,12 +270,28 @@ def _resume_run(rank: int, folder: str, mode: str, steps: int = 6, save_at: int 
     torch.manual_seed(0 if mode == "full" else 123)  # the resumed run must not depend on its own init
     model = Tiny()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    accelerator = Accelerator(fsdp_plugin=make_plugin())
+    accelerator = Accelerator(fsdp_plugin=make_plugin(state_dict_type=state_dict_type))
     model, optimizer = accelerator.prepare(model, optimizer)
     data = batches(rank, steps)
     checkpoint = os.path.join(folder, "checkpoint")
     start = 0
     if mode == "resume":
+        from nbaccel.checkpointing import CheckpointFileMissingError
+
+        accelerator.wait_for_everyone()
+        if rank == 0:  # a checkpoint without the optimizer shards is refused before the model is touched
+            import shutil
+
+            shutil.copytree(checkpoint, checkpoint + "-partial")
+            shutil.rmtree(os.path.join(checkpoint + "-partial", "optimizer_0"), ignore_errors=True)  # sharded
+            with contextlib.suppress(FileNotFoundError):  # full
+                os.remove(os.path.join(checkpoint + "-partial", "optimizer.bin"))
+        accelerator.wait_for_everyone()
+        before = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+        with pytest.raises(CheckpointFileMissingError, match="optimizer"):
+            accelerator.load_state(checkpoint + "-partial")
+        after = accelerator.get_state_dict(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
         accelerator.load_state(checkpoint)
         start = save_at
     for step in range(start, steps):
@@ -290,18 +307,25 @@ def _resume_run(rank: int, folder: str, mode: str, steps: int = 6, save_at: int 
     return {"weights": {k: v.clone() for k, v in weights.items()}, "files": files}
 
 
-def test_accelerator_save_state_sharded_resume_is_exact(tmp_path):
-    """save_state/load_state with FSDP2 write each rank's shard of the model and the optimizer through
-    torch.distributed.checkpoint (no single model file), and a resumed run ends with the same weights."""
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerator_save_state_fsdp_resume_is_exact(tmp_path, state_dict_type):
+    """save_state/load_state with FSDP2: SHARDED_STATE_DICT (the default) writes each rank's shard of the model
+    and the optimizer through torch.distributed.checkpoint (no single model file); FULL_STATE_DICT one gathered
+    file each (Accelerate's names). Either way a resumed run ends with the same weights."""
     pytest.importorskip("nbaccel.accelerator")
-    full = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "full"), timeout=120)
-    resumed = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "resume"), timeout=120)
+    full = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "full", state_dict_type), timeout=120)
+    resumed = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "resume", state_dict_type), timeout=120)
     files = full[0]["files"]
-    assert "model.safetensors" not in files and "optimizer.bin" not in files
-    for stem in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert f"{stem}/.metadata" in files
-        shards = [f for f in files if f.startswith(f"{stem}/") and f.endswith(".distcp")]
-        assert len(shards) == 2, files  # one per rank
+    assert "model.safetensors" not in files and "pytorch_model.bin" not in files
+    if state_dict_type == "SHARDED_STATE_DICT":
+        assert "optimizer.bin" not in files
+        for stem in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert f"{stem}/.metadata" in files
+            shards = [f for f in files if f.startswith(f"{stem}/") and f.endswith(".distcp")]
+            assert len(shards) == 2, files  # one per rank
+    else:
+        assert "pytorch_model_fsdp.bin" in files and "optimizer.bin" in files
+        assert not any(f.endswith(".distcp") for f in files)
     expected, got = full[0]["weights"], resumed[0]["weights"]
     assert set(got) == set(expected) and expected
     for name in expected:
