@@ -305,8 +305,17 @@ class _PreparedLoaderMixin:
     def end(self) -> None:
         self.gradient_state._remove_dataloader(self)
 
+    def _position_holder(self) -> _PreparedLoaderMixin:
+        """The loader whose pass is this loader's position: a `skip_first_batches` copy of it while that copy
+        is being iterated (the copy stands in for this loader during the resumed epoch), else itself."""
+        for loader in reversed(self.gradient_state.dataloader_references):
+            if loader is not None and loader is not self and getattr(loader, "_skip_source", None) is self:
+                return loader
+        return self
+
     def _state(self) -> dict[str, Any]:
-        return {"epoch": self.iteration, "batches_yielded": self._batches_yielded}
+        holder = self._position_holder()
+        return {"epoch": holder.iteration, "batches_yielded": holder._batches_yielded}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.set_epoch(int(state.get("epoch", 0)))
@@ -326,6 +335,8 @@ class _PreparedLoaderMixin:
         restored position that no pass has used. The copy runs the restored epoch (same order); this loader's
         next pass is the following epoch, as after an uninterrupted run of that epoch."""
         copy._resume_skip, copy._resume_pending, copy._resume_fork_rng = 0, False, False
+        # While the copy is iterated, the loader it was made from reports the copy's position in state_dict().
+        copy._skip_source = getattr(self, "_skip_source", None) or self
         if not self._resume_pending:
             return
         copy._resume_fork_rng = self._resume_fork_rng
@@ -421,8 +432,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start."""
         state = self._state()
-        if self._epoch_generator_state is not None:
-            state["generator_state"] = self._epoch_generator_state.clone()
+        generator_state = self._position_holder()._epoch_generator_state
+        if generator_state is not None:
+            state["generator_state"] = generator_state.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -154,22 +154,30 @@ def test_skip_first_batches_replaces_a_restored_position(seedable):
             epoch1.append(batch.tolist())
             if index == 1:
                 state = loader.state_dict()
+            if index == 3:
+                later = loader.state_dict()
         epoch2 = [b.tolist() for b in loader]
         loader.load_state_dict(state)
         copy = accelerator.skip_first_batches(loader, 3)
         copy_length = len(copy)
-        skipped = [b.tolist() for b in copy]
+        skipped = []
+        for batch in copy:
+            if not skipped:  # a checkpoint now records the copy's position: the loader's place in the epoch
+                during = loader.state_dict()
+                same = {k: torch.equal(v, later[k]) if torch.is_tensor(v) else v == later[k] for k, v in during.items()}
+            skipped.append(batch.tolist())
         after = [b.tolist() for b in loader]
         loader.load_state_dict(state)
         resumed = [b.tolist() for b in loader]  # nbaccel's own idiom: load, then iterate
-        return epoch1, epoch2, copy_length, skipped, after, resumed, len(loader)
+        return epoch1, epoch2, copy_length, skipped, after, resumed, len(loader), same
 
-    epoch1, epoch2, copy_length, skipped, after, resumed, length = run_ranks(body, world_size=1)[0]
+    epoch1, epoch2, copy_length, skipped, after, resumed, length, same = run_ranks(body, world_size=1)[0]
     assert skipped == epoch1[3:]  # the restored epoch's order, 3 batches from its start (not 2 + 3)
     assert length == 6 and copy_length == 3
     assert after == epoch2  # the loader's next pass: the following epoch, as uninterrupted
     assert epoch2 != epoch1
     assert resumed == epoch1[2:]
+    assert same and all(same.values()), same
 
 
 @pytest.mark.parametrize("dispatch", [False, True])
