@@ -13,6 +13,7 @@ import functools
 import gc
 import importlib.util
 import os
+import pathlib
 import re
 import sys
 from collections import OrderedDict
@@ -913,10 +914,69 @@ class Accelerator:
             is_main_process=self.is_local_main_process if config.save_on_each_node else self.is_main_process,
             safe_serialization=safe_serialization, step=self.step,
             pre_hooks=list(self._save_model_state_pre_hook.values()), total_limit=total_limit,
-            get_state_dict=self.get_state_dict,
+            get_state_dict=self.get_state_dict, **self._sharded_checkpoint_fns("save"),
         )
         config.iteration += 1
         return os.fspath(location)
+
+    def _sharded_checkpoint_fns(self, direction: str) -> dict[str, Any]:
+        """With FSDP2-sharded models: the `{save,load}_{model,optimizer}_fn` hooks of save/load_accelerator_state
+        that write/read each rank's shard through torch.distributed.checkpoint (nbaccel.utils.fsdp_utils, with
+        the plugin's state_dict_type: SHARDED_STATE_DICT by default). Without sharded models: {} (the usual
+        safetensors/torch.save files)."""
+        from .utils import fsdp_utils
+
+        models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models]
+        if not (self.is_fsdp2 and any(sharding.is_sharded(m) for m in models)):
+            return {}
+        plugin = self.state.fsdp_plugin
+
+        def model_for(optimizer: Any) -> torch.nn.Module:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            ids = {id(p) for group in inner.param_groups for p in group["params"]}
+            for model in models:
+                if any(id(p) in ids for p in model.parameters()):
+                    return model
+            raise ValueError("save_state/load_state with FSDP: an optimizer holds none of the prepared models' "
+                             "parameters; pass the model and its optimizer to the same prepare() call.")
+
+        if direction == "save":
+            return {
+                "save_model_fn": lambda model, directory, index: fsdp_utils.save_fsdp_model(
+                    plugin, self, self.unwrap_model(model, keep_torch_compile=False), directory, index),
+                "save_optimizer_fn": lambda optimizer, directory, index: fsdp_utils.save_fsdp_optimizer(
+                    plugin, self, optimizer, model_for(optimizer), directory, index),
+            }
+        full = fsdp_utils._is_full(plugin)
+
+        def source(directory: Any, stem: str, index: int) -> str:
+            # the exact shard folder, so a checkpoint folder whose own name holds the stem is not mistaken for it
+            return os.fspath(directory) if full else os.path.join(os.fspath(directory), f"{stem}_{index}")
+
+        def check(directory: Any) -> None:
+            # every model/optimizer part is there before anything is loaded (no half-restored run)
+            from . import checkpointing
+
+            names = [fsdp_utils._weights_name(i) if full else f"{fsdp_utils.FSDP_MODEL_NAME}_{i}/.metadata"
+                     for i in range(len(models))]
+            names += [fsdp_utils._optimizer_name(i) if full else f"{fsdp_utils.OPTIMIZER_NAME}_{i}/.metadata"
+                      for i in range(len(self._optimizers))]
+            for name in names:
+                if not os.path.isfile(os.path.join(os.fspath(directory), name)):
+                    raise checkpointing.CheckpointFileMissingError(
+                        f"Checkpoint {directory} has no {name}: it was not saved by save_state with FSDP and "
+                        f"state_dict_type {plugin.state_dict_type.name}, or with other models/optimizers. Load it "
+                        "with the plugin's state_dict_type it was saved with, and the same prepare() objects.")
+
+        return {
+            "check": check,
+            "load_model_fn": lambda model, directory, index: fsdp_utils.load_fsdp_model(
+                plugin, self, self.unwrap_model(model, keep_torch_compile=False),
+                source(directory, fsdp_utils.FSDP_MODEL_NAME, index), index),
+            "load_optimizer_fn": lambda optimizer, directory, index: fsdp_utils.load_fsdp_optimizer(
+                plugin, self, optimizer, model_for(optimizer),
+                source(directory, fsdp_utils.OPTIMIZER_NAME, index), index),
+        }
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
@@ -930,12 +990,15 @@ class Accelerator:
             input_dir = checkpointing.latest_checkpoint_dir(config)
         load_kwargs = dict(load_kwargs or {})
         map_location = load_kwargs.pop("map_location", None)
+        sharded_fns = self._sharded_checkpoint_fns("load")
+        if sharded_fns:
+            sharded_fns.pop("check")(checkpointing._resolve_readable_dir(pathlib.Path(os.fspath(input_dir))))
         override = checkpointing.load_accelerator_state(
             input_dir, models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
             dataloaders=self._dataloaders, scaler=self.scaler, custom_objects=self._custom_objects,
             process_index=self.process_index, map_location=map_location, device=self.device,
             pre_hooks=list(self._load_model_state_pre_hook.values()), load_kwargs=load_kwargs,
-            **load_model_func_kwargs,
+            **sharded_fns, **load_model_func_kwargs,
         )
         if override and "step" in override:
             self.step = int(override["step"])

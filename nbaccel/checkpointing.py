@@ -642,6 +642,7 @@ def save_accelerator_state(
     is_main_process: bool = True,
     safe_serialization: bool = True,
     save_model_fn: Callable[[Any, Path, int], None] | None = None,
+    save_optimizer_fn: Callable[[Any, Path, int], None] | None = None,
     step: int = 0,
     pre_hooks: Iterable[SaveHook] = (),
     get_state_dict: Callable[[Any], Mapping[str, Any]] | None = None,
@@ -668,6 +669,8 @@ def save_accelerator_state(
             `pytorch_model{_i}.bin`.
         save_model_fn: `save_model_fn(model, directory, index)` writes model `index` itself into the
             (temporary) directory instead, on every process (for sharded models); hooks then see no weights.
+        save_optimizer_fn: `save_optimizer_fn(optimizer, directory, index)` writes optimizer `index` itself
+            into the (temporary) directory instead of `optimizer{_i}.bin`, on every process (sharded states).
         pre_hooks: `hook(models, weights, directory)` called on every process before anything is written;
             a hook may remove entries from `weights` (it then saves those itself) and write extra files into
             `directory` — the temporary folder that becomes `output_dir`.
@@ -704,7 +707,7 @@ def save_accelerator_state(
             tmp, models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders,
             scaler=scaler, custom_objects=custom_objects, process_index=process_index,
             is_main_process=is_main_process, safe_serialization=safe_serialization,
-            save_model_fn=save_model_fn, step=step, pre_hooks=pre_hooks,
+            save_model_fn=save_model_fn, save_optimizer_fn=save_optimizer_fn, step=step, pre_hooks=pre_hooks,
             get_state_dict=get_state_dict or _default_state_dict, durable=durable,
         )
     except BaseException as caught:  # noqa: BLE001
@@ -755,7 +758,8 @@ def _reraise(error: BaseException | None, message: str) -> None:
 
 def _write_checkpoint_files(
     directory: Path, *, models, optimizers, schedulers, dataloaders, scaler, custom_objects,
-    process_index: int, is_main_process: bool, safe_serialization: bool, save_model_fn, step: int,
+    process_index: int, is_main_process: bool, safe_serialization: bool, save_model_fn, save_optimizer_fn,
+    step: int,
     pre_hooks: Iterable[SaveHook], get_state_dict: Callable[[Any], Mapping[str, Any]], durable: bool,
 ) -> None:
     written: list[Path] = []
@@ -772,13 +776,24 @@ def _write_checkpoint_files(
             save_model_fn(model, directory, index)
     else:
         weights = [model if isinstance(model, Mapping) else get_state_dict(model) for model in models]
+    if save_optimizer_fn is not None:  # a collective too (sharded optimizer states): every process writes
+        for index, optimizer in enumerate(optimizers):
+            save_optimizer_fn(optimizer, directory, index)
+    by_functions: list[Path] = []
+    if durable and (save_model_fn is not None or save_optimizer_fn is not None):
+        # what the functions wrote (they end in a collective, so every rank's files are there): fsynced too,
+        # and their sub-folders, so the rename in step 3 never publishes a half-flushed shard
+        for root, _, names in os.walk(directory):
+            by_functions.extend(Path(root) / name for name in names)
+            if Path(root) != directory:
+                _fsync_dir(Path(root))
     for hook in pre_hooks:
         hook(models, weights, str(directory))
 
     if is_main_process:
         for index, state in enumerate(weights):
             _write_state_dict(state, out(model_file_name(index, safe_serialization)), safe_serialization)
-        for index, optimizer in enumerate(optimizers):
+        for index, optimizer in enumerate(optimizers if save_optimizer_fn is None else ()):
             torch.save(optimizer.state_dict(), out(_indexed(OPTIMIZER_NAME, index, ".bin")))
         for index, scheduler in enumerate(schedulers):
             torch.save(scheduler.state_dict(), out(_indexed(SCHEDULER_NAME, index, ".bin")))
@@ -797,6 +812,9 @@ def _write_checkpoint_files(
     if durable:
         for path in written:
             _fsync_file(path)
+        for path in by_functions:
+            with contextlib.suppress(FileNotFoundError):  # another rank's hook may have renamed its own file
+                _fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------- load
@@ -815,6 +833,7 @@ def load_accelerator_state(
     device: Any = None,
     pre_hooks: Iterable[LoadHook] = (),
     load_model_fn: Callable[[Any, Path, int], None] | None = None,
+    load_optimizer_fn: Callable[[Any, Path, int], None] | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
     **load_model_kwargs: Any,
 ) -> dict[str, Any]:
@@ -827,6 +846,8 @@ def load_accelerator_state(
     optimizer states go.
     `strict` and `load_model_kwargs` go to the models' `load_state_dict`. Data-loader files that are
     absent (e.g. a checkpoint written by Accelerate without them) only log a warning.
+    `load_model_fn(model, directory, index)` / `load_optimizer_fn(optimizer, directory, index)` read a model /
+    optimizer themselves (sharded states, on every process), after the other files were checked and read.
     """
     directory = _resolve_readable_dir(Path(input_dir))
     location = _resolve_map_location(map_location, device)
@@ -854,7 +875,8 @@ def load_accelerator_state(
                 f"{legacy.name}. Was it saved with the same number of models (prepare order)?"
             )
     optimizer_states = [
-        _torch_load(directory / _indexed(OPTIMIZER_NAME, i, ".bin"), map_location=location)
+        None if load_optimizer_fn is not None
+        else _torch_load(directory / _indexed(OPTIMIZER_NAME, i, ".bin"), map_location=location)
         for i in range(len(optimizers))
     ]
     scheduler_states = [
@@ -893,8 +915,11 @@ def load_accelerator_state(
         else:
             path, state = loaded
             _load_into_model(model, state, strict, path, **load_model_kwargs)
-    for optimizer, state in zip(optimizers, optimizer_states):
-        optimizer.load_state_dict(state)
+    for index, (optimizer, state) in enumerate(zip(optimizers, optimizer_states)):
+        if load_optimizer_fn is not None:
+            load_optimizer_fn(optimizer, directory, index)
+        else:
+            optimizer.load_state_dict(state)
     for scheduler, state in zip(schedulers, scheduler_states):
         scheduler.load_state_dict(state)
     if scaler is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -256,3 +257,76 @@ def test_accelerator_fsdp_and_tensor_parallel(tmp_path):
     assert results["fsdp"][0]["norms"] == pytest.approx(results["ddp"][0]["norms"], rel=1e-5)
     assert [r["extra"] for r in results["tp"]] == [(0, 0), (1, 0)]
     assert set(load_file(tmp_path / "tp" / "model.safetensors")) == set(ddp)
+
+
+def _resume_run(rank: int, folder: str, mode: str, state_dict_type: str, steps: int = 6, save_at: int = 3):
+    """Train `steps` steps with the Accelerator and FSDP2: "full" saves a checkpoint after `save_at` steps
+    and goes on; "resume" builds everything afresh (other initial weights), loads that checkpoint and trains
+    the remaining steps. Returns the final full weights (rank 0) and the checkpoint's file names."""
+    import os
+
+    from nbaccel import Accelerator
+
+    torch.manual_seed(0 if mode == "full" else 123)  # the resumed run must not depend on its own init
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accelerator = Accelerator(fsdp_plugin=make_plugin(state_dict_type=state_dict_type))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    data = batches(rank, steps)
+    checkpoint = os.path.join(folder, "checkpoint")
+    start = 0
+    if mode == "resume":
+        from nbaccel.checkpointing import CheckpointFileMissingError
+
+        accelerator.wait_for_everyone()
+        if rank == 0:  # a checkpoint without the optimizer shards is refused before the model is touched
+            import shutil
+
+            shutil.copytree(checkpoint, checkpoint + "-partial")
+            shutil.rmtree(os.path.join(checkpoint + "-partial", "optimizer_0"), ignore_errors=True)  # sharded
+            with contextlib.suppress(FileNotFoundError):  # full
+                os.remove(os.path.join(checkpoint + "-partial", "optimizer.bin"))
+        accelerator.wait_for_everyone()
+        before = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+        with pytest.raises(CheckpointFileMissingError, match="optimizer"):
+            accelerator.load_state(checkpoint + "-partial")
+        after = accelerator.get_state_dict(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        accelerator.load_state(checkpoint)
+        start = save_at
+    for step in range(start, steps):
+        x, y = data[step]
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if mode == "full" and step + 1 == save_at:
+            accelerator.save_state(checkpoint)
+    weights = accelerator.get_state_dict(model)
+    files = sorted(os.path.relpath(os.path.join(root, name), checkpoint)
+                   for root, _, names in os.walk(checkpoint) for name in names)
+    return {"weights": {k: v.clone() for k, v in weights.items()}, "files": files}
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerator_save_state_fsdp_resume_is_exact(tmp_path, state_dict_type):
+    """save_state/load_state with FSDP2: SHARDED_STATE_DICT (the default) writes each rank's shard of the model
+    and the optimizer through torch.distributed.checkpoint (no single model file); FULL_STATE_DICT one gathered
+    file each (Accelerate's names). Either way a resumed run ends with the same weights."""
+    pytest.importorskip("nbaccel.accelerator")
+    full = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "full", state_dict_type), timeout=120)
+    resumed = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "resume", state_dict_type), timeout=120)
+    files = full[0]["files"]
+    assert "model.safetensors" not in files and "pytorch_model.bin" not in files
+    if state_dict_type == "SHARDED_STATE_DICT":
+        assert "optimizer.bin" not in files
+        for stem in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert f"{stem}/.metadata" in files
+            shards = [f for f in files if f.startswith(f"{stem}/") and f.endswith(".distcp")]
+            assert len(shards) == 2, files  # one per rank
+    else:
+        assert "pytorch_model_fsdp.bin" in files and "optimizer.bin" in files
+        assert not any(f.endswith(".distcp") for f in files)
+    expected, got = full[0]["weights"], resumed[0]["weights"]
+    assert set(got) == set(expected) and expected
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6)

@@ -1,0 +1,140 @@
+"""The walk-through notebooks run top to bottom in a real Jupyter kernel and say what they should.
+
+Each notebook is executed with nbclient in a fresh `python3` kernel (this interpreter), in a temporary
+working directory, and the test reads the key results from the cells' outputs: accuracies, the gathered
+tensors, the mismatch report, the equality of the resumed weights, the number of gathered predictions,
+the lines every rank printed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from notebook_outputs import Executed, check_quickstart, read_outputs
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume", "04_distributed_inference",
+            "05_config_and_scripts", "07_big_models")
+
+
+def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
+    """Execute notebooks/`name` in a fresh kernel, in `workdir`; return its code cells with their outputs."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    started = time.monotonic()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    seconds = time.monotonic() - started
+    print(f"{name}: {seconds:.1f} s")
+    return read_outputs(nb, seconds)
+
+
+def test_each_notebook_is_listed_and_executable():
+    names = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
+    assert names == sorted([*EXECUTED, "06_colab_tpu"]), "a new notebook needs its test here"
+    for name in EXECUTED:
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        assert nb.metadata.get("nbaccel", {}).get("execute", True) is True, name
+        assert nb.metadata["kernelspec"]["name"] == "python3", name
+
+
+@pytest.mark.timeout(300)
+def test_quickstart(tmp_path):
+    check_quickstart(run_notebook("01_quickstart.ipynb", tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_debug_collectives(tmp_path):
+    run = run_notebook("02_debug_collectives.ipynb", tmp_path)
+    assert "Started 2 ranks" in run.cell("%ranks start").text
+    defined = run.cell("import gather, reduce, broadcast").text  # the ranks side by side
+    assert "rank 0: tensor([0, 1, 2])" in defined and "rank 1: tensor([10, 11, 12])" in defined, defined
+    assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in run.cell("%%ranks\ngather(x)").text
+    assert "all ranks: tensor([5., 6., 7.])" in run.cell("reduce(").text
+    assert "all ranks: tensor([10, 11, 12])" in run.cell("broadcast(").text
+    assert "all ranks: tensor([ 1., -1.,  1.,  1.])" in run.cell("pad_across_processes(ragged").text
+    mismatch = run.cell("if state.process_index == 0:")
+    assert mismatch.error is not None and mismatch.error.startswith("CollectiveMismatchError"), mismatch.error
+    assert re.search(r"rank 0 waits in gather\(.*shape \[3\], int64", mismatch.text), mismatch.text
+    assert "rank 1 finished" in mismatch.text
+    assert "restarted" in mismatch.text
+    back = run.cell("is back")
+    assert back.error is None
+    assert "rank 0 is back" in back.text and "rank 1 is back" in back.text
+    assert "all ranks: [0, 1, 2, 10, 11, 12]" in back.text  # the restarted pool runs collectives again
+    assert "Stopped 2 ranks" in run.cell("%ranks stop").text
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_and_resume(tmp_path):
+    run = run_notebook("03_checkpoint_and_resume.ipynb", tmp_path)
+    plan = run.cell("crash_step =").text
+    assert "2 ranks, 44 steps per epoch each; the second run crashes at step 66" in plan, plan
+    assert re.search(r"the run failed as planned: .*RuntimeError: simulated crash at step 66", plan), plan
+    assert "checkpoints left: ['checkpoint_4', 'checkpoint_5']" in plan  # total_limit=2, saves at 10..60
+    assert "[rank 0] finished: 88 steps, 44 per epoch on each of 2 ranks" in plan  # the uninterrupted run
+    resumed = run.cell("kwargs={\"resume\": True}").text
+    assert "[rank 0] resumed at epoch 1, step 60" in resumed, resumed
+    assert "[rank 0] finished: 88 steps" in resumed
+    assert "the resumed run ends with the same weights as the uninterrupted one: True" in resumed
+    assert "every rank holds the same weights: True" in resumed
+
+
+@pytest.mark.timeout(300)
+def test_distributed_inference(tmp_path):
+    run = run_notebook("04_distributed_inference.ipynb", tmp_path)
+    scored = run.cell("split_between_processes").text
+    per_rank = dict(re.findall(r"\[rank (\d+)\] scored (\d+) images", scored))
+    assert per_rank == {"0": "199", "1": "198"}, scored  # 397 inputs split over 2 ranks
+    found = re.search(r"(\d+) predictions gathered, accuracy ([0-9.]+)", scored)
+    assert found, scored
+    assert int(found.group(1)) == 397
+    assert float(found.group(2)) > 0.9
+
+
+@pytest.mark.timeout(300)
+def test_config_and_scripts(tmp_path):
+    run = run_notebook("05_config_and_scripts.ipynb", tmp_path)
+    assert "application/vnd.jupyter.widget-view+json" in run.cell("config_widget()").mimetypes
+    saved = run.cell("widget.save()").text
+    assert re.search(r"saved to \S+default_config\.yaml", saved), saved
+    assert "num_processes: 2" in saved and "use_cpu: true" in saved
+    launched = run.cell('"nbaccel", "launch"').text
+    assert "rank 0 of 2 done on cpu" in launched and "rank 1 of 2 done on cpu" in launched, launched
+    epochs = re.findall(r"epoch (\d): loss [0-9.]+", launched)
+    assert epochs == ["0", "1", "2"], launched  # accelerator.print: rank 0 only
+
+
+@pytest.mark.timeout(300)
+def test_big_models(tmp_path):
+    run = run_notebook("07_big_models.ipynb", tmp_path)
+    assert "parameters on meta" in run.cell("with init_empty_weights():").text
+    compared = run.cell("max |difference| of logits").text
+    assert "max |difference| of logits: 0.0" in compared, compared
+    dispatched = re.search(r"dispatched: (\[.*\])", compared)
+    reference = re.search(r"reference: +(\[.*\])", compared)
+    assert dispatched and reference and dispatched.group(1) == reference.group(1), compared
+    trained = run.cell("FullyShardedDataParallelPlugin(").text
+    losses = re.search(r"loss \(mean over the 2 ranks\): ([0-9.]+) at step 1 -> ([0-9.]+) at step 24", trained)
+    assert losses and float(losses.group(2)) < float(losses.group(1)), trained
+    assert re.search(r"the exported model continues 0\.\.9 with \d+", run.cell("load_file(os.path.join(export_dir").text)
+
+
+def test_tpu_recipe_is_marked_not_executed():
+    nb = nbformat.read(NOTEBOOKS / "06_colab_tpu.ipynb", as_version=4)
+    assert nb.metadata["nbaccel"]["execute"] is False
+    assert "not executed" in nb.cells[0].source
+    assert any("notebook_launcher(train, num_processes=8)" in cell.source for cell in nb.cells)
+
+
+def test_notebooks_are_saved_without_outputs():
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.get("outputs") and cell.get("execution_count") is None, path.name
