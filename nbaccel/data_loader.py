@@ -282,7 +282,9 @@ class _PreparedLoaderMixin:
         self._total_dataset_length = total_dataset_length
         self._even_batches = even_batches
         self._batches_yielded = 0
-        self._resume_skip = 0
+        self._resume_skip = 0  # batches a restored position leaves out of the next pass
+        self._resume_pending = False  # load_state_dict set a position no pass has used yet
+        self._resume_fork_rng = False  # the next pass continues an interrupted epoch: keep the restored RNG
 
     @property
     def total_batch_size(self) -> int | None:
@@ -312,12 +314,47 @@ class _PreparedLoaderMixin:
     def end(self) -> None:
         self.gradient_state._remove_dataloader(self)
 
+    def _position_holder(self) -> _PreparedLoaderMixin:
+        """The loader whose pass is this loader's position: a `skip_first_batches` copy of it while that copy
+        is being iterated (the copy stands in for this loader during the resumed epoch), else itself."""
+        for loader in reversed(self.gradient_state.dataloader_references):
+            if loader is not None and loader is not self and getattr(loader, "_skip_source", None) is self:
+                return loader
+        return self
+
     def _state(self) -> dict[str, Any]:
-        return {"epoch": self.iteration, "batches_yielded": self._batches_yielded}
+        holder = self._position_holder()
+        return {"epoch": holder.iteration, "batches_yielded": holder._batches_yielded}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.set_epoch(int(state.get("epoch", 0)))
         self._resume_skip = int(state.get("batches_yielded", 0))
+        self._resume_pending = True
+        self._resume_fork_rng = self._resume_skip > 0
+
+    def _take_resume(self) -> tuple[int, bool]:
+        """At the start of a pass: the restored batches to leave out and whether the pass resumes an epoch
+        (see `_start_iterator`); the restored position is used up."""
+        taken = (self._resume_skip, self._resume_fork_rng)
+        self._resume_skip, self._resume_pending, self._resume_fork_rng = 0, False, False
+        return taken
+
+    def _hand_over_resume(self, copy: _PreparedLoaderMixin) -> None:
+        """For `skip_first_batches(self, n)`: its copy's `n` counts from the start of the epoch and replaces a
+        restored position that no pass has used. The copy runs the restored epoch (same order); this loader's
+        next pass is the following epoch, as after an uninterrupted run of that epoch."""
+        copy._resume_skip, copy._resume_pending, copy._resume_fork_rng = 0, False, False
+        # While the copy is iterated, the loader it was made from reports the copy's position in state_dict().
+        copy._skip_source = getattr(self, "_skip_source", None) or self
+        if not self._resume_pending:
+            return
+        copy._resume_fork_rng = self._resume_fork_rng
+        self._take_resume()
+        self.iteration = copy.iteration + 1
+
+    def _skipped_length(self, length: int) -> int:
+        """The batches a pass yields: a `skip_first_batches` copy leaves out its first `skip_batches`."""
+        return max(length - self.skip_batches, 0)
 
 
 def _start_iterator(loader: DataLoader, resuming: bool) -> Iterator[Any]:
@@ -352,9 +389,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         if self.synchronized_generator is not None:
             self._epoch_generator_state = self.synchronized_generator.get_state()
         self.set_epoch(self.iteration)
-        skip = self.skip_batches + self._resume_skip
-        self._batches_yielded = self._resume_skip + self.skip_batches  # the epoch's position, for state_dict
-        resuming, self._resume_skip = self._resume_skip > 0, 0
+        resume_skip, resuming = self._take_resume()
+        skip = self.skip_batches + resume_skip
+        self._batches_yielded = skip  # the epoch's position, for state_dict
         if skip and isinstance(self.batch_sampler, BatchSamplerShard):
             self.batch_sampler.skip_batches = skip  # skip indices, without loading the samples
             skip = 0
@@ -381,6 +418,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         finally:
             self.end()
 
+    def __len__(self) -> int:
+        return self._skipped_length(DataLoader.__len__(self))
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch: the seedable sampler, a sharded iterable dataset and datasets with set_epoch see it."""
         self.iteration = epoch
@@ -401,8 +441,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start."""
         state = self._state()
-        if self._epoch_generator_state is not None:
-            state["generator_state"] = self._epoch_generator_state.clone()
+        generator_state = self._position_holder()._epoch_generator_state
+        if generator_state is not None:
+            state["generator_state"] = generator_state.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -458,9 +499,9 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         self.set_epoch(self.iteration)
-        skip = self.skip_batches + self._resume_skip
-        self._batches_yielded = self._resume_skip
-        resuming, self._resume_skip = self._resume_skip > 0, 0
+        resume_skip, resuming = self._take_resume()
+        skip = self.skip_batches + resume_skip
+        self._batches_yielded = skip  # the epoch's position, for state_dict
         self.begin()
         try:
             iterator = _start_iterator(self, resuming) if self.process_index == 0 else None
@@ -514,9 +555,9 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
 
     def __len__(self) -> int:
         whole = DataLoader.__len__(self)
-        if self.split_batches:
-            return whole
-        return whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
+        if not self.split_batches:
+            whole = whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
+        return self._skipped_length(whole)
 
 
 def _batch_length(batch: Any) -> int:
@@ -713,16 +754,19 @@ def _agreed_seed(generator: torch.Generator | None) -> int:
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A loader over the same data that leaves out the first `num_batches` batches (for resuming mid-epoch)."""
+    """A loader over the same data that leaves out the first `num_batches` batches (for resuming mid-epoch).
+
+    As in Accelerate, `num_batches` counts from the start of the epoch, and `len()` of the copy is the batches
+    left. On a prepared loader with a position restored by `load_state` that no pass has used yet, the skip
+    replaces that position (no double skip): the copy runs the restored epoch, and the loader itself then runs
+    the next epoch.
+    """
     if num_batches < 0:
         raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
-    if isinstance(dataloader, DataLoaderDispatcher):
+    if isinstance(dataloader, (DataLoaderDispatcher, DataLoaderShard)):
         new = _copy_loader(dataloader)
         new.skip_batches = num_batches
-        return new
-    if isinstance(dataloader, DataLoaderShard):
-        new = _copy_loader(dataloader)
-        new.skip_batches = num_batches
+        dataloader._hand_over_resume(new)
         return new
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"skip_first_batches expects a DataLoader, got {type(dataloader).__name__}.")
@@ -741,7 +785,6 @@ def _copy_loader(loader: DataLoader) -> DataLoader:
     new.__dict__["_DataLoader__initialized"] = True
     new._iterator = None
     new._batches_yielded = 0
-    new._resume_skip = 0
     return new
 
 

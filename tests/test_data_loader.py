@@ -136,6 +136,67 @@ def test_state_dict_resumes_mid_epoch_with_the_same_batches(world_size):
         assert len(full) == length == 12 // world_size and len(skipped) == length - 1
 
 
+@pytest.mark.parametrize("seedable", [False, True])
+def test_skip_first_batches_replaces_a_restored_position(seedable):
+    """Accelerate's resume idiom after load_state: skip_first_batches(loader, n) counts n from the start of the
+    restored epoch (no double skip), runs that epoch's order, and the loader's next pass is the next epoch with
+    the order of an uninterrupted run. Iterating the loader itself (no skip) still continues mid-epoch."""
+    def body(rank):
+        from nbaccel import Accelerator
+        from nbaccel.utils import DataLoaderConfiguration
+
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
+        loader = accelerator.prepare(DataLoader(torch.arange(12), batch_size=2, shuffle=True))
+        for _ in loader:  # epoch 0, so the generator has moved on
+            pass
+        epoch1 = []
+        for index, batch in enumerate(loader):  # a checkpoint after 2 batches of epoch 1
+            epoch1.append(batch.tolist())
+            if index == 1:
+                state = loader.state_dict()
+            if index == 3:
+                later = loader.state_dict()
+        epoch2 = [b.tolist() for b in loader]
+        loader.load_state_dict(state)
+        copy = accelerator.skip_first_batches(loader, 3)
+        copy_length = len(copy)
+        skipped = []
+        for batch in copy:
+            if not skipped:  # a checkpoint now records the copy's position: the loader's place in the epoch
+                during = loader.state_dict()
+                same = {k: torch.equal(v, later[k]) if torch.is_tensor(v) else v == later[k] for k, v in during.items()}
+            skipped.append(batch.tolist())
+        after = [b.tolist() for b in loader]
+        loader.load_state_dict(state)
+        resumed = [b.tolist() for b in loader]  # nbaccel's own idiom: load, then iterate
+        return epoch1, epoch2, copy_length, skipped, after, resumed, len(loader), same
+
+    epoch1, epoch2, copy_length, skipped, after, resumed, length, same = run_ranks(body, world_size=1)[0]
+    assert skipped == epoch1[3:]  # the restored epoch's order, 3 batches from its start (not 2 + 3)
+    assert length == 6 and copy_length == 3
+    assert after == epoch2  # the loader's next pass: the following epoch, as uninterrupted
+    assert epoch2 != epoch1
+    assert resumed == epoch1[2:]
+    assert same and all(same.values()), same
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_len_of_a_skip_first_batches_copy_is_the_batches_left(dispatch):
+    def body(rank):
+        from nbaccel import Accelerator
+        from nbaccel.utils import DataLoaderConfiguration
+
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+        loader = accelerator.prepare(DataLoader(torch.arange(16), batch_size=2))
+        copy = accelerator.skip_first_batches(loader, 1)
+        far = accelerator.skip_first_batches(loader, 9)
+        return len(loader), len(copy), len([b for b in copy]), len(far), len(loader)
+
+    for before, copy, iterated, far, after in run_ranks(body, world_size=2):
+        assert before == after == 4  # the loader's own length is unchanged
+        assert copy == iterated == 3 and far == 0
+
+
 def test_batches_reach_the_device_and_end_of_data_is_reported():
     def body(rank):
         from nbaccel import Accelerator
