@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,16 +15,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 os.environ.setdefault("NBACCEL_CONFIG_FILE", str(ROOT / "test-output" / "no-config.yaml"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-
-def _live_children() -> list[psutil.Process]:
-    alive = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                alive.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+from process_helpers import live_children  # noqa: E402  (needs the path above)
 
 
 @pytest.fixture(autouse=True)
@@ -33,10 +23,10 @@ def no_process_left_behind():
     """Fail a test that leaves a child process running (after a 10 s grace), and kill what it left."""
     yield
     deadline = time.monotonic() + 10
-    children = _live_children()
+    children = live_children()
     while children and time.monotonic() < deadline:
         time.sleep(0.1)
-        children = _live_children()
+        children = live_children()
     if children:
         described = [f"pid {c.pid}: {' '.join(c.cmdline()[:4])}" for c in children]
         for child in children:

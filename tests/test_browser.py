@@ -128,11 +128,11 @@ def lab(tmp_path_factory):
 
 def _check_no_children() -> None:
     """What conftest checks per test, once for the module: nothing it started (kernels, browser) is left."""
-    import psutil
+    from process_helpers import live_children
 
     deadline = time.monotonic() + 15
     while True:
-        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        alive = live_children()
         if not alive or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it instead of importing it again)
+from process_helpers import live_children
 
 from nbaccel.launch import LaunchError, debug_launcher, notebook_launcher
 from nbaccel.launch.errors import LaunchTimeout, PortInUseError, UnpicklableError
@@ -23,17 +23,6 @@ def launch(function, args=(), **options):
     options.setdefault("dashboard", False)
     options.setdefault("timeout", 60)
     return notebook_launcher(function, args, **options)
-
-
-def live_children() -> list[psutil.Process]:
-    alive = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                alive.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def all_reduce_rank(scale):
