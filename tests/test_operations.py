@@ -9,26 +9,11 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from nested_data import Pair, Record
 
 import nbaccel
 from nbaccel.utils import operations as ops
 from nbaccel.utils.dataclasses import TensorInformation
-
-Pair = collections.namedtuple("Pair", "left right")
-
-
-class Record(Mapping):
-    def __init__(self, data):
-        self._data = dict(data)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
 
 
 def nested():

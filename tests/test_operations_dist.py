@@ -3,37 +3,19 @@ bad input failing on every rank, and debug mode's shape check."""
 
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch  # imported here so the forked ranks inherit it instead of importing it again
+from nested_data import Pair, Record
 from ranks_helper import free_port, run_ranks
 
 import nbaccel.utils.operations  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parent.parent
-Pair = collections.namedtuple("Pair", "left right")
-
-
-class Record(Mapping):
-    """A read-only Mapping subclass (constructor takes a dict), like transformers' model outputs."""
-
-    def __init__(self, data):
-        self._data = dict(data)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
 
 
 def _nested(rank: int):
