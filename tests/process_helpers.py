@@ -1,6 +1,8 @@
-"""Which child processes of this test process are still running (zombies waiting to be reaped do not count)."""
+"""Whether the processes a test started still run (zombies waiting to be reaped count as gone)."""
 
 from __future__ import annotations
+
+import time
 
 import psutil
 
@@ -15,3 +17,21 @@ def live_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def all_gone(pids: list[int], within: float = 10.0) -> bool:
+    """Wait up to `within` seconds for every process in `pids` to end; True once none runs."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(is_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+from process_helpers import all_gone
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -50,20 +49,6 @@ def _run(cells: list[str], tmp_path: Path) -> list[str]:
     return [_text(cell) for cell in notebook.cells]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _gone(pids: list[int], within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _text(cell) -> str:
@@ -100,7 +85,7 @@ def test_ranks_magics_in_a_kernel(tmp_path):
     assert "Stopped 2 ranks" in out[11]
     assert "children 0" in out[12]
     pids = [int(pid) for pid in out[13].split("pids", 1)[1].split()]
-    assert len(pids) == 2 and _gone(pids), pids
+    assert len(pids) == 2 and all_gone(pids), pids
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nbaccel.utils.operations") is None,

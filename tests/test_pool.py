@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from process_helpers import all_gone
 
 from nbaccel.launch.errors import WorkerFailure
 from nbaccel.launch.hang_report import RankState, diagnose
@@ -44,20 +45,6 @@ if state.process_index == 0:
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _gone(pids: list[int], within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_exec_run_namespaces_output_errors_push_pull():
@@ -147,7 +134,7 @@ def test_mismatch_timeout_and_raw_collective_are_reported_and_the_pool_recovers(
         assert "rank 0 waits in gather(all_gather_into_tensor, shape [3], int64) at cell line 4 for" in message
         assert "rank 1 finished the cell" in message
         assert "restarted" in message and "lost" in message
-        assert caught.value.restarted and pool.pids != first_pids and _gone(first_pids)
+        assert caught.value.restarted and pool.pids != first_pids and all_gone(first_pids)
         assert [r.status for r in caught.value.results] == ["waiting", "finished"]
         assert caught.value.results[0].stdout == "entering\n"  # what the stuck rank printed
         # usable afterwards, but the namespaces are new
@@ -188,12 +175,12 @@ def test_restart_and_shutdown_leave_no_process():
     assert time.monotonic() - start < 10 and pool.pids == old and pool.restarts == 0
     assert pool.exec("a").values == [1, 1]
     pool.restart()
-    assert _gone(old) and pool.pids != old
+    assert all_gone(old) and pool.pids != old
     assert pool.exec("'a' in dir()").values == [False, False]
     pids = pool.pids
     pool.shutdown()
     pool.shutdown()  # twice is fine
-    assert _gone(pids, within=1.0)
+    assert all_gone(pids, within=1.0)
     with pytest.raises(RuntimeError, match="shut down"):
         pool.exec("1")
 
@@ -203,7 +190,7 @@ def test_garbage_collection_stops_the_ranks():
     pids = pool.pids
     del pool
     gc.collect()
-    assert _gone(pids)
+    assert all_gone(pids)
 
 
 def test_ranks_die_with_their_kernel(tmp_path):
@@ -219,7 +206,7 @@ def test_ranks_die_with_their_kernel(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     pids = [int(pid) for pid in proc.stdout.split()]
     assert len(pids) == 2, proc.stderr
-    assert _gone(pids)
+    assert all_gone(pids)
 
 
 def test_bad_arguments_fail_before_any_process_starts():
