@@ -139,8 +139,8 @@ def per_call_costs(calls: int = 20000) -> dict[str, float]:
     telemetry.attach(PipeSink(writer), 0)
     telemetry.start_sampler(3600)  # running (so reports are queued) but not waking during the loop
     costs["attached"] = min(loop() for _ in range(3))
-    sampler = telemetry._sampler
-    telemetry._queue.clear()
+    sampler = telemetry._current().sampler
+    telemetry._current().queue.clear()
     # What one sampler tick sends: the logs of a quarter second at 200 steps/s, as one message.
     per_tick, ticks, spent = 50, 200, 0.0
     for _ in range(ticks):

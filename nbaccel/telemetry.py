@@ -20,35 +20,62 @@ from .utils import collective_trace
 Message = dict[str, Any]
 Sink = Callable[[Message], None]
 
-_sink: Sink | None = None
-_rank: int = 0
+
+class _Reporter:
+    """Where one rank's reports go: its sink, its rank, and the sampler batching them."""
+
+    def __init__(self, sink: Sink | None = None, rank: int = 0) -> None:
+        self.sink = sink
+        self.rank = rank
+        self.sampler: _Sampler | None = None
+        self.pending_step: tuple[int, int | None] | None = None
+        self.queue: collections.deque[Message] = collections.deque()
 
 
-def attach(sink: Sink, rank: int) -> None:
-    """Send every report of this process, tagged with `rank`, to `sink` (called from any thread)."""
-    global _sink, _rank
-    _sink, _rank = sink, rank
+_process = _Reporter()  # the reporter of a process that runs one rank (every launcher but torch_xla's threads)
+_threads = threading.local()  # `reporter`: set in a thread that runs its own rank (torch_xla on TPU v2/v3, CPU)
+
+
+def _current() -> _Reporter:
+    return getattr(_threads, "reporter", None) or _process
+
+
+def attach(sink: Sink, rank: int, *, this_thread: bool = False) -> None:
+    """Send every report, tagged with `rank`, to `sink`: those of the whole process, or with
+    `this_thread` only those made in the calling thread (torch_xla runs several ranks as threads of one
+    process; each attaches its own sink)."""
+    if this_thread:
+        _threads.reporter = _Reporter(sink, rank)
+    else:
+        _process.sink, _process.rank = sink, rank
     collective_trace.add_listener(_on_collective)
 
 
 def detach() -> None:
-    """Stop reporting (after the sampler, if running, sent what it holds); later calls are no-ops again."""
-    global _sink
+    """Stop reporting (after the sampler, if running, sent what it holds); later calls are no-ops again.
+    In a thread attached with `this_thread`, only that thread's reporter is detached."""
     stop_sampler()
-    _sink = None
+    if getattr(_threads, "reporter", None) is not None:
+        _threads.reporter = None
+        return
+    _process.sink = None
     collective_trace.remove_listener(_on_collective)
 
 
 def is_attached() -> bool:
-    return _sink is not None
+    return _current().sink is not None
 
 
 def emit(kind: str, **fields: Any) -> None:
     """Send one message of `kind` with `fields`; dropped silently when no sink is attached."""
-    sink = _sink
+    _emit(_current(), kind, fields)
+
+
+def _emit(reporter: _Reporter, kind: str, fields: dict[str, Any]) -> None:
+    sink = reporter.sink
     if sink is None:
         return
-    fields.update(kind=kind, rank=_rank, time=time.time())
+    fields.update(kind=kind, rank=reporter.rank, time=time.time())
     sink(fields)
 
 
@@ -60,15 +87,16 @@ def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
     `history` lists the earlier ones ({"values", "step", "time"}, oldest first). The kernel gets every
     logged value; the training loop pays a list append instead of a pipe write per log.
     """
-    if _sink is None:
+    reporter = _current()
+    if reporter.sink is None:
         return
     numbers = {key: float(value) for key, value in values.items() if _is_number(value)}
     if not numbers:
         return
-    if _sampler is not None:
-        _queue.append({"values": numbers, "step": step, "time": time.time()})
+    if reporter.sampler is not None:
+        reporter.queue.append({"values": numbers, "step": step, "time": time.time()})
     else:
-        emit("metrics", values=numbers, step=step)
+        _emit(reporter, "metrics", {"values": numbers, "step": step})
 
 
 def report_step(step: int, total: int | None = None) -> None:
@@ -77,19 +105,18 @@ def report_step(step: int, total: int | None = None) -> None:
     While the sampler runs, the step is only recorded here and the sampler sends the latest one a few
     times a second, so a fast training loop pays an attribute write per step, not a message.
     """
-    global _pending_step
-    if _sink is None:
+    reporter = _current()
+    if reporter.sink is None:
         return
-    if _sampler is not None:
-        _pending_step = (step, total)
+    if reporter.sampler is not None:
+        reporter.pending_step = (step, total)
     else:
-        emit("step", step=step, total=total)
+        _emit(reporter, "step", {"step": step, "total": total})
 
 
 def report_total_steps(total: int) -> None:
     """The number of steps the run will take (e.g. the prepared data loader's length), for progress bars."""
-    if _sink is not None:
-        emit("total", total=total)
+    emit("total", total=total)
 
 
 def _is_number(value: Any) -> bool:
@@ -110,10 +137,6 @@ def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> Non
 
 FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages: the dashboard redraws at most 4/s
 
-_sampler: _Sampler | None = None
-_pending_step: tuple[int, int | None] | None = None
-_queue: collections.deque[Message] = collections.deque()
-
 
 def start_sampler(interval: float = 0.5) -> None:
     """Start a daemon thread sending a `memory` message every `interval` seconds, and every
@@ -122,46 +145,50 @@ def start_sampler(interval: float = 0.5) -> None:
     Host memory comes from psutil (RSS; the peak from the OS where it keeps one); device memory from
     torch.cuda once CUDA is initialized in this process, or from torch_xla on TPU (which reports the
     memory in use and the device's limit, sent as `device_limit`, rather than a reserved pool). Restarting replaces a
-    running sampler. Nothing is sent while no sink is attached.
+    running sampler. Nothing is sent while no sink is attached. The sampler serves the reporter of the
+    calling thread (see `attach`).
     """
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"start_sampler: interval must be a positive number of seconds, got {interval!r}")
     stop_sampler(flush=False)
-    global _sampler
-    _sampler = _Sampler(float(interval))
-    _sampler.start()
+    reporter = _current()
+    reporter.sampler = _Sampler(float(interval), reporter)
+    reporter.sampler.start()
 
 
 def stop_sampler(flush: bool = True) -> None:
     """Stop the sampler thread; with `flush`, send the queued metrics, the last step and a final memory
     sample first (the launcher calls this before reporting the result, so nothing logged is lost)."""
-    global _sampler, _pending_step
-    sampler, _sampler = _sampler, None
+    reporter = _current()
+    sampler, reporter.sampler = reporter.sampler, None
     if sampler is not None:
         sampler.stop()
         if flush:
             sampler.flush()
             sampler.sample_memory()
-    _pending_step = None
-    _queue.clear()
+    reporter.pending_step = None
+    reporter.queue.clear()
 
 
-def memory_sample() -> dict[str, int | None]:
-    """This process's memory now, in bytes: the fields of a `memory` message (None where unknown)."""
+def memory_sample(xla_device: Any = None) -> dict[str, int | None]:
+    """This process's memory now, in bytes: the fields of a `memory` message (None where unknown).
+    On torch_xla, `xla_device` names the device to ask (default: the calling thread's)."""
     sample: dict[str, int | None] = dict(
         rss=None, rss_peak=None, device_allocated=None, device_reserved=None, device_peak=None
     )
     sample.update(_host_memory())
-    sample.update(_device_memory())
+    sample.update(_device_memory(xla_device))
     return sample
 
 
 class _Sampler:
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, reporter: _Reporter) -> None:
         self.interval = interval
+        self.reporter = reporter
         self._stopped = threading.Event()
         self._last_step: tuple[int, int | None] | None = None
         self._rss_peak = 0
+        self._xla_device = _xla_device()  # the starting thread's device: the sampler's own thread has none
         self._thread = threading.Thread(target=self._run, name="nbaccel-telemetry-sampler", daemon=True)
 
     def start(self) -> None:
@@ -186,31 +213,32 @@ class _Sampler:
 
     def flush(self) -> None:
         """Send the queued metrics messages and the latest step, if it moved."""
-        sink = _sink
+        reporter = self.reporter
+        sink = reporter.sink
         if sink is None:
             return
         entries = []
-        while _queue:
-            entries.append(_queue.popleft())
+        while reporter.queue:
+            entries.append(reporter.queue.popleft())
         if entries:
             latest = entries.pop()
-            message = {"kind": "metrics", "rank": _rank, **latest}
+            message = {"kind": "metrics", "rank": reporter.rank, **latest}
             if entries:
                 message["history"] = entries
             sink(message)
-        pending = _pending_step
+        pending = reporter.pending_step
         if pending is not None and pending != self._last_step:
             self._last_step = pending
-            emit("step", step=pending[0], total=pending[1])
+            _emit(reporter, "step", {"step": pending[0], "total": pending[1]})
 
     def sample_memory(self) -> None:
-        if _sink is None:
+        if self.reporter.sink is None:
             return
-        sample = memory_sample()
+        sample = memory_sample(self._xla_device)
         if sample["rss"] is not None:  # platforms without an OS peak: the highest value sampled
             self._rss_peak = max(self._rss_peak, sample["rss"], sample["rss_peak"] or 0)
             sample["rss_peak"] = self._rss_peak
-        emit("memory", **sample)
+        _emit(self.reporter, "memory", sample)
 
 
 def _host_memory() -> dict[str, int | None]:
@@ -230,7 +258,20 @@ def _host_memory() -> dict[str, int | None]:
     return {"rss": rss, "rss_peak": max(peak, rss) if peak else None}
 
 
-def _device_memory() -> dict[str, int | None]:
+def _xla_device() -> Any:
+    """The calling thread's XLA device, if this process already runs torch_xla (never starts its runtime)."""
+    xla_model = sys.modules.get("torch_xla.core.xla_model")
+    if xla_model is None:
+        return None
+    try:
+        if not sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
+            return None
+        return xla_model.xla_device()
+    except Exception:
+        return None
+
+
+def _device_memory(xla_device: Any = None) -> dict[str, int | None]:
     # Only look at runtimes the training code already loaded: the sampler never initializes one.
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -241,8 +282,9 @@ def _device_memory() -> dict[str, int | None]:
             "device_peak": torch.cuda.max_memory_allocated(device),
         }
     xla_model = sys.modules.get("torch_xla.core.xla_model")
-    if xla_model is not None:
-        info = xla_model.get_memory_info(xla_model.xla_device())
+    device = xla_device if xla_device is not None else _xla_device()
+    if xla_model is not None and device is not None:
+        info = xla_model.get_memory_info(device)
         if "bytes_used" in info:  # torch_xla >= 2.5
             return {"device_allocated": info["bytes_used"], "device_limit": info.get("bytes_limit"),
                     "device_peak": info.get("peak_bytes_used")}

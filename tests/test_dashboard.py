@@ -303,9 +303,14 @@ def test_memory_sample_reads_cuda_and_xla_counters_without_initializing(monkeypa
     assert (sample["device_allocated"], sample["device_reserved"], sample["device_peak"]) == (10 * MiB, 16 * MiB, 12 * MiB)
 
     calls.clear()
+    runtime_started = []
     xla = types.SimpleNamespace(xla_device=lambda: "xla:0",
                                 get_memory_info=lambda device: {"bytes_used": 3, "bytes_limit": 8, "peak_bytes_used": 5})
     monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xla)
+    monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(
+        _XLAC=types.SimpleNamespace(_xla_runtime_is_initialized=lambda: bool(runtime_started))))
+    assert telemetry.memory_sample()["device_allocated"] is None  # torch_xla imported, runtime not started
+    runtime_started.append(True)
     sample = telemetry.memory_sample()
     assert (sample["device_allocated"], sample["device_limit"], sample["device_peak"]) == (3, 8, 5)
     model = DashboardModel(1)
