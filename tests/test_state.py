@@ -205,6 +205,26 @@ def test_tpu_requested_without_torch_xla(fresh):
     assert PartialState(cpu=True).device == torch.device("cpu")  # cpu=True wins over the TPU request
 
 
+def test_a_torch_xla_replica_is_recognised_on_any_pjrt_device(monkeypatch):
+    """Under xmp.spawn (runtime up, replication set) the state follows torch_xla even on its CPU device,
+    where no TPU variable is set; torch_xla merely imported, or not there, changes nothing."""
+    import sys
+
+    from nbaccel.state import _inside_xla_replica
+
+    monkeypatch.delitem(sys.modules, "torch_xla", raising=False)
+    assert not _inside_xla_replica()
+    runtime = {"up": False, "replicas": 0}
+    xlac = SimpleNamespace(_xla_runtime_is_initialized=lambda: runtime["up"],
+                           _xla_get_replication_devices_count=lambda: runtime["replicas"])
+    monkeypatch.setitem(sys.modules, "torch_xla", SimpleNamespace(_XLAC=xlac))
+    assert not _inside_xla_replica()
+    runtime["up"] = True
+    assert not _inside_xla_replica()  # a single process using one XLA device
+    runtime["replicas"] = 2
+    assert _inside_xla_replica()
+
+
 def test_mixed_precision_from_environment_and_bad_values(fresh):
     fresh.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     assert PartialState().mixed_precision == "bf16"
