@@ -306,37 +306,6 @@ def test_tpu_without_torch_xla_says_what_to_install(monkeypatch):
         launch(lambda: 1, num_processes=None)
 
 
-def test_tpu_path_runs_through_xmp_spawn(monkeypatch):
-    """The TPU path with a stand-in for torch_xla's xmp.spawn (fn(index, *args) on each process)."""
-    import types
-
-    import torch.multiprocessing as torch_mp
-
-    calls = []
-
-    def spawn(fn, args=(), nprocs=None, start_method="fork"):
-        calls.append((nprocs, start_method))
-        torch_mp.start_processes(fn, args=args, nprocs=2, start_method=start_method)
-
-    xmp = types.ModuleType("torch_xla.distributed.xla_multiprocessing")
-    xmp.spawn = spawn
-    distributed = types.ModuleType("torch_xla.distributed")
-    distributed.xla_multiprocessing = xmp
-    package = types.ModuleType("torch_xla")
-    package.distributed = distributed
-    monkeypatch.setitem(sys.modules, "torch_xla", package)
-    monkeypatch.setitem(sys.modules, "torch_xla.distributed", distributed)
-    monkeypatch.setitem(sys.modules, "torch_xla.distributed.xla_multiprocessing", xmp)
-    monkeypatch.setenv("PJRT_DEVICE", "TPU")
-
-    def where():
-        print("on", os.environ["NBACCEL_LAUNCH_DEVICE"])
-        return int(os.environ["RANK"]), os.environ["NBACCEL_MIXED_PRECISION"]
-
-    assert launch(where, num_processes=None, mixed_precision="bf16") == [(0, "bf16"), (1, "bf16")]
-    assert calls == [(None, "fork")]
-
-
 def test_memory_reports_from_workers_and_from_the_kernel(monkeypatch):
     monkeypatch.setenv("NBACCEL_MEMORY_INTERVAL", "0.2")
     messages = []

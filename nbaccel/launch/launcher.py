@@ -296,10 +296,20 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
                 mixed_precision: str, start_method: str | None, dashboard: Any,
                 observers: Sequence[Observer], timeout: float | None,
                 extra_env: dict[str, str] | None = None) -> list[Any]:
-    from .xla import TPU_CORES, import_xmp
+    from .xla import TPU_CORES, import_xmp, local_device_count
 
     import_xmp()  # a clear ImportError before anything else
-    nprocs = TPU_CORES if num_processes is None else num_processes
+    if num_processes == 1:
+        return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout,
+                              env=extra_env)
+    count, source = local_device_count()
+    if count is not None and num_processes is not None and num_processes != count:
+        raise ValueError(
+            f"num_processes={num_processes}, but torch_xla runs one process per XLA device and this machine "
+            f"has {count} ({source}): pass num_processes=None (or {count}), or 1 to run in this process. "
+            "Fewer devices: set TPU_VISIBLE_CHIPS (TPU) or CPU_NUM_DEVICES (PJRT_DEVICE=CPU) before launching."
+        )
+    nprocs = count or num_processes or TPU_CORES
     if nprocs == 1:
         return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout,
                               env=extra_env)
@@ -309,18 +319,17 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
     ctx = get_context(method)
     pipes = _Pipes(ctx, nprocs)
     with resource_tracker_scope():
-        return _run_xla(pipes, payload, env, nprocs, num_processes, method, dashboard, observers, timeout)
+        return _run_xla(pipes, payload, env, nprocs, count is not None, method, dashboard, observers, timeout)
 
 
-def _run_xla(pipes: _Pipes, payload: bytes, env: dict[str, str], nprocs: int, num_processes: int | None,
+def _run_xla(pipes: _Pipes, payload: bytes, env: dict[str, str], nprocs: int, count_known: bool,
              method: str, dashboard: Any, observers: Sequence[Observer], timeout: float | None) -> list[Any]:
     from .xla import XlaBackend
 
     try:
         backend = XlaBackend(entry=xla_entry,
                              entry_args=(payload, pipes.worker_channels, pipes.worker_out, pipes.worker_err, env),
-                             worker_ends=pipes.worker_ends(), nprocs=None if num_processes is None else nprocs,
-                             start_method=method)
+                             worker_ends=pipes.worker_ends(), start_method=method, count_known=count_known)
         backend.start()
     except BaseException:
         pipes.close_all()

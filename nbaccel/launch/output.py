@@ -13,8 +13,9 @@ import codecs
 import io
 import os
 import sys
+import threading
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 READ_SIZE = 65536
 
@@ -32,14 +33,45 @@ def redirect_std_fds(stdout_fd: int, stderr_fd: int) -> None:
             pass
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
-    sys.stdout = sys.__stdout__ = _text_stream(1)
-    sys.stderr = sys.__stderr__ = _text_stream(2)
+    sys.stdout = sys.__stdout__ = text_stream(1)
+    sys.stderr = sys.__stderr__ = text_stream(2)
 
 
-def _text_stream(fd: int) -> TextIO:
+def text_stream(fd: int) -> TextIO:
+    """A line-buffered UTF-8 text file writing to `fd` (which stays open when the stream is dropped)."""
     raw = io.FileIO(fd, "w", closefd=False)
     return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True,
                             write_through=False)
+
+
+class ThreadRoutedStream:
+    """`sys.stdout`/`sys.stderr` of a process that runs several ranks as threads (torch_xla on TPU v2/v3 and
+    on its CPU device): each rank's thread writes to its own rank's pipe (`bind`); any other thread writes
+    to `fallback`. Output written at the file-descriptor level (C extensions, subprocesses) cannot be told
+    apart by thread: it goes to fds 1/2, the first rank of the process."""
+
+    def __init__(self, fallback: TextIO) -> None:
+        self.fallback = fallback
+        self._local = threading.local()
+
+    def bind(self, stream: TextIO | None) -> None:
+        """Route the calling thread's writes to `stream` (None: back to the fallback)."""
+        self._local.stream = stream
+
+    def _target(self) -> TextIO:
+        return getattr(self._local, "stream", None) or self.fallback
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def writelines(self, lines: Any) -> None:
+        self._target().writelines(lines)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty, buffer, ...: the thread's stream
+        return getattr(self._target(), name)
 
 
 def flush_std() -> None:

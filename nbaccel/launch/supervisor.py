@@ -283,9 +283,11 @@ class Supervisor:
                 self._fail(failure)
             if getattr(self.backend, "workers_may_not_start", False):  # torch_xla picks how many run
                 self.workers = [w for w in self.workers if w.seen]
+            lost = getattr(self.backend, "lost_reason", None)  # e.g. torch_xla's process died under its threads
+            reason = (lost() if callable(lost) else None) or "finished without returning a result"
             for worker in self.workers:
                 if not worker.has_result and worker.rank not in self.failures:
-                    self._fail(WorkerFailure(worker.rank, None, "finished without returning a result"))
+                    self._fail(WorkerFailure(worker.rank, None, reason))
             if self.failures:
                 outcome = "failed"
         self._close()

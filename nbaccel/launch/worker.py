@@ -42,12 +42,15 @@ def run_worker(
         sys.exit(1)
 
 
-def execute(payload: bytes, sink: WorkerSink) -> bool:
-    """Unpickle and call the function, reporting status, result or error through `sink`. True on success."""
+def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, device: str | None = None) -> bool:
+    """Unpickle and call the function, reporting status, result or error through `sink`. True on success.
+    `thread_rank`: this thread is one of several ranks of the process (telemetry per thread; the process
+    group, shared by the threads, is left to the process's end). `device`: shown in status messages
+    (default: NBACCEL_LAUNCH_DEVICE, else cpu)."""
     from .. import telemetry
 
-    telemetry.attach(sink, sink.rank)
-    device = os.environ.get(DEVICE_ENV, "cpu")
+    telemetry.attach(sink, sink.rank, this_thread=thread_rank)
+    device = device or os.environ.get(DEVICE_ENV, "cpu")
     sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
                 "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
@@ -87,7 +90,8 @@ def execute(payload: bytes, sink: WorkerSink) -> bool:
         return False
     finally:
         sink.ticker = None
-        _destroy_process_group()
+        if not thread_rank:
+            _destroy_process_group()
         telemetry.detach()
         flush_std()
 
@@ -175,14 +179,26 @@ def elastic_entry(payload: bytes, channels: list[Connection], stdouts: list[Conn
 
 def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: list[Connection],
               stderrs: list[Connection], env: dict[str, str]) -> None:
-    """Entry point under torch_xla's multiprocessing (called with the local ordinal first)."""
-    local_env = dict(env)
-    local_env.setdefault("LOCAL_RANK", str(index))
-    local_env.setdefault("RANK", str(int(env.get("NBACCEL_NODE_RANK", "0")) * len(channels) + index))
-    os.environ["LOCAL_RANK"] = local_env["LOCAL_RANK"]
-    os.environ["RANK"] = local_env["RANK"]
+    """Entry point under torch_xla's spawn, called in every replica with its global ordinal (the rank).
+
+    One replica per process: as any worker. Several (one thread per device): see `replica_threads`.
+    """
+    from .xla import replica_layout
+
+    local, own = replica_layout()
+    if own.stop > len(channels):
+        raise RuntimeError(
+            f"torch_xla started more replicas ({own.stop}+) than notebook_launcher prepared for ({len(channels)}): "
+            "pass num_processes=None, or limit the devices (TPU_VISIBLE_CHIPS, CPU_NUM_DEVICES)"
+        )
+    local_env = dict(env, LOCAL_RANK=str(local), RANK=str(index))
+    local_env[DEVICE_ENV] = f"xla:{local}"
+    if len(own) > 1:
+        from .replica_threads import run_worker_thread
+
+        run_worker_thread(payload, local, own, channels, stdouts, stderrs, local_env)
+        return
     for i in range(len(channels)):
-        if i != index:
+        if i != local:
             close_quietly(channels[i], stdouts[i], stderrs[i])
-    local_env[DEVICE_ENV] = f"xla:{index}"
-    run_worker(payload, channels[index], stdouts[index], stderrs[index], local_env)
+    run_worker(payload, channels[local], stdouts[local], stderrs[local], local_env)

@@ -1,14 +1,21 @@
-"""TPU launches (Colab/Kaggle: PJRT_DEVICE=TPU or TPU_NAME set) through torch_xla's multiprocessing."""
+"""TPU launches (Colab/Kaggle: PJRT_DEVICE=TPU or TPU_NAME set) through torch_xla's multiprocessing.
+
+torch_xla (2.x, PJRT) decides the layout itself: one replica (rank) per XLA device, run as processes and,
+where one process drives several devices (TPU v2/v3, the CPU device), as threads of that process. Its
+`xmp.spawn` accepts only `nprocs=None` (every device) or 1, so the device count is found here, without
+starting the runtime in the kernel, to check `num_processes` before anything starts.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from .threaded import ThreadedBackend
 
-TPU_CORES = 8
-
+TPU_CORES = 8  # what a TPU launch expects when the device count cannot be read (Colab/Kaggle v2-8, v3-8)
+DETECT_TIMEOUT = 10.0  # seconds: reading the TPU version may ask the metadata server
 
 FORCE_ENV = "NBACCEL_LAUNCH_XLA"  # "1": take the torch_xla path on any PJRT device (scripts/test-xla, CPU)
 
@@ -30,20 +37,69 @@ def import_xmp() -> Any:
     return xmp
 
 
-class XlaBackend(ThreadedBackend):
-    """Runs `xmp.spawn(worker.xla_entry, ...)` in a helper thread."""
+def local_device_count() -> tuple[int | None, str]:
+    """(number of XLA devices on this machine, how it was found); None when it cannot be read safely.
 
-    def __init__(self, *, entry: Any, entry_args: tuple, worker_ends: list[Any], nprocs: int | None,
-                 start_method: str) -> None:
+    PJRT_DEVICE=CPU: CPU_NUM_DEVICES (torch_xla's default 1). TPU: the chips on the PCI bus times the cores
+    per chip, read in a helper thread so a metadata server that does not answer cannot hang the kernel.
+    """
+    device = os.environ.get("PJRT_DEVICE", "").upper()
+    if device == "CPU":
+        value = os.environ.get("CPU_NUM_DEVICES", "1")
+        try:
+            return max(1, int(value)), f"CPU_NUM_DEVICES={value}"
+        except ValueError:
+            return None, f"CPU_NUM_DEVICES={value!r} is not a number"
+    if device not in ("", "TPU"):
+        return None, f"PJRT_DEVICE={device}"
+    found: list[int] = []
+
+    def detect() -> None:
+        try:
+            from torch_xla._internal import tpu
+
+            found.append(int(tpu.num_available_devices()))
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=detect, name="nbaccel-tpu-count", daemon=True)
+    thread.start()
+    thread.join(DETECT_TIMEOUT)
+    if found and found[0] > 0:
+        return found[0], "TPU devices on this machine"
+    return None, "the TPU device count could not be read"
+
+
+def replica_layout() -> tuple[int, range]:
+    """Worker side, inside `xmp.spawn`: (this replica's local ordinal, the local ordinals this process runs)."""
+    import torch_xla.runtime as xr
+
+    per_process = max(1, xr.addressable_device_count())
+    first = int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) * per_process
+    return xr.local_ordinal(), range(first, first + per_process)
+
+
+class XlaBackend(ThreadedBackend):
+    """Runs `xmp.spawn(entry, ...)` over every XLA device in a helper thread."""
+
+    def __init__(self, *, entry: Any, entry_args: tuple, worker_ends: list[Any], start_method: str,
+                 count_known: bool) -> None:
         xmp = import_xmp()
 
         def target() -> Any:
-            return xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
+            return xmp.spawn(entry, args=entry_args, nprocs=None, start_method=start_method)
 
         super().__init__(target, worker_ends, name="nbaccel-xla-spawn")
         self.fail_fast = True
-        # with nprocs=None torch_xla starts one process per local device: fewer than the pipes prepared
-        self.workers_may_not_start = nprocs is None
+        # without a device count the pipes were prepared for TPU_CORES or num_processes ranks
+        self.workers_may_not_start = not count_known
 
     def exit_failures(self) -> dict:
         return {}
+
+    def lost_reason(self) -> str | None:
+        """Why ranks ended without a word: torch_xla's spawn raised (e.g. a process of its pool died)."""
+        if self.error is None:
+            return None
+        return (f"ended without returning a result: torch_xla's spawn failed with {type(self.error).__name__}: "
+                f"{self.error} (the rank's last output is above)")
