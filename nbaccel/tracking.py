@@ -41,7 +41,9 @@ def _is_main_process() -> bool:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
+            from .utils.collectives import _rank
+
+            return _rank() == 0
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     return int(os.environ.get("RANK", "0") or 0) == 0

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import packing
+from . import packing, xla
 from .collective_trace import in_collective
 from .structures import flatten_tensors, iter_leaves, rebuild, recursively_apply
 
@@ -74,6 +74,16 @@ def _backend() -> str:
     if _backend_of[0] is not group:
         _backend_of = (group, str(dist.get_backend(group)).lower())
     return _backend_of[1]
+
+
+def _rank() -> int:
+    """This rank in the default group. torch_xla's group is shared by the replica threads of a process (TPU
+    v2/v3, its CPU device) and holds the first thread's rank, so on XLA the thread's own ordinal is used."""
+    if _backend() == "xla":
+        import torch_xla.runtime as xr
+
+        return xr.global_ordinal()
+    return dist.get_rank()
 
 
 _GLOO_DTYPES = {
@@ -379,7 +389,13 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     tensors = _prepare("broadcast", tensor)
     if not tensors:
         return tensor
-    sending = dist.get_rank() == from_process
+    sending = _rank() == from_process
+    if _backend() == "xla":  # replicas must run one graph: plain device data in, one broadcast per tensor
+        xla.run_pending_graph()
+        with in_collective("broadcast", "broadcast", tensors):
+            for member in tensors:
+                dist.broadcast(member, src=from_process)
+        return tensor
     for group in _communication_groups(tensors):
         members = [tensors[i].detach() for i in group]
         native = _native(members[0].dtype)

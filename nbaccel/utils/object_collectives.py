@@ -17,12 +17,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import xla
 from .collective_trace import in_collective
-from .collectives import DistributedOperationException, _world_size, all_gather_rows
+from .collectives import DistributedOperationException, _rank, _world_size, all_gather_rows
 
 _BLOCK = 4096
 _HEADER = struct.Struct("<q")
 _ROOM = _BLOCK - _HEADER.size
+
+
+def _receive_buffer(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where a broadcast lands. On XLA it is made on the CPU and sent over, so it is device data like the
+    sender's tensor: every replica then runs the same graph (an XLA collective hangs otherwise)."""
+    if device.type == "xla":
+        return torch.zeros(shape, dtype=dtype).to(device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _object_device() -> torch.device:
@@ -130,12 +139,14 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
             f"broadcast_object_list: from_process must be a process index in [0, {world - 1}], got {from_process!r}."
         )
     device = _object_device()
-    sending = dist.get_rank() == from_process
+    if device.type == "xla":
+        xla.run_pending_graph()  # the broadcast's graph must be the same on every replica: nothing else in it
+    sending = _rank() == from_process
     if sending:
         payload, ok = _dumps(list(object_list))
         block = _first_block(payload, ok).to(device)
     else:
-        payload, block = b"", torch.empty(_BLOCK, dtype=torch.uint8, device=device)
+        payload, block = b"", _receive_buffer(_BLOCK, torch.uint8, device)
     with in_collective("broadcast_object_list", "broadcast", [block]):
         dist.broadcast(block, src=from_process)
     length, data = _read_block(block.cpu().numpy().tobytes())
@@ -148,7 +159,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
         if sending:
             tail = torch.frombuffer(bytearray(payload[_ROOM:]), dtype=torch.uint8).to(device)
         else:
-            tail = torch.empty(rest, dtype=torch.uint8, device=device)
+            tail = _receive_buffer(rest, torch.uint8, device)
         with in_collective("broadcast_object_list", "broadcast", [tail]):
             dist.broadcast(tail, src=from_process)
         data = data + tail.cpu().numpy().tobytes()
@@ -207,10 +218,10 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
         )
     owner = owners[0]
     row = rows[owner]
-    if dist.get_rank() == owner:
+    if _rank() == owner:
         buffer = tensor.detach().to(device).contiguous()
     else:
-        buffer = torch.empty(row[3 : 3 + row[2]], dtype=_DTYPES[row[1]], device=device)
+        buffer = _receive_buffer(row[3 : 3 + row[2]], _DTYPES[row[1]], device)
     with in_collective("copy_tensor_to_devices", "broadcast", [buffer]):
         dist.broadcast(buffer, src=owner)
-    return tensor if dist.get_rank() == owner else buffer
+    return tensor if _rank() == owner else buffer

@@ -140,7 +140,9 @@ def _rank_from_env() -> tuple[int, int]:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
+            from .collectives import _rank
+
+            rank = _rank()
             return rank, int(os.environ.get("LOCAL_RANK", rank))
     except ImportError:
         pass

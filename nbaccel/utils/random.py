@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_trace import in_collective
+from .collectives import _rank
 from .dataclasses import RNGType
 from .environment import get_cpu_distributed_information
 from .imports import is_cuda_available, is_npu_available, is_torch_xla_available, is_xpu_available
@@ -24,7 +25,7 @@ from .imports import is_cuda_available, is_npu_available, is_torch_xla_available
 def _process_index() -> int:
     """This process's global rank: from the process group, torch_xla's runtime, or the launcher's variables."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        return _rank()
     if "torch_xla" in sys.modules:
         import torch_xla.runtime as xr
 
