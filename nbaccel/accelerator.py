@@ -29,6 +29,7 @@ from . import sharding
 from .optimizer import AcceleratedOptimizer
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
+from .utils import xla as _xla
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -626,6 +627,10 @@ class Accelerator:
         self.unscale_gradients()
         if self.is_fsdp2 or any(sharding.is_sharded(m) for m in self._models):
             return sharding.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # DTensor gradient shards
+        if self.distributed_type == DistributedType.XLA and self.num_processes > 1:
+            for optimizer in self._optimizers:  # clip the replicas' mean gradient; the step will not average again
+                _xla.average_gradients(optimizer.optimizer)
+            self.gradient_state.is_xla_gradients_synced = True
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from . import telemetry
 from .state import GradientState, PartialState
+from .utils import xla as _xla
 from .utils.operations import broadcast, broadcast_object_list, send_to_device
 from .utils.random import synchronize_rng_states
 
@@ -397,6 +398,7 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
             skip = 0
         self.begin()
         move, device, non_blocking = self._move, self.device, self.non_blocking
+        run_step = _xla_step_runner(device)
         try:
             batches = _start_iterator(self, resuming)
             if skip:
@@ -411,6 +413,8 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
                     self.end_of_dataloader = True
                 self._batches_yielded += 1
                 yield current
+                if run_step is not None:
+                    run_step()  # the step done with `current` executes now
                 current = upcoming
             self.end_of_dataloader = True
             self.iteration += 1
@@ -503,6 +507,7 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
         skip = self.skip_batches + resume_skip
         self._batches_yielded = skip  # the epoch's position, for state_dict
         self.begin()
+        run_step = _xla_step_runner(self.device)
         try:
             iterator = _start_iterator(self, resuming) if self.process_index == 0 else None
             first: list = []
@@ -515,6 +520,8 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
                 if index >= skip:
                     self._batches_yielded += 1
                     yield current
+                    if run_step is not None:
+                        run_step()
                 index += 1
                 current = upcoming
             self.iteration += 1
@@ -846,3 +853,8 @@ class DataLoaderAdapter:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.base_dataloader.load_state_dict(state_dict)
+
+
+def _xla_step_runner(device: Any) -> Callable[[], None] | None:
+    """On an XLA device, what runs the recorded step when the next batch is asked for; None elsewhere."""
+    return _xla.run_pending_graph if _xla.is_xla_device(device) else None

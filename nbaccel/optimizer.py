@@ -4,7 +4,8 @@ Wraps the user's optimizer (which stays reachable as `.optimizer`). On a gradien
 (`GradientState().sync_gradients` is False) `step` and `zero_grad` do nothing, so the usual loop
 `backward(); optimizer.step(); optimizer.zero_grad()` accumulates without code changes. With fp16 the
 GradScaler unscales, steps (skipping the step when gradients overflowed) and updates its scale;
-`step_was_skipped` tells whether the last step was skipped.
+`step_was_skipped` tells whether the last step was skipped. On XLA replicas (no DDP there) `step` first
+averages the gradients across replicas.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from . import telemetry
 from .state import GradientState
+from .utils import xla as _xla
 from .utils.operations import send_to_device
 
 
@@ -35,6 +37,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.device_placement = device_placement
         self._is_overflow = False
         self._steps_done = 0
+        self._on_xla = _xla.is_xla_device(device)  # replicas average their gradients at each step (no DDP)
         if device_placement and device is not None and optimizer.state:
             optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
@@ -90,6 +93,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return None
         result = None
+        if self._on_xla:
+            if self.gradient_state.is_xla_gradients_synced:  # clip_grad_norm_ averaged them this step
+                self.gradient_state.is_xla_gradients_synced = False
+            else:
+                _xla.average_gradients(self.optimizer)
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()
             result = self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
