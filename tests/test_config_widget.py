@@ -44,6 +44,22 @@ def test_save_writes_the_config_file_yaml(config_path):
     assert loaded.num_processes == 3 and loaded.mixed_precision == "fp16"
 
 
+def test_distributed_type_follows_the_process_count(config_path):
+    form = config_widget()
+    form.fields["num_processes"].value = "2"
+    form.fields["use_cpu"].value = True
+    form.save_button.click()
+    assert yaml.safe_load(config_path.read_text())["distributed_type"] == "MULTI_CPU"
+    form.fields["num_processes"].value = "1"
+    form.save_button.click()
+    assert yaml.safe_load(config_path.read_text())["distributed_type"] == "NO"
+    config_file.LaunchConfig(distributed_type="FSDP", num_processes=2).save(config_path)
+    form = config_widget()
+    form.fields["num_processes"].value = "4"
+    form.save_button.click()
+    assert yaml.safe_load(config_path.read_text())["distributed_type"] == "FSDP"  # not the form's to change
+
+
 def test_bad_values_are_shown_next_to_their_field_and_nothing_is_written(config_path):
     form = config_widget()
     form.fields["num_processes"].value = "two"

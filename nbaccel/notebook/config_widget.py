@@ -179,12 +179,29 @@ class ConfigWidget:
                 config.extra.pop(name, None)
             else:
                 config.extra[name] = value
+        _follow_process_count(config)
         return config
 
     # --- display ---------------------------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs):
         return self.root._repr_mimebundle_(**kwargs)
+
+
+_PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")  # what the form's fields decide; FSDP, DeepSpeed, ... are kept
+
+
+def _follow_process_count(config: Any) -> None:
+    """distributed_type as `nbaccel config` would write it for the form's process count and use_cpu: NO for
+    one process on one machine, MULTI_CPU with use_cpu or without CUDA, else MULTI_GPU."""
+    if str(config.distributed_type) not in _PLAIN_TYPES or config.num_processes is None:
+        return
+    if config.num_processes <= 1 and (config.num_machines or 1) <= 1:
+        config.distributed_type = "NO"
+        return
+    import torch
+
+    config.distributed_type = "MULTI_CPU" if config.use_cpu or not torch.cuda.is_available() else "MULTI_GPU"
 
 
 def config_widget(path: str | os.PathLike | None = None) -> ConfigWidget:
