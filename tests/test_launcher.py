@@ -416,3 +416,35 @@ def test_accelerate_module_name_nbaccel_launchers():
     assert nbaccel.launchers.notebook_launcher is notebook_launcher
     assert nbaccel.launchers.debug_launcher is debug_launcher
     assert set(nbaccel.launchers.__all__) == {"notebook_launcher", "debug_launcher"}
+
+
+def test_worker_sink_sender_thread_stops_and_starts_again():
+    """A rank whose telemetry is turned off keeps no sender thread; turned on again, messages flow again."""
+    import multiprocessing
+
+    from nbaccel.launch.channel import WorkerSink, recv_all
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sink = WorkerSink(writer, rank=0, interval=0.01)
+
+    def senders():
+        return [t for t in threading.enumerate() if t.name == "nbaccel-telemetry"]
+
+    sink.send("step", step=1)
+    assert len(senders()) == 1
+    sink.send("step", step=2)
+    sink.stop_sender()
+    assert senders() == []
+    received = [m for batch in recv_all(reader)[0] for m in batch.get("messages", [batch])]
+    assert [m["step"] for m in received] == [1, 2]  # nothing queued was lost
+    sink.send("step", step=3)
+    deadline = time.monotonic() + 5
+    while not reader.poll(0.05) and time.monotonic() < deadline:
+        pass
+    assert [m["step"] for batch in recv_all(reader)[0] for m in batch.get("messages", [batch])] == [3]
+    sink.close()
+    reader.close()
+    deadline = time.monotonic() + 5
+    while senders() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert senders() == []  # close ends it too

@@ -95,12 +95,23 @@ class WorkerSink:
     def _start_sender(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._sender, name="nbaccel-telemetry", daemon=True)
+                self._thread = threading.Thread(target=self._sender, args=(self._stop,), name="nbaccel-telemetry",
+                                                daemon=True)
                 self._thread.start()
 
-    def _sender(self) -> None:
+    def stop_sender(self) -> None:
+        """Send what is queued and end the sender thread (the next telemetry message starts a new one)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            stop, self._stop = self._stop, threading.Event()
+        stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        self.flush()
+
+    def _sender(self, stop: threading.Event) -> None:
         next_tick = 0.0
-        while not self._stop.wait(self._interval):
+        while not stop.wait(self._interval):
             ticker = self.ticker
             if ticker is not None and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.tick_interval

@@ -96,10 +96,10 @@ def set_worker_telemetry(conn: Connection | None, enabled: bool, rank: int) -> N
     from .worker import _start_memory_reports
 
     if not enabled:
+        telemetry.detach()
         if _sink is not None:
             _sink.ticker = None
-            _sink.flush()
-        telemetry.detach()
+            _sink.stop_sender()  # sends what is queued; an idle rank keeps no thread waking up
         return
     if conn is None:
         raise RuntimeError("this rank has no telemetry pipe")
