@@ -139,6 +139,8 @@ def test_compile_regions_compiles_each_repeated_block():
     assert isinstance(compile_regions(torch.nn.Linear(2, 2), backend="eager"), OptimizedModule)
     whole = compile_regions(torch.nn.Linear(2, 2), backend="eager")
     assert type(extract_model_from_parallel(whole, keep_torch_compile=False)) is torch.nn.Linear
+    assert extract_model_from_parallel(compiled, keep_torch_compile=False) is model  # the regional copy too
+    assert extract_model_from_parallel(compiled) is compiled
 
 
 def test_load_defaults_to_weights_only(tmp_path):

@@ -84,7 +84,8 @@ def extract_model_from_parallel(model: Any, keep_fp32_wrapper: bool = True, keep
                                 recursive: bool = False) -> Any:
     """Return the user's model from inside DDP / DataParallel / FSDP / DeepSpeed wrappers.
 
-    `keep_torch_compile=False` also drops the `torch.compile` wrapper (its `_orig_mod`);
+    `keep_torch_compile=False` also drops the `torch.compile` wrapper (its `_orig_mod`), or returns the model
+    `compile_regions` copied;
     `keep_fp32_wrapper=False` removes the autocast wrapper `Accelerator.prepare` put around `forward`;
     `recursive=True` also unwraps wrapped sub-modules.
     """
@@ -104,9 +105,11 @@ def extract_model_from_parallel(model: Any, keep_fp32_wrapper: bool = True, keep
     except ImportError:
         pass
 
-    compiled = None
+    compiled = regional = None
     if is_compiled_module(model):
         compiled, model = model, model._orig_mod
+    elif isinstance(model, torch.nn.Module) and "_orig_mod" in model.__dict__ and has_compiled_regions(model):
+        regional, model = model, model.__dict__["_orig_mod"]  # compile_regions' copy of the model
     while isinstance(model, wrappers):
         model = model.module
 
@@ -131,6 +134,9 @@ def extract_model_from_parallel(model: Any, keep_fp32_wrapper: bool = True, keep
     if keep_torch_compile and compiled is not None:
         compiled._orig_mod = model
         return compiled
+    if keep_torch_compile and regional is not None:
+        regional.__dict__["_orig_mod"] = model
+        return regional
     return model
 
 
