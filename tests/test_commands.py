@@ -261,7 +261,9 @@ def test_two_machines_meet_through_c10d(tmp_path):
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (dist.get_rank(), os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"],
                                           os.environ["MACHINE_TAG"]))
-        print("GATHER", dist.get_rank(), sorted(everyone), flush=True)
+        # one write per report: torchrun's workers are unbuffered (-u), so print's pieces are separate
+        # writes that another rank's can split; one write to a pipe (< PIPE_BUF bytes) is never split
+        os.write(1, f"GATHER {dist.get_rank()} {sorted(everyone)}\\n".encode())
         dist.destroy_process_group()
     """)
     port = str(free_port())
@@ -279,7 +281,7 @@ def test_two_machines_meet_through_c10d(tmp_path):
                 proc.communicate()
     for code, _, err in results:
         assert code == 0, err
-    # Workers write unbuffered, so two ranks' lines may interleave: find each report in the whole output.
+    # Each report is one write, but it may start right after another rank's partial line: search the output.
     reports = [match for _, out, _ in results for match in re.findall(r"GATHER (\d) (\[[^\]]*\])", out)]
     assert sorted(rank for rank, _ in reports) == ["0", "1", "2", "3"], results
     gathered = {gathered for _, gathered in reports}
