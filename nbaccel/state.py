@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from .utils import collective_trace
+from .utils import xla as _xla
 from .utils.dataclasses import DistributedType, PrecisionType
 from .utils.environment import (
     check_cuda_p2p_ib_support,
@@ -89,18 +89,6 @@ class _ThreadLocalDict(threading.local):
 def _shared_dict() -> Any:
     """Per thread where torch_xla is installed (as in Accelerate): its replicas may be threads of one process."""
     return _ThreadLocalDict() if is_torch_xla_available() else {}
-
-
-def _inside_xla_replica() -> bool:
-    """True in a replica started by torch_xla's `xmp.spawn` (its runtime is up with replication set), on any
-    PJRT device: the state then follows torch_xla's ranks even where no TPU variable is set (the CPU device)."""
-    xla = sys.modules.get("torch_xla")
-    if xla is None:
-        return False
-    try:
-        return bool(xla._XLAC._xla_runtime_is_initialized() and xla._XLAC._xla_get_replication_devices_count() > 0)
-    except Exception:
-        return False
 
 
 def _drop_if_inherited(shared: dict[str, Any]) -> None:
@@ -220,7 +208,8 @@ class PartialState:
         debug = _read_debug_flag()
         state: dict[str, Any] = {"_cpu": cpu, "pg_timeout": timeout, "device": None, "_pid": os.getpid()}
 
-        use_xla = not cpu and (tpu_requested() or _inside_xla_replica())
+        # inside an xmp.spawn replica the state follows torch_xla on any PJRT device (the CPU device included)
+        use_xla = not cpu and (tpu_requested() or _xla.inside_spawned_replica())
         if use_xla and not is_torch_xla_available():
             raise ImportError(
                 "this environment asks for TPU cores (PJRT_DEVICE=TPU or a TPU runtime variable) but torch_xla is "

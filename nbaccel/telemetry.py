@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .utils import collective_trace
+from .utils.xla import runtime_started as xla_runtime_started
 
 Message = dict[str, Any]
 Sink = Callable[[Message], None]
@@ -261,11 +262,9 @@ def _host_memory() -> dict[str, int | None]:
 def _xla_device() -> Any:
     """The calling thread's XLA device, if this process already runs torch_xla (never starts its runtime)."""
     xla_model = sys.modules.get("torch_xla.core.xla_model")
-    if xla_model is None:
+    if xla_model is None or not xla_runtime_started():
         return None
     try:
-        if not sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
-            return None
         return xla_model.xla_device()
     except Exception:
         return None

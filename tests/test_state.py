@@ -210,7 +210,7 @@ def test_a_torch_xla_replica_is_recognised_on_any_pjrt_device(monkeypatch):
     where no TPU variable is set; torch_xla merely imported, or not there, changes nothing."""
     import sys
 
-    from nbaccel.state import _inside_xla_replica
+    from nbaccel.utils.xla import inside_spawned_replica as _inside_xla_replica
 
     monkeypatch.delitem(sys.modules, "torch_xla", raising=False)
     assert not _inside_xla_replica()

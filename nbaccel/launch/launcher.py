@@ -299,10 +299,7 @@ def _launch_xla(function: Callable[..., Any], args: tuple, kwargs: dict, num_pro
     from .xla import TPU_CORES, import_xmp, local_device_count
 
     import_xmp()  # a clear ImportError before anything else
-    if num_processes == 1:
-        return run_in_process(function, args, kwargs, mixed_precision, dashboard, observers, timeout,
-                              env=extra_env)
-    count, source = local_device_count()
+    count, source = (1, "") if num_processes == 1 else local_device_count()  # 1: in this process, any device count
     if count is not None and num_processes is not None and num_processes != count:
         raise ValueError(
             f"num_processes={num_processes}, but torch_xla runs one process per XLA device and this machine "

@@ -30,6 +30,7 @@ from typing import Any
 
 from .channel import close_quietly
 from .output import flush_std, redirect_std_fds
+from .worker import _destroy_process_group
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
@@ -268,15 +269,6 @@ def _send(conn: Connection, message: dict[str, Any]) -> bool:
         return True
     except (BrokenPipeError, ConnectionError, EOFError, OSError):
         return False
-
-
-def _destroy_process_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def _die_with_parent() -> None:

@@ -29,19 +29,17 @@ def run_worker_thread(payload: bytes, local: int, own: range, channels: list[Con
                       stdouts: list[Connection], stderrs: list[Connection], env: dict[str, str]) -> None:
     """Run rank `local` (one of the local ordinals `own` of this process) in the calling thread."""
     _set_up_process(own, channels, stdouts, stderrs, env)
-    out, err = text_stream(stdouts[local].fileno()), text_stream(stderrs[local].fileno())
-    routed_out, routed_err = sys.stdout, sys.stderr
-    if isinstance(routed_out, ThreadRoutedStream) and isinstance(routed_err, ThreadRoutedStream):
-        routed_out.bind(out)
-        routed_err.bind(err)
+    pairs = ((sys.stdout, text_stream(stdouts[local].fileno())), (sys.stderr, text_stream(stderrs[local].fileno())))
+    routes = [(routed, stream) for routed, stream in pairs if isinstance(routed, ThreadRoutedStream)]
+    for routed, stream in routes:
+        routed.bind(stream)
     sink = WorkerSink(channels[local], int(env.get("RANK", local)), local)
     try:
         execute(payload, sink, thread_rank=True, device=env.get(DEVICE_ENV))
     finally:
         flush_std()
-        if isinstance(routed_out, ThreadRoutedStream) and isinstance(routed_err, ThreadRoutedStream):
-            routed_out.bind(None)
-            routed_err.bind(None)
+        for routed, _ in routes:
+            routed.bind(None)
         sink.close()
         close_quietly(stdouts[local], stderrs[local])  # the first rank's pipes stay open as fds 1/2
 

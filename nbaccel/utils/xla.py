@@ -10,13 +10,38 @@ torch_xla is already imported.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def is_xla_device(device: Any) -> bool:
+    import torch
+
     return device is not None and torch.device(device).type == "xla"
+
+
+def runtime_started() -> bool:
+    """Whether this process already runs torch_xla's runtime. Never imports torch_xla or starts it."""
+    xla = sys.modules.get("torch_xla")
+    if xla is None:
+        return False
+    try:
+        return bool(xla._XLAC._xla_runtime_is_initialized())
+    except Exception:
+        return False
+
+
+def inside_spawned_replica() -> bool:
+    """True in a replica started by torch_xla's `xmp.spawn`: its runtime is up with replication set."""
+    if not runtime_started():
+        return False
+    try:
+        return sys.modules["torch_xla"]._XLAC._xla_get_replication_devices_count() > 0
+    except Exception:
+        return False
 
 
 def run_pending_graph() -> None:
