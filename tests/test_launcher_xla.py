@@ -95,5 +95,11 @@ def test_cpu_device_count_comes_from_cpu_num_devices(monkeypatch):
     assert local_device_count() == (3, "CPU_NUM_DEVICES=3")
     monkeypatch.delenv("CPU_NUM_DEVICES")
     assert local_device_count() == (1, "CPU_NUM_DEVICES=1")  # torch_xla's default
+    monkeypatch.setenv("CPU_NUM_DEVICES", "two")
+    with pytest.raises(ValueError, match=r"CPU_NUM_DEVICES='two': set it to the number of XLA CPU devices"):
+        local_device_count()
+    monkeypatch.setenv("CPU_NUM_DEVICES", "0")
+    with pytest.raises(ValueError, match="CPU_NUM_DEVICES='0'"):
+        local_device_count()
     monkeypatch.setenv("PJRT_DEVICE", "CUDA")
     assert local_device_count()[0] is None

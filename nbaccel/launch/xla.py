@@ -40,16 +40,16 @@ def import_xmp() -> Any:
 def local_device_count() -> tuple[int | None, str]:
     """(number of XLA devices on this machine, how it was found); None when it cannot be read safely.
 
-    PJRT_DEVICE=CPU: CPU_NUM_DEVICES (torch_xla's default 1). TPU: the chips on the PCI bus times the cores
-    per chip, read in a helper thread so a metadata server that does not answer cannot hang the kernel.
+    PJRT_DEVICE=CPU: CPU_NUM_DEVICES (torch_xla's default 1; ValueError when it is not a positive whole
+    number). TPU: the chips on the PCI bus times the cores per chip, read in a helper thread so a metadata
+    server that does not answer cannot hang the kernel.
     """
     device = os.environ.get("PJRT_DEVICE", "").upper()
     if device == "CPU":
         value = os.environ.get("CPU_NUM_DEVICES", "1")
-        try:
-            return max(1, int(value)), f"CPU_NUM_DEVICES={value}"
-        except ValueError:
-            return None, f"CPU_NUM_DEVICES={value!r} is not a number"
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"CPU_NUM_DEVICES={value!r}: set it to the number of XLA CPU devices (ranks), e.g. 2")
+        return int(value), f"CPU_NUM_DEVICES={value}"
     if device not in ("", "TPU"):
         return None, f"PJRT_DEVICE={device}"
     found: list[int] = []
