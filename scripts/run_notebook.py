@@ -21,17 +21,20 @@ ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 
 def printable_outputs(cell) -> list[str]:
     """The text a person would read under `cell`: streams, plain-text results, errors."""
-    texts = []
+    texts, previous_stream = [], None
     for output in cell.get("outputs", []):
-        if output.output_type == "stream":
-            texts.append(output.text.rstrip("\n"))
+        if output.output_type == "stream" and output.name == previous_stream:
+            texts[-1] += output.text  # the kernel can send one print as two messages
+        elif output.output_type == "stream":
+            texts.append(output.text)
         elif output.output_type in ("execute_result", "display_data"):
             data = output.get("data", {})
             if "text/plain" in data and not data["text/plain"].startswith(("<Figure", "HBox(", "VBox(", "<IPython.core.display")):
                 texts.append(data["text/plain"])
         elif output.output_type == "error":
             texts.append(ANSI_ESCAPES.sub("", "\n".join(output.traceback)))
-    return texts
+        previous_stream = output.name if output.output_type == "stream" else None
+    return [text.rstrip("\n") for text in texts]
 
 
 def main(argv: list[str] | None = None) -> int:

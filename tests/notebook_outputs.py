@@ -37,8 +37,13 @@ def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
         if cell.cell_type != "code":
             continue
         parts, mimetypes, error = [], set(), None
+        previous_stream = None
         for output in cell.get("outputs", []):
-            if output.output_type == "stream":
+            if output.output_type == "stream" and output.name == previous_stream:
+                # The kernel flushes its stream buffer on a timer, so one print can arrive as two messages;
+                # a notebook shows them as one text, and so does this reader.
+                parts[-1] += output.text
+            elif output.output_type == "stream":
                 parts.append(output.text)
             elif output.output_type in ("execute_result", "display_data"):
                 mimetypes.update(output.data)
@@ -46,6 +51,7 @@ def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
             elif output.output_type == "error":
                 error = f"{output.ename}: {output.evalue}"
                 parts.append(ANSI.sub("", "\n".join(output.traceback)))
+            previous_stream = output.name if output.output_type == "stream" else None
         cells.append(Cell(cell.source, "\n".join(parts), mimetypes, error))
     return Executed(cells, seconds)
 

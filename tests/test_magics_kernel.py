@@ -52,15 +52,18 @@ def _run(cells: list[str], tmp_path: Path) -> list[str]:
 
 
 def _text(cell) -> str:
-    parts = []
+    parts, previous_stream = [], None
     for output in cell.get("outputs", []):
-        if output["output_type"] == "stream":
+        if output["output_type"] == "stream" and output["name"] == previous_stream:
+            parts[-1] += output["text"]  # one print can arrive as two messages; a notebook shows one text
+        elif output["output_type"] == "stream":
             parts.append(output["text"])
         elif output["output_type"] == "error":
             parts.append(f"{output['ename']}: {output['evalue']}\n" + "\n".join(output["traceback"]))
         else:
             parts.append(output.get("data", {}).get("text/plain", ""))
             parts.append(output.get("data", {}).get("text/html", ""))
+        previous_stream = output["name"] if output["output_type"] == "stream" else None
     return "\n".join(parts)
 
 

@@ -34,6 +34,18 @@ def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
     return read_outputs(nb, seconds)
 
 
+def test_the_output_reader_joins_one_print_sent_as_two_messages():
+    # ipykernel flushes stdout on a timer, so `print("same:", True)` can reach the notebook as two stream
+    # outputs; a notebook shows them as one line, and the reader must too (a CI run once read "same:\n True").
+    cell = nbformat.v4.new_code_cell("print('same:', True)")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="same:"),
+                    nbformat.v4.new_output("stream", name="stdout", text=" True\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="warning\n"),
+                    nbformat.v4.new_output("stream", name="stdout", text="next\n")]
+    text = read_outputs(nbformat.v4.new_notebook(cells=[cell])).cells[0].text
+    assert text == "same: True\n\nwarning\n\nnext\n"
+
+
 def test_each_notebook_is_listed_and_executable():
     names = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
     assert names == sorted([*EXECUTED, "06_colab_tpu"]), "a new notebook needs its test here"
