@@ -99,7 +99,9 @@ class GeneralTracker:
         """Flush and close the run."""
 
 
-def _require(module: str, install: str, tracker: str) -> Any:
+def _require(tracker: str) -> Any:
+    """Import the library behind the built-in tracker `tracker`, or say what to install (`_REQUIREMENTS`)."""
+    module, install = _REQUIREMENTS[tracker]
     try:
         return importlib.import_module(module)
     except ImportError as error:
@@ -269,10 +271,11 @@ def _summary_writer_class() -> Any:
 
 
 # ------------------------------------------------------------------------------- library adapters
-class WandBTracker(GeneralTracker):
-    """Weights & Biases: `wandb.init(project=run_name, **kwargs)`; `kwargs` go to `wandb.init`."""
+class _ProjectRunTracker(GeneralTracker):
+    """An adapter whose library opens its run as `<library>.init(project=run_name, **kwargs)` and keeps it
+    in `self.run` (wandb, trackio, swanlab); `_library` names the library (a `_REQUIREMENTS` key)."""
 
-    name = "wandb"
+    _library: str
     requires_logging_directory = False
     main_process_only = False
 
@@ -282,12 +285,17 @@ class WandBTracker(GeneralTracker):
 
     @on_main_process
     def start(self) -> None:
-        wandb = _require("wandb", "pip install wandb", self.name)
-        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+        self.run = _require(self._library).init(project=self.run_name, **self.init_kwargs)
 
     @property
     def tracker(self) -> Any:
         return self.run
+
+
+class WandBTracker(_ProjectRunTracker):
+    """Weights & Biases: `wandb.init(project=run_name, **kwargs)`; `kwargs` go to `wandb.init`."""
+
+    name = _library = "wandb"
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
@@ -300,7 +308,7 @@ class WandBTracker(GeneralTracker):
     @on_main_process
     def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         """`values`: name -> list of images (arrays or PIL images), logged as `wandb.Image`s."""
-        wandb = _require("wandb", "pip install wandb", self.name)
+        wandb = _require("wandb")
         for key, images in values.items():
             self.run.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
 
@@ -308,7 +316,7 @@ class WandBTracker(GeneralTracker):
     def log_table(self, table_name: str, columns: list[str] | None = None, data: list | None = None,
                   dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
         """Log a `wandb.Table` built from `columns` + `data` rows, or from a pandas `dataframe`."""
-        wandb = _require("wandb", "pip install wandb", self.name)
+        wandb = _require("wandb")
         table = wandb.Table(columns=columns, data=data, dataframe=dataframe)
         self.run.log({table_name: table}, step=step, **kwargs)
 
@@ -317,29 +325,14 @@ class WandBTracker(GeneralTracker):
         self.run.finish()
 
 
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(_ProjectRunTracker):
     """trackio (wandb-compatible, local first): `trackio.init(project=run_name, **kwargs)`."""
 
-    name = "trackio"
-    requires_logging_directory = False
-    main_process_only = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
-
-    @on_main_process
-    def start(self) -> None:
-        trackio = _require("trackio", "pip install trackio", self.name)
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
+    name = _library = "trackio"
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
-        trackio = _require("trackio", "pip install trackio", self.name)
+        trackio = _require("trackio")
         trackio.config.update(values, allow_val_change=True)
 
     @on_main_process
@@ -363,7 +356,7 @@ class CometMLTracker(GeneralTracker):
 
     @on_main_process
     def start(self) -> None:
-        comet_ml = _require("comet_ml", "pip install comet-ml", self.name)
+        comet_ml = _require("comet_ml")
         if hasattr(comet_ml, "start"):
             self.writer = comet_ml.start(project_name=self.run_name, **self.init_kwargs)
         else:  # comet_ml < 3.41
@@ -407,7 +400,7 @@ class AimTracker(GeneralTracker):
 
     @on_main_process
     def start(self) -> None:
-        aim = _require("aim", "pip install aim", self.name)
+        aim = _require("aim")
         self.writer = aim.Run(repo=self.aim_repo_path, **self.init_kwargs)
         self.writer.name = self.run_name
 
@@ -461,7 +454,7 @@ class MLflowTracker(GeneralTracker):
 
     @on_main_process
     def start(self) -> None:
-        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        mlflow = _require("mlflow")
         found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
         if found:
             experiment_id = found[0].experiment_id
@@ -480,7 +473,7 @@ class MLflowTracker(GeneralTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
-        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        mlflow = _require("mlflow")
         validation = importlib.import_module("mlflow.utils.validation")
         limit = getattr(validation, "MAX_PARAM_VAL_LENGTH", 6000)
         batch = getattr(validation, "MAX_PARAMS_TAGS_PER_BATCH", 100)
@@ -495,7 +488,7 @@ class MLflowTracker(GeneralTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        mlflow = _require("mlflow")
         metrics = {}
         for key, value in values.items():
             number = _as_number(value)
@@ -508,24 +501,24 @@ class MLflowTracker(GeneralTracker):
     @on_main_process
     def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
         """A matplotlib/plotly figure as a run artifact (`mlflow.log_figure`)."""
-        _require("mlflow", "pip install mlflow", self.name).log_figure(
+        _require("mlflow").log_figure(
             figure=figure, artifact_file=artifact_file, **save_kwargs)
 
     @on_main_process
     def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
         """Every file of `local_dir` as run artifacts (`mlflow.log_artifacts`)."""
-        _require("mlflow", "pip install mlflow", self.name).log_artifacts(
+        _require("mlflow").log_artifacts(
             local_dir=local_dir, artifact_path=artifact_path)
 
     @on_main_process
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """One file as a run artifact (`mlflow.log_artifact`)."""
-        _require("mlflow", "pip install mlflow", self.name).log_artifact(
+        _require("mlflow").log_artifact(
             local_path=local_path, artifact_path=artifact_path)
 
     @on_main_process
     def finish(self) -> None:
-        mlflow = _require("mlflow", "pip install mlflow", self.name)
+        mlflow = _require("mlflow")
         mlflow.end_run()
 
 
@@ -544,7 +537,7 @@ class ClearMLTracker(GeneralTracker):
 
     @on_main_process
     def start(self) -> None:
-        clearml = _require("clearml", "pip install clearml", self.name)
+        clearml = _require("clearml")
         current = clearml.Task.current_task()
         if current:
             self.task, self._initialized_externally = current, True
@@ -600,7 +593,7 @@ class DVCLiveTracker(GeneralTracker):
     @on_main_process
     def start(self) -> None:
         if self.live is None:
-            dvclive = _require("dvclive", "pip install dvclive", self.name)
+            dvclive = _require("dvclive")
             self.live = dvclive.Live(**self.init_kwargs)
 
     @property
@@ -628,39 +621,24 @@ class DVCLiveTracker(GeneralTracker):
         self.live.end()
 
 
-class SwanLabTracker(GeneralTracker):
+class SwanLabTracker(_ProjectRunTracker):
     """SwanLab: `swanlab.init(project=run_name, **kwargs)`; config through `swanlab.config.update`."""
 
-    name = "swanlab"
-    requires_logging_directory = False
-    main_process_only = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
-
-    @on_main_process
-    def start(self) -> None:
-        swanlab = _require("swanlab", "pip install swanlab", self.name)
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
+    name = _library = "swanlab"
 
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
-        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab = _require("swanlab")
         swanlab.config.update(values)
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab = _require("swanlab")
         swanlab.log(values, step=step, **kwargs)
 
     @on_main_process
     def finish(self) -> None:
-        swanlab = _require("swanlab", "pip install swanlab", self.name)
+        swanlab = _require("swanlab")
         swanlab.finish()
 
 

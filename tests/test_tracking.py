@@ -251,6 +251,22 @@ def test_wandb_adapter_uses_public_api(monkeypatch):
     assert log[0][2] == {"columns": ["x"], "data": [[1]], "dataframe": None} and log[1][2] == {"step": 5}
 
 
+def test_trackio_and_swanlab_adapters_open_a_project_run(monkeypatch):
+    log = []
+    fake_module(monkeypatch, "trackio", log)
+    fake_module(monkeypatch, "swanlab", log)
+    trackio, swanlab = init_trackers(filter_trackers(["trackio", "swanlab"]), "proj", config={"lr": 1},
+                                     init_kwargs={"trackio": {"space_id": "me/s"}, "swanlab": {"mode": "local"}})
+    log_to_trackers([trackio, swanlab], {"loss": 1.5}, step=4)
+    finish_trackers([trackio, swanlab])
+    assert [entry[0] for entry in log] == [
+        "trackio.init", "swanlab.init", "trackio.config.update", "swanlab.config.update",
+        "trackio.init().log", "swanlab.log", "trackio.init().finish", "swanlab.finish"]
+    assert log[0][2] == {"project": "proj", "space_id": "me/s"} and log[1][2] == {"project": "proj", "mode": "local"}
+    assert log[4][1:] == log[5][1:] == (({"loss": 1.5},), {"step": 4})
+    assert trackio.tracker is trackio.run and swanlab.tracker is swanlab.run
+
+
 def test_mlflow_adapter_uses_public_api(monkeypatch):
     log = []
     fake_module(monkeypatch, "mlflow", log, search_experiments=lambda **kw: [])
