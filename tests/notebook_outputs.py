@@ -30,6 +30,20 @@ class Executed:
         return found[0]
 
 
+def joined_streams(outputs: list) -> list:
+    """`outputs` with adjacent pieces of one stream joined, as a notebook shows them: ipykernel flushes
+    stdout on a timer, so one print can arrive as two stream outputs."""
+    joined = []
+    for output in outputs:
+        previous = joined[-1] if joined else None
+        if (output["output_type"] == "stream" and previous is not None and previous["output_type"] == "stream"
+                and previous["name"] == output["name"]):
+            joined[-1] = nbformat.v4.new_output("stream", name=output["name"], text=previous["text"] + output["text"])
+        else:
+            joined.append(output)
+    return joined
+
+
 def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
     """The code cells of an executed notebook with their outputs as text."""
     cells = []
@@ -37,13 +51,8 @@ def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
         if cell.cell_type != "code":
             continue
         parts, mimetypes, error = [], set(), None
-        previous_stream = None
-        for output in cell.get("outputs", []):
-            if output.output_type == "stream" and output.name == previous_stream:
-                # The kernel flushes its stream buffer on a timer, so one print can arrive as two messages;
-                # a notebook shows them as one text, and so does this reader.
-                parts[-1] += output.text
-            elif output.output_type == "stream":
+        for output in joined_streams(cell.get("outputs", [])):
+            if output.output_type == "stream":
                 parts.append(output.text)
             elif output.output_type in ("execute_result", "display_data"):
                 mimetypes.update(output.data)
@@ -51,7 +60,6 @@ def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
             elif output.output_type == "error":
                 error = f"{output.ename}: {output.evalue}"
                 parts.append(ANSI.sub("", "\n".join(output.traceback)))
-            previous_stream = output.name if output.output_type == "stream" else None
         cells.append(Cell(cell.source, "\n".join(parts), mimetypes, error))
     return Executed(cells, seconds)
 

@@ -11,6 +11,7 @@ from process_helpers import all_gone
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
+from notebook_outputs import joined_streams  # noqa: E402  (needs nbformat)
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,18 +53,15 @@ def _run(cells: list[str], tmp_path: Path) -> list[str]:
 
 
 def _text(cell) -> str:
-    parts, previous_stream = [], None
-    for output in cell.get("outputs", []):
-        if output["output_type"] == "stream" and output["name"] == previous_stream:
-            parts[-1] += output["text"]  # one print can arrive as two messages; a notebook shows one text
-        elif output["output_type"] == "stream":
+    parts = []
+    for output in joined_streams(cell.get("outputs", [])):
+        if output["output_type"] == "stream":
             parts.append(output["text"])
         elif output["output_type"] == "error":
             parts.append(f"{output['ename']}: {output['evalue']}\n" + "\n".join(output["traceback"]))
         else:
             parts.append(output.get("data", {}).get("text/plain", ""))
             parts.append(output.get("data", {}).get("text/html", ""))
-        previous_stream = output["name"] if output["output_type"] == "stream" else None
     return "\n".join(parts)
 
 
