@@ -6,6 +6,6 @@ The launchers themselves live in `nbaccel.launch` (launcher.py); this module onl
 
 from __future__ import annotations
 
-from .launch.launcher import debug_launcher, notebook_launcher
+from .launch.kernel.launcher import debug_launcher, notebook_launcher
 
 __all__ = ["debug_launcher", "notebook_launcher"]

@@ -15,7 +15,7 @@ from process_helpers import live_children
 
 from nbaccel.launch import LaunchError, debug_launcher, notebook_launcher
 from nbaccel.launch.errors import LaunchTimeout, PortInUseError, UnpicklableError
-from nbaccel.launch.processes import choose_start_method
+from nbaccel.launch.kernel.processes import choose_start_method
 
 
 def launch(function, args=(), **options):
@@ -232,7 +232,7 @@ def test_explicit_fork_after_cuda_init_is_refused(monkeypatch):
 
 
 def test_one_process_per_gpu(monkeypatch):
-    import nbaccel.launch.launcher as module
+    import nbaccel.launch.kernel.launcher as module
 
     monkeypatch.setattr(module, "_visible_gpus", lambda: 2)
 

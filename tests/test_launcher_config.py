@@ -9,9 +9,9 @@ import psutil
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it)
 
-from nbaccel.launch import launcher as launcher_module
 from nbaccel.launch import notebook_launcher
-from nbaccel.launch.saved_config import apply_saved_config, default, is_default
+from nbaccel.launch.kernel import launcher as launcher_module
+from nbaccel.launch.kernel.saved_config import apply_saved_config, default, is_default
 from nbaccel.utils.config_file import ConfigError
 
 ENV_NAMES = ("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION", "NBACCEL_GRADIENT_ACCUMULATION_STEPS",

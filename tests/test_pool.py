@@ -13,7 +13,6 @@ import pytest
 from process_helpers import all_gone
 
 from nbaccel.launch.errors import WorkerFailure
-from nbaccel.launch.hang_report import RankState, diagnose
 from nbaccel.launch.pool import (
     CollectiveMismatchError,
     RankFailedError,
@@ -24,7 +23,8 @@ from nbaccel.launch.pool import (
     RankTimeoutError,
     results_equal,
 )
-from nbaccel.notebook.rank_view import render_html, render_text
+from nbaccel.launch.pool.hang_report import RankState, diagnose
+from nbaccel.launch.pool.rank_view import render_html, render_text
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import LaunchError, LaunchTimeout, PortInUseError, UnpicklableError, WorkerFailure
-from .launcher import debug_launcher, notebook_launcher
+from .kernel.launcher import debug_launcher, notebook_launcher
 
 __all__ = [
     "CollectiveMismatchError", "LaunchError", "LaunchTimeout", "PortInUseError", "RankFailedError", "RankPool",

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .channel import Message
-from .output import LineForwarder
+from ..channel import Message
+from ..output import LineForwarder
 
 READ_WAKE = 0.1  # seconds: how soon the reader thread notices it was asked to stop
 
@@ -91,9 +91,9 @@ _sink: Any = None
 def set_worker_telemetry(conn: Connection | None, enabled: bool, rank: int) -> None:
     """In a rank: report telemetry into `conn` (enabled) or stop reporting (the pipe stays open)."""
     global _sink
-    from .. import telemetry
-    from .channel import WorkerSink
-    from .worker import _start_memory_reports
+    from ... import telemetry
+    from ..channel import WorkerSink
+    from ..worker.entry import _start_memory_reports
 
     if not enabled:
         telemetry.detach()

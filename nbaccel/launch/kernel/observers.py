@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .channel import Observer
+from ..channel import Observer
 
 VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
 
@@ -59,7 +59,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
         return None
     if dashboard is True or dashboard == "auto":
         try:
-            from ..notebook import Dashboard
+            from ...notebook import Dashboard
         except ImportError:
             if dashboard is True:
                 raise
@@ -73,7 +73,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
                           stacklevel=3)
             return None
     if isinstance(dashboard, str) and dashboard in VIEW_MODES:
-        from ..notebook import Dashboard
+        from ...notebook import Dashboard
 
         return DashboardHandle(_construct(Dashboard, num_processes, info, mode=dashboard))
     check_dashboard(dashboard)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from .errors import PortInUseError
+from ..errors import PortInUseError
 
 START_METHODS = ("fork", "spawn", "forkserver")
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL

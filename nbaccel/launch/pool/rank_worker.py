@@ -28,9 +28,9 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .channel import close_quietly
-from .output import flush_std, redirect_std_fds
-from .worker import _destroy_process_group
+from ..channel import close_quietly
+from ..output import flush_std, redirect_std_fds
+from ..worker.entry import _destroy_process_group
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
@@ -77,8 +77,8 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
 
 def _set_up() -> str:
     """Build PartialState (it creates the process group); return the device string for the status."""
-    from ..state import PartialState
-    from ..utils import collective_trace
+    from ...state import PartialState
+    from ...utils import collective_trace
 
     # with a listener registered, every traced collective records its call site ("cell line 4")
     collective_trace.add_listener(_ignore)
@@ -136,18 +136,18 @@ def _dispatch(kind: str, message: tuple, namespace: dict[str, Any], rank: int, r
             reply.update(describe(value))
             reply["value"] = _dumps_value(value, reply)
     elif kind == "run":
-        from . import serialize
+        from .. import serialize
 
         function, args, kwargs = serialize.loads(message[2])
         value = function(*args, **kwargs)
         reply.update(describe(value))
         reply["value"] = _dumps_value(value, reply, required=True)
     elif kind == "push":
-        from . import serialize
+        from .. import serialize
 
         namespace[message[2]] = serialize.loads(message[3])
     elif kind == "telemetry":
-        from .pool_telemetry import set_worker_telemetry
+        from .telemetry import set_worker_telemetry
 
         set_worker_telemetry(_telemetry_conn, bool(message[2]), rank)
     elif kind == "pull":
@@ -307,7 +307,7 @@ def _status_loop(conn: Connection, main_ident: int | None) -> None:
 
 def snapshot(main_ident: int | None) -> dict[str, Any]:
     """Where this rank's main thread is now: the traced collective, a raw torch.distributed call, the line."""
-    from ..utils import collective_trace
+    from ...utils import collective_trace
 
     record = collective_trace.current()
     busy = _busy

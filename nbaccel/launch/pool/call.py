@@ -14,11 +14,11 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .errors import WorkerFailure
+from ..errors import WorkerFailure
+from ..serialize import loads
 from .hang_report import Diagnosis, RankState, diagnose
-from .pool_processes import RankProcess, exit_text
-from .pool_results import RankResult, RankResults
-from .serialize import loads
+from .processes import RankProcess, exit_text
+from .results import RankResult, RankResults
 
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
 MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another rank cannot join

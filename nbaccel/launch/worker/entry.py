@@ -15,8 +15,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .channel import WorkerSink, close_quietly
-from .output import flush_std, redirect_std_fds
+from ..channel import WorkerSink, close_quietly
+from ..output import flush_std, redirect_std_fds
 
 DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"
 MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"
@@ -47,14 +47,14 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
     `thread_rank`: this thread is one of several ranks of the process (telemetry per thread; the process
     group, shared by the threads, is left to the process's end). `device`: shown in status messages
     (default: NBACCEL_LAUNCH_DEVICE, else cpu)."""
-    from .. import telemetry
+    from ... import telemetry
 
     telemetry.attach(sink, sink.rank, this_thread=thread_rank)
     device = device or os.environ.get(DEVICE_ENV, "cpu")
     sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
                 "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
-        from . import serialize
+        from .. import serialize
 
         function, args, kwargs = serialize.loads(payload)
         sink.send("status", state="running", device=device)
@@ -183,7 +183,7 @@ def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: l
 
     One replica per process: as any worker. Several (one thread per device): see `replica_threads`.
     """
-    from .xla import replica_layout
+    from ..kernel.xla import replica_layout
 
     local, own = replica_layout()
     if own.stop > len(channels):

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .. import telemetry
-from .channel import Observer
-from .errors import LaunchTimeout
+from ... import telemetry
+from ..channel import Observer
+from ..errors import LaunchTimeout
 from .observers import make_dashboard
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, TextIO
 
-from . import serialize
-from .channel import Message, Observer, close_quietly, recv_all
-from .errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
-from .output import LineForwarder, read_available
+from .. import serialize
+from ..channel import Message, Observer, close_quietly, recv_all
+from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
+from ..output import LineForwarder, read_available
 from .processes import signal_name
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens

@@ -80,7 +80,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
     `gpus` is the number of visible GPUs: a config for GPUs (e.g. `distributed_type: MULTI_GPU`) read on a
     machine without one keeps CPU launches working (its process count is ignored, with a one-line note).
     """
-    from ..utils.config_file import display_path, load_config
+    from ...utils.config_file import display_path, load_config
 
     result = LaunchDefaults(num_processes, plain(mixed_precision), use_port, plain(master_addr), plain(node_rank),
                             plain(num_nodes), plain(rdzv_backend), start_method)

@@ -15,10 +15,12 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .. import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
+from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
+from ..channel import Observer, close_quietly, open_channel
+from ..errors import LaunchError, LaunchTimeout
+from ..serialize import dumps_payload
+from ..worker.entry import DEVICE_ENV, elastic_entry, run_worker, xla_entry
 from .arguments import check_arguments, parse_port
-from .channel import Observer, close_quietly, open_channel
-from .errors import LaunchError, LaunchTimeout
 from .inprocess import run_in_process
 from .observers import check_dashboard, make_dashboard
 from .processes import (
@@ -35,9 +37,7 @@ from .processes import (
     stop_processes,
 )
 from .saved_config import apply_saved_config, default
-from .serialize import dumps_payload
 from .supervisor import Supervisor, WorkerHandle
-from .worker import DEVICE_ENV, elastic_entry, run_worker, xla_entry
 
 
 def notebook_launcher(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LaunchError, WorkerFailure, format_failures
+from ..errors import LaunchError, WorkerFailure, format_failures
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -98,12 +98,12 @@ class RankResults(list):
             raise RankFailedError(format_failures(failures), list(self), failures=failures)
 
     def __repr__(self) -> str:
-        from ..notebook.rank_view import render_text
+        from .rank_view import render_text
 
         return render_text(self)
 
     def _repr_html_(self) -> str:
-        from ..notebook.rank_view import render_html
+        from .rank_view import render_html
 
         return render_html(self)
 

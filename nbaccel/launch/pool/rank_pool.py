@@ -26,11 +26,13 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import UnpicklableError
+from ..errors import UnpicklableError
+from ..kernel.processes import choose_start_method
+from ..serialize import dumps_payload, dumps_value, find_culprit
+from .call import MISMATCH_GRACE, Call, Hang
 from .hang_report import Diagnosis, explain
-from .pool_call import MISMATCH_GRACE, Call, Hang
-from .pool_processes import START_TIMEOUT, RankProcesses
-from .pool_results import (
+from .processes import START_TIMEOUT, RankProcesses
+from .results import (
     CollectiveMismatchError,
     RankFailedError,
     RankPoolError,
@@ -40,9 +42,7 @@ from .pool_results import (
     RankTimeoutError,
     results_equal,
 )
-from .pool_telemetry import OutputLines, TelemetryReader, observer_of, status_message
-from .processes import choose_start_method
-from .serialize import dumps_payload, dumps_value, find_culprit
+from .telemetry import OutputLines, TelemetryReader, observer_of, status_message
 
 __all__ = [
     "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
@@ -67,8 +67,8 @@ class RankPool:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         self.timeout = _check_timeout(timeout, "timeout")
-        from .arguments import MIXED_PRECISION_CHOICES
-        from .launcher import _common_env, _visible_gpus
+        from ..kernel.arguments import MIXED_PRECISION_CHOICES
+        from ..kernel.launcher import _common_env, _visible_gpus
 
         precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
         precision = getattr(precision, "value", precision)

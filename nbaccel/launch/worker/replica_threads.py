@@ -15,9 +15,9 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from .channel import WorkerSink, close_quietly
-from .output import ThreadRoutedStream, flush_std, redirect_std_fds, text_stream
-from .worker import DEVICE_ENV, execute
+from ..channel import WorkerSink, close_quietly
+from ..output import ThreadRoutedStream, flush_std, redirect_std_fds, text_stream
+from .entry import DEVICE_ENV, execute
 
 THREAD_ENV_KEYS = ("RANK", "LOCAL_RANK", DEVICE_ENV)  # per rank: not written to the process environment
 

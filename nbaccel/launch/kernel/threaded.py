@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .channel import close_quietly
-from .errors import WorkerFailure
+from ..channel import close_quietly
+from ..errors import WorkerFailure
 from .processes import kill_pids
 
 JOIN_TIMEOUT = 5.0

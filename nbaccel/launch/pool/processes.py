@@ -16,10 +16,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .channel import close_quietly
-from .output import read_available
-from .pool_results import RankStartError
-from .processes import (
+from ..channel import close_quietly
+from ..kernel.processes import (
     free_port,
     get_context,
     main_module_hidden,
@@ -27,7 +25,9 @@ from .processes import (
     signal_name,
     stop_processes,
 )
-from .worker import DEVICE_ENV
+from ..output import read_available
+from ..worker.entry import DEVICE_ENV
+from .results import RankStartError
 
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
 
@@ -95,7 +95,7 @@ class RankProcesses:
                                 LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(port))
                 rank_env[DEVICE_ENV] = device.format(local_rank=rank)
-                from .pool_worker import pool_worker
+                from .rank_worker import pool_worker
 
                 process = ctx.Process(
                     target=pool_worker, name=f"nbaccel-rank-{rank}",

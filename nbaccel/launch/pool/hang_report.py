@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..utils.collective_trace import CollectiveRecord
+from ...utils.collective_trace import CollectiveRecord
 
 
 @dataclass

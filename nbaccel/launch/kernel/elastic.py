@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import LaunchError, WorkerFailure
+from ..errors import LaunchError, WorkerFailure
 from .processes import signal_name
 from .threaded import ThreadedBackend
 
