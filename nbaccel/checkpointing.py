@@ -33,6 +33,7 @@ import sys
 import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -703,13 +704,13 @@ def save_accelerator_state(
 
     # 2. every process writes its part
     try:
-        _write_checkpoint_files(
-            tmp, models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders,
+        _write_checkpoint_files(tmp, _CheckpointWrite(
+            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders,
             scaler=scaler, custom_objects=custom_objects, process_index=process_index,
             is_main_process=is_main_process, safe_serialization=safe_serialization,
             save_model_fn=save_model_fn, save_optimizer_fn=save_optimizer_fn, step=step, pre_hooks=pre_hooks,
             get_state_dict=get_state_dict or _default_state_dict, durable=durable,
-        )
+        ))
     except BaseException as caught:  # noqa: BLE001
         error = caught
     if not _all_succeeded(error is None, num_processes):
@@ -756,12 +757,33 @@ def _reraise(error: BaseException | None, message: str) -> None:
     raise CheckpointError(f"{message}: {type(error).__name__}: {error}") from error
 
 
-def _write_checkpoint_files(
-    directory: Path, *, models, optimizers, schedulers, dataloaders, scaler, custom_objects,
-    process_index: int, is_main_process: bool, safe_serialization: bool, save_model_fn, save_optimizer_fn,
-    step: int,
-    pre_hooks: Iterable[SaveHook], get_state_dict: Callable[[Any], Mapping[str, Any]], durable: bool,
-) -> None:
+@dataclass(frozen=True)
+class _CheckpointWrite:
+    """What one process writes into a checkpoint folder, and how (save_state's values, passed as one)."""
+
+    models: Any
+    optimizers: Any
+    schedulers: Any
+    dataloaders: Any
+    scaler: Any
+    custom_objects: Any
+    process_index: int
+    is_main_process: bool
+    safe_serialization: bool
+    save_model_fn: Any
+    save_optimizer_fn: Any
+    step: int
+    pre_hooks: Iterable[SaveHook]
+    get_state_dict: Callable[[Any], Mapping[str, Any]]
+    durable: bool
+
+
+def _write_checkpoint_files(directory: Path, job: _CheckpointWrite) -> None:
+    models, optimizers, schedulers, dataloaders = job.models, job.optimizers, job.schedulers, job.dataloaders
+    scaler, custom_objects, process_index, step = job.scaler, job.custom_objects, job.process_index, job.step
+    is_main_process, safe_serialization, durable = job.is_main_process, job.safe_serialization, job.durable
+    save_model_fn, save_optimizer_fn, pre_hooks = job.save_model_fn, job.save_optimizer_fn, job.pre_hooks
+    get_state_dict = job.get_state_dict
     written: list[Path] = []
 
     def out(name: str) -> Path:

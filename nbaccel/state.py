@@ -8,6 +8,7 @@ process group once; later instances just see the result. Tests reset them with `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -675,6 +676,18 @@ def _call_if_present(obj: Any, method: str, *args: Any, **kwargs: Any) -> None:
         function(*args, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plugins:
+    """The plugins an AcceleratorState is configured with (travel together from __init__ to _configure)."""
+
+    dynamo: Any
+    deepspeed: Any
+    fsdp: Any
+    torch_tp: Any
+    megatron_lm: Any
+    parallelism_config: Any
+
+
 class AcceleratorState:
     """The `PartialState` plus the training configuration an `Accelerator` chose: mixed precision and the
     plugins (DeepSpeed, FSDP, Megatron-LM, dynamo, tensor parallelism). Created by `Accelerator()`;
@@ -731,19 +744,18 @@ class AcceleratorState:
 
         PartialState(cpu, **kwargs)  # detects the environment unless a PartialState of this process exists
         try:
-            self._configure(
-                mixed_precision, cpu, dynamo_plugin, deepspeed_plugin, fsdp_plugin, torch_tp_plugin,
-                megatron_lm_plugin, parallelism_config, use_deepspeed, use_megatron,
-            )
+            plugins = _Plugins(dynamo_plugin, deepspeed_plugin, fsdp_plugin, torch_tp_plugin, megatron_lm_plugin,
+                               parallelism_config)
+            self._configure(mixed_precision, cpu, plugins, use_deepspeed, use_megatron)
         except BaseException:
             self._shared_state.clear()
             raise
 
-    def _configure(
-        self, mixed_precision: str, cpu: bool, dynamo_plugin: Any, deepspeed_plugin: Any, fsdp_plugin: Any,
-        torch_tp_plugin: Any, megatron_lm_plugin: Any, parallelism_config: Any, use_deepspeed: bool,
-        use_megatron: bool,
-    ) -> None:
+    def _configure(self, mixed_precision: str, cpu: bool, plugins: _Plugins, use_deepspeed: bool,
+                   use_megatron: bool) -> None:
+        dynamo_plugin, deepspeed_plugin, fsdp_plugin = plugins.dynamo, plugins.deepspeed, plugins.fsdp
+        torch_tp_plugin, megatron_lm_plugin = plugins.torch_tp, plugins.megatron_lm
+        parallelism_config = plugins.parallelism_config
         self.__dict__.update(PartialState._shared_state)
         self.dynamo_plugin = dynamo_plugin
         self.torch_tp_plugin = torch_tp_plugin

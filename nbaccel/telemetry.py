@@ -182,6 +182,18 @@ def memory_sample(xla_device: Any = None) -> dict[str, int | None]:
     return sample
 
 
+def process_memory(pid: int) -> dict[str, int | None] | None:
+    """Host memory of another process (a worker that reports nothing itself), read from the kernel with
+    psutil: the fields of a `memory` message (device fields None), or None when it cannot be read."""
+    try:
+        import psutil
+
+        rss = psutil.Process(pid).memory_info().rss
+    except Exception:
+        return None
+    return dict(rss=rss, rss_peak=None, device_allocated=None, device_reserved=None, device_peak=None)
+
+
 class _Sampler:
     def __init__(self, interval: float, reporter: _Reporter) -> None:
         self.interval = interval

@@ -232,9 +232,9 @@ def test_explicit_fork_after_cuda_init_is_refused(monkeypatch):
 
 
 def test_one_process_per_gpu(monkeypatch):
-    import nbaccel.launch.kernel.launcher as module
+    import nbaccel.launch.kernel.plan as module
 
-    monkeypatch.setattr(module, "_visible_gpus", lambda: 2)
+    monkeypatch.setattr(module, "visible_gpus", lambda: 2)
 
     def report():
         return os.environ["NBACCEL_LAUNCH_DEVICE"], os.environ.get("NBACCEL_USE_CPU")
@@ -242,7 +242,7 @@ def test_one_process_per_gpu(monkeypatch):
     assert launch(report, num_processes=None) == [("cuda:0", None), ("cuda:1", None)]
     with pytest.raises(ValueError, match="only 2 GPU"):
         launch(report, num_processes=3)
-    monkeypatch.setattr(module, "_visible_gpus", lambda: 1)
+    monkeypatch.setattr(module, "visible_gpus", lambda: 1)
     monkeypatch.setitem(sys.modules, "google.colab", object())
     assert launch(os.getpid, num_processes=2) == [os.getpid()]  # Colab, one GPU: in the kernel, like Accelerate
 

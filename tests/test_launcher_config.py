@@ -10,7 +10,7 @@ import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it)
 
 from nbaccel.launch import notebook_launcher
-from nbaccel.launch.kernel import launcher as launcher_module
+from nbaccel.launch.kernel import plan as launcher_module
 from nbaccel.launch.kernel.saved_config import apply_saved_config, default, is_default
 from nbaccel.utils.config_file import ConfigError
 
@@ -78,7 +78,7 @@ def test_broken_config_names_file_and_key_before_anything_starts(config_file):
 
 
 def test_gpu_config_on_a_cpu_machine_still_launches_on_cpu(config_file, monkeypatch, capsys):
-    monkeypatch.setattr(launcher_module, "_visible_gpus", lambda: 0)
+    monkeypatch.setattr(launcher_module, "visible_gpus", lambda: 0)
     config_file.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: all\n")
     assert notebook_launcher(lambda: os.getpid(), dashboard=False) == [os.getpid()]  # 1 process, in the kernel
     assert "is for distributed_type MULTI_GPU but no GPU is visible" in capsys.readouterr().err
@@ -87,7 +87,7 @@ def test_gpu_config_on_a_cpu_machine_still_launches_on_cpu(config_file, monkeypa
 
 
 def test_use_cpu_in_the_config_keeps_workers_off_the_gpus(config_file, monkeypatch):
-    monkeypatch.setattr(launcher_module, "_visible_gpus", lambda: 2)  # as if two GPUs were there
+    monkeypatch.setattr(launcher_module, "visible_gpus", lambda: 2)  # as if two GPUs were there
     config_file.write_text("use_cpu: true\nnum_processes: 2\n")
     results = notebook_launcher(worker_env, dashboard=False, timeout=60)
     assert [env["NBACCEL_USE_CPU"] for env in results] == ["1", "1"]

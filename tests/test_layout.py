@@ -135,3 +135,127 @@ def test_checker_finds_violations(path, source, expected):
 )
 def test_checker_allows_downward_imports(path, source):
     assert violations_in(source, Path(path)) == []
+
+
+# ---------------------------------------------------------------------------------------------- cycles
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the nbaccel modules it imports (at any depth, function-level imports included).
+    `sources`: module name -> (source, is_package)."""
+    graph: dict[str, set[str]] = {name: set() for name in sources}
+    for name, (source, is_package) in sources.items():
+        module_parts = tuple(name.split(".")[1:])
+        for node in _imports(ast.parse(source)):
+            for target in _targets(node, module_parts, is_package):
+                if target[0] != "nbaccel":
+                    continue
+                dotted = ".".join(target)
+                names = [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+                hits = [f"{dotted}.{n}" for n in names if f"{dotted}.{n}" in sources]
+                for hit in hits or ([dotted] if dotted in sources else []):
+                    if hit != name:
+                        graph[name].add(hit)
+    return graph
+
+
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                item = stack.pop()
+                on_stack.discard(item)
+                component.append(item)
+                if item == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# Cycles inside utils that remain (issue 12 leftovers, in modules other branches are editing): Accelerate's own
+# layout has them (imports <-> environment; modeling's re-export of offload's load_offloaded_weights, which
+# places weights with modeling's set_module_tensor_to_device). The list may only shrink.
+KNOWN_CYCLES = [
+    ["nbaccel.utils.environment", "nbaccel.utils.imports"],
+    ["nbaccel.utils.modeling", "nbaccel.utils.offload", "nbaccel.utils.other"],
+]
+
+
+def test_no_import_cycles_among_nbaccel_modules():
+    sources = {_module_name(path): (path.read_text(encoding="utf-8"), path.name == "__init__.py")
+               for path in sorted(PACKAGE.rglob("*.py"))}
+    found = [cycle for cycle in cycles_in(import_graph(sources)) if cycle not in KNOWN_CYCLES]
+    assert not found, "import cycles (function-level imports count):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_cycle_checker_finds_a_function_level_cycle():
+    sources = {
+        "nbaccel.launch.worker.entry": ("def f():\n    from .replica_threads import run\n", False),
+        "nbaccel.launch.worker.replica_threads": ("from .entry import execute\n", False),
+        "nbaccel.launch.worker": ("", True),
+        "nbaccel.utils.other": ("from . import modeling\n", False),
+        "nbaccel.utils.modeling": ("x = 1\n", False),
+    }
+    assert cycles_in(import_graph(sources)) == [["nbaccel.launch.worker.entry", "nbaccel.launch.worker.replica_threads"]]
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+MAX_PRIVATE_PARAMETERS = 8
+
+
+def long_private_signatures(source: str, relative: str) -> list[str]:
+    """Private functions (one leading underscore) taking more than MAX_PRIVATE_PARAMETERS parameters
+    (self/cls not counted): a value that travels together should be one dataclass."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if not node.name.startswith("_") or node.name.startswith("__"):
+            continue
+        args = node.args
+        names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+        if names and names[0] in ("self", "cls"):
+            names = names[1:]
+        if len(names) > MAX_PRIVATE_PARAMETERS:
+            found.append(f"{relative}:{node.lineno} {node.name} takes {len(names)} parameters")
+    return found
+
+
+def test_no_private_function_takes_more_than_eight_parameters():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += long_private_signatures(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE)))
+    assert not found, "pass a dataclass instead of a row of parameters:\n" + "\n".join(found)
+
+
+def test_parameter_checker_counts_without_self():
+    source = "def _f(a, b, c, d, e, f, g, h, i): pass\nclass C:\n    def _m(self, a, b, c, d, e, f, g, h): pass\n" \
+             "def public(a, b, c, d, e, f, g, h, i, j): pass\n"
+    assert long_private_signatures(source, "x.py") == ["x.py:1 _f takes 9 parameters"]

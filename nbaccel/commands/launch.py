@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..launch.environment import WorkerConfig
+from ..launch.environment import worker_environment as build_worker_environment
 from ..utils.config_file import ConfigError, LaunchConfig, load_config
 from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..utils.dataclasses import DynamoBackend
@@ -238,90 +240,20 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail("choose one of FSDP and DeepSpeed, not both")
 
 
-def _flag(value) -> str:
-    """Environment text for a config value: bools as true/false, everything else as str()."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-# fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
-_FSDP_ENV = {
-    "fsdp_version": "FSDP_VERSION",
-    "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
-    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
-    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS",
-    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
-    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-    "fsdp_backward_prefetch": "FSDP_BACKWARD_PREFETCH",
-    "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
-    "fsdp_forward_prefetch": "FSDP_FORWARD_PREFETCH",
-    "fsdp_use_orig_params": "FSDP_USE_ORIG_PARAMS",
-    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
-    "fsdp_sync_module_states": "FSDP_SYNC_MODULE_STATES",
-    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-}
-
-_DYNAMO_ENV = {
-    "dynamo_backend": "DYNAMO_BACKEND",
-    "dynamo_mode": "DYNAMO_MODE",
-    "dynamo_use_fullgraph": "DYNAMO_USE_FULLGRAPH",
-    "dynamo_use_dynamic": "DYNAMO_USE_DYNAMIC",
-    "dynamo_use_regional_compilation": "DYNAMO_USE_REGIONAL_COMPILATION",
-}
-
-
-def _source_checkout_root() -> str | None:
-    """The directory holding this nbaccel package when it runs from a source tree (not installed), so the
-    workers, whose sys.path starts at the script's folder, import the same nbaccel."""
-    root = Path(__file__).resolve().parent.parent.parent
-    if {"site-packages", "dist-packages"} & set(root.parts):
-        return None
-    return str(root)
+def worker_config(s: LaunchSettings) -> WorkerConfig:
+    """The settings that reach the workers, for the one environment builder (nbaccel.launch.environment)."""
+    return WorkerConfig(
+        mixed_precision=s.mixed_precision, use_cpu=s.use_cpu, loopback=s.num_machines == 1, num_nodes=s.num_machines,
+        nproc_per_node=s.nproc_per_node, debug=s.debug, gradient_accumulation_steps=s.gradient_accumulation_steps,
+        dynamo_config=dict(s.dynamo_config), use_fsdp=s.use_fsdp, fsdp_config=dict(s.fsdp_config),
+        use_deepspeed=s.use_deepspeed, gpu_ids=s.gpu_ids, num_cpu_threads_per_process=s.num_cpu_threads_per_process,
+        config_path=str(s.config_path) if s.config_path is not None else None, explicit_flags=True,
+    )
 
 
 def worker_environment(s: LaunchSettings) -> dict[str, str]:
     """The variables (besides torchrun's) every worker gets; each nbaccel one also under its ACCELERATE_ name."""
-    env: dict[str, str] = {}
-
-    def both(name: str, value: str) -> None:
-        env["NBACCEL_" + name] = value
-        env["ACCELERATE_" + name] = value
-
-    both("MIXED_PRECISION", s.mixed_precision)
-    both("USE_CPU", _flag(s.use_cpu))
-    if s.debug:
-        both("DEBUG_MODE", "true")
-    if s.gradient_accumulation_steps is not None:
-        both("GRADIENT_ACCUMULATION_STEPS", str(s.gradient_accumulation_steps))
-    for key, name in _DYNAMO_ENV.items():
-        if key in s.dynamo_config and s.dynamo_config[key] is not None:
-            value = s.dynamo_config[key]
-            both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
-    if s.use_fsdp:
-        both("USE_FSDP", "true")
-        env["FSDP_VERSION"] = "2"
-        for key, name in _FSDP_ENV.items():
-            if s.fsdp_config.get(key) is not None:
-                env[name] = _flag(s.fsdp_config[key])
-    if s.use_deepspeed:
-        both("USE_DEEPSPEED", "true")
-    if s.gpu_ids not in (None, "all") and not s.use_cpu:
-        env["CUDA_VISIBLE_DEVICES"] = str(s.gpu_ids)
-    if s.num_cpu_threads_per_process is not None:
-        env["OMP_NUM_THREADS"] = str(s.num_cpu_threads_per_process)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.nproc_per_node))
-    source_root = _source_checkout_root()
-    if source_root is not None:
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if source_root not in paths:
-            env["PYTHONPATH"] = os.pathsep.join([source_root, *paths])
-    if s.config_path is not None:
-        env["NBACCEL_CONFIG_FILE_USED"] = str(s.config_path)
-    return env
+    return build_worker_environment(worker_config(s))
 
 
 def torchrun_arguments(s: LaunchSettings) -> list[str]:

@@ -15,7 +15,9 @@ from typing import Any
 
 import ipywidgets as widgets
 
-START_METHODS = ("auto", "fork", "spawn", "forkserver")
+from ..utils import constants
+
+START_METHODS = ("auto", *constants.START_METHODS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 # Form fields not in LaunchConfig's dataclass would be kept in its `extra` mapping, written to the YAML.
 _INT_FIELDS = {  # name: (minimum, may be empty)

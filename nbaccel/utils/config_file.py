@@ -19,12 +19,11 @@ from typing import Any
 
 import yaml
 
-from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS, START_METHODS
 from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend
 
 CONFIG_FILE_ENV = "NBACCEL_CONFIG_FILE"
 CONFIG_FILE_NAME = "default_config.yaml"
-START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class ConfigError(ValueError):

@@ -23,3 +23,8 @@ CHECKPOINT_DIR_PREFIX = "checkpoint_"  # automatic_checkpoint_naming: <project_d
 DEFAULT_MAIN_PROCESS_PORT = 29500
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
+START_METHODS = ("fork", "spawn", "forkserver")  # multiprocessing start methods a launch may use
+
+# Variables the launcher sets in a worker besides torch's (docs/internals.md)
+LAUNCH_DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"  # the device string a worker shows in its status messages
+MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"  # seconds between memory messages (0: none)

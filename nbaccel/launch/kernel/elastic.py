@@ -8,42 +8,50 @@ in a helper thread (so it does not replace the kernel's SIGINT handler) and star
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ...utils.constants import LAUNCH_DEVICE_ENV
 from ..errors import LaunchError, WorkerFailure
+from ..worker.entry import elastic_entry
 from .processes import signal_name
 from .threaded import ThreadedBackend
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
 
 
 class ElasticBackend(ThreadedBackend):
     """Runs a LocalElasticAgent for this node; failures come back after its restarts are used up."""
 
-    def __init__(self, *, entry: Any, entry_args: tuple, worker_ends: list[Any], nproc_per_node: int,
-                 num_nodes: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: dict[str, Any],
-                 rdzv_id: str, max_restarts: int, monitor_interval: float, start_method: str,
-                 log_line_prefix_template: str | None = None, local_addr: str | None = None) -> None:
+    thread_name = "nbaccel-elastic-agent"
+
+    def target(self, plan: LaunchPlan, entry_args: tuple) -> Any:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-        conf = dict(rdzv_conf)
+        rdzv = plan.rendezvous
+        assert rdzv is not None
+        conf = dict(rdzv.conf)
         conf.setdefault("timeout", 900)
-        params = RendezvousParameters(backend=rdzv_backend, endpoint=rdzv_endpoint, run_id=rdzv_id,
-                                      min_nodes=num_nodes, max_nodes=num_nodes, local_addr=local_addr, **conf)
+        params = RendezvousParameters(backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id,
+                                      min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, local_addr=None, **conf)
         master_addr = master_port = None
-        if rdzv_backend == "static":
-            master_addr, master_port = parse_rendezvous_endpoint(rdzv_endpoint, default_port=-1)
+        if rdzv.backend == "static":
+            master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
         self._handler = registry.get_rendezvous_handler(params)
-        spec = WorkerSpec(role="default", local_world_size=nproc_per_node, entrypoint=entry,
-                          args=tuple(entry_args), rdzv_handler=self._handler, max_restarts=max_restarts,
-                          monitor_interval=monitor_interval, master_addr=master_addr, master_port=master_port,
-                          local_addr=local_addr)
-        self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=start_method,
-                                       log_line_prefix_template=log_line_prefix_template)
-        self.nproc_per_node = nproc_per_node
-        super().__init__(self._run_agent, worker_ends, name="nbaccel-elastic-agent")
+        environ = dict(entry_args[4])
+        environ[LAUNCH_DEVICE_ENV] = plan.device  # the worker fills in its local rank
+        spec = WorkerSpec(role="default", local_world_size=plan.num_processes, entrypoint=elastic_entry,
+                          args=(*entry_args[:4], environ), rdzv_handler=self._handler,
+                          max_restarts=rdzv.max_restarts, monitor_interval=rdzv.monitor_interval,
+                          master_addr=master_addr, master_port=master_port, local_addr=None)
+        self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=plan.start_method,
+                                       log_line_prefix_template=rdzv.log_line_prefix_template)
+        self.nproc_per_node = plan.num_processes
+        return self._run_agent
 
     def _run_agent(self) -> Any:
         # The agent logs each worker failure and warns about running off the main thread (on purpose):

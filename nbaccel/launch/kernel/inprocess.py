@@ -11,24 +11,34 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from ... import telemetry
-from ..channel import Observer
 from ..errors import LaunchTimeout
-from .observers import make_dashboard
+from ..messages import RankState
+from .observers import Reporting, make_dashboard
+from .plan import LaunchPlan, LaunchRequest
+
+# Variables of the plan set in the kernel for the call (the others, e.g. USE_CPU or OMP_NUM_THREADS, would not
+# take effect in a process that already runs, or would change how the kernel's own PartialState sees it)
+_IN_PROCESS_PREFIXES = ("NBACCEL_", "ACCELERATE_", "FSDP_")
+_NOT_IN_PROCESS = ("NBACCEL_USE_CPU", "ACCELERATE_USE_CPU")
 
 
-def run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixed_precision: str,
-                   dashboard: Any, observers: Sequence[Observer], timeout: float | None,
-                   env: dict[str, str] | None = None) -> list[Any]:
+def in_process_environment(plan: LaunchPlan) -> dict[str, str]:
+    """The plan's variables set for the duration of an in-process call (precision, accumulation, ...)."""
+    return {key: value for key, value in plan.environ.items()
+            if key.startswith(_IN_PROCESS_PREFIXES) and key not in _NOT_IN_PROCESS}
+
+
+def run_in_process(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> list[Any]:
     """One process: call the function here (Accelerate does the same), reporting to observers if any.
 
-    `env` (e.g. the gradient accumulation of the saved config) is set, like the precision, for the call only.
+    The plan's variables (precision, the saved config's gradient accumulation, ...) are set for the call only.
     """
-    handle = make_dashboard(dashboard, 1, start_method="in-process")
-    listeners = list(observers) + ([handle.observer] if handle else [])
+    handle = make_dashboard(reporting.dashboard, 1, start_method="in-process")
+    listeners = list(reporting.observers) + ([handle.observer] if handle else [])
 
     def sink(message: dict) -> None:
         message.setdefault("local_rank", 0)
@@ -43,14 +53,13 @@ def run_in_process(function: Callable[..., Any], args: tuple, kwargs: dict, mixe
     if attached:
         telemetry.attach(sink, 0)
     try:
-        with _patched_env({"NBACCEL_MIXED_PRECISION": mixed_precision,
-                           "ACCELERATE_MIXED_PRECISION": mixed_precision, **(env or {})}), _alarm(timeout):
-            telemetry.emit("status", state="running", device="cpu", pid=os.getpid())
-            results = [function(*args, **kwargs)]
-        telemetry.emit("status", state="finished", device="cpu")
+        with _patched_env(in_process_environment(plan)), _alarm(reporting.timeout):
+            telemetry.emit("status", state=RankState.RUNNING.value, device="cpu", pid=os.getpid())
+            results = [request.function(*request.args, **request.kwargs)]
+        telemetry.emit("status", state=RankState.FINISHED.value, device="cpu")
         return results
     except BaseException as exc:
-        telemetry.emit("status", state="failed", device="cpu", error=f"{type(exc).__name__}: {exc}")
+        telemetry.emit("status", state=RankState.FAILED.value, device="cpu", error=f"{type(exc).__name__}: {exc}")
         failures = {0: exc}
         raise
     finally:

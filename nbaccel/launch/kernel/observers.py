@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..channel import Observer
 
 VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """Who hears about a launch and for how long it may run: the `dashboard=` value, the observers and the
+    timeout (seconds, None: no limit)."""
+
+    dashboard: Any = "auto"
+    observers: Sequence[Observer] = ()
+    timeout: float | None = None
 
 
 class DashboardHandle:

@@ -6,7 +6,6 @@ import contextlib
 import gc
 import multiprocessing as mp
 import os
-import select
 import signal
 import socket
 import sys
@@ -15,9 +14,9 @@ from collections.abc import Iterable, Iterator
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from ...utils.constants import START_METHODS
 from ..errors import PortInUseError
 
-START_METHODS = ("fork", "spawn", "forkserver")
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
@@ -274,41 +273,3 @@ def resource_tracker_scope() -> Iterator[None]:
                     helper._stop()
                 except Exception:
                     pass
-
-
-class LocalProcesses:
-    """The supervisor's backend for workers this module started (multiprocessing.Process objects)."""
-
-    fail_fast = True
-
-    def __init__(self, processes: list[Any]) -> None:
-        self.processes = processes
-        self._reported: set[int] = set()
-
-    def wait_objects(self) -> list[Any]:
-        return [proc.sentinel for i, proc in enumerate(self.processes) if i not in self._reported]
-
-    def poll_exits(self) -> list[tuple[int, int]]:
-        exits = []
-        for i, proc in enumerate(self.processes):
-            if i in self._reported:
-                continue
-            code = proc.exitcode
-            if code is None and select.select([proc.sentinel], [], [], 0)[0]:
-                # its sentinel closed: it is exiting. Wait for it (join reaps it with a blocking waitpid)
-                # instead of spinning until the OS makes it a zombie.
-                proc.join(5)
-                code = proc.exitcode
-            if code is not None:
-                self._reported.add(i)
-                exits.append((i, code))
-        return exits
-
-    def finished(self) -> bool:
-        return len(self._reported) == len(self.processes)
-
-    def stop(self) -> None:
-        stop_processes(self.processes)
-
-    def exit_failures(self) -> dict:
-        return {}

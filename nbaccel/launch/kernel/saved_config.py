@@ -70,6 +70,7 @@ class LaunchDefaults:
     use_cpu: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra worker environment (gradient accumulation)
     source: str | None = None  # the config file used, if any
+    config: Any = None  # the LaunchConfig read (its settings for the workers: nbaccel.launch.environment)
 
 
 def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_port: int | str | None,
@@ -89,6 +90,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
         return result
     where = display_path(config.path) if config.path is not None else "config"
     result.source = where
+    result.config = config
     result.use_cpu = bool(config.use_cpu)
     distributed_type = str(getattr(config.distributed_type, "value", config.distributed_type))
     for_accelerator = distributed_type in _ACCELERATOR_TYPES and not config.use_cpu

@@ -14,13 +14,19 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from .. import serialize
+from ... import telemetry
+from ...utils.constants import MEMORY_INTERVAL_ENV
+from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
+from ..messages import MessageKind, RankState
 from ..output import LineForwarder, read_available
 from .processes import signal_name
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
@@ -28,21 +34,45 @@ DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
 
 def _memory_interval() -> float:
     try:
-        return float(os.environ.get("NBACCEL_MEMORY_INTERVAL", "1"))
+        return float(os.environ.get(MEMORY_INTERVAL_ENV, "1"))
     except ValueError:
         return 1.0
 
 
 class Backend(Protocol):
-    """What started the workers: local processes, torch elastic's agent or torch_xla's spawn."""
+    """What starts and owns the workers: local processes (local.py), torch elastic's agent (elastic.py) or
+    torch_xla's spawn (xla.py). The supervisor reads only these."""
 
-    fail_fast: bool
+    fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
+    workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
 
-    def wait_objects(self) -> list[Any]: ...
-    def poll_exits(self) -> list[tuple[int, int]]: ...
-    def finished(self) -> bool: ...
-    def stop(self) -> None: ...
-    def exit_failures(self) -> dict[int, WorkerFailure]: ...
+    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+        """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
+        ...
+
+    def wait_objects(self) -> list[Any]:
+        """Objects (process sentinels) whose readiness means a worker may have exited."""
+        ...
+
+    def poll_exits(self) -> list[tuple[int, int]]:
+        """(local rank, exit code) of the workers that exited since the last call."""
+        ...
+
+    def finished(self) -> bool:
+        """Every worker is done (and none can start any more)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop every worker; nothing started by this backend is left."""
+        ...
+
+    def exit_failures(self) -> dict[int, WorkerFailure]:
+        """Failures only the backend knows of, by rank (read once the run finished)."""
+        ...
+
+    def lost_reason(self) -> str | None:
+        """Why ranks ended without a word, when the backend knows (e.g. torch_xla's spawn raised)."""
+        ...
 
 
 @dataclass
@@ -128,8 +158,7 @@ class Supervisor:
                 target.write(f"[rank {worker.rank}] {line}\n")
             except Exception:
                 pass
-            self.notify({"kind": "output", "rank": worker.rank, "local_rank": worker.local_rank,
-                         "time": time.time(), "stream": stream, "text": line})
+            self.notify(messages.output(worker.rank, worker.local_rank, stream, line))
 
         return LineForwarder(deliver)
 
@@ -161,13 +190,13 @@ class Supervisor:
     def _handle(self, worker: WorkerHandle, message: Message) -> None:
         worker.seen = True
         kind = message.get("kind")
-        if kind == "batch":  # telemetry the worker queued (channel.WorkerSink)
+        if kind == MessageKind.BATCH:  # telemetry the worker queued (channel.WorkerSink)
             for inner in message.get("messages", ()):
                 self._handle(worker, inner)
             return
-        if kind == "memory":
+        if kind == MessageKind.MEMORY:
             worker.reports_memory = True
-        if kind == "status" and message.get("state") == "starting":
+        if kind == MessageKind.STATUS and message.get("state") == RankState.STARTING:
             worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
             worker.pid = message.get("pid", worker.pid)
             restart = int(message.get("restart") or 0)
@@ -183,7 +212,7 @@ class Supervisor:
                     pass
                 self.failures.clear()
                 self.first_failure = None
-        elif kind == "result":
+        elif kind == MessageKind.RESULT:
             try:
                 worker.result = serialize.loads(message.pop("value"))
                 worker.has_result = True
@@ -191,7 +220,7 @@ class Supervisor:
             except Exception as exc:
                 self._fail(WorkerFailure(worker.rank, type(exc).__name__,
                                          f"the result of rank {worker.rank} cannot be unpickled in the kernel: {exc}"))
-        elif kind == "error":
+        elif kind == MessageKind.ERROR:
             self._fail(WorkerFailure(worker.rank, message.get("exc_type"), message.get("message", ""),
                                      message.get("traceback", "")))
         self.notify(message)
@@ -213,8 +242,7 @@ class Supervisor:
         worker.exited, worker.exitcode = True, exitcode
         if self._stopping and worker.rank not in self.failures:
             if exitcode != 0 or not worker.has_result:
-                self.notify({"kind": "status", "rank": worker.rank, "local_rank": local_rank,
-                             "time": time.time(), "state": "stopped"})
+                self.notify(messages.status(worker.rank, local_rank, RankState.STOPPED))
             return
         if exitcode != 0:
             sig = signal_name(exitcode)
@@ -227,8 +255,7 @@ class Supervisor:
             reported = worker.rank in self.failures
             self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig))
             if not reported:
-                self.notify({"kind": "status", "rank": worker.rank, "local_rank": local_rank,
-                             "time": time.time(), "state": "failed", "error": message})
+                self.notify(messages.status(worker.rank, local_rank, RankState.FAILED, error=message))
         elif not worker.has_result:
             self._fail(WorkerFailure(worker.rank, None, "exited without returning a result", "", exitcode))
 
@@ -281,10 +308,10 @@ class Supervisor:
             self._drain()
             for failure in self.backend.exit_failures().values():
                 self._fail(failure)
-            if getattr(self.backend, "workers_may_not_start", False):  # torch_xla picks how many run
+            if self.backend.workers_may_not_start:  # torch_xla picks how many run
                 self.workers = [w for w in self.workers if w.seen]
-            lost = getattr(self.backend, "lost_reason", None)  # e.g. torch_xla's process died under its threads
-            reason = (lost() if callable(lost) else None) or "finished without returning a result"
+            # e.g. torch_xla's process died under its threads
+            reason = self.backend.lost_reason() or "finished without returning a result"
             for worker in self.workers:
                 if not worker.has_result and worker.rank not in self.failures:
                     self._fail(WorkerFailure(worker.rank, None, reason))
@@ -306,22 +333,16 @@ class Supervisor:
         return [w.result for w in self.workers]
 
     def _sample_memory(self) -> None:
-        """Host memory of workers that do not report it themselves (they never sent telemetry), via psutil."""
-        try:
-            import psutil
-        except ImportError:
-            return
+        """Host memory of workers that do not report it themselves (they never sent telemetry)."""
         for worker in self.workers:
             if worker.reports_memory or worker.pid is None or worker.exited:
                 continue
-            try:
-                rss = psutil.Process(worker.pid).memory_info().rss
-            except Exception:
+            sample = telemetry.process_memory(worker.pid)
+            if sample is None or sample["rss"] is None:
                 continue
-            worker.rss_peak = max(worker.rss_peak, rss)
-            self.notify({"kind": "memory", "rank": worker.rank, "local_rank": worker.local_rank,
-                         "time": time.time(), "rss": rss, "rss_peak": worker.rss_peak, "device_allocated": None,
-                         "device_reserved": None, "device_peak": None, "source": "kernel"})
+            worker.rss_peak = max(worker.rss_peak, sample["rss"])
+            sample["rss_peak"] = worker.rss_peak
+            self.notify(messages.memory(worker.rank, worker.local_rank, sample, source="kernel"))
 
     def _shutdown(self, outcome: str) -> None:
         """Stop every worker (even if interrupted again meanwhile), then read what they left."""

@@ -10,31 +10,56 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
 from ..errors import WorkerFailure
-from .processes import kill_pids
+from .pipes import Pipes
+from .processes import get_context, kill_pids
+from .supervisor import WorkerHandle
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
 
 JOIN_TIMEOUT = 5.0
 
 
 class ThreadedBackend:
-    """Run `target()` in a thread; `finished()` once it returned; `stop()` kills the workers it started."""
+    """Run the other launcher's blocking call in a thread; `finished()` once it returned; `stop()` kills the
+    workers it started. Subclasses say what to run (`target`) for a plan."""
 
     fail_fast = False
+    workers_may_not_start = False
+    thread_name = "nbaccel-launcher"
 
-    def __init__(self, target: Callable[[], Any], worker_ends: list[Any], name: str) -> None:
-        self._target = target
-        self._worker_ends = worker_ends  # kept open while workers may still be (re)started
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+    def __init__(self) -> None:
+        self._target: Callable[[], Any] = lambda: None
+        self._worker_ends: list[Any] = []  # kept open while workers may still be (re)started
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._before: set[int] = set()
         self.value: Any = None
         self.error: BaseException | None = None
 
-    def start(self) -> None:
-        self._before = set(_children())
-        self._thread.start()
+    def target(self, plan: LaunchPlan, entry_args: tuple) -> Callable[[], Any]:
+        """The blocking call that starts and waits for the workers (in the helper thread)."""
+        raise NotImplementedError
+
+    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+        """Prepare every local rank's pipes, then run `target` in the helper thread."""
+        pipes = Pipes(get_context(plan.start_method), plan.num_processes)
+        try:
+            entry_args = (payload, pipes.worker_channels, pipes.worker_out, pipes.worker_err, dict(plan.environ))
+            self._target = self.target(plan, entry_args)
+            self._worker_ends = pipes.worker_ends()
+            self._before = set(_children())
+            self._thread.start()
+        except BaseException:
+            pipes.close_all()
+            raise
+        return pipes.handles(plan.first_rank)
+
+    def lost_reason(self) -> str | None:
+        return None
 
     def _run(self) -> None:
         try:

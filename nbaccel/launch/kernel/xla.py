@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .threaded import ThreadedBackend
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
 
 TPU_CORES = 8  # what a TPU launch expects when the device count cannot be read (Colab/Kaggle v2-8, v3-8)
 DETECT_TIMEOUT = 10.0  # seconds: reading the TPU version may ask the metadata server
@@ -70,29 +73,23 @@ def local_device_count() -> tuple[int | None, str]:
     return None, "the TPU device count could not be read"
 
 
-def replica_layout() -> tuple[int, range]:
-    """Worker side, inside `xmp.spawn`: (this replica's local ordinal, the local ordinals this process runs)."""
-    import torch_xla.runtime as xr
-
-    per_process = max(1, xr.addressable_device_count())
-    first = int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) * per_process
-    return xr.local_ordinal(), range(first, first + per_process)
-
-
 class XlaBackend(ThreadedBackend):
     """Runs `xmp.spawn(entry, ...)` over every XLA device in a helper thread."""
 
-    def __init__(self, *, entry: Any, entry_args: tuple, worker_ends: list[Any], start_method: str,
-                 count_known: bool) -> None:
+    fail_fast = True
+    thread_name = "nbaccel-xla-spawn"
+
+    def target(self, plan: LaunchPlan, entry_args: tuple) -> Any:
+        from ..worker.xla_entry import xla_entry
+
         xmp = import_xmp()
+        # without a device count the pipes were prepared for TPU_CORES or num_processes ranks
+        self.workers_may_not_start = not plan.xla_count_known
 
         def target() -> Any:
-            return xmp.spawn(entry, args=entry_args, nprocs=None, start_method=start_method)
+            return xmp.spawn(xla_entry, args=entry_args, nprocs=None, start_method=plan.start_method)
 
-        super().__init__(target, worker_ends, name="nbaccel-xla-spawn")
-        self.fail_fast = True
-        # without a device count the pipes were prepared for TPU_CORES or num_processes ranks
-        self.workers_may_not_start = not count_known
+        return target
 
     def exit_failures(self) -> dict:
         return {}

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import close_quietly
+from ..environment import RankSpec
 from ..kernel.processes import (
     free_port,
     get_context,
@@ -26,7 +27,6 @@ from ..kernel.processes import (
     stop_processes,
 )
 from ..output import read_available
-from ..worker.entry import DEVICE_ENV
 from .results import RankStartError
 
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
@@ -91,10 +91,9 @@ class RankProcesses:
                 out_read, out_write = os.pipe()
                 err_read, err_write = os.pipe()
                 kernel_fds += [commands.fileno(), status.fileno(), telemetry.fileno(), out_read, err_read]
-                rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_processes),
-                                LOCAL_WORLD_SIZE=str(num_processes), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(port))
-                rank_env[DEVICE_ENV] = device.format(local_rank=rank)
+                rank_env = RankSpec(rank=rank, local_rank=rank, world_size=num_processes,
+                                    local_world_size=num_processes, node_rank=0, master_addr="127.0.0.1",
+                                    master_port=port, device=device.format(local_rank=rank)).environ(env)
                 from .rank_worker import pool_worker
 
                 process = ctx.Process(

@@ -26,7 +26,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ...utils.constants import MIXED_PRECISION_CHOICES
+from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
+from ..kernel.plan import normalize_precision
 from ..kernel.processes import choose_start_method
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from .call import MISMATCH_GRACE, Call, Hang
@@ -67,15 +70,11 @@ class RankPool:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         self.timeout = _check_timeout(timeout, "timeout")
-        from ..kernel.arguments import MIXED_PRECISION_CHOICES
-        from ..kernel.launcher import _common_env, _visible_gpus
-
-        precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
-        precision = getattr(precision, "value", precision)
+        precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
             raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
         self.start_method, note = choose_start_method(start_method)
-        gpus = _visible_gpus()
+        gpus = visible_gpus()
         if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
             print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
                   f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
@@ -85,7 +84,8 @@ class RankPool:
         self.num_processes = num_processes
         self.mixed_precision = precision
         self.restarts = 0
-        self._env = _common_env(precision, use_cpu=not gpus)
+        self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
+                                                    nproc_per_node=num_processes))
         self._env["NBACCEL_PG_TIMEOUT"] = str(self.timeout + PG_TIMEOUT_MARGIN)
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)

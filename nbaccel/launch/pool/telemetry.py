@@ -93,7 +93,7 @@ def set_worker_telemetry(conn: Connection | None, enabled: bool, rank: int) -> N
     global _sink
     from ... import telemetry
     from ..channel import WorkerSink
-    from ..worker.entry import _start_memory_reports
+    from ..worker.entry import start_memory_reports
 
     if not enabled:
         telemetry.detach()
@@ -105,6 +105,6 @@ def set_worker_telemetry(conn: Connection | None, enabled: bool, rank: int) -> N
         raise RuntimeError("this rank has no telemetry pipe")
     if _sink is None:
         _sink = WorkerSink(conn, rank)
-    _start_memory_reports(telemetry, _sink)  # memory samples ride the sink's sender thread...
+    start_memory_reports(telemetry, _sink)  # memory samples ride the sink's sender thread...
     _sink._start_sender()  # ...which runs from now on, so idle ranks report their memory too
     telemetry.attach(_sink, rank)

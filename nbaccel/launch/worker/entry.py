@@ -15,11 +15,10 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
+from ...utils.constants import MEMORY_INTERVAL_ENV
 from ..channel import WorkerSink, close_quietly
 from ..output import flush_std, redirect_std_fds
-
-DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"
-MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"
 
 
 def run_worker(
@@ -58,7 +57,7 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
 
         function, args, kwargs = serialize.loads(payload)
         sink.send("status", state="running", device=device)
-        _start_memory_reports(telemetry, sink)
+        start_memory_reports(telemetry, sink)
         try:
             value = function(*args, **kwargs)
         except SystemExit as exc:
@@ -105,7 +104,7 @@ def _destroy_process_group() -> None:
         pass
 
 
-def _start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
+def start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
     """`memory` messages every NBACCEL_MEMORY_INTERVAL seconds (default 1; 0: none), sent by the sink's
     sender thread once the function reports telemetry (the kernel samples host memory of workers that
     never do). No thread starts here: on a busy machine a thread start delays the function by ~10 ms."""
@@ -115,9 +114,8 @@ def _start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
         interval = 1.0
     if interval <= 0:
         return
-    sample = getattr(telemetry, "memory_sample", None) or memory_sample
     sink.tick_interval = interval
-    sink.ticker = lambda: sink.send("memory", **sample())
+    sink.ticker = lambda: sink.send("memory", **telemetry.memory_sample())
 
 
 def _stop_telemetry_sampler(telemetry: Any) -> None:
@@ -130,41 +128,6 @@ def _stop_telemetry_sampler(telemetry: Any) -> None:
             pass
 
 
-def memory_sample() -> dict[str, int | None]:
-    """Host RSS (current, peak) and, when CUDA is in use in this process, device memory, in bytes."""
-    import resource
-
-    sample: dict[str, int | None] = {
-        "rss": _current_rss(),
-        "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
-        "device_allocated": None,
-        "device_reserved": None,
-        "device_peak": None,
-    }
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_initialized():
-            sample["device_allocated"] = torch.cuda.memory_allocated()
-            sample["device_reserved"] = torch.cuda.memory_reserved()
-            sample["device_peak"] = torch.cuda.max_memory_allocated()
-    except Exception:
-        pass
-    return sample
-
-
-def _current_rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        try:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-        except Exception:
-            return None
-
-
 def elastic_entry(payload: bytes, channels: list[Connection], stdouts: list[Connection],
                   stderrs: list[Connection], env: dict[str, str]) -> None:
     """Entry point under torch elastic: it sets RANK/LOCAL_RANK/...; pick this local rank's pipes."""
@@ -175,30 +138,3 @@ def elastic_entry(payload: bytes, channels: list[Connection], stdouts: list[Conn
     local_env = dict(env)
     local_env[DEVICE_ENV] = env.get(DEVICE_ENV, "cpu").replace("{local_rank}", str(local_rank))
     run_worker(payload, channels[local_rank], stdouts[local_rank], stderrs[local_rank], local_env)
-
-
-def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: list[Connection],
-              stderrs: list[Connection], env: dict[str, str]) -> None:
-    """Entry point under torch_xla's spawn, called in every replica with its global ordinal (the rank).
-
-    One replica per process: as any worker. Several (one thread per device): see `replica_threads`.
-    """
-    from ..kernel.xla import replica_layout
-
-    local, own = replica_layout()
-    if own.stop > len(channels):
-        raise RuntimeError(
-            f"torch_xla started more replicas ({own.stop}+) than notebook_launcher prepared for ({len(channels)}): "
-            "pass num_processes=None, or limit the devices (TPU_VISIBLE_CHIPS, CPU_NUM_DEVICES)"
-        )
-    local_env = dict(env, LOCAL_RANK=str(local), RANK=str(index))
-    local_env[DEVICE_ENV] = f"xla:{local}"
-    if len(own) > 1:
-        from .replica_threads import run_worker_thread
-
-        run_worker_thread(payload, local, own, channels, stdouts, stderrs, local_env)
-        return
-    for i in range(len(channels)):
-        if i != local:
-            close_quietly(channels[i], stdouts[i], stderrs[i])
-    run_worker(payload, channels[local], stdouts[local], stderrs[local], local_env)

@@ -1,0 +1,78 @@
+"""The local backend: worker processes started here with multiprocessing (fork, spawn or forkserver)."""
+
+from __future__ import annotations
+
+import select
+from typing import TYPE_CHECKING, Any
+
+from ..channel import close_quietly
+from ..errors import WorkerFailure
+from ..worker.entry import run_worker
+from .pipes import Pipes
+from .processes import get_context, main_module_hidden, stop_processes
+from .supervisor import WorkerHandle
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
+
+
+class LocalBackend:
+    """Starts one multiprocessing.Process per local rank of the plan and reports their exits."""
+
+    fail_fast = True
+    workers_may_not_start = False
+
+    def __init__(self) -> None:
+        self.processes: list[Any] = []
+        self._reported: set[int] = set()
+
+    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+        """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
+        ctx = get_context(plan.start_method)
+        pipes = Pipes(ctx, 0)
+        try:
+            for spec in plan.ranks():
+                pipes.add(ctx)
+                channel, out, err = pipes.worker_ends(spec.local_rank)
+                proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, spec.environ(plan.environ)),
+                                   name=f"nbaccel-rank-{spec.rank}")
+                with main_module_hidden(plan.start_method):
+                    proc.start()
+                self.processes.append(proc)
+                close_quietly(channel, out, err)  # the worker holds them now; end of stream when it exits
+        except BaseException:
+            stop_processes(self.processes)
+            pipes.close_all()
+            raise
+        return pipes.handles(plan.first_rank)
+
+    def wait_objects(self) -> list[Any]:
+        return [proc.sentinel for i, proc in enumerate(self.processes) if i not in self._reported]
+
+    def poll_exits(self) -> list[tuple[int, int]]:
+        exits = []
+        for i, proc in enumerate(self.processes):
+            if i in self._reported:
+                continue
+            code = proc.exitcode
+            if code is None and select.select([proc.sentinel], [], [], 0)[0]:
+                # its sentinel closed: it is exiting. Wait for it (join reaps it with a blocking waitpid)
+                # instead of spinning until the OS makes it a zombie.
+                proc.join(5)
+                code = proc.exitcode
+            if code is not None:
+                self._reported.add(i)
+                exits.append((i, code))
+        return exits
+
+    def finished(self) -> bool:
+        return len(self._reported) == len(self.processes)
+
+    def stop(self) -> None:
+        stop_processes(self.processes)
+
+    def exit_failures(self) -> dict[int, WorkerFailure]:
+        return {}
+
+    def lost_reason(self) -> str | None:
+        return None

@@ -1,0 +1,327 @@
+"""One launch, resolved: `build_plan(request)` validates and defaults everything once, before anything starts.
+
+`LaunchRequest` is what the caller asked (notebook_launcher's or debug_launcher's arguments); `LaunchPlan`
+is what will run where: the mode (in this process, local processes, torch elastic, torch_xla), the process
+counts, the start method, the address and port or rendezvous, the device, and the environment every worker
+shares (built by nbaccel.launch.environment). Every bad-input error is raised here. `plan.ranks()` gives
+each local rank's `RankSpec` (its identity; `spec.environ(plan.environ)` is its whole environment).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType, SimpleNamespace
+from typing import Any
+
+from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
+from .processes import check_port_free, check_start_method, choose_start_method, free_port, is_local_address
+from .saved_config import apply_saved_config, plain
+
+# Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
+_PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
+assert set(_PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
+
+
+class Mode(str, Enum):
+    """How the ranks run."""
+
+    IN_PROCESS = "in-process"  # one process: the function runs in the kernel, as Accelerate does
+    LOCAL = "local"  # processes started here (fork/spawn/forkserver)
+    ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
+    XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """The arguments of one `notebook_launcher` (or `debug_launcher`) call, as given."""
+
+    function: Callable[..., Any]
+    args: Any = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    num_processes: int | None = None
+    mixed_precision: Any = "no"
+    use_port: int | str | None = None
+    master_addr: str = "127.0.0.1"
+    node_rank: int = 0
+    num_nodes: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_conf: Mapping[str, Any] | None = None
+    rdzv_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_line_prefix_template: str | None = None
+    start_method: str | None = None
+    timeout: float | None = None
+    debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """torch elastic's settings for this node."""
+
+    backend: str
+    endpoint: str
+    conf: Mapping[str, Any]
+    run_id: str
+    max_restarts: int
+    monitor_interval: float
+    log_line_prefix_template: str | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What runs where, with which environment; frozen once built."""
+
+    mode: Mode
+    num_processes: int  # ranks on this node
+    mixed_precision: str
+    start_method: str
+    device: str  # "cpu", "xla" or "cuda:{local_rank}" (filled per rank)
+    environ: Mapping[str, str]  # shared by every worker of the launch
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    port: int | None = None
+    rendezvous: Rendezvous | None = None
+    start_note: str | None = None  # why the start method was chosen, shown to the user
+    xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.num_nodes
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.num_processes
+
+    def rank(self, local_rank: int) -> RankSpec:
+        """The identity of local rank `local_rank` of this node."""
+        return RankSpec(rank=self.first_rank + local_rank, local_rank=local_rank, world_size=self.world_size,
+                        local_world_size=self.num_processes, node_rank=self.node_rank,
+                        master_addr=self.master_addr, master_port=self.port or 0,
+                        device=self.device.format(local_rank=local_rank))
+
+    def ranks(self) -> list[RankSpec]:
+        return [self.rank(i) for i in range(self.num_processes)]
+
+    def info(self) -> dict[str, Any]:
+        """What the `launch` message and the dashboard are told about this launch."""
+        device = self.device.split(":")[0]
+        if self.mode is Mode.LOCAL:
+            return dict(start_method=self.start_method, world_size=self.world_size, port=self.port, device=device)
+        if self.mode is Mode.ELASTIC:
+            assert self.rendezvous is not None
+            return dict(start_method=self.start_method, world_size=self.world_size, node_rank=self.node_rank,
+                        num_nodes=self.num_nodes, rdzv_backend=self.rendezvous.backend, device=device)
+        if self.mode is Mode.XLA:
+            return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
+        return dict(start_method="in-process")
+
+
+# ------------------------------------------------------------------------------------------ validation
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request(request: LaunchRequest, resolved: Any) -> str:
+    """Raise ValueError/TypeError naming the bad argument; return the mixed precision normalized.
+    `resolved`: the arguments after the saved configuration filled in those left at their defaults
+    (num_processes, node_rank, num_nodes, rdzv_backend, mixed_precision)."""
+    function, args = request.function, request.args
+    num_processes, node_rank, num_nodes = resolved.num_processes, resolved.node_rank, resolved.num_nodes
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
+    if num_processes is not None and (not is_int(num_processes) or num_processes < 1):
+        raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
+    if not is_int(num_nodes) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+    if not is_int(node_rank) or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
+    if not is_int(request.max_restarts) or request.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {request.max_restarts!r}")
+    interval = request.monitor_interval
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+        raise ValueError(f"monitor_interval must be a positive number of seconds, got {interval!r}")
+    check_rendezvous_backend(resolved.rdzv_backend)
+    check_timeout(request.timeout)
+    precision = check_precision(resolved.mixed_precision)
+    check_call(function, args, request.kwargs)
+    return precision
+
+
+def check_rendezvous_backend(rdzv_backend: Any) -> None:
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise ValueError(f"rdzv_backend must be one of {RDZV_BACKENDS}, got {rdzv_backend!r}")
+
+
+def check_timeout(timeout: Any) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def normalize_precision(mixed_precision: Any) -> Any:
+    precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
+    return getattr(precision, "value", precision)  # a PrecisionType member
+
+
+def check_precision(mixed_precision: Any) -> str:
+    precision = normalize_precision(mixed_precision)
+    if precision not in MIXED_PRECISION_CHOICES:
+        raise ValueError(f"Unknown mixed_precision mode: {mixed_precision!r}. "
+                         f"Choose between {list(_PRECISION_MESSAGE_ORDER)}.")
+    return precision
+
+
+def check_call(function: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise TypeError when `function` cannot be called with these arguments (before anything starts)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let the call decide
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(function, "__qualname__", repr(function))
+        raise TypeError(
+            f"{name}{signature} cannot be called with args={tuple(args)!r} and kwargs={dict(kwargs)!r}: {exc}"
+        ) from None
+
+
+def parse_port(use_port: Any) -> int | None:
+    """`use_port` (int or digit string, Accelerate passes "29500") as an int; None stays None."""
+    if use_port is None:
+        return None
+    try:
+        port = int(use_port)
+    except (TypeError, ValueError):
+        port = -1
+    if not 0 < port < 65536 or isinstance(use_port, bool):
+        raise ValueError(f"use_port must be a port number 1-65535 (or None for a free port), got {use_port!r}")
+    return port
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def build_plan(request: LaunchRequest) -> LaunchPlan:
+    """Resolve `request` into a frozen plan: saved configuration, device counts, start method, port or
+    rendezvous, elastic or local, XLA. Raises every bad-input error; starts nothing."""
+    if request.debug_launcher:
+        return _debug_plan(request)
+    gpus = visible_gpus()
+    saved = apply_saved_config(num_processes=request.num_processes, mixed_precision=request.mixed_precision,
+                               use_port=request.use_port, master_addr=request.master_addr,
+                               node_rank=request.node_rank, num_nodes=request.num_nodes,
+                               rdzv_backend=request.rdzv_backend, start_method=request.start_method, gpus=gpus)
+    num_processes, num_nodes, node_rank = saved.num_processes, saved.num_nodes, saved.node_rank
+    precision = check_request(request, saved)
+    port = parse_port(saved.use_port)
+    check_start_method(saved.start_method)
+    if saved.use_cpu:
+        gpus = 0  # the config says CPU: workers get NBACCEL_USE_CPU
+    from .xla import tpu_requested
+
+    if tpu_requested():
+        return _xla_plan(request, saved, precision)
+    if num_processes is None:
+        num_processes = gpus or 1
+    elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
+        print("Colab with one GPU: running the function in this process (as Accelerate does).", file=sys.stderr)
+        num_processes = 1
+    elif gpus and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} but only {gpus} GPU(s) are visible: nbaccel runs one process per "
+            f"GPU. Pass num_processes<={gpus} (or hide the GPUs with CUDA_VISIBLE_DEVICES='' to use the CPU)."
+        )
+    elastic = num_nodes > 1 or request.max_restarts > 0
+    master_addr = saved.master_addr
+    loopback = not elastic or is_local_address(master_addr)
+    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=not gpus,
+                                     loopback=loopback, num_nodes=num_nodes, nproc_per_node=num_processes)
+    environ = worker_environment(worker)
+    device = "cuda:{local_rank}" if gpus else "cpu"
+    if num_processes == 1 and not elastic:
+        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+                          start_method="in-process", device="cpu", environ=_frozen(environ))
+    method, note = choose_start_method(saved.start_method)
+    common = dict(num_processes=num_processes, mixed_precision=precision, start_method=method, device=device,
+                  environ=_frozen(environ), num_nodes=num_nodes, node_rank=node_rank, master_addr=master_addr,
+                  start_note=note)
+    if elastic:
+        return LaunchPlan(mode=Mode.ELASTIC, port=port,
+                          rendezvous=_rendezvous(request, saved, port), **common)
+    if port is None:
+        port = free_port(master_addr if is_local_address(master_addr) else "127.0.0.1")
+    elif is_local_address(master_addr):
+        check_port_free(port, "127.0.0.1" if master_addr in ("localhost", "0.0.0.0") else master_addr)
+    return LaunchPlan(mode=Mode.LOCAL, port=port, **common)
+
+
+def _frozen(environ: dict[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(environ))
+
+
+def _rendezvous(request: LaunchRequest, saved: Any, port: int | None) -> Rendezvous:
+    """torch elastic's meeting point: `rdzv_endpoint`, else master_addr:port (a free port on one node)."""
+    endpoint, backend = request.rdzv_endpoint, saved.rdzv_backend
+    conf = dict(request.rdzv_conf or {})
+    if not endpoint:
+        if port is None:
+            if saved.num_nodes > 1:
+                raise ValueError(
+                    "num_nodes > 1 needs a meeting point every node knows: pass rdzv_endpoint='host:port' "
+                    "(with rdzv_backend='c10d') or use_port=... together with master_addr"
+                )
+            port = free_port()
+        elif saved.node_rank == 0 and is_local_address(saved.master_addr) and backend == "static":
+            check_port_free(port)
+        endpoint = f"{saved.master_addr}:{port}"
+    if backend == "static":
+        conf.setdefault("rank", saved.node_rank)
+    return Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(conf), run_id=request.rdzv_id,
+                      max_restarts=request.max_restarts, monitor_interval=request.monitor_interval,
+                      log_line_prefix_template=request.log_line_prefix_template)
+
+
+def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
+    """torch_xla runs one replica per XLA device: check num_processes against the device count."""
+    from .xla import TPU_CORES, import_xmp, local_device_count
+
+    import_xmp()  # a clear ImportError before anything else
+    num_processes = saved.num_processes
+    count, source = (1, "") if num_processes == 1 else local_device_count()  # 1: in this process
+    if count is not None and num_processes is not None and num_processes != count:
+        raise ValueError(
+            f"num_processes={num_processes}, but torch_xla runs one process per XLA device and this machine "
+            f"has {count} ({source}): pass num_processes=None (or {count}), or 1 to run in this process. "
+            "Fewer devices: set TPU_VISIBLE_CHIPS (TPU) or CPU_NUM_DEVICES (PJRT_DEVICE=CPU) before launching."
+        )
+    nprocs = count or num_processes or TPU_CORES
+    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=False, nproc_per_node=nprocs)
+    environ = worker_environment(worker)
+    if nprocs == 1:
+        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+                          start_method="in-process", device="cpu", environ=_frozen(environ))
+    environ["FORK_LAUNCHED"] = "1"  # as Accelerate on TPU
+    return LaunchPlan(mode=Mode.XLA, num_processes=nprocs, mixed_precision=precision,
+                      start_method=saved.start_method or "fork", device="xla", environ=_frozen(environ),
+                      xla_count_known=count is not None)
+
+
+def _debug_plan(request: LaunchRequest) -> LaunchPlan:
+    """debug_launcher: CPU processes with gloo, fork where safe, no saved configuration."""
+    num_processes = plain(request.num_processes)
+    precision = check_request(request, SimpleNamespace(num_processes=num_processes, node_rank=0, num_nodes=1,
+                                                       rdzv_backend="static", mixed_precision="no"))
+    method, note = choose_start_method(None)
+    environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes))
+    environ["FORK_LAUNCHED"] = "1"  # as Accelerate's debug_launcher
+    return LaunchPlan(mode=Mode.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
+                      device="cpu", environ=_frozen(environ), port=free_port(), start_note=note)
