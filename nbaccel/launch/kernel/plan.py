@@ -20,7 +20,7 @@ from typing import Any
 from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from .processes import check_port_free, check_start_method, choose_start_method, free_port, is_local_address
-from .saved_config import apply_saved_config, plain
+from .saved_config import apply_saved_config, default, plain
 
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
 _PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
@@ -44,12 +44,12 @@ class LaunchRequest:
     args: Any = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
-    mixed_precision: Any = "no"
+    mixed_precision: Any = default("no")  # marked defaults: the saved configuration may fill them in
     use_port: int | str | None = None
-    master_addr: str = "127.0.0.1"
-    node_rank: int = 0
-    num_nodes: int = 1
-    rdzv_backend: str = "static"
+    master_addr: str = default("127.0.0.1")
+    node_rank: int = default(0)
+    num_nodes: int = default(1)
+    rdzv_backend: str = default("static")
     rdzv_endpoint: str = ""
     rdzv_conf: Mapping[str, Any] | None = None
     rdzv_id: str = "none"

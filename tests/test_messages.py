@@ -1,0 +1,56 @@
+"""The message kinds and rank states: one module (nbaccel/launch/messages.py), the docs' table matches it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from nbaccel.launch import messages
+from nbaccel.launch.messages import LaunchState, MessageKind, RankState
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _table_rows() -> dict[str, str]:
+    """kind -> its row, from the channel table of docs/internals.md."""
+    text = (ROOT / "docs" / "internals.md").read_text(encoding="utf-8")
+    section = text[text.index("## The channel (kernel <-> worker)"):]
+    section = section[: section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `(\w+)` \|", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def test_docs_message_table_lists_every_kind_and_only_those():
+    assert set(_table_rows()) == {kind.value for kind in MessageKind}
+
+
+def test_docs_status_row_lists_every_rank_state():
+    row = _table_rows()["status"]
+    states = re.search(r"`state` in ([\w/]+)", row).group(1).split("/")
+    assert states == [state.value for state in RankState]
+
+
+def test_docs_launch_row_lists_every_launch_state():
+    row = _table_rows()["launch"]
+    states = re.search(r"`state` \(([\w/]+)\)", row).group(1).split("/")
+    assert states == [state.value for state in LaunchState]
+
+
+def test_enums_equal_todays_strings_so_observers_keep_working():
+    assert MessageKind.STATUS == "status" and RankState.FAILED == "failed" and f"{RankState.STOPPED}" == "stopped"
+    message = messages.status(3, 1, RankState.STOPPED)
+    assert message["kind"] == "status" and message["state"] == "stopped" and type(message["state"]) is str
+    assert (message["rank"], message["local_rank"]) == (3, 1) and isinstance(message["time"], float)
+    assert messages.launch(LaunchState.TIMEOUT)["rank"] is None
+    line = messages.output(0, 0, "stderr", "text")
+    assert (line["kind"], line["stream"], line["text"]) == ("output", "stderr", "text")
+
+
+def test_telemetry_emits_only_known_kinds():
+    source = (ROOT / "nbaccel" / "telemetry.py").read_text(encoding="utf-8")
+    emitted = set(re.findall(r"""_?emit\([^"']*["'](\w+)["']""", source))
+    assert emitted and emitted <= {kind.value for kind in MessageKind}, emitted
