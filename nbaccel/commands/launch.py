@@ -15,12 +15,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..launch.environment import WorkerConfig
-from ..launch.environment import worker_environment as build_worker_environment
 from ..utils.config_file import ConfigError, LaunchConfig, load_config
 from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..utils.dataclasses import DynamoBackend
+
+if TYPE_CHECKING:
+    from ..launch.environment import WorkerConfig
 
 
 class LaunchOptionError(ValueError):
@@ -242,6 +244,8 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
 
 def worker_config(s: LaunchSettings) -> WorkerConfig:
     """The settings that reach the workers, for the one environment builder (nbaccel.launch.environment)."""
+    from ..launch.environment import WorkerConfig  # here: `nbaccel --help` does not load the launch package
+
     return WorkerConfig(
         mixed_precision=s.mixed_precision, use_cpu=s.use_cpu, loopback=s.num_machines == 1, num_nodes=s.num_machines,
         nproc_per_node=s.nproc_per_node, debug=s.debug, gradient_accumulation_steps=s.gradient_accumulation_steps,
@@ -253,7 +257,9 @@ def worker_config(s: LaunchSettings) -> WorkerConfig:
 
 def worker_environment(s: LaunchSettings) -> dict[str, str]:
     """The variables (besides torchrun's) every worker gets; each nbaccel one also under its ACCELERATE_ name."""
-    return build_worker_environment(worker_config(s))
+    from ..launch.environment import worker_environment as build
+
+    return build(worker_config(s))
 
 
 def torchrun_arguments(s: LaunchSettings) -> list[str]:
