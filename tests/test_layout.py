@@ -199,19 +199,10 @@ def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# Cycles inside utils that remain (issue 12 leftovers, in modules other branches are editing): Accelerate's own
-# layout has them (imports <-> environment; modeling's re-export of offload's load_offloaded_weights, which
-# places weights with modeling's set_module_tensor_to_device). The list may only shrink.
-KNOWN_CYCLES = [
-    ["nbaccel.utils.environment", "nbaccel.utils.imports"],
-    ["nbaccel.utils.modeling", "nbaccel.utils.offload", "nbaccel.utils.other"],
-]
-
-
 def test_no_import_cycles_among_nbaccel_modules():
     sources = {_module_name(path): (path.read_text(encoding="utf-8"), path.name == "__init__.py")
                for path in sorted(PACKAGE.rglob("*.py"))}
-    found = [cycle for cycle in cycles_in(import_graph(sources)) if cycle not in KNOWN_CYCLES]
+    found = cycles_in(import_graph(sources))
     assert not found, "import cycles (function-level imports count):\n" + "\n".join(" <-> ".join(c) for c in found)
 
 

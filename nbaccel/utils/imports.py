@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.version import Version, parse
 
-from .environment import parse_flag_from_env, patch_environment, tpu_requested
+from .env_flags import parse_flag_from_env, patch_environment, tpu_requested
 
 STR_OPERATION_TO_FUNC: dict[str, Callable[[Any, Any], bool]] = {
     ">": operator.gt,

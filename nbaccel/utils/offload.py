@@ -91,7 +91,7 @@ def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, tor
 def load_offloaded_weights(model: nn.Module, index: Mapping[str, Any] | None, offload_folder: str | os.PathLike
                            ) -> None:
     """Put every weight listed in `index` (from `offload_folder`) back into `model` on the CPU."""
-    from .modeling import set_module_tensor_to_device
+    from .tensor_placement import set_module_tensor_to_device
 
     if not index:
         return

@@ -165,7 +165,7 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
     """
     import torch
 
-    from .modeling import id_tensor_storage
+    from .tensor_placement import id_tensor_storage
 
     seen: set[tuple] = set()
     cleaned = {}
