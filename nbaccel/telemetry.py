@@ -191,6 +191,8 @@ def process_memory(pid: int) -> dict[str, int | None] | None:
         rss = psutil.Process(pid).memory_info().rss
     except Exception:
         return None
+    if not rss:  # a process that is exiting has released its memory already: no sample
+        return None
     return dict(rss=rss, rss_peak=None, device_allocated=None, device_reserved=None, device_peak=None)
 
 
