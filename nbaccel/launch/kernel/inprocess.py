@@ -1,5 +1,8 @@
 """One process: the function runs in the kernel itself (as Accelerate does), still returning `[result]`.
 
+Not a `Backend`: there is no process to start, watch or stop, so the supervisor is not involved; the plan's
+mode `IN_PROCESS` sends the launch here instead.
+
 Observers and the dashboard see the same status and telemetry messages as for a multi-process launch;
 `mixed_precision` is set in the environment for the duration of the call; `timeout` uses SIGALRM (main
 thread only).

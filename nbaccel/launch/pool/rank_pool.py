@@ -31,6 +31,7 @@ from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..kernel.plan import normalize_precision
 from ..kernel.processes import choose_start_method
+from ..messages import RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from .call import MISMATCH_GRACE, Call, Hang
 from .hang_report import Diagnosis, explain
@@ -132,7 +133,7 @@ class RankPool:
                 self._telemetry_on()
             else:
                 for rank in self._workers.ranks:
-                    self._deliver_to(function, status_message(rank.rank, "running", rank.device, pid=rank.pid))
+                    self._deliver_to(function, status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
 
     def detach(self, observer: Any) -> None:
         """Stop sending messages to `observer` (the ranks stop reporting once nothing is attached)."""
@@ -152,7 +153,7 @@ class RankPool:
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
         self._call(lambda call_id, rank: ("telemetry", call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
-            self._notify(status_message(rank.rank, "running", rank.device, pid=rank.pid))
+            self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
 
     def _telemetry_off(self) -> None:
         self._call(lambda call_id, rank: ("telemetry", call_id, False), None, None)
@@ -288,7 +289,7 @@ class RankPool:
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:
                 for index in selected:
-                    self._notify(status_message(index, "running", self._workers.ranks[index].device))
+                    self._notify(status_message(index, RankState.RUNNING, self._workers.ranks[index].device))
             try:
                 results = call.run(make)
                 if report:
@@ -314,11 +315,11 @@ class RankPool:
         for result in results:
             device = self._workers.ranks[result.rank].device if self._workers is not None else "cpu"
             if result.error is None:
-                self._notify(status_message(result.rank, "finished", device))
+                self._notify(status_message(result.rank, RankState.FINISHED, device))
             else:
                 error = result.error
                 first = (f"{error.exc_type}: {error.message}" if error.exc_type else error.summary()).splitlines()[0]
-                self._notify(status_message(result.rank, "failed", device, error=first))
+                self._notify(status_message(result.rank, RankState.FAILED, device, error=first))
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:

@@ -10,12 +10,13 @@ stdout/stderr) are made in the kernel. With nothing attached none of this runs.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .. import messages
 from ..channel import Message
+from ..messages import RankState
 from ..output import LineForwarder
 
 READ_WAKE = 0.1  # seconds: how soon the reader thread notices it was asked to stop
@@ -42,8 +43,7 @@ class OutputLines:
     @staticmethod
     def _sender(rank: int, stream: str, deliver: Callable[[Message], None]) -> Callable[[str], None]:
         def send(line: str) -> None:
-            deliver({"kind": "output", "rank": rank, "local_rank": rank, "time": time.time(), "stream": stream,
-                     "text": line})
+            deliver(messages.output(rank, rank, stream, line))
         return send
 
     def __call__(self, stream: str, data: bytes) -> None:
@@ -79,9 +79,9 @@ class TelemetryReader:
             self._thread.join(2 * READ_WAKE + 1.0)
 
 
-def status_message(rank: int, state: str, device: str, **fields: Any) -> Message:
-    return {"kind": "status", "rank": rank, "local_rank": rank, "time": time.time(), "state": state,
-            "device": device, **fields}
+def status_message(rank: int, state: RankState, device: str, **fields: Any) -> Message:
+    """A rank's `status` message, made in the kernel (a pool's rank number is also its local rank)."""
+    return messages.status(rank, rank, RankState(state), device=device, **fields)
 
 
 # ------------------------------------------------------------------------------------------ worker side
