@@ -64,6 +64,9 @@ class FakeBackend:
     def lost_reason(self):
         return self.lost
 
+    def close(self):
+        pass
+
 
 class FakeWorker:
     """The worker ends of one rank's channel and output pipes."""

@@ -7,6 +7,7 @@ in a helper thread (so it does not replace the kernel's SIGINT handler) and star
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,31 @@ class ElasticBackend(ThreadedBackend):
             self._handler.shutdown()
         except Exception:
             pass
+
+    def close(self) -> None:
+        """Close what torch elastic keeps of the last workers (process objects, result queues): their pipes
+        would stay open until a garbage collection otherwise."""
+        pcontext = getattr(getattr(self, "agent", None), "_pcontext", None)
+        inner = getattr(pcontext, "_pc", None)
+        queues = [*getattr(pcontext, "_ret_vals", {}).values(), *getattr(inner, "error_queues", ())]
+        for proc in getattr(inner, "processes", ()):
+            try:
+                if proc.exitcode is None:
+                    proc.join(1.0)
+                proc.close()
+            except (ValueError, AttributeError):
+                pass
+        for queue in queues:
+            close = getattr(queue, "close", None)
+            try:
+                if callable(close):
+                    close()
+            except Exception:
+                pass
+        # the agent, its rendezvous store and its log specs sit in reference cycles that hold sockets, event fds
+        # and /dev/null handles: let them go now (elastic launches take seconds; a collection is milliseconds)
+        self.agent = self._handler = None
+        gc.collect()
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
         if self.error is not None:

@@ -107,9 +107,12 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
-    with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
-        handles = backend.start(plan, payload)
-        return supervise(plan, handles, backend, reporting)
+    try:
+        with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
+            handles = backend.start(plan, payload)
+            return supervise(plan, handles, backend, reporting)
+    finally:
+        backend.close()
 
 
 def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, reporting: Reporting) -> list[Any]:

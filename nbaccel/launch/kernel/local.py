@@ -74,5 +74,15 @@ class LocalBackend:
     def exit_failures(self) -> dict[int, WorkerFailure]:
         return {}
 
+    def close(self) -> None:
+        """Release the process objects (each holds a sentinel pipe until garbage collection otherwise)."""
+        for proc in self.processes:
+            try:
+                if proc.exitcode is None:
+                    proc.join(1.0)
+                proc.close()  # ValueError while it still runs: left to the garbage collector
+            except ValueError:
+                pass
+
     def lost_reason(self) -> str | None:
         return None

@@ -74,6 +74,10 @@ class Backend(Protocol):
         """Why ranks ended without a word, when the backend knows (e.g. torch_xla's spawn raised)."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend holds (process objects, their pipes) once the launch is over."""
+        ...
+
 
 @dataclass
 class WorkerHandle:

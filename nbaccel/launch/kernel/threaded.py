@@ -61,6 +61,9 @@ class ThreadedBackend:
     def lost_reason(self) -> str | None:
         return None
 
+    def close(self) -> None:
+        """Nothing to release: the other launcher owns its process objects."""
+
     def _run(self) -> None:
         try:
             self.value = self._target()
