@@ -19,7 +19,15 @@ from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
-from .processes import check_port_free, check_start_method, choose_start_method, free_port, is_local_address
+from .processes import (
+    bind_address,
+    check_port_free,
+    check_start_method,
+    choose_start_method,
+    free_port,
+    is_local_address,
+    is_loopback_address,
+)
 from .saved_config import apply_saved_config, default, plain
 
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
@@ -242,7 +250,7 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
         )
     elastic = num_nodes > 1 or request.max_restarts > 0
     master_addr = saved.master_addr
-    loopback = not elastic or is_local_address(master_addr)
+    loopback = not elastic or is_loopback_address(master_addr)
     worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=not gpus,
                                      loopback=loopback, num_nodes=num_nodes, nproc_per_node=num_processes)
     environ = worker_environment(worker)
@@ -258,9 +266,9 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
         return LaunchPlan(mode=Mode.ELASTIC, port=port,
                           rendezvous=_rendezvous(request, saved, port), **common)
     if port is None:
-        port = free_port(master_addr if is_local_address(master_addr) else "127.0.0.1")
+        port = free_port(bind_address(master_addr) if is_local_address(master_addr) else "127.0.0.1")
     elif is_local_address(master_addr):
-        check_port_free(port, "127.0.0.1" if master_addr in ("localhost", "0.0.0.0") else master_addr)
+        check_port_free(port, bind_address(master_addr))
     return LaunchPlan(mode=Mode.LOCAL, port=port, **common)
 
 
@@ -281,7 +289,7 @@ def _rendezvous(request: LaunchRequest, saved: Any, port: int | None) -> Rendezv
                 )
             port = free_port()
         elif saved.node_rank == 0 and is_local_address(saved.master_addr) and backend == "static":
-            check_port_free(port)
+            check_port_free(port, bind_address(saved.master_addr))
         endpoint = f"{saved.master_addr}:{port}"
     if backend == "static":
         conf.setdefault("rank", saved.node_rank)

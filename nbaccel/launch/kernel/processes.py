@@ -154,13 +154,48 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
             ) from None
 
 
-def is_local_address(host: str) -> bool:
-    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname()):
+def is_loopback_address(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (127.x, ::1, localhost)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
         return True
     try:
         return socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
+
+
+def interface_addresses() -> set[str]:
+    """The addresses of this machine's network interfaces (IPv4 and IPv6), via psutil."""
+    try:
+        import psutil
+
+        return {entry.address.split("%")[0] for entries in psutil.net_if_addrs().values() for entry in entries
+                if entry.family in (socket.AF_INET, socket.AF_INET6)}
+    except Exception:
+        return set()
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` is this machine: loopback, the wildcard, its host name or one of its interfaces'
+    addresses (e.g. its LAN address), so a port on it can be checked before anything starts."""
+    if host in ("0.0.0.0", socket.gethostname()) or is_loopback_address(host):
+        return True
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return address in interface_addresses()
+
+
+def bind_address(host: str) -> str:
+    """The address to test a port on for a local `host`: loopback for names of it and the wildcard, else the
+    host's own address (a port can be busy on the LAN address only)."""
+    if host in ("localhost", "0.0.0.0") or is_loopback_address(host):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
 
 
 def signal_name(exitcode: int | None) -> str | None:
