@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it)
@@ -68,3 +69,60 @@ def test_a_port_busy_only_on_a_non_loopback_master_addr_is_found_before_workers_
         with pytest.raises(PortInUseError, match=f"use_port={port} is already in use on {address}"):
             notebook_launcher(touch, num_processes=2, use_port=port, master_addr=address, dashboard=False)
     assert not marker.exists()  # no worker started
+
+
+KERNEL = """
+import os, sys, time
+import torch
+from nbaccel.launch import notebook_launcher
+
+def work(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(120)
+
+notebook_launcher(work, (sys.argv[1],), num_processes=2, dashboard=False)
+"""
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, waiting for init to reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL.replace("dashboard=False", f"dashboard=False, start_method={start_method!r}"))
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    kernel = subprocess.Popen([sys.executable, str(script), str(folder)], env=env)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < deadline and kernel.poll() is None:
+            time.sleep(0.1)
+            pids = [int(name) for name in os.listdir(folder)]
+        assert len(pids) == 2, "the workers did not start"
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+        killed_at = time.monotonic()
+        while not all(_gone(pid) for pid in pids) and time.monotonic() - killed_at < 10:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in pids), "a worker outlived its SIGKILLed launcher"
+        assert time.monotonic() - killed_at < 2.0
+    finally:
+        kernel.kill()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)

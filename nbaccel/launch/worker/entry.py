@@ -19,6 +19,7 @@ from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from ..channel import WorkerSink, close_quietly
 from ..output import flush_std, redirect_std_fds
+from .parent_death import die_with_parent
 
 
 def run_worker(
@@ -29,6 +30,7 @@ def run_worker(
     env: dict[str, str],
 ) -> None:
     """Run the pickled `(function, args, kwargs)` with `env` set; exit code 1 after reporting a failure."""
+    die_with_parent()  # even a SIGKILLed kernel leaves no rank running
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)

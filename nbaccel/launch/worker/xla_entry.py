@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ..channel import close_quietly
 from .entry import run_worker
+from .parent_death import die_with_parent
 from .replica_threads import run_worker_thread
 
 
@@ -26,6 +27,7 @@ def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: l
 
     One replica per process: as any worker. Several (one thread per device): see `replica_threads`.
     """
+    die_with_parent()
     local, own = replica_layout()
     if own.stop > len(channels):
         raise RuntimeError(

@@ -1,0 +1,45 @@
+"""A launched rank never outlives the process that launched it, even when that one is SIGKILLed.
+
+Linux: `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes the OS kill the rank the moment its parent dies (no thread,
+no polling). Elsewhere (macOS) a daemon thread checks every half second whether the parent is gone (the
+rank was handed to another parent) and kills the rank then.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+WATCH_INTERVAL = 0.5  # seconds between checks where there is no parent-death signal
+
+
+def die_with_parent() -> None:
+    """Tie this process's life to its parent's: called first thing in every launched rank."""
+    parent = os.getppid()
+    if _set_death_signal():
+        if os.getppid() != parent:  # it died between the two calls
+            os._exit(1)
+        return
+    threading.Thread(target=_watch, args=(parent,), name="nbaccel-parent-watch", daemon=True).start()
+
+
+def _set_death_signal() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL)
+    os.kill(os.getpid(), signal.SIGKILL)
