@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .utils import collective_trace
+from .utils import collective_trace, constants
 from .utils import xla as _xla
 from .utils.dataclasses import DistributedType, PrecisionType
 from .utils.environment import (
@@ -256,6 +256,10 @@ class PartialState:
         backend = self._check_backend(requested_backend, backend, device_type)
         rank = kwargs.get("rank", -1) if kwargs.get("rank", -1) >= 0 else info.rank
 
+        if kwargs.get("init_method") is None and kwargs.get("store") is None and os.environ.get(constants.INIT_METHOD_ENV):
+            # a launcher's private rendezvous (e.g. a FileStore in an owner-only folder: nothing listens on the
+            # network); MASTER_ADDR/MASTER_PORT stay set for code that reads them
+            kwargs["init_method"] = os.environ[constants.INIT_METHOD_ENV]
         if kwargs.get("init_method") is None and kwargs.get("store") is None:
             if info.source == "mpi":
                 # mpirun does not set torch's variables; the env:// rendezvous reads them

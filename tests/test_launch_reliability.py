@@ -126,3 +126,32 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
         for pid in pids:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _listening_addresses() -> list[str]:
+    """The addresses this rank listens on once its process group exists."""
+    import psutil
+
+    from nbaccel import PartialState
+
+    state = PartialState()
+    state.wait_for_everyone()
+    return sorted({conn.laddr.ip for conn in psutil.Process().net_connections(kind="inet")
+                   if conn.status == psutil.CONN_LISTEN})
+
+
+def test_a_single_node_launch_listens_on_nothing_beyond_the_machine(monkeypatch):
+    monkeypatch.delenv("NBACCEL_INIT_METHOD", raising=False)
+    for addresses in notebook_launcher(_listening_addresses, num_processes=2, dashboard=False):
+        # torch's TCP store listened on every interface ('::') in rank 0; the process group now meets in a
+        # private file, and gloo's own sockets are on the loopback device (GLOO_SOCKET_IFNAME=lo)
+        assert all(address.startswith("127.") or address == "::1" for address in addresses), addresses
+
+
+def test_rank_pool_ranks_listen_on_nothing_beyond_the_machine(monkeypatch):
+    from nbaccel.launch import RankPool
+
+    monkeypatch.delenv("NBACCEL_INIT_METHOD", raising=False)
+    with RankPool(2) as pool:
+        for addresses in pool.run(_listening_addresses):
+            assert all(address.startswith("127.") or address == "::1" for address in addresses), addresses

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import select
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
+from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..worker.entry import run_worker
@@ -25,16 +29,18 @@ class LocalBackend:
     def __init__(self) -> None:
         self.processes: list[Any] = []
         self._reported: set[int] = set()
+        self._store_dir: str | None = None
 
     def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
         """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
         ctx = get_context(plan.start_method)
         pipes = Pipes(ctx, 0)
         try:
+            shared = dict(plan.environ, **self._private_store())
             for spec in plan.ranks():
                 pipes.add(ctx)
                 channel, out, err = pipes.worker_ends(spec.local_rank)
-                proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, spec.environ(plan.environ)),
+                proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, spec.environ(shared)),
                                    name=f"nbaccel-rank-{spec.rank}")
                 with main_module_hidden(plan.start_method):
                     proc.start()
@@ -45,6 +51,12 @@ class LocalBackend:
             pipes.close_all()
             raise
         return pipes.handles(plan.first_rank)
+
+    def _private_store(self) -> dict[str, str]:
+        """Every rank of a local launch runs on this machine: their process group meets in a FileStore in an
+        owner-only folder instead of a TCP store that torch would open on every network interface."""
+        self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")  # mode 0700
+        return {INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")}
 
     def wait_objects(self) -> list[Any]:
         return [proc.sentinel for i, proc in enumerate(self.processes) if i not in self._reported]
@@ -83,6 +95,9 @@ class LocalBackend:
                 proc.close()  # ValueError while it still runs: left to the garbage collector
             except ValueError:
                 pass
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
     def lost_reason(self) -> str | None:
         return None

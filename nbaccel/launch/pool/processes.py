@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..environment import RankSpec
 from ..kernel.processes import (
@@ -81,6 +84,9 @@ class RankProcesses:
         self._tracker.__enter__()
         ctx = get_context(start_method)
         port = free_port()
+        # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
+        self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")
+        env = dict(env, **{INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")})
         kernel_fds: list[int] = []
         death_signal = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the thread
         try:
@@ -170,6 +176,7 @@ class RankProcesses:
         stop_processes(processes)
         for rank in self.ranks:
             close_quietly(rank.commands, rank.telemetry, rank.out_fd, rank.err_fd)
+        shutil.rmtree(self._store_dir, ignore_errors=True)
         try:
             self._tracker.__exit__(None, None, None)
         except Exception:
