@@ -31,8 +31,8 @@ from .processes import (
 from .saved_config import apply_saved_config, default, plain
 
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
-_PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
-assert set(_PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
+PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
+assert set(PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
 
 
 class Mode(str, Enum):
@@ -185,7 +185,7 @@ def check_precision(mixed_precision: Any) -> str:
     precision = normalize_precision(mixed_precision)
     if precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(f"Unknown mixed_precision mode: {mixed_precision!r}. "
-                         f"Choose between {list(_PRECISION_MESSAGE_ORDER)}.")
+                         f"Choose between {list(PRECISION_MESSAGE_ORDER)}.")
     return precision
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from ...utils.constants import MIXED_PRECISION_CHOICES
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
-from ..kernel.plan import normalize_precision
+from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
 from ..kernel.processes import choose_start_method
 from ..messages import RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
@@ -73,7 +73,7 @@ class RankPool:
         self.timeout = _check_timeout(timeout, "timeout")
         precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
-            raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
+            raise ValueError(f"mixed_precision must be one of {list(PRECISION_MESSAGE_ORDER)}, got {mixed_precision!r}")
         self.start_method, note = choose_start_method(start_method)
         gpus = visible_gpus()
         if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
