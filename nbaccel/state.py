@@ -23,6 +23,7 @@ import torch
 from .utils import collective_trace
 from .utils import xla as _xla
 from .utils.dataclasses import DistributedType, PrecisionType
+from .utils.process_group_exit import destroy_process_group_at_exit
 from .utils.environment import (
     check_cuda_p2p_ib_support,
     first_env,
@@ -296,6 +297,7 @@ class PartialState:
 
         kwargs.update(rank=rank, world_size=world_size)
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        destroy_process_group_at_exit()  # a correct script exits 0, not -6 (utils/process_group_exit.py)
         return {
             **base,
             "backend": backend,
@@ -360,6 +362,7 @@ class PartialState:
 
             kwargs.setdefault("init_method", "xla://")
             torch.distributed.init_process_group("xla", timeout=timeout, **kwargs)
+            destroy_process_group_at_exit()
         local_count = max(1, xr.local_device_count()) if hasattr(xr, "local_device_count") else world_size
         return {
             "backend": "xla",
