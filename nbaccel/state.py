@@ -23,7 +23,6 @@ import torch
 from .utils import collective_trace
 from .utils import xla as _xla
 from .utils.dataclasses import DistributedType, PrecisionType
-from .utils.process_group_exit import destroy_process_group_at_exit
 from .utils.environment import (
     check_cuda_p2p_ib_support,
     first_env,
@@ -41,6 +40,7 @@ from .utils.imports import (
     is_torch_xla_available,
     is_xpu_available,
 )
+from .utils.process_group_exit import destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
 
