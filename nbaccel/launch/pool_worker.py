@@ -28,7 +28,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..utils.exception_report import report_exception, safe_message
+from nbaccel.utils.exception_report import report_exception, safe_message
+
 from .channel import close_quietly
 from .output import flush_std, redirect_std_fds
 from .worker import _destroy_process_group

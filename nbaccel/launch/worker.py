@@ -14,7 +14,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..utils.exception_report import report_exception
+from nbaccel.utils.exception_report import report_exception
+
 from .channel import WorkerSink, close_quietly
 from .output import flush_std, redirect_std_fds
 
