@@ -79,7 +79,9 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
         tb = exc.__traceback__
         if tb is not None and tb.tb_frame.f_code is execute.__code__ and tb.tb_next is not None:
             tb = tb.tb_next  # start the remote traceback at the user's code
-        from nbaccel.utils.exception_report import report_exception  # type and traceback, whatever __str__ does
+        from nbaccel.utils.exception_report import (
+            report_exception,  # type and traceback, whatever __str__ does
+        )
 
         report = report_exception(exc, tb)
         flush_std()
