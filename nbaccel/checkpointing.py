@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint_manifest import MANIFEST_NAME, check_manifest, write_manifest
 from .utils.constants import (  # file names as Accelerate (and transformers, for weights) spell them
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -723,6 +724,9 @@ def save_accelerator_state(
     # 3. the main process moves it into place
     if is_main_process:
         try:
+            manifest = write_manifest(tmp, skip=(MARKER_NAME,))  # sizes and checksums of every file, then
+            if durable:                                          # the marker: both last, before the rename
+                _fsync_file(manifest)
             if _replaceable(target):
                 (tmp / MARKER_NAME).write_text(json.dumps({"format": "nbaccel-checkpoint", "version": 1,
                                                            "num_processes": num_processes, "step": step}))
@@ -872,6 +876,7 @@ def load_accelerator_state(
     optimizer themselves (sharded states, on every process), after the other files were checked and read.
     """
     directory = _resolve_readable_dir(Path(input_dir))
+    verify_checkpoint(directory)
     location = _resolve_map_location(map_location, device)
     weights_only = (load_kwargs or {}).get("weights_only")
     for obj in custom_objects:
@@ -960,6 +965,26 @@ def load_accelerator_state(
             overrides["step"] = int(rng_states["step"])
     logger.info("Loaded state from %s", directory)
     return overrides
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Check `directory` against its manifest (checkpoint_manifest.py); raise naming the first bad file.
+    A checkpoint without a manifest (Accelerate's, or an older nbaccel's) passes unchecked."""
+    try:
+        problems = check_manifest(directory)
+    except ValueError as error:
+        raise CheckpointFileCorruptError(f"{error}. Load an earlier checkpoint or save again.") from error
+    if not problems:
+        return
+    first = problems[0]
+    others = f" ({len(problems) - 1} other file(s) too: {', '.join(p.path.name for p in problems[1:])})" \
+        if len(problems) > 1 else ""
+    if first.kind == "missing":
+        raise CheckpointFileMissingError(f"Checkpoint file {first.path} is missing: {first.detail}{others}.")
+    raise CheckpointFileCorruptError(
+        f"Checkpoint file {first.path} is truncated or corrupt: {first.detail} ({MANIFEST_NAME}){others}. "
+        "Load an earlier checkpoint or save again."
+    )
 
 
 def _read_dataloader_state(directory: Path, index: int, dataloader: Any, process_index: int) -> tuple[str, Any]:

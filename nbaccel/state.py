@@ -41,6 +41,7 @@ from .utils.imports import (
     is_torch_xla_available,
     is_xpu_available,
 )
+from .utils.process_group_exit import destroy_process_group_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +302,7 @@ class PartialState:
 
         kwargs.update(rank=rank, world_size=world_size)
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        destroy_process_group_at_exit()  # a correct script exits 0, not -6 (utils/process_group_exit.py)
         return {
             **base,
             "backend": backend,
@@ -365,6 +367,7 @@ class PartialState:
 
             kwargs.setdefault("init_method", "xla://")
             torch.distributed.init_process_group("xla", timeout=timeout, **kwargs)
+            destroy_process_group_at_exit()
         local_count = max(1, xr.local_device_count()) if hasattr(xr, "local_device_count") else world_size
         return {
             "backend": "xla",

@@ -369,7 +369,7 @@ def test_save_into_folder_with_other_files_keeps_them(tmp_path, caplog):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
     out = save_accelerator_state(tmp_path / "out", models=[Net()])
-    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt", "random_states_0.pkl"]
+    assert sorted(os.listdir(out)) == [".nbaccel-manifest.json", "model.safetensors", "notes.txt", "random_states_0.pkl"]
     assert "not atomically" not in caplog.text and "one by one" in caplog.text
     save_accelerator_state(tmp_path / "out", models=[Net()])  # again: merged again, nothing lost
     assert (out / "notes.txt").read_text() == "mine"

@@ -236,8 +236,10 @@ def _error_info(exc: BaseException) -> dict[str, str]:
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # start the remote traceback at the user's code
-    return {"exc_type": type(exc).__name__, "message": str(exc),
-            "traceback": "".join(traceback.format_exception(type(exc), exc, tb))}
+    from nbaccel.utils.exception_report import report_exception  # type and traceback, whatever __str__ does
+
+    report = report_exception(exc, tb)
+    return {"exc_type": report.exc_type, "message": report.message, "traceback": report.traceback}
 
 
 def _drop_inherited_context(exc: BaseException) -> None:
@@ -258,7 +260,9 @@ def _breaks_process_group(exc: BaseException) -> bool:
     backend_error = getattr(dist, "DistBackendError", None) if dist is not None else None
     if backend_error is not None and isinstance(exc, backend_error):
         return True
-    text = str(exc)
+    from nbaccel.utils.exception_report import safe_message  # a __str__ that raises must not end the rank
+
+    text = safe_message(exc)
     return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection closed by peer" in text
                                              or "Timed out" in text and "ProcessGroup" in text)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -81,13 +80,17 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
         tb = exc.__traceback__
         if tb is not None and tb.tb_frame.f_code is execute.__code__ and tb.tb_next is not None:
             tb = tb.tb_next  # start the remote traceback at the user's code
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        from nbaccel.utils.exception_report import (
+            report_exception,  # type and traceback, whatever __str__ does
+        )
+
+        report = report_exception(exc, tb)
         flush_std()
         _stop_telemetry_sampler(telemetry)
-        message = str(exc)
-        sink.send("error", exc_type=type(exc).__name__, message=message, traceback=text)
+        message = report.message
+        sink.send("error", exc_type=report.exc_type, message=message, traceback=report.traceback)
         sink.send("status", state="failed", device=device,
-                  error=f"{type(exc).__name__}: {message}".splitlines()[0] if message else type(exc).__name__)
+                  error=f"{report.exc_type}: {message}".splitlines()[0] if message else report.exc_type)
         return False
     finally:
         sink.ticker = None
