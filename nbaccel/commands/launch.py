@@ -44,7 +44,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True
     parser.add_argument(*_opt("--machine_rank"), type=int, default=None, help="Rank of this machine, 0 .. num_machines-1.")
     parser.add_argument(*_opt("--main_process_ip"), default=None, help="Address of the machine with rank 0.")
     parser.add_argument(*_opt("--main_process_port"), type=int, default=None,
-                        help="Port on the main machine (default: a free one on a single machine, 29500 on several).")
+                        help="Port on the main machine; 0 picks a free one (default: a free one on a single machine, 29500 on "
+                             "several).")
     parser.add_argument(*_opt("--mixed_precision"), default=None, choices=MIXED_PRECISION_CHOICES, help="Mixed precision mode.")
     parser.add_argument("--cpu", action="store_true", default=None, help="Run on the CPU even if GPUs are present.")
     parser.add_argument(*_opt("--multi_gpu"), action="store_true", default=None,
@@ -166,6 +167,10 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         settings.fsdp_config["fsdp_version"] = args.fsdp_version
     given = args.num_processes is not None or (config is not None and config.num_processes is not None)
     _check(settings, given_processes=given)
+    if settings.main_process_port == 0:  # as Accelerate: 0 means "pick a free port" (on this machine)
+        from ..utils.other import get_free_port
+
+        settings.main_process_port = get_free_port()
     if settings.num_processes == 0:  # unset: one process per GPU of each machine, else one (checked above)
         devices = 0 if settings.use_cpu else _device_count()
         settings.num_processes = max(devices, 1) * settings.num_machines
@@ -209,8 +214,8 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail(f"--machine_rank must be between 0 and {s.num_machines - 1}, got {s.machine_rank}")
     if s.num_machines > 1 and not s.main_process_ip:
         fail("--main_process_ip is needed with --num_machines > 1 (the address of the machine with rank 0)")
-    if s.main_process_port is not None and not 0 < s.main_process_port < 65536:
-        fail(f"--main_process_port must be between 1 and 65535, got {s.main_process_port}")
+    if s.main_process_port is not None and not 0 <= s.main_process_port < 65536:
+        fail(f"--main_process_port must be between 1 and 65535 (or 0 for a free port), got {s.main_process_port}")
     if s.mixed_precision not in MIXED_PRECISION_CHOICES:
         fail(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {s.mixed_precision!r}")
     if s.mixed_precision == "fp8" and not any(

@@ -8,6 +8,7 @@ A file that cannot be read raises `ConfigError` ("<file>: <key>: <problem>") bef
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
         return result
     where = display_path(config.path) if config.path is not None else "config"
     result.source = where
+    given = dataclasses.replace(result)
     result.use_cpu = bool(config.use_cpu)
     distributed_type = str(getattr(config.distributed_type, "value", config.distributed_type))
     for_accelerator = distributed_type in _ACCELERATOR_TYPES and not config.use_cpu
@@ -112,9 +114,23 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
         result.mixed_precision = str(getattr(config.mixed_precision, "value", config.mixed_precision))
     if start_method is None:
         result.start_method = config.start_method
-    if use_port is None and config.main_process_port is not None:
+    if use_port is None and config.main_process_port:  # 0 means "pick a free port", which None does too
         result.use_port = config.main_process_port
     if config.gradient_accumulation_steps is not None:
         steps = str(config.gradient_accumulation_steps)
         result.env = {"NBACCEL_GRADIENT_ACCUMULATION_STEPS": steps, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": steps}
+    _report_taken(where, given, result)
     return result
+
+
+_REPORTED = ("num_processes", "mixed_precision", "use_port", "master_addr", "node_rank", "num_nodes", "rdzv_backend",
+             "start_method", "use_cpu")
+
+
+def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults) -> None:
+    """One line on stderr naming the file and each value notebook_launcher took from it (nbaccel's addition:
+    Accelerate's notebook_launcher reads no config file, so a value from one must not pass unnoticed)."""
+    taken = [f"{name}={getattr(result, name)!r}" for name in _REPORTED if getattr(result, name) != getattr(given, name)]
+    taken += [f"gradient_accumulation_steps={result.env['NBACCEL_GRADIENT_ACCUMULATION_STEPS']}"] if result.env else []
+    if taken:
+        print(f"nbaccel: notebook_launcher takes from {where}: {', '.join(taken)}", file=sys.stderr)

@@ -84,9 +84,12 @@ _MODULES: dict[str, list[str]] = {
     ".memory": [
         "clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size",
     ],
-    ".progress": ["tqdm"],
 }
 
+# `tqdm` is both a function and a submodule (nbaccel.utils.tqdm), as in Accelerate: bound eagerly (the module is
+# cheap; it imports the tqdm library on first call), so importing the submodule never rebinds the name.
+from .tqdm import tqdm  # noqa: E402
+
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "tqdm"])
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS)
