@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ...utils.config_file import LaunchConfig, accelerate_config_file, default_config_file as _default_path
-from ...utils.config_file import find_config_file, load_config
+from ...utils.config_file import LaunchConfig, accelerate_config_file, find_config_file, load_config
+from ...utils.config_file import default_config_file as _default_path
 
 __all__ = ["BaseConfig", "ClusterConfig", "cache_dir", "default_config_file", "default_json_config_file",
            "default_yaml_config_file", "hf_cache_home", "load_config_from_file"]
