@@ -61,6 +61,8 @@ EXCLUDED_NAMES: dict[tuple[str, str], str] = {
                                                          "parity-data branch's area",
     ("accelerate.commands.config.config_args", "SageMakerConfig"): "SageMaker is not supported",
     ("accelerate", "prepare_pippy"): "pipeline parallelism is not supported",
+    ("accelerate", "rich"): "bound only when ACCELERATE_ENABLE_RICH is set; `nbaccel.utils.rich` imports (and turns on "
+                            "rich tracebacks) when asked for",
     ("accelerate.utils", "compile_regions_fsdp2"): FSDP1_BRANCH,
     ("accelerate.utils.other", "compile_regions_fsdp2"): FSDP1_BRANCH,
 }
@@ -81,6 +83,8 @@ def _excluded_module(name: str) -> bool:
 def _excluded_name(module: str, name: str) -> bool:
     if module.startswith("accelerate.test_utils.scripts.") and name == "main":
         return False
+    if _excluded_module(f"{module}.{name}"):  # a package's name for a submodule left out
+        return True
     return any(key in EXCLUDED_NAMES for key in ((module, name), ("*", name), (module, "*")))
 
 

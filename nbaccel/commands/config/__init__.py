@@ -43,3 +43,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+from ..._lazy import lazy_namespace  # noqa: E402
+
+__getattr__, __dir__ = lazy_namespace(__name__, {})  # the other submodules (cluster, config_utils) as attributes
