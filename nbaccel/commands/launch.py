@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..utils.config_file import ConfigError, LaunchConfig, load_config
+from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..utils.dataclasses import DynamoBackend
+from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 
@@ -129,6 +130,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         enable_cpu_affinity=bool(pick("enable_cpu_affinity", False)),
     )
     _apply_option_groups(args, settings)
+    _apply_config_sections(cfg, settings, args)
     given = args.num_processes is not None or (config is not None and config.num_processes is not None)
     _check(settings, given_processes=given)
     if settings.main_process_port == 0:  # as Accelerate: 0 means "pick a free port" (on this machine)
@@ -207,6 +209,62 @@ def _apply_option_groups(args: argparse.Namespace, s: LaunchSettings) -> None:
         for key, name in _DEEPSPEED_ENV.items():
             if getattr(args, key, None) is not None:
                 s.extra_env[name] = str(getattr(args, key))
+
+
+# Keys of an Accelerate config file that `nbaccel launch` does not use, with the reason; each is reported in one
+# line when the file sets it (a value other than the default), never silently ignored.
+_UNUSED_KEYS = {
+    "downcast_bf16": ("no", "it applies to TPU runs, which notebook_launcher starts"),
+    "main_training_function": ("main", "it names the function of a TPU run, which notebook_launcher starts"),
+    "megatron_lm_config": ({}, "Megatron-LM is not supported"),
+    "tpu_use_cluster": (False, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_use_sudo": (False, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_vm": (None, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_env": (None, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+}
+# deepspeed_config keys that reach the workers (as the matching launch option would); the others are refused.
+_DEEPSPEED_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                   "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+                   "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_moe_layer_cls_names"}
+
+
+def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.Namespace) -> None:
+    """The config file's fp8_config, deepspeed_config, parallelism_config and mpirun_config sections, and a
+    one-line report of the keys `nbaccel launch` does not use (see `_UNUSED_KEYS`)."""
+    where = f"{display_path(cfg.path)}: " if cfg.path is not None else ""
+    if cfg.parallelism_config:
+        raise LaunchOptionError(f"{where}parallelism_config: nbaccel's Accelerator does not build a ParallelismConfig "
+                                "from the launcher; pass parallelism_config=ParallelismConfig(...) to Accelerator in the "
+                                "script, and remove the section")
+    if (cfg.mpirun_config or {}).get("mpirun_hostfile"):
+        raise LaunchOptionError(f"{where}mpirun_config: nbaccel launch starts processes through torchrun, not mpirun; "
+                                "run nbaccel launch on each machine (--machine_rank) and remove the section")
+    if s.mixed_precision == "fp8" and cfg.fp8_config:
+        from ..utils.launch import setup_fp8_env
+
+        given = {k: v for k, v in vars(args).items() if k.startswith("fp8_") and v != _FP8_DEFAULTS.get(k)}
+        from_file = {(k if k.startswith("fp8_") else f"fp8_{k}"): v for k, v in cfg.fp8_config.items()}
+        fp8 = {**_FP8_DEFAULTS, **from_file, **given}  # the command line wins over the file, as in Accelerate
+        s.extra_env.update(setup_fp8_env(argparse.Namespace(**fp8), {}))
+    if s.use_deepspeed and cfg.deepspeed_config:
+        unknown = sorted(set(cfg.deepspeed_config) - _DEEPSPEED_KEYS)
+        if unknown:
+            raise LaunchOptionError(f"{where}deepspeed_config: {', '.join(unknown)} not supported by nbaccel launch "
+                                    "(DeepSpeed's own multi-node launcher is not used); remove them")
+        for key, value in cfg.deepspeed_config.items():
+            name = _DEEPSPEED_ENV.get(key)
+            if name is not None and name not in s.extra_env and value is not None:
+                s.extra_env[name] = str(value)
+            elif key == "gradient_accumulation_steps" and s.gradient_accumulation_steps is None:
+                s.gradient_accumulation_steps = int(value)
+    unused = [f"{key} ({reason})" for key, (default, reason) in _UNUSED_KEYS.items()
+              if getattr(cfg, key, default) not in (default, None, {}, [], "no", False)]
+    for section, known in (("fsdp_config", _FSDP_ENV), ("dynamo_config", _DYNAMO_ENV)):
+        unknown = sorted(set(getattr(cfg, section) or {}) - set(known))
+        if unknown:
+            unused.append(f"{section}: {', '.join(unknown)} (not an Accelerate {section} key)")
+    if unused and not s.quiet:
+        print(f"nbaccel launch: {where}not used: {'; '.join(unused)}", file=sys.stderr)
 
 
 def _check_supported(cfg: LaunchConfig) -> None:

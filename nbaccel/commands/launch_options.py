@@ -161,6 +161,12 @@ def _add_megatron(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*_opt(f"--megatron_lm_{name}"), type=kind, default=default, help=f"Megatron-LM {name}.")
 
 
+FP8_DEFAULTS = {"fp8_backend": None, "fp8_use_autocast_during_eval": False, "fp8_margin": 0, "fp8_interval": 1,
+                "fp8_format": "HYBRID", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "most_recent",
+                "fp8_override_linear_precision": (False, False, False), "fp8_opt_level": "O2",
+                "fp8_enable_fsdp_float8_all_gather": "true", "fp8_pad_inner_dim": "true"}
+
+
 def _add_fp8(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("FP8 (with --mixed_precision fp8)")
     group.add_argument(*_opt("--fp8_backend"), type=str, default=None, choices=["ao", "te", "msamp"],
