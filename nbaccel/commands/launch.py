@@ -543,13 +543,13 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
     raises LaunchOptionError (a ValueError) for options that cannot work."""
     config = load_config(args.config_file)
     settings = resolve_settings(args, config)
+    mp_from_config = _given(args, "mixed_precision") is None and config is not None and config.mixed_precision is not None
     for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                  "mixed_precision", "gpu_ids", "rdzv_backend", "same_network", "debug", "use_fsdp", "use_deepspeed",
                  "multi_gpu", "gradient_accumulation_steps", "num_cpu_threads_per_process"):
         setattr(args, name, getattr(settings, name))
     args.use_cpu = args.cpu = settings.use_cpu
     args.dynamo_backend = str(settings.dynamo_config.get("dynamo_backend", "no")).lower()
-    mp_from_config = _given(args, "mixed_precision") is None and config is not None and bool(config.mixed_precision)
     args._settings = settings
     return args, config, mp_from_config
 
