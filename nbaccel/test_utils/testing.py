@@ -50,13 +50,13 @@ torch_device, device_count, memory_allocated_func = get_backend()
 
 
 def get_launch_command(**kwargs: Any) -> list[str]:
-    """`[python, -m, nbaccel, launch, --k=v ...]` for the keyword arguments (a True bool as a bare `--k`; None
-    and False left out). The interpreter is this one, so the command works without the `nbaccel` script."""
+    """`[python, -m, nbaccel, launch, --k=v ...]` for the keyword arguments: True as a bare `--k`, None left out,
+    anything else (False too, as in Accelerate) as `--k=value`. The interpreter is this one, so the command works
+    without the `nbaccel` script on PATH."""
     command = [sys.executable, "-m", "nbaccel", "launch"]
     for key, value in kwargs.items():
-        if isinstance(value, bool):
-            if value:
-                command.append(f"--{key}")
+        if value is True:
+            command.append(f"--{key}")
         elif value is not None:
             command.append(f"--{key}={value}")
     return command
