@@ -86,6 +86,12 @@ def test_notebook_launcher_names_the_file_and_the_values_it_took(tmp_path, capfd
     lines = [line for line in capfd.readouterr().err.splitlines() if "takes from" in line]
     assert len(lines) == 1 and "mixed_precision" not in lines[0] and "num_processes" not in lines[0]
 
+    path.write_text("num_processes: 1\ndebug: true\ndynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    notebook_launcher(precision, num_processes=1, dashboard=False)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "takes from" in line]
+    assert len(lines) == 1 and "not used by notebook_launcher" in lines[0]  # read, so reported: debug, dynamo
+    assert "debug" in lines[0] and "dynamo_config" in lines[0]
+
     path.unlink()
     assert notebook_launcher(precision, num_processes=1, dashboard=False) == ["no"]
     assert "takes from" not in capfd.readouterr().err

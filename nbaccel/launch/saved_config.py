@@ -119,7 +119,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
     if config.gradient_accumulation_steps is not None:
         steps = str(config.gradient_accumulation_steps)
         result.env = {"NBACCEL_GRADIENT_ACCUMULATION_STEPS": steps, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": steps}
-    _report_taken(where, given, result)
+    _report_taken(where, given, result, config)
     return result
 
 
@@ -127,10 +127,24 @@ _REPORTED = ("num_processes", "mixed_precision", "use_port", "master_addr", "nod
              "start_method", "use_cpu")
 
 
-def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults) -> None:
-    """One line on stderr naming the file and each value notebook_launcher took from it (nbaccel's addition:
-    Accelerate's notebook_launcher reads no config file, so a value from one must not pass unnoticed)."""
+# Keys of the config file that notebook_launcher applies (the rest are for `nbaccel launch` or TPU pods).
+_APPLIED = {"compute_environment", "distributed_type", "num_processes", "mixed_precision", "use_cpu",
+            "main_process_port", "num_machines", "machine_rank", "main_process_ip", "rdzv_backend", "start_method",
+            "gradient_accumulation_steps", "extra", "path"}
+
+
+def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults, config: Any) -> None:
+    """One line on stderr naming the file, each value notebook_launcher took from it, and the keys it set that
+    notebook_launcher does not apply (nbaccel's addition: Accelerate's notebook_launcher reads no config file, so
+    nothing from one may pass unnoticed)."""
+    from ..utils.config_file import LaunchConfig
+
     taken = [f"{name}={getattr(result, name)!r}" for name in _REPORTED if getattr(result, name) != getattr(given, name)]
     taken += [f"gradient_accumulation_steps={result.env['NBACCEL_GRADIENT_ACCUMULATION_STEPS']}"] if result.env else []
-    if taken:
-        print(f"nbaccel: notebook_launcher takes from {where}: {', '.join(taken)}", file=sys.stderr)
+    defaults = LaunchConfig()
+    unused = sorted(f.name for f in dataclasses.fields(config) if f.name not in _APPLIED
+                    and getattr(config, f.name) != getattr(defaults, f.name))
+    parts = ([", ".join(taken)] if taken else []) + (
+        [f"not used by notebook_launcher: {', '.join(unused)}"] if unused else [])
+    if parts:
+        print(f"nbaccel: notebook_launcher takes from {where}: {'; '.join(parts)}", file=sys.stderr)
