@@ -573,9 +573,8 @@ class PartialState:
             self.device = torch.device(device_type, self.local_process_index % max(1, module.device_count()))
             module.set_device(self.device)
             if device_type == "cuda" and first_env("NBACCEL_CPU_AFFINITY", "ACCELERATE_CPU_AFFINITY") in ("1", "true"):
-                from .utils.environment import (
-                    set_numa_affinity,  # `launch --enable_cpu_affinity`, as Accelerate
-                )
+                # `nbaccel launch --enable_cpu_affinity`: pin to the cores nearest the GPU, as Accelerate does
+                from .utils.environment import set_numa_affinity
 
                 set_numa_affinity(self.local_process_index)
 

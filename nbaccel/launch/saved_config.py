@@ -142,8 +142,14 @@ def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults, con
     taken = [f"{name}={getattr(result, name)!r}" for name in _REPORTED if getattr(result, name) != getattr(given, name)]
     taken += [f"gradient_accumulation_steps={result.env['NBACCEL_GRADIENT_ACCUMULATION_STEPS']}"] if result.env else []
     defaults = LaunchConfig()
-    unused = sorted(f.name for f in dataclasses.fields(config) if f.name not in _APPLIED
-                    and getattr(config, f.name) != getattr(defaults, f.name))
+
+    def set_to_something(name: str) -> bool:  # a value that asks for something (not empty, off or the default)
+        value = getattr(config, name)
+        if name == "same_network" and config.num_machines <= 1:
+            return False  # one machine: nothing to meet over, in Accelerate too
+        return value != getattr(defaults, name) and value not in (None, False, "no", [], {})
+
+    unused = sorted(f.name for f in dataclasses.fields(config) if f.name not in _APPLIED and set_to_something(f.name))
     parts = ([", ".join(taken)] if taken else []) + (
         [f"not used by notebook_launcher: {', '.join(unused)}"] if unused else [])
     if parts:
