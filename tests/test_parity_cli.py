@@ -254,3 +254,18 @@ def test_config_update_takes_accelerates_arguments_and_keeps_the_values(tmp_path
         accelerate_update(argparse.Namespace(config_file=str(tmp_path / "none.yaml")))
     with pytest.raises(ValueError, match="no such config file"):
         update_config(argparse.Namespace(config_file=str(tmp_path / "none.yaml")))
+
+
+def test_options_given_that_change_nothing_are_named(capsys):
+    """Accelerate accepts these and, in a launch like this one, does nothing with them; nbaccel does the same
+    but says so in one line, so that no option is ignored silently."""
+    from nbaccel.commands.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", "1", "--downcast_bf16",
+                                      "--fsdp_sharding_strategy", "NO_SHARD", "--zero_stage", "2", SCRIPT])
+    resolve_settings(args, None)
+    err = capsys.readouterr().err
+    assert "not used: --downcast_bf16" in err and "--fsdp_sharding_strategy (they need --use_fsdp)" in err
+    assert "--zero_stage (they need --use_deepspeed)" in err
+    resolve_settings(build_parser().parse_args(["launch", "--cpu", SCRIPT]), None)
+    assert "not used" not in capsys.readouterr().err

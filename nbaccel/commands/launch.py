@@ -131,6 +131,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
     )
     _apply_option_groups(args, settings)
     _apply_config_sections(cfg, settings, args)
+    _report_inert_options(args, settings)
     given = args.num_processes is not None or (config is not None and config.num_processes is not None)
     _check(settings, given_processes=given)
     if settings.main_process_port == 0:  # as Accelerate: 0 means "pick a free port" (on this machine)
@@ -267,6 +268,47 @@ def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.
         print(f"nbaccel launch: {where}not used: {'; '.join(unused)}", file=sys.stderr)
 
 
+# Options that only act together with another choice: (condition on the settings, what they need).
+_INERT_UNLESS = [
+    (("downcast_bf16", "vm", "env", "tpu_use_sudo", "main_training_function"), lambda s: False,
+     "they apply to TPU runs, which notebook_launcher starts"),
+    (("megatron_lm_",), lambda s: False, "Megatron-LM is not supported"),
+    (("aws_",), lambda s: False, "they apply to SageMaker jobs, which are not supported"),
+    (("parallelism_config_",), lambda s: False, "pass a ParallelismConfig to the Accelerator instead"),
+    (("fsdp_",), lambda s: s.use_fsdp, "they need --use_fsdp"),
+    (("fp8_",), lambda s: s.mixed_precision == "fp8", "they need --mixed_precision fp8"),
+    (("zero_stage", "offload_", "gradient_clipping", "zero3_", "deepspeed_"), lambda s: s.use_deepspeed,
+     "they need --use_deepspeed"),
+]
+
+
+def _parsed_default(action: argparse.Action):
+    """The value argparse stores when the option is not given (a string default goes through `type`)."""
+    if isinstance(action.default, str) and callable(action.type):
+        try:
+            return action.type(action.default)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            return action.default
+    return action.default
+
+
+def _report_inert_options(args: argparse.Namespace, s: LaunchSettings) -> None:
+    """Name, in one line, the options given that change nothing in this launch (as in Accelerate, where they
+    change nothing either), so that none is ignored silently."""
+    parser = getattr(args, "_parser", None)
+    if parser is None or s.quiet:
+        return
+    given = {a.dest: a.option_strings[0] for a in parser._actions
+             if a.option_strings and a.dest in vars(args) and getattr(args, a.dest) != _parsed_default(a)}
+    notes = []
+    for prefixes, active, reason in _INERT_UNLESS:
+        names = sorted(option for dest, option in given.items() if dest.startswith(prefixes))
+        if names and not active(s):
+            notes.append(f"{', '.join(names)} ({reason})")
+    if notes:
+        print(f"nbaccel launch: not used: {'; '.join(notes)}", file=sys.stderr)
+
+
 def _check_supported(cfg: LaunchConfig) -> None:
     """Configurations `nbaccel launch` cannot run, said before anything starts."""
     where = f"{cfg.path}: " if cfg.path is not None else ""
@@ -331,6 +373,9 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     backend = str(s.dynamo_config.get("dynamo_backend", "no")).upper()
     if backend not in DynamoBackend.list():
         fail(f"--dynamo_backend must be one of {', '.join(b.lower() for b in DynamoBackend.list())}, got {backend.lower()!r}")
+    fp8_backend = s.extra_env.get("ACCELERATE_FP8_BACKEND", "ao").lower()
+    if s.mixed_precision == "fp8" and fp8_backend != "ao":
+        fail(f"--fp8_backend {fp8_backend}: nbaccel drives fp8 through torchao only (--fp8_backend ao)")
     if s.use_deepspeed and importlib.util.find_spec("deepspeed") is None:
         fail("DeepSpeed is selected but not installed: pip install deepspeed")
     if s.use_fsdp and s.use_deepspeed:
