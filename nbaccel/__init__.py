@@ -1,6 +1,7 @@
 """nbaccel: the Accelerate API, notebook-first.
 
-Every public name is listed here and loaded from its home module on first use.
+Every public name is listed here and loaded from its home module on first use; so is every submodule
+(`nbaccel.utils`, `nbaccel.state`, ...), reachable as an attribute after a bare `import nbaccel`.
 """
 
 from ._lazy import lazy_namespace

@@ -108,8 +108,8 @@ class Accelerator:
             self._chosen_trackers = []
 
         # Precision
-        if mixed_precision is None and not _first_env("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"):
-            mixed_precision = _config_default("mixed_precision")
+        # As in Accelerate, the config file reaches an Accelerator only through a launcher (its environment
+        # variables): a plain `Accelerator()` in a process no launcher started takes nothing from the file.
         if mixed_precision is not None:
             mixed_precision = _precision.validate_mixed_precision(mixed_precision)
 
@@ -137,8 +137,6 @@ class Accelerator:
             raise ValueError("Pass dynamo_backend or dynamo_plugin, not both.")
         if dynamo_backend is None and dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin()  # reads NBACCEL_/ACCELERATE_DYNAMO_* set by a launcher
-            if str(dynamo_plugin.backend) == "NO":
-                dynamo_backend = (_config_default("dynamo_config") or {}).get("dynamo_backend")
         if dynamo_backend is not None:
             backend = str(dynamo_backend).upper()
             if backend not in DynamoBackend:
@@ -179,7 +177,7 @@ class Accelerator:
 
         # States (process group, device, precision, gradient accumulation)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
-        cpu = bool(cpu) or bool(_config_default("use_cpu"))
+        cpu = bool(cpu)
         fsdp_plugin, torch_tp_plugin = sharding.default_plugins(fsdp_plugin, torch_tp_plugin)
         sharding.check_parallelism_config(parallelism_config)
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
@@ -1070,18 +1068,6 @@ def _first_env(*names: str) -> str | None:
         if os.environ.get(name):
             return os.environ[name]
     return None
-
-
-def _config_default(key: str) -> Any:
-    """`key` of the saved launch configuration (`nbaccel config`), or None without a config file.
-
-    Used only where neither an argument nor a launcher's environment variable decided: e.g. an Accelerator
-    created directly in a notebook picks up the precision saved with `config_widget()`.
-    """
-    from .utils.config_file import load_config
-
-    config = load_config()
-    return None if config is None else getattr(config, key, None)
 
 
 def _is_compiled(model: Any) -> bool:

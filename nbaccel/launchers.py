@@ -8,4 +8,11 @@ from __future__ import annotations
 
 from .launch.kernel.launcher import debug_launcher, notebook_launcher
 
-__all__ = ["debug_launcher", "notebook_launcher"]
+__all__ = ["debug_launcher", "notebook_launcher", "test_launch"]
+
+
+def test_launch() -> None:
+    """Check that a `PartialState` can be created in this process (what a launched worker does first)."""
+    from .state import PartialState
+
+    PartialState()

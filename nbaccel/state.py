@@ -580,6 +580,11 @@ class PartialState:
             module = getattr(torch, device_type)
             self.device = torch.device(device_type, self.local_process_index % max(1, module.device_count()))
             module.set_device(self.device)
+            if device_type == "cuda" and first_env("NBACCEL_CPU_AFFINITY", "ACCELERATE_CPU_AFFINITY") in ("1", "true"):
+                # `nbaccel launch --enable_cpu_affinity`: pin to the cores nearest the GPU, as Accelerate does
+                from .utils.environment import set_numa_affinity
+
+                set_numa_affinity(self.local_process_index)
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy `group` (default: the default group), unless launched by fork and `group` is None."""

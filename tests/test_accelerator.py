@@ -350,7 +350,8 @@ def test_join_uneven_inputs_lets_processes_run_out_of_data():
     assert run_ranks(body, timeout=30) == [(3, True, 3), (2, True, 3)]
 
 
-def test_defaults_come_from_the_config_file_unless_an_argument_or_launcher_decides(tmp_path):
+def test_config_file_reaches_the_accelerator_only_through_a_launcher(tmp_path):
+    """As in Accelerate (issue 14 item 6): the file is applied by launchers, through the environment."""
     config = tmp_path / "config.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: bf16\n")
 
@@ -368,7 +369,7 @@ def test_defaults_come_from_the_config_file_unless_an_argument_or_launcher_decid
         seen.append(Accelerator(cpu=True).mixed_precision)
         return seen
 
-    assert run_ranks(body, world_size=1, env={"NBACCEL_CONFIG_FILE": str(config)})[0] == ["bf16", "no", "fp16"]
+    assert run_ranks(body, world_size=1, env={"NBACCEL_CONFIG_FILE": str(config)})[0] == ["no", "no", "fp16"]
 
 
 def test_gradient_accumulation_steps_from_the_launcher_override_the_argument():

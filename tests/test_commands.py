@@ -243,8 +243,13 @@ def test_torchrun_arguments():
     assert argv[-2:] == ["examples/hello_ranks.py", "--x"]
     static = torchrun_arguments(resolve_settings(launch_args(
         "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "--main_process_ip", "10.1.2.3",
-        "examples/hello_ranks.py"), None))
+        "--same_network", "examples/hello_ranks.py"), None))
     assert "--node-rank=1" in static and "--master-addr=10.1.2.3" in static and "--master-port=29500" in static
+    # without --same_network the machines meet at a rendezvous endpoint, as in Accelerate (issue 14 item 4)
+    endpoint = torchrun_arguments(resolve_settings(launch_args(
+        "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "--main_process_ip", "10.1.2.3",
+        "examples/hello_ranks.py"), None))
+    assert "--node-rank=1" in endpoint and "--rdzv-endpoint=10.1.2.3:29500" in endpoint
     module = torchrun_arguments(resolve_settings(launch_args("-m", "json.tool", "--help"), None))
     assert module[-3:] == ["--module", "json.tool", "--help"]
     with pytest.raises(LaunchOptionError, match="--machine_rank must be between 0 and 1"):

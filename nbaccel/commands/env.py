@@ -75,8 +75,24 @@ def env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    from .main import add_command
+def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
+    """The `env` parser (added to `subparsers` when given, as `nbaccel env`)."""
+    description = "Print versions, devices and the config in use."
+    if subparsers is not None:
+        from .main import add_command
 
-    parser = add_command(subparsers, "env", env_command, help="Print versions, devices and the config in use.")
+        parser = add_command(subparsers, "env", env_command, help=description)
+    else:
+        parser = argparse.ArgumentParser("nbaccel env", description=description)
+        parser.set_defaults(func=env_command)
     parser.add_argument("--config_file", "--config-file", default=None, help="Config file to report on.")
+    return parser
+
+
+def main() -> int:
+    """`python -m nbaccel.commands.env`."""
+    return env_command(env_command_parser().parse_args())
+
+
+def register(subparsers) -> None:
+    env_command_parser(subparsers)

@@ -1,9 +1,10 @@
 """`nbaccel estimate-memory`: how much memory a model needs to load and to train, per dtype, without
 allocating it.
 
-The model is built under `init_empty_weights` from local code, never downloaded:
-`pkg.module:ClassName`, `path/to/file.py:ClassName` or a factory function (`pkg.models:make_model`), with
-constructor arguments from `--model_kwargs '{"hidden": 4096}'`. Sizes follow Accelerate's estimate: float32 is
+The model is built under `init_empty_weights`, either from local code (`pkg.module:ClassName`,
+`path/to/file.py:ClassName` or a factory function `pkg.models:make_model`, with constructor arguments from
+`--model_kwargs '{"hidden": 4096}'`), or, as in Accelerate, from a Hub name (`bert-base-cased`) through
+transformers or timm (`--library_name`, `--trust_remote_code`), which needs network access to the Hub. Sizes follow Accelerate's estimate: float32 is
 4 bytes per parameter, float16/bfloat16 2, int8 1, int4 half; Adam training (batch size 1, no activations)
 needs the weights, the gradients and two optimizer states: about 4x the float32 size, 2x+ with mixed precision.
 """
@@ -56,15 +57,96 @@ def _load_object(spec: str) -> Any:
     return obj
 
 
-def create_empty_model(spec: str, model_kwargs: dict | None = None):
-    """Build the model named by `spec` with every tensor on the meta device (no memory used)."""
+def verify_on_hub(repo: str, token: str | None = None):
+    """The Hub's model info for `repo`; "gated" when access is refused, "repo" when there is no such repository.
+    Without network access (or with HF_HUB_OFFLINE=1) raises OSError saying so."""
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        return model_info(repo, token=token)
+    except GatedRepoError:
+        return "gated"
+    except RepositoryNotFoundError:
+        return "repo"
+    except Exception as error:  # offline mode, DNS, connection refused: whichever HTTP library raised it
+        raise OSError(f"model {repo!r} is a Hub name, and the Hub cannot be reached ({type(error).__name__}: "
+                      f"{error}). Connect to huggingface.co (and unset HF_HUB_OFFLINE), or give local code as "
+                      "'pkg.module:ClassName' or 'path/to/file.py:ClassName'.") from error
+
+
+def check_has_model(error: BaseException) -> str:
+    """Which library raised `error` for a model it does not know: "timm", "transformers" or "unknown"."""
+    message = str(error)
+    if importlib.util.find_spec("timm") is not None and (
+            (isinstance(error, RuntimeError) and "Unknown model" in message)
+            or type(error).__name__ == "EntryNotFoundError"
+            or (isinstance(error, KeyError) and "architecture" in message)):
+        return "timm"
+    if importlib.util.find_spec("transformers") is not None and isinstance(error, (OSError, ValueError)) and (
+            "does not appear to have a file named" in message or "Unrecognized model in" in message):
+        return "transformers"
+    return "unknown"
+
+
+def add_timm_hub_prefix(model_name: str) -> str:
+    """`hf-hub:<repo>` for a Hub repo id (what timm.create_model needs); names with a source prefix or no `/`
+    (bare architectures) unchanged."""
+    return model_name if ":" in model_name or "/" not in model_name else f"hf-hub:{model_name}"
+
+
+def _require(library: str, model_name: str) -> None:
+    if importlib.util.find_spec(library) is None:
+        raise ImportError(f"model {model_name!r} is built with {library}, which is not installed: pip install {library}")
+
+
+def _hub_model(model_name: str, library_name: str | None, trust_remote_code: bool, access_token: str | None):
+    """Build a Hub model on the meta device through transformers (AutoConfig, from_config) or timm."""
+    import torch
+
+    from ..big_modeling import init_empty_weights
+
+    info = verify_on_hub(model_name, access_token)
+    if info == "gated":
+        raise OSError(f"model {model_name!r} is gated on the Hub: log in with `hf auth login` and request access.")
+    if info == "repo":
+        raise OSError(f"model {model_name!r} does not exist on the Hub (for a private one, log in first).")
+    library_name = library_name or getattr(info, "library_name", None)
+    if not library_name:
+        raise ValueError(f"model {model_name!r} has no library on the Hub: pass --library_name transformers or timm.")
+    if library_name == "transformers":
+        _require("transformers", model_name)
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code,
+                                                         token=access_token)
+        auto_map = (getattr(info, "config", None) or {}).get("auto_map") or {}
+        constructor = next((getattr(transformers, key) for key in auto_map if key.startswith("AutoModelFor")),
+                           transformers.AutoModel)
+        with init_empty_weights():
+            return constructor.from_config(config, torch_dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if library_name == "timm":
+        _require("timm", model_name)
+        import timm
+
+        with init_empty_weights():
+            return timm.create_model(add_timm_hub_prefix(model_name), pretrained=False)
+    raise ValueError(f"library {library_name!r} is not supported: use transformers or timm.")
+
+
+def create_empty_model(model_name: str, library_name: str | None = None, trust_remote_code: bool = False,
+                       access_token: str | None = None, model_kwargs: dict | None = None):
+    """Build the model with every tensor on the meta device (no memory used): local code for
+    'pkg.module:Name' / 'path/to/file.py:Name' (called with `model_kwargs`), else a Hub model name."""
     from torch import nn
 
     from ..big_modeling import init_empty_weights
 
-    factory = _load_object(spec)
+    if ":" not in model_name:
+        return _hub_model(model_name, library_name, trust_remote_code, access_token)
+    factory = _load_object(model_name)
     if not callable(factory):
-        raise TypeError(f"model {spec!r} is a {type(factory).__name__}, not a class or a factory function.")
+        raise TypeError(f"model {model_name!r} is a {type(factory).__name__}, not a class or a factory function.")
     try:
         with init_empty_weights(include_buffers=True):
             model = factory(**(model_kwargs or {}))
@@ -72,7 +154,7 @@ def create_empty_model(spec: str, model_kwargs: dict | None = None):
         with init_empty_weights(include_buffers=False):
             model = factory(**(model_kwargs or {}))
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+        raise TypeError(f"model {model_name!r} returned a {type(model).__name__}, not a torch.nn.Module.")
     return model
 
 
@@ -101,6 +183,23 @@ def gather_data(model, dtypes=DTYPES) -> list[list[Any]]:
     return rows
 
 
+def create_ascii_table(headers: list, rows: list, title: str) -> str:
+    """A box-drawn text table of `rows` (lists of str) under `headers` and a centred `title`."""
+    widths = [max(len(str(row[i])) for row in [*rows, headers]) for i in range(len(headers))]
+    inner = sum(widths) + len(widths) - 1
+    if len(title) > inner:
+        widths[-1] += len(title) - inner
+        inner = len(title)
+
+    def line(cells: list) -> str:
+        return "│" + "│".join(str(cell).center(width) for cell, width in zip(cells, widths)) + "│"
+
+    parts = ["┌" + "─" * inner + "┐", "│" + title.center(inner) + "│", "├" + "┬".join("─" * w for w in widths) + "┤",
+             line(headers), "├" + "┼".join("─" * w for w in widths) + "┤", *(line(row) for row in rows),
+             "└" + "┴".join("─" * w for w in widths) + "┘"]
+    return "\n".join(parts)
+
+
 def _human(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(size) < 1024 or unit == "TB":
@@ -117,8 +216,9 @@ def estimate_command(args: argparse.Namespace) -> int:
         kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
         if not isinstance(kwargs, dict):
             raise ValueError("--model_kwargs must be a JSON object, e.g. '{\"hidden\": 1024}'.")
-        model = create_empty_model(args.model_name, kwargs)
-    except (ValueError, TypeError, json.JSONDecodeError) as error:
+        model = create_empty_model(args.model_name, library_name=args.library_name,
+                                   trust_remote_code=args.trust_remote_code, model_kwargs=kwargs)
+    except (ValueError, TypeError, OSError, ImportError, json.JSONDecodeError) as error:
         print(f"nbaccel estimate-memory: error: {error}", file=sys.stderr)
         return 2
     rows = gather_data(model, args.dtypes)
@@ -140,10 +240,15 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
         parser = subparsers.add_parser("estimate-memory", help=description, description=description)
     else:
         parser = argparse.ArgumentParser(prog="nbaccel estimate-memory", description=description)
-    parser.add_argument("model_name", help="'pkg.module:ClassName', 'path/to/file.py:ClassName' or a factory "
-                                           "function 'pkg.module:make_model' (built locally, never downloaded)")
+    parser.add_argument("model_name", type=str,
+                        help="A Hub model name (needs network access), or local code: 'pkg.module:ClassName', "
+                             "'path/to/file.py:ClassName' or a factory function 'pkg.module:make_model'")
+    parser.add_argument("--library_name", type=str, choices=["timm", "transformers"], default=None,
+                        help="The library that builds a Hub model, when the Hub does not say")
     parser.add_argument("--model_kwargs", default=None, help="JSON object of arguments for the class/factory")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16", "int8", "int4"], choices=DTYPES,
+    parser.add_argument("--trust_remote_code", action="store_true", default=False,
+                        help="Run the model code a Hub repository ships (only for repositories you trust)")
+    parser.add_argument("--dtypes", type=str, nargs="+", default=["float32", "float16", "int8", "int4"], choices=DTYPES,
                         help="dtypes to report (default: float32 float16 int8 int4)")
     parser.set_defaults(func=estimate_command)
     return parser

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..utils.config_file import ConfigError, LaunchConfig, load_config
+from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..utils.dataclasses import DynamoBackend
+from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
+from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
@@ -27,55 +29,6 @@ if TYPE_CHECKING:
 
 class LaunchOptionError(ValueError):
     """A launch option (or config value) that cannot work; reported as a one-line usage error."""
-
-
-def _opt(*names: str) -> list[str]:
-    """Accept `--num_processes` and `--num-processes`, as Accelerate does."""
-    out = []
-    for name in names:
-        out.append(name)
-        if name.startswith("--") and "_" in name:
-            out.append(name.replace("_", "-"))
-    return out
-
-
-def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True) -> None:
-    """The launch options (shared with `nbaccel test`, which supplies its own script)."""
-    parser.add_argument(*_opt("--config_file"), default=None, help="Config file to read (default: the one in use, see `nbaccel env`).")
-    parser.add_argument(*_opt("--num_processes"), type=int, default=None,
-                        help="Total number of processes over all machines (default: config, else one per GPU, else 1).")
-    parser.add_argument(*_opt("--num_machines"), type=int, default=None, help="Number of machines (default 1).")
-    parser.add_argument(*_opt("--machine_rank"), type=int, default=None, help="Rank of this machine, 0 .. num_machines-1.")
-    parser.add_argument(*_opt("--main_process_ip"), default=None, help="Address of the machine with rank 0.")
-    parser.add_argument(*_opt("--main_process_port"), type=int, default=None,
-                        help="Port on the main machine (default: a free one on a single machine, 29500 on several).")
-    parser.add_argument(*_opt("--mixed_precision"), default=None, choices=MIXED_PRECISION_CHOICES, help="Mixed precision mode.")
-    parser.add_argument("--cpu", action="store_true", default=None, help="Run on the CPU even if GPUs are present.")
-    parser.add_argument(*_opt("--multi_gpu"), action="store_true", default=None,
-                        help="Accepted for Accelerate compatibility: the process count decides.")
-    parser.add_argument(*_opt("--gpu_ids"), default=None, help="GPUs this machine uses: 'all' or e.g. '0,1'.")
-    parser.add_argument(*_opt("--rdzv_backend"), default=None, choices=RDZV_BACKENDS,
-                        help="torch.distributed.elastic rendezvous: static (default) or c10d (elastic, restarts).")
-    parser.add_argument(*_opt("--rdzv_conf"), default="", help="Extra rendezvous settings, 'key1=value1,key2=value2'.")
-    parser.add_argument(*_opt("--same_network"), action="store_true", default=None,
-                        help="Machines share a local network (kept for Accelerate compatibility).")
-    parser.add_argument(*_opt("--max_restarts"), type=int, default=0, help="Restart the workers this many times on failure.")
-    parser.add_argument(*_opt("--monitor_interval"), type=float, default=0.1, help="Seconds between worker health checks.")
-    parser.add_argument(*_opt("--dynamo_backend"), default=None, help="torch.compile backend (e.g. inductor; 'no' turns it off).")
-    parser.add_argument(*_opt("--dynamo_mode"), default=None, help="torch.compile mode: default, reduce-overhead, max-autotune.")
-    parser.add_argument(*_opt("--gradient_accumulation_steps"), type=int, default=None, help="Steps to accumulate gradients over.")
-    parser.add_argument(*_opt("--use_fsdp"), action="store_true", default=None, help="Use FullyShardedDataParallel.")
-    parser.add_argument(*_opt("--fsdp_version"), type=int, default=None, choices=(1, 2), help="FSDP version (default 2).")
-    parser.add_argument(*_opt("--use_deepspeed"), action="store_true", default=None, help="Use DeepSpeed (pip install deepspeed).")
-    parser.add_argument(*_opt("--num_cpu_threads_per_process"), type=int, default=None,
-                        help="OMP_NUM_THREADS of each process (default: CPU cores / local processes).")
-    parser.add_argument("--debug", action="store_true", default=None, help="Check collectives' shapes across processes.")
-    parser.add_argument(*_opt("--log_dir"), default=None, help="Directory for torchrun's per-rank logs.")
-    parser.add_argument("--tee", default=None, help="torchrun --tee: also write stdout/stderr (0..3) to --log_dir.")
-    if script:
-        parser.add_argument("-m", "--module", action="store_true", help="Run the script argument as a module (python -m).")
-        parser.add_argument("training_script", help="The script (or module with -m) to run on every process.")
-        parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="Arguments of the script.")
 
 
 @dataclass
@@ -108,6 +61,12 @@ class LaunchSettings:
     log_dir: str | None = None
     tee: str | None = None
     config_path: Path | None = None
+    no_python: bool = False
+    role: str = "default"
+    quiet: bool = False
+    multi_gpu: bool = False
+    enable_cpu_affinity: bool = False
+    extra_env: dict = field(default_factory=dict)  # ACCELERATE_* variables of fp8 / DeepSpeed options
 
     @property
     def nproc_per_node(self) -> int:
@@ -120,19 +79,26 @@ def _device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _given(args: argparse.Namespace, name: str):
+    """The value of option `name` when the user gave it, else None (store_true options default to False)."""
+    value = getattr(args, name, None)
+    return None if value is False else value
+
+
 def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> LaunchSettings:
     """Merge `args` over `config` over defaults; raise LaunchOptionError for anything that cannot work."""
     cfg = config or LaunchConfig()
     _check_supported(cfg)
+    _refuse_unsupported_options(args)
 
     def pick(name: str, default=None):
-        value = getattr(args, name, None)
+        value = _given(args, name)
         if value is not None:
             return value
         from_config = getattr(cfg, name, None) if config is not None else None
         return default if from_config is None else from_config
 
-    use_cpu = bool(args.cpu) if args.cpu is not None else bool(cfg.use_cpu) or str(cfg.distributed_type) == "MULTI_CPU"
+    use_cpu = True if args.cpu else bool(cfg.use_cpu) or str(cfg.distributed_type) == "MULTI_CPU"
     num_machines = pick("num_machines", 1)
     settings = LaunchSettings(
         script=args.training_script,
@@ -146,7 +112,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         mixed_precision=str(pick("mixed_precision", "no")).lower(),
         use_cpu=use_cpu,
         gpu_ids=pick("gpu_ids", None),
-        rdzv_backend=pick("rdzv_backend", "static"),
+        rdzv_backend=pick("rdzv_backend", FROM_CONFIG["rdzv_backend"]),
         rdzv_conf=args.rdzv_conf or "",
         same_network=bool(pick("same_network", False)),
         max_restarts=args.max_restarts,
@@ -159,21 +125,194 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         debug=bool(args.debug) if args.debug is not None else bool(cfg.debug),
         num_cpu_threads_per_process=args.num_cpu_threads_per_process,
         log_dir=args.log_dir,
-        tee=args.tee,
+        tee=None if args.tee in (None, "0") else args.tee,
         config_path=cfg.path if config is not None else None,
+        no_python=bool(getattr(args, "no_python", False)),
+        role=getattr(args, "role", "default") or "default",
+        quiet=bool(getattr(args, "quiet", False)),
+        multi_gpu=bool(getattr(args, "multi_gpu", False)) or str(cfg.distributed_type) == "MULTI_GPU",
+        enable_cpu_affinity=bool(pick("enable_cpu_affinity", False)),
     )
-    if args.dynamo_backend is not None:
-        settings.dynamo_config["dynamo_backend"] = args.dynamo_backend
-    if args.dynamo_mode is not None:
-        settings.dynamo_config["dynamo_mode"] = args.dynamo_mode
-    if args.fsdp_version is not None:
-        settings.fsdp_config["fsdp_version"] = args.fsdp_version
+    _apply_option_groups(args, settings)
+    _apply_config_sections(cfg, settings, args)
+    _report_inert_options(args, settings)
     given = args.num_processes is not None or (config is not None and config.num_processes is not None)
     _check(settings, given_processes=given)
+    if settings.main_process_port == 0:  # as Accelerate: 0 means "pick a free port" (on this machine)
+        from ..utils.other import get_free_port
+
+        settings.main_process_port = get_free_port()
     if settings.num_processes == 0:  # unset: one process per GPU of each machine, else one (checked above)
         devices = 0 if settings.use_cpu else _device_count()
         settings.num_processes = max(devices, 1) * settings.num_machines
     return settings
+
+
+def _refuse_unsupported_options(args: argparse.Namespace) -> None:
+    """Options of `accelerate launch` that cannot work here: refused with the reason (never silently ignored).
+    Options that only matter together with one of these (the --megatron_lm_*, TPU pod and AWS options) are
+    refused with it; alone they change nothing, in Accelerate too."""
+    if sum(bool(getattr(args, name, False)) for name in ("multi_gpu", "cpu", "tpu", "use_deepspeed", "use_fsdp")) > 1:
+        raise LaunchOptionError("You can only use one of `--cpu`, `--multi_gpu`, `--tpu`, `--use_deepspeed`, "
+                                "`--use_fsdp` at a time.")
+    if args.multi_gpu and args.num_processes is not None and args.num_processes < 2:
+        raise LaunchOptionError("You need to use at least 2 processes to use `--multi_gpu`.")
+    if getattr(args, "use_parallelism_config", False):
+        if not args.use_fsdp or str(args.fsdp_version or "2") == "1":
+            raise LaunchOptionError("You cannot use `--use_parallelism_config` without `--use_fsdp` and "
+                                    "`--fsdp_version=2`.")
+        raise LaunchOptionError("--use_parallelism_config: nbaccel's Accelerator does not build a ParallelismConfig "
+                                "from launcher variables; pass parallelism_config=ParallelismConfig(...) to "
+                                "Accelerator in the script instead")
+    if getattr(args, "tpu", False) or getattr(args, "tpu_use_cluster", False) is True:
+        raise LaunchOptionError("--tpu: TPU processes are started by notebook_launcher (torch_xla) in a TPU "
+                                "notebook, not by nbaccel launch")
+    if getattr(args, "use_megatron_lm", False):
+        raise LaunchOptionError("--use_megatron_lm: Megatron-LM is not supported by nbaccel")
+    if getattr(args, "mpirun_hostfile", None):
+        raise LaunchOptionError("--mpirun_hostfile: nbaccel launch starts processes through torchrun, not mpirun; "
+                                "run `nbaccel launch --num_machines N --machine_rank R --main_process_ip IP` on each "
+                                "machine instead")
+    if getattr(args, "module", False) and getattr(args, "no_python", False):
+        raise LaunchOptionError("--module and --no_python cannot be used together")
+
+
+# The DeepSpeed options as the variables DeepSpeedPlugin reads (Accelerate's names).
+_DEEPSPEED_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE", "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING", "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+}
+
+
+def _apply_option_groups(args: argparse.Namespace, s: LaunchSettings) -> None:
+    """The dynamo, FSDP, fp8 and DeepSpeed options given on the command line, over the config file's."""
+    if args.dynamo_backend is not None:
+        s.dynamo_config["dynamo_backend"] = args.dynamo_backend
+    if args.dynamo_mode is not None:
+        s.dynamo_config["dynamo_mode"] = args.dynamo_mode
+    for name in ("dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation"):
+        if getattr(args, name, False):
+            s.dynamo_config[name] = True
+    if args.fsdp_version is not None:
+        s.fsdp_config["fsdp_version"] = int(args.fsdp_version)
+    for key, default in FSDP_DEFAULTS.items():  # an FSDP option left at Accelerate's default keeps the config's
+        value = getattr(args, key, default)
+        if value is not None and value != default:
+            s.fsdp_config[key] = value
+    if s.mixed_precision == "fp8":
+        from ..utils.launch import setup_fp8_env
+
+        fp8 = {k: v for k, v in vars(args).items() if k.startswith("fp8_")}
+        s.extra_env.update(setup_fp8_env(argparse.Namespace(**fp8), {}))
+    if s.use_deepspeed:
+        for key, name in _DEEPSPEED_ENV.items():
+            if getattr(args, key, None) is not None:
+                s.extra_env[name] = str(getattr(args, key))
+
+
+# Keys of an Accelerate config file that `nbaccel launch` does not use, with the reason; each is reported in one
+# line when the file sets it (a value other than the default), never silently ignored.
+_UNUSED_KEYS = {
+    "downcast_bf16": ("no", "it applies to TPU runs, which notebook_launcher starts"),
+    "main_training_function": ("main", "it names the function of a TPU run, which notebook_launcher starts"),
+    "megatron_lm_config": ({}, "Megatron-LM is not supported"),
+    "tpu_use_cluster": (False, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_use_sudo": (False, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_vm": (None, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+    "tpu_env": (None, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),
+}
+# deepspeed_config keys that reach the workers (as the matching launch option would); the others are refused.
+_DEEPSPEED_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                   "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+                   "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_moe_layer_cls_names"}
+
+
+def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.Namespace) -> None:
+    """The config file's fp8_config, deepspeed_config, parallelism_config and mpirun_config sections, and a
+    one-line report of the keys `nbaccel launch` does not use (see `_UNUSED_KEYS`)."""
+    where = f"{display_path(cfg.path)}: " if cfg.path is not None else ""
+    if cfg.parallelism_config:
+        raise LaunchOptionError(f"{where}parallelism_config: nbaccel's Accelerator does not build a ParallelismConfig "
+                                "from the launcher; pass parallelism_config=ParallelismConfig(...) to Accelerator in the "
+                                "script, and remove the section")
+    if (cfg.mpirun_config or {}).get("mpirun_hostfile"):
+        raise LaunchOptionError(f"{where}mpirun_config: nbaccel launch starts processes through torchrun, not mpirun; "
+                                "run nbaccel launch on each machine (--machine_rank) and remove the section")
+    if s.mixed_precision == "fp8" and cfg.fp8_config:
+        from ..utils.launch import setup_fp8_env
+
+        given = {k: v for k, v in vars(args).items() if k.startswith("fp8_") and v != _FP8_DEFAULTS.get(k)}
+        from_file = {(k if k.startswith("fp8_") else f"fp8_{k}"): v for k, v in cfg.fp8_config.items()}
+        fp8 = {**_FP8_DEFAULTS, **from_file, **given}  # the command line wins over the file, as in Accelerate
+        s.extra_env.update(setup_fp8_env(argparse.Namespace(**fp8), {}))
+    if s.use_deepspeed and cfg.deepspeed_config:
+        unknown = sorted(set(cfg.deepspeed_config) - _DEEPSPEED_KEYS)
+        if unknown:
+            raise LaunchOptionError(f"{where}deepspeed_config: {', '.join(unknown)} not supported by nbaccel launch "
+                                    "(DeepSpeed's own multi-node launcher is not used); remove them")
+        for key, value in cfg.deepspeed_config.items():
+            name = _DEEPSPEED_ENV.get(key)
+            if name is not None and name not in s.extra_env and value is not None:
+                s.extra_env[name] = str(value)
+            elif key == "gradient_accumulation_steps" and s.gradient_accumulation_steps is None:
+                s.gradient_accumulation_steps = int(value)
+    unused = [f"{key} ({reason})" for key, (default, reason) in _UNUSED_KEYS.items()
+              if getattr(cfg, key, default) not in (default, None, {}, [], "no", False)]
+    from ..launch.environment import DYNAMO_ENV, FSDP_ENV  # here: `nbaccel --help` does not load launch
+
+    for section, known in (("fsdp_config", FSDP_ENV), ("dynamo_config", DYNAMO_ENV)):
+        unknown = sorted(set(getattr(cfg, section) or {}) - set(known))
+        if unknown:
+            unused.append(f"{section}: {', '.join(unknown)} (not an Accelerate {section} key)")
+    if unused and not s.quiet:
+        print(f"nbaccel launch: {where}not used: {'; '.join(unused)}", file=sys.stderr)
+
+
+# Options that only act together with another choice: (condition on the settings, what they need).
+_INERT_UNLESS = [
+    (("downcast_bf16", "vm", "env", "tpu_use_sudo", "main_training_function"), lambda s: False,
+     "they apply to TPU runs, which notebook_launcher starts"),
+    (("megatron_lm_",), lambda s: False, "Megatron-LM is not supported"),
+    (("aws_",), lambda s: False, "they apply to SageMaker jobs, which are not supported"),
+    (("parallelism_config_",), lambda s: False, "pass a ParallelismConfig to the Accelerator instead"),
+    (("fsdp_",), lambda s: s.use_fsdp, "they need --use_fsdp"),
+    (("fp8_",), lambda s: s.mixed_precision == "fp8", "they need --mixed_precision fp8"),
+    (("zero_stage", "offload_", "gradient_clipping", "zero3_", "deepspeed_"), lambda s: s.use_deepspeed,
+     "they need --use_deepspeed"),
+]
+
+
+def _parsed_default(action: argparse.Action):
+    """The value argparse stores when the option is not given (a string default goes through `type`)."""
+    if isinstance(action.default, str) and callable(action.type):
+        try:
+            return action.type(action.default)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            return action.default
+    return action.default
+
+
+def _report_inert_options(args: argparse.Namespace, s: LaunchSettings) -> None:
+    """Name, in one line, the options given that change nothing in this launch (as in Accelerate, where they
+    change nothing either), so that none is ignored silently."""
+    parser = getattr(args, "_parser", None)
+    if parser is None or s.quiet:
+        return
+    given = {a.dest: a.option_strings[0] for a in parser._actions
+             if a.option_strings and a.dest in vars(args) and getattr(args, a.dest) != _parsed_default(a)}
+    notes = []
+    for prefixes, active, reason in _INERT_UNLESS:
+        names = sorted(option for dest, option in given.items() if dest.startswith(prefixes))
+        if names and not active(s):
+            notes.append(f"{', '.join(names)} ({reason})")
+    if notes:
+        print(f"nbaccel launch: not used: {'; '.join(notes)}", file=sys.stderr)
 
 
 def _check_supported(cfg: LaunchConfig) -> None:
@@ -200,10 +339,14 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
             local.is_dir() or local.with_suffix(".py").is_file()
         ):
             fail(f"module {s.script!r} not found (with -m, give an importable module name)")
-    elif not Path(s.script).is_file():
+    elif not s.no_python and not Path(s.script).is_file():
         fail(f"training script {s.script!r} not found" + (" (it is a directory)" if Path(s.script).is_dir() else ""))
     if s.num_machines < 1:
         fail(f"--num_machines must be >= 1, got {s.num_machines}")
+    if (s.multi_gpu and s.num_machines <= 1 and s.gpu_ids not in (None, "all")
+            and len(str(s.gpu_ids).split(",")) < 2):
+        fail("Less than two GPU ids were configured and tried to run on multiple GPUs: give at least two with "
+             "--gpu_ids, or --gpu_ids all")
     if s.num_processes < 0 or (s.num_processes == 0 and given_processes):
         fail(f"--num_processes must be >= 1, got {s.num_processes}")
     if s.num_processes % s.num_machines:
@@ -213,8 +356,8 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail(f"--machine_rank must be between 0 and {s.num_machines - 1}, got {s.machine_rank}")
     if s.num_machines > 1 and not s.main_process_ip:
         fail("--main_process_ip is needed with --num_machines > 1 (the address of the machine with rank 0)")
-    if s.main_process_port is not None and not 0 < s.main_process_port < 65536:
-        fail(f"--main_process_port must be between 1 and 65535, got {s.main_process_port}")
+    if s.main_process_port is not None and not 0 <= s.main_process_port < 65536:
+        fail(f"--main_process_port must be between 1 and 65535 (or 0 for a free port), got {s.main_process_port}")
     if s.mixed_precision not in MIXED_PRECISION_CHOICES:
         fail(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {s.mixed_precision!r}")
     if s.mixed_precision == "fp8" and not any(
@@ -236,6 +379,9 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     backend = str(s.dynamo_config.get("dynamo_backend", "no")).upper()
     if backend not in DynamoBackend.list():
         fail(f"--dynamo_backend must be one of {', '.join(b.lower() for b in DynamoBackend.list())}, got {backend.lower()!r}")
+    fp8_backend = s.extra_env.get("ACCELERATE_FP8_BACKEND", "ao").lower()
+    if s.mixed_precision == "fp8" and fp8_backend != "ao":
+        fail(f"--fp8_backend {fp8_backend}: nbaccel drives fp8 through torchao only (--fp8_backend ao)")
     if s.use_deepspeed and importlib.util.find_spec("deepspeed") is None:
         fail("DeepSpeed is selected but not installed: pip install deepspeed")
     if s.use_fsdp and s.use_deepspeed:
@@ -252,6 +398,7 @@ def worker_config(s: LaunchSettings) -> WorkerConfig:
         dynamo_config=dict(s.dynamo_config), use_fsdp=s.use_fsdp, fsdp_config=dict(s.fsdp_config),
         use_deepspeed=s.use_deepspeed, gpu_ids=s.gpu_ids, num_cpu_threads_per_process=s.num_cpu_threads_per_process,
         config_path=str(s.config_path) if s.config_path is not None else None, explicit_flags=True,
+        cpu_affinity=s.enable_cpu_affinity, extra_env=dict(s.extra_env),
     )
 
 
@@ -266,14 +413,13 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
     """The torch.distributed.run command line for these settings (this machine's part of the run)."""
     argv = [f"--nnodes={s.num_machines}", f"--nproc-per-node={s.nproc_per_node}",
             f"--max-restarts={s.max_restarts}", f"--monitor-interval={s.monitor_interval}"]
-    if s.num_machines > 1:
+    if s.num_machines > 1:  # as Accelerate: the rendezvous endpoint, or with same_network torchrun's master
         port = s.main_process_port or 29500
-        if s.rdzv_backend == "static":
-            argv += ["--rdzv-backend=static", f"--node-rank={s.machine_rank}",
-                     f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
+        argv += [f"--rdzv-backend={s.rdzv_backend}", f"--node-rank={s.machine_rank}"]
+        if s.same_network:
+            argv += [f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
         else:
-            argv += [f"--rdzv-backend={s.rdzv_backend}", f"--rdzv-endpoint={s.main_process_ip}:{port}",
-                     f"--rdzv-id=nbaccel-{port}"]
+            argv += [f"--rdzv-endpoint={s.main_process_ip}:{port}", f"--rdzv-id=nbaccel-{port}"]
     else:
         argv.append(f"--rdzv-backend={s.rdzv_backend}")
         if s.main_process_port is not None:
@@ -282,6 +428,10 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
             else:
                 argv += [f"--rdzv-endpoint=127.0.0.1:{s.main_process_port}", f"--rdzv-id=nbaccel-{s.main_process_port}"]
         # no port: torch.distributed.run picks a free one on a single machine
+    if s.role != "default":
+        argv.append(f"--role={s.role}")
+    if s.no_python:
+        argv.append("--no-python")
     if s.rdzv_conf:
         argv.append(f"--rdzv-conf={s.rdzv_conf}")
     if s.log_dir:
@@ -300,6 +450,11 @@ def run_settings(s: LaunchSettings) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(worker_environment(s))
+    if s.quiet:  # -q: only the workers' output and errors, not the agent's progress messages
+        import logging
+
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+        logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     args = torchrun.get_args_parser().parse_args(torchrun_arguments(s))
     try:
         torchrun.run(args)
@@ -329,11 +484,105 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     return run_settings(settings)
 
 
-def register(subparsers) -> None:
-    from .main import add_command
+# --- Accelerate's names in this module ------------------------------------------------------------------------
+description = "Run a script on every process (torch.distributed.run underneath)."
 
-    parser = add_command(subparsers, "launch", launch_command,
-                         help="Run a script on every process (torch.distributed.run underneath).",
-                         allow_abbrev=False)
+# The option that shows each group of options in Accelerate's help.
+options_to_group = {"multi_gpu": "Distributed GPUs", "tpu": "TPU", "use_deepspeed": "DeepSpeed Arguments",
+                    "use_fsdp": "FSDP Arguments", "use_megatron_lm": "Megatron-LM Arguments",
+                    "fp8_backend": "FP8 Arguments"}
+
+
+def clean_option(option: str) -> str:
+    """`--num-processes` -> `num_processes`: an option string as its dest."""
+    return option.lstrip("-").replace("-", "_")
+
+
+class CustomHelpFormatter(argparse.HelpFormatter):
+    """Help text with the options listed under their groups (the format `nbaccel launch --help` uses)."""
+
+
+def launch_command_parser(subparsers=None) -> argparse.ArgumentParser:
+    """The `launch` parser with every option of `accelerate launch` (added to `subparsers` when given)."""
+    if subparsers is not None:
+        from .main import add_command
+
+        parser = add_command(subparsers, "launch", launch_command, help=description, allow_abbrev=False,
+                             formatter_class=CustomHelpFormatter)
+    else:
+        from .main import CommandParser
+
+        parser = CommandParser(prog="nbaccel launch", description=description, allow_abbrev=False,
+                               formatter_class=CustomHelpFormatter)
+        parser.set_defaults(func=launch_command)
     add_launch_arguments(parser)
     parser.set_defaults(_parser=parser)
+    return parser
+
+
+def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespace, LaunchConfig | None, bool]:
+    """Check `args` and fill what was not given from the config file and defaults, as Accelerate's function of
+    this name does. Returns (args, the config read or None, whether mixed_precision came from the config);
+    raises LaunchOptionError (a ValueError) for options that cannot work."""
+    config = load_config(args.config_file)
+    settings = resolve_settings(args, config)
+    mp_from_config = _given(args, "mixed_precision") is None and config is not None and config.mixed_precision is not None
+    for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                 "mixed_precision", "gpu_ids", "rdzv_backend", "same_network", "debug", "use_fsdp", "use_deepspeed",
+                 "multi_gpu", "gradient_accumulation_steps", "num_cpu_threads_per_process"):
+        setattr(args, name, getattr(settings, name))
+    args.use_cpu = args.cpu = settings.use_cpu
+    args.dynamo_backend = str(settings.dynamo_config.get("dynamo_backend", "no")).lower()
+    args._settings = settings
+    return args, config, mp_from_config
+
+
+def _run(args: argparse.Namespace) -> int:
+    settings = getattr(args, "_settings", None) or _validate_launch_command(args)[0]._settings
+    return run_settings(settings)
+
+
+def simple_launcher(args: argparse.Namespace) -> int:
+    """Run `args` (a parsed launch command line) through torchrun; nbaccel has one launcher for one process
+    and many, so this is `multi_gpu_launcher`."""
+    return _run(args)
+
+
+def multi_gpu_launcher(args: argparse.Namespace) -> int:
+    """Run `args` (a parsed launch command line) on its processes through torchrun."""
+    return _run(args)
+
+
+def deepspeed_launcher(args: argparse.Namespace) -> int:
+    """Accelerate's DeepSpeed launcher: refused, DeepSpeed is not driven by nbaccel."""
+    from ..utils.integration import DEEPSPEED
+
+    DEEPSPEED.refuse("deepspeed_launcher")
+
+
+def tpu_launcher(args: argparse.Namespace) -> int:
+    """Accelerate's TPU launcher: refused, TPU runs go through notebook_launcher (torch_xla)."""
+    raise LaunchOptionError("TPU processes are started by notebook_launcher (torch_xla) in a TPU notebook, not by "
+                            "nbaccel launch")
+
+
+def tpu_pod_launcher(args: argparse.Namespace) -> int:
+    """Accelerate's TPU pod launcher: refused, as `tpu_launcher`."""
+    return tpu_launcher(args)
+
+
+def sagemaker_launcher(sagemaker_config, args: argparse.Namespace) -> int:
+    """Accelerate's SageMaker launcher: refused, SageMaker is not supported."""
+    from ..utils.integration import SAGEMAKER
+
+    SAGEMAKER.refuse("sagemaker_launcher")
+
+
+def main() -> int:
+    """`python -m nbaccel.commands.launch ...`: `nbaccel launch`."""
+    parser = launch_command_parser()
+    return launch_command(parser.parse_args())
+
+
+def register(subparsers) -> None:
+    launch_command_parser(subparsers)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 # Listed first, in this order, in `nbaccel --help`; any other module with `register` follows alphabetically.
 _PREFERRED_ORDER = ("config", "env", "launch", "test")
-_NOT_COMMANDS = {"main", "parser"}
+_NOT_COMMANDS = {"main", "parser", "accelerate_cli", "utils", "launch_options"}
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .launch import LaunchOptionError, add_launch_arguments, resolve_settings, run_settings
 
-CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "test_utils" / "scripts" / "check_operations.py"
+CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "test_utils" / "scripts" / "test_script.py"
 
 
 def test_command(args: argparse.Namespace) -> int:
@@ -31,10 +31,27 @@ def test_command(args: argparse.Namespace) -> int:
     return status
 
 
-def register(subparsers) -> None:
-    from .main import add_command
+def test_command_parser(subparsers=None) -> argparse.ArgumentParser:
+    """The `test` parser: the launch options, without a script (added to `subparsers` when given)."""
+    description = "Check that collectives work on the configured processes (a short run)."
+    if subparsers is not None:
+        from .main import add_command
 
-    parser = add_command(subparsers, "test", test_command,
-                         help="Check that collectives work on the configured processes (a short run).")
+        parser = add_command(subparsers, "test", test_command, help=description)
+    else:
+        from .main import CommandParser
+
+        parser = CommandParser(prog="nbaccel test", description=description)
+        parser.set_defaults(func=test_command)
     add_launch_arguments(parser, script=False)
     parser.set_defaults(_parser=parser)
+    return parser
+
+
+def main() -> int:
+    """`python -m nbaccel.commands.test`."""
+    return test_command(test_command_parser().parse_args())
+
+
+def register(subparsers) -> None:
+    test_command_parser(subparsers)

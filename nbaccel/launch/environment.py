@@ -69,6 +69,8 @@ class WorkerConfig:
     num_cpu_threads_per_process: int | None = None
     config_path: str | None = None
     explicit_flags: bool = False
+    cpu_affinity: bool = False  # pin each GPU process to its NUMA node's cores (--enable_cpu_affinity)
+    extra_env: Mapping[str, str] = field(default_factory=dict)  # ACCELERATE_* variables of fp8/DeepSpeed options
 
     @classmethod
     def from_saved(cls, config: Any, **settings: Any) -> WorkerConfig:
@@ -154,6 +156,9 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
             env["PYTHONPATH"] = os.pathsep.join([source_root, *paths])
     if config.config_path is not None:
         env["NBACCEL_CONFIG_FILE_USED"] = str(config.config_path)
+    if config.cpu_affinity:
+        both("CPU_AFFINITY", "1")
+    env.update(config.extra_env)
     return env
 
 

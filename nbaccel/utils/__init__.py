@@ -23,14 +23,14 @@ _MODULES: dict[str, list[str]] = {
         "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
         "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType", "ProfileKwargs",
         "ProjectConfiguration", "RNGType", "TensorInformation", "TorchDynamoPlugin",
-        "TorchTensorParallelPlugin", "TERecipeKwargs", "MSAMPRecipeKwargs", "AORecipeKwargs",
+        "TorchTensorParallelPlugin", "TERecipeKwargs", "MSAMPRecipeKwargs", "AORecipeKwargs", "SageMakerDistributedType",
     ],
     ".environment": [
         "clear_environment", "get_int_from_env", "in_notebook", "is_colab", "is_kaggle",
         "parse_choice_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
         "are_libraries_initialized", "get_cpu_distributed_information", "purge_accelerate_environment",
         "check_cuda_fp8_capability", "check_cuda_p2p_ib_support", "get_current_device_type",
-        "get_driver_version", "get_gpu_info",
+        "get_driver_version", "get_gpu_info", "convert_dict_to_env_variables", "set_numa_affinity",
     ],
     ".imports": [
         "is_aim_available", "is_bf16_available", "is_bnb_available", "is_clearml_available",
@@ -49,8 +49,11 @@ _MODULES: dict[str, list[str]] = {
         "is_timm_available", "is_torch_distributed_available", "is_torchao_available", "is_torchdata_available",
         "is_torchdata_stateful_dataloader_available", "is_torchvision_available", "is_tqdm_available",
         "is_trackio_available", "is_triton_available", "is_weights_only_available", "is_xccl_available",
+        "torchao_required", "is_amdsmi_available", "is_bitsandbytes_multi_backend_available",
+        "is_import_timer_available", "is_transformer_engine_mxfp8_available",
     ],
-    ".parallelism_config": ["ParallelismConfig"],
+    ".parallelism_config": ["ParallelismConfig", "DeepSpeedSequenceParallelConfig", "TorchContextParallelConfig",
+                            "TorchTensorParallelConfig"],
     ".random": ["set_seed", "synchronize_rng_state", "synchronize_rng_states"],
     ".modeling": [
         "calculate_maximum_sizes", "check_device_map", "compute_module_sizes", "convert_file_size_to_int",
@@ -75,18 +78,45 @@ _MODULES: dict[str, list[str]] = {
         "merge_dicts", "save", "write_basic_config", "is_compiled_module", "get_free_port",
         "clean_state_dict_for_safetensors", "compile_regions", "has_compiled_regions",
         "get_module_children_bottom_up", "load",
+        "check_os_kernel", "compile_regions_deepspeed", "get_model_tp_size", "model_has_dtensor", "recursive_getattr",
     ],
     ".constants": [
         "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME",
         "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "SAMPLER_NAME", "SCALER_NAME", "SCHEDULER_NAME",
         "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_PATTERN_NAME", "FSDP_MODEL_NAME", "PROFILE_PATTERN_NAME",
+        "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION",
+        "TORCH_DISTRIBUTED_OPERATION_TYPES", "TORCH_LAUNCH_PARAMS",
     ],
     ".memory": [
         "clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size",
     ],
-    ".progress": ["tqdm"],
+    ".megatron_lm": [
+        "AbstractTrainStep", "BertTrainStep", "GPTTrainStep", "T5TrainStep", "MegatronEngine", "MegatronLMDummyDataLoader",
+        "MegatronLMDummyScheduler", "MegatronLMOptimizerWrapper", "MegatronLMSchedulerWrapper", "MegatronLMPlugin",
+        "add_model_config_to_megatron_parser", "avg_losses_across_data_parallel_group",
+        "gather_across_data_parallel_groups", "megatron_lm_initialize", "megatron_lm_prepare_data_loader",
+        "megatron_lm_prepare_model_optimizer_scheduler", "megatron_lm_prepare_optimizer",
+        "megatron_lm_prepare_scheduler",
+    ],
+    ".deepspeed": [
+        "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "DummyOptim",
+        "DummyScheduler", "HfDeepSpeedConfig", "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed",
+    ],
+    ".launch": [
+        "PrepareForLaunch", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagemager_args_inputs",
+        "prepare_simple_launcher_cmd_env", "prepare_tpu",
+    ],
+    ".transformer_engine": ["apply_fp8_autowrap", "contextual_fp8_autocast", "convert_model",
+                            "has_transformer_engine_layers"],
+    ".ao": ["convert_model_to_fp8_ao", "filter_first_and_last_linear_layers", "has_ao_layers"],
+    ".bnb": ["has_4bit_bnb_layers", "load_and_quantize_model"],
+    ".torch_xla": ["install_xla"],
 }
 
+# `tqdm` is both a function and a submodule (nbaccel.utils.tqdm), as in Accelerate: bound eagerly (the module is
+# cheap; it imports the tqdm library on first call), so importing the submodule never rebinds the name.
+from .tqdm import tqdm  # noqa: E402
+
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "tqdm"])
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS)

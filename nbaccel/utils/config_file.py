@@ -247,7 +247,7 @@ class LaunchConfig:
         integer("num_processes", 1, optional=True)
         integer("num_machines", 1)
         integer("machine_rank", 0)
-        integer("main_process_port", 1, 65535, optional=True)
+        integer("main_process_port", 0, 65535, optional=True)  # 0: pick a free port, as in Accelerate
         integer("gradient_accumulation_steps", 1, optional=True)
         if self.start_method is not None and self.start_method not in START_METHODS:
             errors["start_method"] = f"{self.start_method!r} is not one of {', '.join(START_METHODS)} (or unset)"

@@ -1131,3 +1131,92 @@ class TensorInformation:
 
     shape: torch.Size  # noqa: F821 - annotation only (postponed evaluation); no torch import at module load
     dtype: torch.dtype  # noqa: F821
+
+
+# --- Accelerate's remaining utils.dataclasses names (enums, type aliases, per-dimension parallelism configs, the
+# Megatron-LM names that raise on use). Kept at the end of the module, apart from the plugin classes. ----------
+from typing import Literal  # noqa: E402
+
+from .constants import (  # noqa: E402,F401  (Accelerate's dataclasses module exposes these constants too)
+    BETA_CP_AVAILABLE_PYTORCH_VERSION,
+    BETA_TP_AVAILABLE_PYTORCH_VERSION,
+    BETA_TP_AVAILABLE_TRANSFORMERS_VERSION,
+    FSDP2_PYTORCH_VERSION,
+    FSDP_AUTO_WRAP_POLICY,
+    FSDP_BACKWARD_PREFETCH,
+    FSDP_SHARDING_STRATEGY,
+    MITA_PROFILING_AVAILABLE_PYTORCH_VERSION,
+    XPU_PROFILING_AVAILABLE_PYTORCH_VERSION,
+)
+from .megatron_lm import (  # noqa: E402,F401
+    MODEL_CONFIGS_TO_MEGATRON_PARSERS,
+    MegatronLMPlugin,
+    add_model_config_to_megatron_parser,
+    parse_bert_config,
+    parse_glm4_moe_config,
+    parse_gpt2_config,
+    parse_llama_config,
+    parse_t5_config,
+)
+from .parallelism_config import (  # noqa: E402,F401
+    DeepSpeedSequenceParallelConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
+
+Backend = Literal["MSAMP", "TE"]
+OptLevel = Literal["O1", "O2"]
+FP8Format = Literal["HYBRID", "E4M3", "E5M2"]
+AmaxComputeAlgorithm = Literal["max", "most_recent"]
+ProfilerActivity = Literal["cpu", "xpu", "mtia", "cuda", "hpu"]
+
+
+class EnumWithContains(enum.EnumMeta):
+    """Enum metaclass: `"value" in MyEnum` tests the values."""
+
+    def __contains__(cls, item: Any) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class BaseEnum(enum.Enum, metaclass=EnumWithContains):
+    """An enum whose `str()` is its value, with `list()` of the values (Accelerate's base for its enums)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list:
+        return [member.value for member in cls]
+
+
+class SageMakerDistributedType(str, enum.Enum):
+    """SageMaker's distributed modes (SageMaker launches are not supported by nbaccel; the enum is for reading)."""
+
+    NO = "NO"
+    DATA_PARALLEL = "DATA_PARALLEL"
+    MODEL_PARALLEL = "MODEL_PARALLEL"
+
+
+class FP8BackendType(str, enum.Enum):
+    """The fp8 backends by Accelerate's names (nbaccel drives AO, torchao)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+def get_module_class_from_name(module: Any, name: str) -> type | None:
+    """The class named `name` among `module` and its submodules (depth first), or None (used to resolve
+    `transformer_layer_cls_to_wrap` names)."""
+    if type(module).__name__ == name:
+        return type(module)
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None

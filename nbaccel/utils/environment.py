@@ -266,3 +266,45 @@ def check_cuda_fp8_capability() -> bool:
 
         capability = torch.cuda.get_device_capability()
     return capability >= (8, 9)
+
+
+def convert_dict_to_env_variables(current_env: dict) -> list[str]:
+    """`KEY=value\n` lines for a dict of environment variables (a launcher's env file). An entry with an empty
+    key or value, or a `;`, `<`, `>`, space or newline in either, is left out with a warning."""
+    forbidden = (";", "\n", "<", ">", " ")
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(c in key + value for c in forbidden):
+            lines.append(f"{key}={value}\n")
+        else:
+            import logging
+
+            logging.getLogger(__name__).warning("Skipping %s=%s: it has forbidden characters or an empty part",
+                                                key, value)
+    return lines
+
+
+def override_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
+    """Pin this process to the CPU cores nearest its GPU (NVIDIA, through NVML). Needs pynvml
+    (`pip install nvidia-ml-py`) and a CUDA GPU; `verbose` (default: ACCELERATE_DEBUG_MODE) prints the cores."""
+    import math
+
+    from .imports import is_pynvml_available
+
+    if not is_pynvml_available():
+        raise ImportError("CPU affinity per GPU needs NVML's Python bindings: pip install nvidia-ml-py")
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(local_process_index)
+    words = pynvml.nvmlDeviceGetCpuAffinity(handle, math.ceil((os.cpu_count() or 1) / 64))
+    cores = [64 * word_index + bit for word_index, word in enumerate(words) for bit in range(64) if word >> bit & 1]
+    os.sched_setaffinity(0, cores)
+    if verbose if verbose is not None else parse_flag_from_env("ACCELERATE_DEBUG_MODE"):
+        print(f"Assigning {len(cores)} CPU cores to process {local_process_index}: {cores}")
+
+
+@functools.lru_cache
+def set_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
+    """`override_numa_affinity`, done once per process (Accelerate calls it when ACCELERATE_CPU_AFFINITY=1)."""
+    override_numa_affinity(local_process_index, verbose=verbose)

@@ -445,3 +445,51 @@ def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
         return func(self, *args, **kwargs)
 
     return wrapper
+
+
+# --- the remaining checks of Accelerate's imports module --------------------------------------------------
+# USE_TORCH_XLA=0 hides torch_xla from the checks (Accelerate's switch, read once at import as there).
+USE_TORCH_XLA = parse_flag_from_env("USE_TORCH_XLA", default=True)
+
+
+def is_import_timer_available() -> bool:
+    return _is_package_available("import_timer")
+
+
+def is_amdsmi_available() -> bool:
+    return _is_package_available("amdsmi")
+
+
+def is_numpy_available(min_version: str = "1.25.0") -> bool:
+    version = _package_version("numpy")
+    return version is not None and compare_versions(parse(version), ">=", min_version)
+
+
+def is_bitsandbytes_multi_backend_available() -> bool:
+    """Whether the installed bitsandbytes has its multi-backend (non-CUDA) support."""
+    if not is_bnb_available():
+        return False
+    import bitsandbytes
+
+    return "multi_backend" in getattr(bitsandbytes, "features", set())
+
+
+def is_transformer_engine_mxfp8_available() -> bool:
+    """Whether Transformer Engine is installed and this GPU runs its MXFP8 recipe."""
+    if not _is_package_available("transformer_engine", "transformer-engine", "transformer_engine"):
+        return False
+    from transformer_engine.pytorch.fp8 import check_mxfp8_support
+
+    return bool(check_mxfp8_support()[0])
+
+
+def torchao_required(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: calling `func` without torchao (>= 0.6.1) raises ImportError saying to install it."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not is_torchao_available():
+            raise ImportError(f"{func.__name__} needs torchao >= 0.6.1: pip install torchao")
+        return func(*args, **kwargs)
+
+    return wrapper

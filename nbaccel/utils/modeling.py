@@ -979,3 +979,96 @@ def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> Any:
     device_type, _ = get_current_device_type()
     return torch.amp.GradScaler(device_type, **kwargs)
 
+
+
+# --- the helpers of Accelerate's infer_auto_device_map and offloading, under its names ----------------------
+from .constants import WEIGHTS_INDEX_NAME  # noqa: E402,F401  (Accelerate's modeling module exposes it too)
+
+
+def check_device_same(first_device: torch.device, second_device: torch.device) -> bool:
+    """Whether two devices are the same, counting an accelerator without an index as index 0 (`cuda` is
+    `cuda:0`, which `==` on torch devices denies)."""
+    if first_device.type != second_device.type:
+        return False
+
+    def indexed(device: torch.device) -> torch.device:
+        return torch.device(device.type, 0) if device.type != "cpu" and device.index is None else device
+
+    return indexed(first_device) == indexed(second_device)
+
+
+def get_module_leaves(module_sizes: Mapping[str, int]) -> list[str]:
+    """The names in `module_sizes` (as `compute_module_sizes` returns) that have no child entry: the leaves."""
+    parents = {name.rsplit(".", 1)[0] for name in module_sizes if name and "." in name}
+    return [name for name in module_sizes if name and name not in parents]
+
+
+def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: Mapping[str, int],
+                              modules_to_treat: list[tuple[str, nn.Module]]) -> tuple[int, list[str], list[nn.Module]]:
+    """The size of a module once the modules holding its tied parameters come along: `module_size` plus, for
+    each tied parameter (found in one of `modules_to_treat`), that module's size less the shared tensor.
+    Returns (size, names of those modules, the modules)."""
+    names: list[str] = []
+    modules: list[nn.Module] = []
+    size = module_size
+    for tied in tied_params:
+        name, module = next((n, m) for n, m in modules_to_treat if tied.startswith(n + "."))
+        names.append(name)
+        modules.append(module)
+        size += module_sizes[name] - module_sizes[tied]
+    return size, names, modules
+
+
+def fallback_allocate(modules: list[tuple[str, nn.Module]], module_sizes: Mapping[str, int], size_limit: int | str,
+                      no_split_module_classes: list[str] | None = None,
+                      tied_parameters: list[list[str]] | None = None
+                      ) -> tuple[str | None, nn.Module | None, list[tuple[str, nn.Module]]]:
+    """Breadth-first, the first module (or part of a splittable one) of `modules` that fits in `size_limit`
+    with its tied parameters. Returns its name, itself, and `modules` with it taken out (its parents replaced
+    by their remaining parts); (None, None, modules) when nothing fits."""
+    try:
+        limit = convert_file_size_to_int(size_limit)
+    except ValueError:
+        return None, None, modules
+    no_split = set(no_split_module_classes or [])
+    tied_groups = tied_parameters or []
+    queue = list(modules)
+    while queue:
+        name, module = queue.pop(0)
+        outside = [p for group in tied_groups
+                   if any(name + "." in k + "." for k in group) and not all(name + "." in k + "." for k in group)
+                   for p in group if name + "." not in p + "."]
+        size, _, _ = get_module_size_with_ties(outside, module_sizes[name], module_sizes, queue)
+        if size <= limit:
+            break
+        children = [] if isinstance(module, torch.Tensor) else list(module.named_children())
+        if not children or type(module).__name__ in no_split:
+            continue
+        parts = list(module.named_parameters(recurse=False)) + children
+        queue = [(f"{name}.{n}", v) for n, v in parts] + queue
+    else:
+        return None, None, modules
+    remaining = list(modules)
+    for cut in [i for i, c in enumerate(name) if c == "."]:  # open the parents of the found part
+        parent = name[:cut]
+        names = [n for n, _ in remaining]
+        if parent in names:
+            index = names.index(parent)
+            holder = remaining[index][1]
+            parts = list(holder.named_parameters(recurse=False)) + list(holder.named_children())
+            remaining = remaining[:index] + [(f"{parent}.{n}", v) for n, v in parts] + remaining[index + 1:]
+    remaining = [(n, m) for n, m in remaining if n != name]
+    return name, module, remaining
+
+
+def get_state_dict_from_offload(module: nn.Module, module_name: str, state_dict: dict[str, Any],
+                                device_to_put_offload: int | str | torch.device = "cpu") -> dict[str, Any]:
+    """Fill `state_dict`'s entries for `module` (named by one of its tensors, `module_name`, e.g.
+    "encoder.weight") with its real tensors, loaded onto `device_to_put_offload` when the module is offloaded."""
+    root = module_name[: module_name.rfind(".")]
+    device = device_to_put_offload if has_offloaded_params(module) else None
+    with align_module_device(module, device):
+        for key, tensor in module.state_dict().items():
+            if f"{root}.{key}" in state_dict:
+                state_dict[f"{root}.{key}"] = tensor
+    return state_dict

@@ -333,3 +333,81 @@ def compile_regions(module: Any, **compile_kwargs: Any) -> Any:
     compiled.__dict__.setdefault("_orig_mod", module)
     return compiled
 
+
+
+def is_repeated_blocks(module: Any) -> bool:
+    """Whether `module` is a repeated block: a non-empty `nn.ModuleList` of items of one class (transformer
+    layers), which regional compilation compiles block by block."""
+    return _is_repeated_blocks(module)
+
+
+def has_repeated_blocks(module: Any) -> bool:
+    """Whether `module` holds repeated blocks (see `is_repeated_blocks`) anywhere below it."""
+    return bool(module._modules) and any(_is_repeated_blocks(sub) for sub in module.modules())
+
+
+def model_has_dtensor(model: Any) -> bool:
+    """Whether any parameter of `model` is a torch `DTensor` (the model was sharded by FSDP2 or tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def get_model_tp_size(model: Any) -> int | None:
+    """The tensor-parallel degree a `transformers` model was sharded with (its `tp_size`, else the size of its
+    device mesh's "tp" dimension); None when it was not sharded."""
+    size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None)
+    if size:
+        return int(size)
+    mesh = getattr(model, "device_mesh", None) or getattr(model, "_device_mesh", None)
+    if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return int(mesh["tp"].size())
+    return None
+
+
+def recursive_getattr(obj: Any, attr: str) -> Any:
+    """`getattr` along a dotted path: `recursive_getattr(model, "encoder.layer.0")`."""
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_os_kernel() -> None:
+    """Warn on Linux kernels older than 5.5, on which processes can hang (the limit Accelerate checks)."""
+    import platform
+    import re
+
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    found = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
+    if found is None:
+        return
+    version = tuple(int(part) for part in found.groups())
+    if version < (5, 5, 0):
+        warnings.warn(
+            f"Detected kernel version {'.'.join(map(str, version))}, which is below the recommended minimum of "
+            "5.5.0; this can cause the process to hang. It is recommended to upgrade the kernel to the minimum "
+            "version or higher.", stacklevel=2)
+
+
+def compile_regions_deepspeed(module: Any, **compile_kwargs: Any) -> None:
+    """Accelerate's regional compilation of a DeepSpeed engine: refused, DeepSpeed is not driven by nbaccel."""
+    raise NotImplementedError("compile_regions_deepspeed compiles a DeepSpeed engine in place; nbaccel does not "
+                              "train with DeepSpeed (see docs/compat.md). Use compile_regions(model) instead.")
+
+
+def __getattr__(name: str) -> Any:
+    """`np_core` and `TORCH_SAFE_GLOBALS` (what `load` allows besides tensors) need numpy: built on first use."""
+    if name not in ("np_core", "TORCH_SAFE_GLOBALS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import codecs
+
+    import numpy as np
+
+    np_core = np._core if hasattr(np, "_core") else np.core
+    safe = [np_core.multiarray._reconstruct, np.ndarray, codecs.encode, np.dtype]
+    if hasattr(np, "dtypes"):
+        safe.append(np.dtypes.UInt32DType)
+    globals().update(np_core=np_core, TORCH_SAFE_GLOBALS=safe)
+    return globals()[name]

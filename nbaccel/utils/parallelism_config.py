@@ -159,3 +159,55 @@ class ParallelismConfig:
         return {"dp_replicate_size": self.dp_replicate_size, "dp_shard_size": self.dp_shard_size,
                 "tp_size": self.tp_size, "cp_size": self.cp_size, "cp_backend": self.cp_backend,
                 "sp_size": self.sp_size, "sp_backend": self.sp_backend}
+
+
+# --- the per-dimension configs of Accelerate's ParallelismConfig (tp_handler, cp_handler, sp_handler) ------
+@dataclass
+class TorchTensorParallelConfig:
+    """Tensor-parallel settings: `enable_async_tp` overlaps the TP collectives with compute (torch's async TP)."""
+
+    enable_async_tp: bool = False
+
+
+@dataclass
+class TorchContextParallelConfig:
+    """Context-parallel settings: `cp_comm_strategy` "allgather" (default, or $PARALLELISM_CONFIG_CP_COMM_STRATEGY)
+    or "alltoall"."""
+
+    cp_comm_strategy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cp_comm_strategy is None:
+            self.cp_comm_strategy = os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")
+        if self.cp_comm_strategy not in ("allgather", "alltoall"):
+            raise ValueError(f"cp_comm_strategy must be 'allgather' or 'alltoall', got {self.cp_comm_strategy!r}")
+
+
+_SP_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa")
+
+
+@dataclass
+class DeepSpeedSequenceParallelConfig:
+    """DeepSpeed (ALST/Ulysses) sequence-parallel settings. Each field left None reads its
+    PARALLELISM_CONFIG_SP_* variable; a fixed length (`sp_seq_length_is_variable=False`) needs `sp_seq_length`."""
+
+    sp_seq_length: int | None = None
+    sp_seq_length_is_variable: bool | None = None
+    sp_attn_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sp_seq_length_is_variable is None:
+            self.sp_seq_length_is_variable = (
+                os.environ.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE", "true").lower() == "true")
+        if not self.sp_seq_length_is_variable and self.sp_seq_length is None:
+            from_env = os.environ.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH")
+            if from_env is None:
+                raise ValueError("sp_seq_length_is_variable=False needs sp_seq_length (or "
+                                 "PARALLELISM_CONFIG_SP_SEQ_LENGTH)")
+            self.sp_seq_length = None if from_env == "None" else int(from_env)
+        if self.sp_attn_implementation is None:
+            self.sp_attn_implementation = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION")
+        chosen = self.sp_attn_implementation
+        if chosen is not None and chosen not in _SP_ATTENTION and not ("/" in chosen and "flash-attn" in chosen):
+            raise ValueError(f"sp_attn_implementation must be one of {', '.join(_SP_ATTENTION)} or a hub flash "
+                             f"attention kernel such as 'kernels-community/flash-attn2', got {chosen!r}")

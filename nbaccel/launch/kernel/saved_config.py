@@ -8,6 +8,7 @@ A file that cannot be read raises `ConfigError` ("<file>: <key>: <problem>") bef
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
     where = display_path(config.path) if config.path is not None else "config"
     result.source = where
     result.config = config
+    given = dataclasses.replace(result)
     result.use_cpu = bool(config.use_cpu)
     distributed_type = str(getattr(config.distributed_type, "value", config.distributed_type))
     for_accelerator = distributed_type in _ACCELERATOR_TYPES and not config.use_cpu
@@ -114,9 +116,43 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
         result.mixed_precision = str(getattr(config.mixed_precision, "value", config.mixed_precision))
     if start_method is None:
         result.start_method = config.start_method
-    if use_port is None and config.main_process_port is not None:
+    if use_port is None and config.main_process_port:  # 0 means "pick a free port", which None does too
         result.use_port = config.main_process_port
     if config.gradient_accumulation_steps is not None:
         steps = str(config.gradient_accumulation_steps)
         result.env = {"NBACCEL_GRADIENT_ACCUMULATION_STEPS": steps, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": steps}
+    _report_taken(where, given, result, config)
     return result
+
+
+_REPORTED = ("num_processes", "mixed_precision", "use_port", "master_addr", "node_rank", "num_nodes", "rdzv_backend",
+             "start_method", "use_cpu")
+
+
+# Keys of the config file that notebook_launcher applies (the rest are for `nbaccel launch` or TPU pods).
+_APPLIED = {"compute_environment", "distributed_type", "num_processes", "mixed_precision", "use_cpu",
+            "main_process_port", "num_machines", "machine_rank", "main_process_ip", "rdzv_backend", "start_method",
+            "gradient_accumulation_steps", "extra", "path"}
+
+
+def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults, config: Any) -> None:
+    """One line on stderr naming the file, each value notebook_launcher took from it, and the keys it set that
+    notebook_launcher does not apply (nbaccel's addition: Accelerate's notebook_launcher reads no config file, so
+    nothing from one may pass unnoticed)."""
+    from ..utils.config_file import LaunchConfig
+
+    taken = [f"{name}={getattr(result, name)!r}" for name in _REPORTED if getattr(result, name) != getattr(given, name)]
+    taken += [f"gradient_accumulation_steps={result.env['NBACCEL_GRADIENT_ACCUMULATION_STEPS']}"] if result.env else []
+    defaults = LaunchConfig()
+
+    def set_to_something(name: str) -> bool:  # a value that asks for something (not empty, off or the default)
+        value = getattr(config, name)
+        if name == "same_network" and config.num_machines <= 1:
+            return False  # one machine: nothing to meet over, in Accelerate too
+        return value != getattr(defaults, name) and value not in (None, False, "no", [], {})
+
+    unused = sorted(f.name for f in dataclasses.fields(config) if f.name not in _APPLIED and set_to_something(f.name))
+    parts = ([", ".join(taken)] if taken else []) + (
+        [f"not used by notebook_launcher: {', '.join(unused)}"] if unused else [])
+    if parts:
+        print(f"nbaccel: notebook_launcher takes from {where}: {'; '.join(parts)}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""`nbaccel config`: write the launch config file, by questions (`nbaccel config`) or for this machine
-(`nbaccel config default`)."""
+"""`nbaccel config` (the questions), as `accelerate.commands.config.config`: `config_command_parser`,
+`config_command`, `get_user_input`, `main`. The subcommands live in `default.py` and `update.py`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ..utils.config_file import ConfigError, LaunchConfig, default_config_file, display_path
-from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
-from ..utils.dataclasses import DynamoBackend
+from ...utils.config_file import LaunchConfig, default_config_file, display_path
+from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ...utils.dataclasses import DynamoBackend
 
 
 class _Asker:
@@ -131,50 +131,29 @@ def config_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_command(args: argparse.Namespace) -> int:
-    """`nbaccel config default`: write a basic config for this machine unless one exists."""
-    from ..utils.other import write_basic_config
-
-    try:
-        path = write_basic_config(mixed_precision=args.mixed_precision, save_location=args.config_file)
-    except (ValueError, ConfigError) as exc:
-        args._parser.error(str(exc))
-    if path:
-        print(f"nbaccel configuration saved at {display_path(path)}")
-    return 0
+description = "Write the launch config file by answering questions (`nbaccel config default`: no questions)."
 
 
-def update_command(args: argparse.Namespace) -> int:
-    """`nbaccel config update`: rewrite an existing (e.g. older Accelerate) config file in the current format."""
-    from ..utils.config_file import find_config_file, load_config
-
-    path = find_config_file(args.config_file)
-    if path is None:
-        args._parser.error("no config file to update; write one with `nbaccel config` or `nbaccel config default`")
-    try:
-        config = load_config(path)
-        config.save(path)
-    except ConfigError as exc:
-        args._parser.error(str(exc).replace("\n", "; "))
-    print(f"nbaccel configuration updated at {display_path(path)}")
-    return 0
+def get_user_input() -> LaunchConfig:
+    """Accelerate's name for the questionnaire: ask on the terminal and return the config (not saved)."""
+    return interactive_config()
 
 
-def register(subparsers) -> None:
-    from .main import CommandParser, add_command
+def config_command_parser(subparsers=None) -> argparse.ArgumentParser:
+    """The `config` parser: added to `subparsers` when given (as `nbaccel config`), else a parser of its own."""
+    if subparsers is not None:
+        from ..main import add_command
 
-    parser = add_command(subparsers, "config", config_command,
-                         help="Write the launch config file (interactive; `nbaccel config default` for no questions).")
+        parser = add_command(subparsers, "config", config_command, help=description)
+    else:
+        parser = argparse.ArgumentParser("nbaccel config", description=description, allow_abbrev=False)
+        parser.set_defaults(func=config_command)
     parser.add_argument("--config_file", "--config-file", default=None,
                         help=f"Where to save (default: {display_path(default_config_file())}).")
-    actions = parser.add_subparsers(dest="config_action", parser_class=CommandParser)
-    default = add_command(actions, "default", default_command, help="Write a basic config for this machine.")
-    default.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS,
-                         help=f"Where to save (default: {display_path(default_config_file())}).")
-    default.add_argument("--mixed_precision", "--mixed-precision", default="no", choices=MIXED_PRECISION_CHOICES,
-                         help="Mixed precision mode to write.")
-    default.set_defaults(_parser=default)
-    update = add_command(actions, "update", update_command,
-                         help="Rewrite an existing config file (e.g. an old Accelerate one) in the current format.")
-    update.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS, help="The file to update.")
-    update.set_defaults(_parser=update)
+    return parser
+
+
+def main() -> int:
+    """`python -m nbaccel.commands.config.config`: the questions only."""
+    args = config_command_parser().parse_args()
+    return config_command(args)

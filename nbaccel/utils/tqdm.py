@@ -1,4 +1,4 @@
-"""`tqdm`: a progress bar shown by one process per machine, as `accelerate.utils.tqdm` does.
+"""`nbaccel.utils.tqdm`: a progress bar shown by one process per machine, as `accelerate.utils.tqdm` does.
 
 Accelerate scripts write `from accelerate.utils import tqdm` and `for batch in tqdm(loader): ...`; with several
 processes only local rank 0 draws the bar unless `main_process_only=False`. The rank comes from `LOCAL_RANK`, which

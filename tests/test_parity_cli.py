@@ -1,0 +1,271 @@
+"""The command line against Accelerate 1.15 (issue 14, items 4 and 8, and the config-file keys of item 7):
+`nbaccel launch` takes every `accelerate launch` option with the same dest, default and nargs; --multi_gpu and
+--same_network act as Accelerate's; options that cannot work here are refused with a reason; `config update` and
+`estimate-memory` take Accelerate's arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate", reason="parity tests compare with Accelerate 1.15 (a dev dependency)")
+
+from nbaccel.commands.launch import (  # noqa: E402
+    LaunchOptionError,
+    _validate_launch_command,
+    launch_command_parser,
+    resolve_settings,
+    torchrun_arguments,
+    worker_environment,
+)
+from nbaccel.commands.launch_options import FROM_CONFIG  # noqa: E402
+from nbaccel.utils.config_file import LaunchConfig, load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = "examples/hello_ranks.py"
+
+# Defaults that differ on purpose: None means "not given: the config file's value, else Accelerate's default"
+# (Accelerate's launcher never reads these keys from the file). fsdp_version: the fsdp1 branch sets Accelerate's 1.
+DEFAULT_DIFFERENCES = {**FROM_CONFIG, "fsdp_version": "1 (shipped by the fsdp1 branch)"}
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def test_launch_takes_every_accelerate_option_with_its_dest_default_and_nargs():
+    from accelerate.commands.launch import launch_command_parser as accelerate_parser
+
+    theirs, ours = accelerate_parser(), launch_command_parser()
+    ours_by_option = _actions(ours)
+    problems = []
+    for action in theirs._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        missing = [o for o in action.option_strings if o not in ours_by_option]
+        if missing:
+            problems.append(f"{action.option_strings}: missing {missing}")
+            continue
+        mine = ours_by_option[action.option_strings[0]]
+        if mine.dest != action.dest or mine.nargs != action.nargs:
+            problems.append(f"{action.option_strings}: dest/nargs {mine.dest}/{mine.nargs} != "
+                            f"{action.dest}/{action.nargs}")
+        if type(mine).__name__ != type(action).__name__:
+            problems.append(f"{action.option_strings}: {type(mine).__name__} != {type(action).__name__}")
+        if mine.default != action.default and action.dest not in DEFAULT_DIFFERENCES:
+            problems.append(f"{action.option_strings}: default {mine.default!r} != {action.default!r}")
+        if action.choices and mine.choices and not set(action.choices) <= set(mine.choices):
+            if action.dest != "dynamo_backend":
+                problems.append(f"{action.option_strings}: choices {mine.choices} lack some of {action.choices}")
+    # positionals: the script and its arguments
+    positionals = {a.dest: a.nargs for a in ours._actions if not a.option_strings}
+    assert positionals.get("training_script") is None and positionals.get("training_script_args") == "..."
+    assert not problems, "\n".join(problems)
+    # the options with a deliberate default differ only in None-means-config, and parse the same values
+    both = ["--rdzv_backend", "c10d", "--dynamo_mode", "max-autotune", "x.py"]
+    assert vars(theirs.parse_args(both))["rdzv_backend"] == vars(ours.parse_args(both))["rdzv_backend"] == "c10d"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--multi_gpu", "--cpu"],
+    ["--multi_gpu", "--use_fsdp"],
+    ["--multi_gpu", "--num_processes", "1"],
+    ["--use_parallelism_config"],
+])
+def test_multi_gpu_and_paradigm_checks_refuse_as_accelerate(argv):
+    """The same combinations are refused, with Accelerate's message (a ValueError on both sides)."""
+    from accelerate.commands.launch import _validate_launch_command as accelerate_validate
+    from accelerate.commands.launch import launch_command_parser as accelerate_parser
+
+    with pytest.raises(ValueError) as theirs:
+        accelerate_validate(accelerate_parser().parse_args([*argv, SCRIPT]))
+    with pytest.raises(LaunchOptionError) as ours:
+        resolve_settings(launch_command_parser().parse_args([*argv, SCRIPT]), None)
+    assert str(theirs.value).strip() in str(ours.value)
+
+
+@pytest.mark.parametrize("same_network", [True, False])
+def test_machines_meet_as_accelerates_launcher_says(same_network):
+    """Several machines: with --same_network torchrun's master address and port, else the rendezvous endpoint
+    (Accelerate's prepare_multi_gpu_env fills the torchrun fields; nbaccel's torchrun command line must agree)."""
+    from accelerate.commands.launch import launch_command_parser as accelerate_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.run import get_args_parser
+
+    argv = ["--num_machines", "2", "--machine_rank", "1", "--num_processes", "4", "--main_process_ip", "10.1.2.3",
+            "--main_process_port", "29555", *(["--same_network"] if same_network else []), SCRIPT]
+    theirs = accelerate_parser().parse_args(argv)
+    theirs.mixed_precision, theirs.use_cpu, theirs.dynamo_backend = "no", False, "no"  # as its validation fills
+    prepare_multi_gpu_env(theirs)
+    ours = get_args_parser().parse_args(torchrun_arguments(resolve_settings(launch_command_parser().parse_args(argv),
+                                                                            None)))
+    fields = ["nnodes", "node_rank", "nproc_per_node", *(["master_addr", "master_port"] if same_network
+                                                        else ["rdzv_endpoint"])]
+    assert {f: str(getattr(ours, f)) for f in fields} == {f: str(getattr(theirs, f)) for f in fields}
+    assert ours.rdzv_backend == theirs.rdzv_backend == "static"
+
+
+def test_options_reach_the_workers_as_accelerates_environment():
+    """dynamo options and --enable_cpu_affinity become the variables Accelerate's launcher sets."""
+    from accelerate.commands.launch import launch_command_parser as accelerate_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--num_processes", "2", "--dynamo_backend", "inductor", "--dynamo_mode", "max-autotune",
+            "--dynamo_use_fullgraph", "--dynamo_use_dynamic", "--enable_cpu_affinity", "--main_process_port", "0",
+            SCRIPT]
+    theirs = accelerate_parser().parse_args(argv)
+    theirs.mixed_precision, theirs.num_machines, theirs.use_cpu = "no", 1, False
+    their_env = prepare_multi_gpu_env(theirs)
+    our_env = worker_environment(resolve_settings(launch_command_parser().parse_args(argv), None))
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH",
+                 "ACCELERATE_DYNAMO_USE_DYNAMIC", "ACCELERATE_CPU_AFFINITY"):
+        assert our_env[name].lower() == their_env[name].lower(), name
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--tpu"], "notebook_launcher"),
+    (["--use_megatron_lm"], "Megatron-LM is not supported"),
+    (["--mpirun_hostfile", "hosts"], "not mpirun"),
+    (["--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config"], "pass parallelism_config=ParallelismConfig"),
+    (["-m", "--no_python"], "--module and --no_python cannot be used together"),
+])
+def test_options_that_cannot_work_here_are_refused_with_the_reason(argv, reason):
+    """Accelerate would start a TPU, Megatron-LM, mpirun or parallelism-config launch, none of which can run on
+    this CPU machine; nbaccel refuses each before anything starts, saying why."""
+    with pytest.raises(LaunchOptionError, match=reason):
+        resolve_settings(launch_command_parser().parse_args([*argv, SCRIPT]), None)
+
+
+def test_no_python_role_and_quiet_run_through_torchrun():
+    echo = shutil.which("echo")
+    proc = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "-q", "--cpu", "--num_processes", "2",
+                           "--no_python", "--role", "trainer", echo, "hello from a worker"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("hello from a worker") == 2
+    argv = torchrun_arguments(resolve_settings(launch_command_parser().parse_args(
+        ["--no_python", "--role", "trainer", echo]), None))
+    assert "--no-python" in argv and "--role=trainer" in argv
+
+
+def test_validate_launch_command_fills_args_like_accelerates(tmp_path):
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                      "mixed_precision: 'no'\nuse_cpu: true\nnum_machines: 1\nmachine_rank: 0\n")
+    from accelerate.commands.launch import _validate_launch_command as accelerate_validate
+    from accelerate.commands.launch import launch_command_parser as accelerate_parser
+
+    argv = ["--config_file", str(config), SCRIPT]
+    theirs, _, their_mp = accelerate_validate(accelerate_parser().parse_args(argv))
+    ours, our_config, our_mp = _validate_launch_command(launch_command_parser().parse_args(argv))
+    for name in ("num_processes", "num_machines", "mixed_precision", "use_cpu"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert our_mp == their_mp and our_config.num_processes == 2
+
+
+# --- config keys: used or reported (item 7) -------------------------------------------------------------------
+def test_config_keys_are_used_or_reported(tmp_path, capsys):
+    """enable_cpu_affinity reaches the workers; TPU-only keys are named as not used; parallelism_config is
+    refused. (Accelerate's launcher reads these keys and, off a TPU / without FSDP2, ignores them silently.)"""
+    path = tmp_path / "keys.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                    "use_cpu: true\nenable_cpu_affinity: true\ndowncast_bf16: 'yes'\nmain_training_function: train\n")
+    settings = resolve_settings(launch_command_parser().parse_args(["--config_file", str(path), SCRIPT]),
+                                load_config(path))
+    assert worker_environment(settings)["ACCELERATE_CPU_AFFINITY"] == "1"
+    err = capsys.readouterr().err
+    assert "not used: downcast_bf16" in err and "main_training_function" in err
+    with_parallelism = LaunchConfig(distributed_type="FSDP", parallelism_config={"parallelism_config_tp_size": 2})
+    with pytest.raises(LaunchOptionError, match="parallelism_config"):
+        resolve_settings(launch_command_parser().parse_args([SCRIPT]), with_parallelism)
+
+
+# --- config update and estimate-memory (item 8) ----------------------------------------------------------------
+def _compare_parsers(theirs: argparse.ArgumentParser, ours: argparse.ArgumentParser, skip=()) -> list[str]:
+    ours_by_option = _actions(ours)
+    problems = []
+    for action in theirs._actions:
+        if action.dest == "help" or action.dest in skip:
+            continue
+        if not action.option_strings:
+            mine = next((a for a in ours._actions if not a.option_strings and a.dest == action.dest), None)
+        else:
+            mine = ours_by_option.get(action.option_strings[0])
+        if mine is None:
+            problems.append(f"{action.option_strings or action.dest}: missing")
+        elif (mine.dest, mine.nargs) != (action.dest, action.nargs) or (
+                action.choices and not set(action.choices) <= set(mine.choices or action.choices)):
+            problems.append(f"{action.option_strings or action.dest}: {mine} vs {action}")
+        elif action.option_strings and mine.default != action.default:
+            problems.append(f"{action.option_strings}: default {mine.default!r} != {action.default!r}")
+    return problems
+
+
+def test_estimate_memory_takes_accelerates_arguments():
+    from accelerate.commands.estimate import estimate_command_parser as accelerate_parser
+
+    from nbaccel.commands.estimate import estimate_command_parser
+
+    assert not _compare_parsers(accelerate_parser(), estimate_command_parser())
+
+
+def test_estimate_memory_of_a_hub_name_offline_says_so(tmp_path):
+    """A Hub model name needs the network on both sides; offline, nbaccel says that in one line (Accelerate
+    reports the repository as gated)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    theirs = subprocess.run([sys.executable, "-c", "from accelerate.commands.estimate import main; main()",
+                             "bert-base-cased"], capture_output=True, text=True, timeout=120, env=env)
+    ours = subprocess.run([sys.executable, "-m", "nbaccel", "estimate-memory", "bert-base-cased"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert theirs.returncode != 0 and ours.returncode == 2
+    assert "Hub cannot be reached" in ours.stderr and "HF_HUB_OFFLINE" in ours.stderr
+
+
+def test_config_update_takes_accelerates_arguments_and_keeps_the_values(tmp_path):
+    from accelerate.commands.config import get_config_parser as accelerate_config_parser
+    from accelerate.commands.config.config_args import load_config_from_file as accelerate_load
+    from accelerate.commands.config.update import update_config as accelerate_update
+
+    from nbaccel.commands.config import get_config_parser
+    from nbaccel.commands.config.update import update_config
+
+    def update_parser(parser):
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["update"]
+
+    problems = _compare_parsers(update_parser(accelerate_config_parser()), update_parser(get_config_parser()),
+                                skip=("config_file",))
+    assert not problems
+    assert "--config_file" in _actions(update_parser(get_config_parser()))
+    written = (ROOT / "tests" / "compat" / "fixtures" / "accelerate_multi_cpu_config.yaml").read_text()
+    for side, update in (("theirs", accelerate_update), ("ours", update_config)):
+        (tmp_path / f"{side}.yaml").write_text(written)
+        update(argparse.Namespace(config_file=str(tmp_path / f"{side}.yaml")))
+    theirs = accelerate_load(str(tmp_path / "theirs.yaml")).to_dict()
+    ours = accelerate_load(str(tmp_path / "ours.yaml")).to_dict()
+    assert {k: ours.get(k) for k in theirs} == theirs
+    with pytest.raises(ValueError):
+        accelerate_update(argparse.Namespace(config_file=str(tmp_path / "none.yaml")))
+    with pytest.raises(ValueError, match="no such config file"):
+        update_config(argparse.Namespace(config_file=str(tmp_path / "none.yaml")))
+
+
+def test_options_given_that_change_nothing_are_named(capsys):
+    """Accelerate accepts these and, in a launch like this one, does nothing with them; nbaccel does the same
+    but says so in one line, so that no option is ignored silently."""
+    from nbaccel.commands.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", "1", "--downcast_bf16",
+                                      "--fsdp_sharding_strategy", "NO_SHARD", "--zero_stage", "2", SCRIPT])
+    resolve_settings(args, None)
+    err = capsys.readouterr().err
+    assert "not used: --downcast_bf16" in err and "--fsdp_sharding_strategy (they need --use_fsdp)" in err
+    assert "--zero_stage (they need --use_deepspeed)" in err
+    resolve_settings(build_parser().parse_args(["launch", "--cpu", SCRIPT]), None)
+    assert "not used" not in capsys.readouterr().err
