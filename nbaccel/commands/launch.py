@@ -61,7 +61,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True
     parser.add_argument(*_opt("--dynamo_mode"), default=None, help="torch.compile mode: default, reduce-overhead, max-autotune.")
     parser.add_argument(*_opt("--gradient_accumulation_steps"), type=int, default=None, help="Steps to accumulate gradients over.")
     parser.add_argument(*_opt("--use_fsdp"), action="store_true", default=None, help="Use FullyShardedDataParallel.")
-    parser.add_argument(*_opt("--fsdp_version"), type=int, default=None, choices=(1, 2), help="FSDP version (default 2).")
+    parser.add_argument(*_opt("--fsdp_version"), type=int, default=None, choices=(1, 2), help="FSDP version (default 1, as Accelerate).")
     parser.add_argument(*_opt("--use_deepspeed"), action="store_true", default=None, help="Use DeepSpeed (pip install deepspeed).")
     parser.add_argument(*_opt("--num_cpu_threads_per_process"), type=int, default=None,
                         help="OMP_NUM_THREADS of each process (default: CPU cores / local processes).")
@@ -302,7 +302,7 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
             both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
     if s.use_fsdp:
         both("USE_FSDP", "true")
-        env["FSDP_VERSION"] = "2"
+        env["FSDP_VERSION"] = "1"  # Accelerate's default when the config names no fsdp_version
         for key, name in _FSDP_ENV.items():
             if s.fsdp_config.get(key) is not None:
                 env[name] = _flag(s.fsdp_config[key])

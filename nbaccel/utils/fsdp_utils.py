@@ -1,11 +1,13 @@
 """Accelerate's FSDP checkpoint functions (`save_fsdp_model`, `load_fsdp_model`, `save_fsdp_optimizer`,
-`load_fsdp_optimizer`, `merge_fsdp_weights`), for FSDP2 models, on torch.distributed.checkpoint.
+`load_fsdp_optimizer`, `merge_fsdp_weights`), for FSDP1 (`FullyShardedDataParallel`) and FSDP2 (`fully_shard`)
+models, on torch.distributed.checkpoint and its `get/set_model_state_dict` helpers (which handle both).
 
 File layout as Accelerate's, so checkpoints move between the two libraries:
 SHARDED_STATE_DICT -> `<dir>/pytorch_model_fsdp_<i>/` and `<dir>/optimizer_<i>/` (torch.distributed.checkpoint
 folders: every rank writes its own shard); FULL_STATE_DICT -> `<dir>/pytorch_model_fsdp[_<i>].bin` and
-`<dir>/optimizer[_<i>].bin`, written by rank 0 from the gathered full state. Every function is a collective:
-call it on every rank.
+`<dir>/optimizer[_<i>].bin`, written by rank 0 from the gathered full state; LOCAL_STATE_DICT (FSDP1 only) ->
+`<dir>/pytorch_model_fsdp[_<i>]_rank<r>.bin`, each rank's flat shard as is (the optimizer as SHARDED). Every
+function is a collective: call it on every rank.
 """
 
 from __future__ import annotations
@@ -20,9 +22,34 @@ FSDP_MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"
 
 
-def _is_full(fsdp_plugin: Any) -> bool:
+def state_dict_kind(fsdp_plugin: Any) -> str:
+    """"FULL", "SHARDED" or "LOCAL": the plugin's state_dict_type (a StateDictType or its name)."""
     kind = getattr(fsdp_plugin, "state_dict_type", None)
-    return getattr(kind, "name", str(kind)).upper().endswith("FULL_STATE_DICT")
+    name = getattr(kind, "name", str(kind)).upper().rsplit(".", 1)[-1]
+    for known in ("FULL", "SHARDED", "LOCAL"):
+        if name.startswith(known):
+            return known
+    raise ValueError(f"state_dict_type {kind!r} is not FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT.")
+
+
+def _is_full(fsdp_plugin: Any) -> bool:
+    return state_dict_kind(fsdp_plugin) == "FULL"
+
+
+def local_weights_name(model_index: int, rank: int) -> str:
+    """The per-rank file of a LOCAL_STATE_DICT model checkpoint (Accelerate's name)."""
+    stem = FSDP_MODEL_NAME if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}"
+    return f"{stem}_rank{rank}.bin"
+
+
+def _fsdp1_local_context(model: torch.nn.Module):
+    """FSDP1's LOCAL_STATE_DICT context around `model`; refuses models that are not FSDP1."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("LOCAL_STATE_DICT exists only for FSDP1 (FullyShardedDataParallel) models; use "
+                         "SHARDED_STATE_DICT or FULL_STATE_DICT.")
+    return FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
 
 
 def _rank() -> int:
@@ -38,6 +65,45 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _fsdp1_on_cpu(model: torch.nn.Module) -> bool:
+    """An FSDP1 model whose shards live on the CPU: torch's offload_to_cpu would free the gathered tensors
+    (its `.cpu()` is a no-op there), so full state dicts are gathered without it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) and m.compute_device.type == "cpu" for m in model.modules())
+
+
+def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      cpu_offload: bool = True) -> dict[str, Any]:
+    """The unsharded state dict of an FSDP1/FSDP2 model (or of its `optimizer`). A collective. With
+    `cpu_offload=True` only rank 0 receives it, on the CPU; the other ranks get {}."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    workaround = cpu_offload and _fsdp1_on_cpu(model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and not workaround)
+    if optimizer is None:
+        state = get_model_state_dict(model, options=options)
+    else:
+        state = get_optimizer_state_dict(model, optimizer, options=options)
+    if workaround:
+        return _cloned(state) if _rank() == 0 else {}
+    return state
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
 def _weights_name(model_index: int) -> str:
     return f"{FSDP_MODEL_NAME}.bin" if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}.bin"
 
@@ -48,15 +114,21 @@ def _optimizer_name(optimizer_index: int) -> str:
 
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, output_dir: str | os.PathLike,
                     model_index: int = 0, adapter_only: bool = False) -> None:
-    """Write the weights of an FSDP2 model: one shard per rank (sharded) or one file from rank 0 (full)."""
+    """Write the weights of an FSDP model: one shard per rank (sharded, local) or one file from rank 0 (full)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     os.makedirs(output_dir, exist_ok=True)
     if _is_full(fsdp_plugin):
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = gather_full_state(model)
         if _rank() == 0:
             torch.save(state, os.path.join(os.fspath(output_dir), _weights_name(model_index)))
+        _barrier()
+        return
+    if state_dict_kind(fsdp_plugin) == "LOCAL":
+        with _fsdp1_local_context(model):
+            state = model.state_dict()
+        torch.save(state, os.path.join(os.fspath(output_dir), local_weights_name(model_index, _rank())))
         _barrier()
         return
     state = {"model": get_model_state_dict(model)}
@@ -78,6 +150,15 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
         state = torch.load(path, map_location="cpu", weights_only=True) if _rank() == 0 else {}
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         return
+    if state_dict_kind(fsdp_plugin) == "LOCAL":
+        path = os.path.join(os.fspath(input_dir), local_weights_name(model_index, _rank()))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: a LOCAL_STATE_DICT checkpoint has one file per rank and "
+                                    "must be loaded with the number of processes that saved it.")
+        state = torch.load(path, map_location="cpu", weights_only=False)  # holds ShardedTensors
+        with _fsdp1_local_context(model):
+            model.load_state_dict(state)
+        return
     folder = os.fspath(input_dir)
     if FSDP_MODEL_NAME not in folder:
         folder = os.path.join(folder, f"{FSDP_MODEL_NAME}_{model_index}")
@@ -90,15 +171,14 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
 
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer,
                         model: torch.nn.Module, output_dir: str | os.PathLike, optimizer_index: int = 0) -> None:
-    """Write the optimizer state of an FSDP2 model (sharded per rank, or full from rank 0)."""
+    """Write the optimizer state of an FSDP model (sharded per rank, or full from rank 0; LOCAL as sharded)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     optimizer = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the torch one
     os.makedirs(output_dir, exist_ok=True)
     if _is_full(fsdp_plugin):
-        state = get_optimizer_state_dict(model, optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = gather_full_state(model, optimizer)
         if _rank() == 0:
             torch.save(state, os.path.join(os.fspath(output_dir), _optimizer_name(optimizer_index)))
         _barrier()
