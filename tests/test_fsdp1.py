@@ -4,6 +4,8 @@ ranks (gloo): DDP's weights for each setting, exact resume through save_state/lo
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +116,259 @@ def test_fsdp1_settings_give_ddp_weights():
         assert got["norms"] == pytest.approx(ddp["norms"], rel=1e-4), name
         assert results[1][name]["weights"] == {}, name  # full weights are gathered on rank 0 only
     assert "CheckpointWrapper" in results[0]["activation_checkpointing"]["kinds"]
+
+
+# Settings Accelerate's own FSDP1 code can run on CPU ranks. Not compared: sync_module_states (Accelerate's plugin
+# raises "no available devices" without an accelerator), cpu_offload (torch pins memory, which needs one),
+# HYBRID_SHARD (torch derives its groups from the accelerator count; nbaccel builds the mesh on CPU ranks).
+ACCELERATE_COMPARABLE = ["default", "shard_grad_op+prefetch", "no_shard", "transformer_wrap+orig_params",
+                         "activation_checkpointing"]
+
+
+def _accelerate_train(rank: int, settings: dict, steps: int = 4, optimizer_first: bool = False):
+    """The loop of `_train` on Accelerate's Accelerator and its FSDP1 code path."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = Tiny()
+    plugin = FullyShardedDataParallelPlugin(**settings)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    # Accelerate enables FSDP only on accelerators (cpu=True gives MULTI_CPU, i.e. DDP) and would hand torch's
+    # FSDP the device "cpu:0", which FSDP refuses as device_id: switch its state to FSDP on "cpu" so that its own
+    # FSDP1 code (prepare_model, clip_grad_norm_) runs here.
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.device = torch.device("cpu")
+    if optimizer_first:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    norms = []
+    for x, y in batches(rank, steps):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+    # (Accelerate's get_state_dict gathers with offload_to_cpu, which on CPU ranks frees the tensors it returns)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms}
+
+
+def _both_libraries(rank: int):
+    results = {}
+    for name in ACCELERATE_COMPARABLE:
+        results[name] = {"nbaccel": _train(rank, SETTINGS[name], optimizer_first=False),
+                         "accelerate": _accelerate_train(rank, SETTINGS[name])}
+    # the optimizer built before prepare and passed with the model (use_orig_params=False): Accelerate leaves it on
+    # the parameters FSDP1 replaced, so it never trains; nbaccel re-points it (docs/compat.md)
+    results["optimizer_first"] = {"nbaccel": _train(rank, {}, optimizer_first=True),
+                                  "accelerate": _accelerate_train(rank, {}, optimizer_first=True)}
+    torch.manual_seed(0)
+    results["initial"] = Tiny().state_dict()
+    return results
+
+
+def test_fsdp1_matches_accelerate_fsdp1():
+    pytest.importorskip("accelerate")
+    results = run_ranks(_both_libraries, timeout=300)[0]
+    for name in ACCELERATE_COMPARABLE:
+        ours, theirs = results[name]["nbaccel"], results[name]["accelerate"]
+        assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6, abs=1e-7), name
+        assert set(ours["weights"]) == set(theirs["weights"]), name
+        for key, value in theirs["weights"].items():
+            torch.testing.assert_close(ours["weights"][key], value, rtol=0, atol=1e-6, msg=f"{name}: {key}")
+    stale = results["optimizer_first"]["accelerate"]["weights"]
+    assert all(torch.equal(stale[k], v) for k, v in results["initial"].items())  # Accelerate: no training
+    trained = results["optimizer_first"]["nbaccel"]["weights"]
+    torch.testing.assert_close(trained, results["default"]["nbaccel"]["weights"], rtol=0, atol=1e-6)
+
+
+def _resume_run(rank: int, folder: str, mode: str, state_dict_type: str, steps: int = 6, save_at: int = 3):
+    """FSDP1 with the Accelerator: "full" trains `steps` steps, saving a checkpoint after `save_at` and the
+    final model with save_model; "resume" starts from other weights, loads that checkpoint and trains on."""
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_states
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
+    reset_states()
+    torch.manual_seed(0 if mode == "full" else 123)  # the resumed run must not depend on its own init
+    model = Tiny()
+    plugin = FullyShardedDataParallelPlugin(state_dict_type=state_dict_type, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap=["Block"])
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = batches(rank, steps)
+    checkpoint = os.path.join(folder, "checkpoint")
+    start = 0
+    if mode == "resume":
+        accelerator.load_state(checkpoint)
+        start = save_at
+    for step in range(start, steps):
+        x, y = data[step]
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if mode == "full" and step + 1 == save_at:
+            accelerator.save_state(checkpoint)
+            at_save = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    weights = accelerator.get_state_dict(model)
+    if mode == "full":
+        accelerator.save_model(model, os.path.join(folder, "export"))
+    files = sorted(os.path.relpath(os.path.join(root, name), checkpoint)
+                   for root, _, names in os.walk(checkpoint) for name in names)
+    return {"weights": {k: v.clone() for k, v in weights.items()}, "files": files,
+            "unwrapped": type(accelerator.unwrap_model(model)).__name__, "at_save": at_save if mode == "full" else None}
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
+def test_fsdp1_save_state_load_state_resume_exactly(tmp_path, state_dict_type):
+    """save_state/load_state with FSDP1 in Accelerate's layout (FULL: pytorch_model_fsdp.bin + optimizer.bin;
+    SHARDED: torch.distributed.checkpoint folders; LOCAL: one model file per rank): a resumed run ends with the
+    same weights, and save_model writes the gathered full model."""
+    from safetensors.torch import load_file
+
+    full = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "full", state_dict_type), timeout=200)
+    resumed = run_ranks(lambda rank: _resume_run(rank, str(tmp_path), "resume", state_dict_type), timeout=200)
+    files = full[0]["files"]
+    assert full[0]["unwrapped"] == "Tiny"
+    if state_dict_type == "FULL_STATE_DICT":
+        assert "pytorch_model_fsdp.bin" in files and "optimizer.bin" in files
+    elif state_dict_type == "SHARDED_STATE_DICT":
+        assert "pytorch_model_fsdp_0/.metadata" in files and "optimizer_0/.metadata" in files
+        assert len([f for f in files if f.startswith("pytorch_model_fsdp_0/") and f.endswith(".distcp")]) == 2
+    else:
+        assert {"pytorch_model_fsdp_rank0.bin", "pytorch_model_fsdp_rank1.bin", "optimizer_0/.metadata"} <= set(files)
+    expected, got = full[0]["weights"], resumed[0]["weights"]
+    assert set(got) == set(expected) and expected and full[1]["weights"] == {}
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6)
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+    if state_dict_type == "SHARDED_STATE_DICT":  # the sharded model folder merges into one file, no processes
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import merge_fsdp_weights as accelerate_merge
+
+        from nbaccel.utils import merge_fsdp_weights
+
+        folder = str(tmp_path / "checkpoint" / "pytorch_model_fsdp_0")
+        merge_fsdp_weights(folder, str(tmp_path / "merged"))
+        merged = load_file(tmp_path / "merged" / "model.safetensors")
+        at_save = full[0]["at_save"]
+        assert merged.keys() == at_save.keys() and all(torch.equal(merged[k], at_save[k]) for k in at_save)
+        try:  # Accelerate merges the same folder into the same tensors
+            accelerate_merge(folder, str(tmp_path / "merged_by_accelerate"))
+        finally:
+            AcceleratorState._reset_state(True)
+        theirs = load_file(tmp_path / "merged_by_accelerate" / "model.safetensors")
+        assert theirs.keys() == merged.keys() and all(torch.equal(theirs[k], merged[k]) for k in merged)
+
+
+# An FSDP config as `accelerate config` writes it: no fsdp_version (Accelerate's default, 1).
+ACCELERATE_FSDP_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: Block
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+LAUNCHED_SCRIPT = """\
+import sys
+import torch
+from torch import nn
+from {package} import Accelerator
+
+
+class Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+accelerator = Accelerator()
+torch.manual_seed(0)
+model = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+model = accelerator.prepare(model)
+optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+generator = torch.Generator().manual_seed(accelerator.process_index)
+for _ in range(3):
+    x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+plugin = getattr(accelerator.state, "fsdp_plugin", None)
+if accelerator.is_main_process:
+    print("RESULT", accelerator.distributed_type, type(model).__name__, getattr(plugin, "fsdp_version", None),
+          getattr(plugin, "backward_prefetch", None), flush=True)
+accelerator.save_model(model, sys.argv[1])
+"""
+
+
+def _launch(launcher: list[str], config: str, script: str, output: str, **extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "NBACCEL_"))}
+    env.update(extra)
+    return subprocess.run([sys.executable, *launcher, "--config_file", config, script, output], env=env,
+                          capture_output=True, text=True, timeout=240, cwd=os.path.dirname(config))
+
+
+def test_accelerate_fsdp_config_without_version_runs_under_nbaccel_launch(tmp_path):
+    """`nbaccel launch` with Accelerate's FSDP config file (no fsdp_version) trains with FSDP1 on 2 CPU ranks,
+    with the launcher defaults of `accelerate launch` (sync_module_states, use_orig_params, ...). Accelerate
+    cannot run that file here: its launcher turns on sync_module_states, which its plugin refuses without an
+    accelerator. So the same script under `accelerate launch` with a multi-CPU config (DDP) gives the weights
+    FSDP1 must reproduce."""
+    from safetensors.torch import load_file
+
+    fsdp_config = tmp_path / "fsdp.yaml"
+    fsdp_config.write_text(ACCELERATE_FSDP_CONFIG)
+    cpu_config = tmp_path / "cpu.yaml"
+    # (MULTI_GPU: torchrun starts 2 processes, which ACCELERATE_USE_CPU lets train on the CPU with gloo; Accelerate's
+    # MULTI_CPU launch wants mpirun)
+    cpu_config.write_text(ACCELERATE_FSDP_CONFIG.replace("distributed_type: FSDP", "distributed_type: MULTI_GPU"))
+    for package in ("nbaccel", "accelerate"):
+        (tmp_path / f"train_{package}.py").write_text(LAUNCHED_SCRIPT.format(package=package))
+    ours = _launch(["-m", "nbaccel", "launch"], str(fsdp_config), str(tmp_path / "train_nbaccel.py"),
+                   str(tmp_path / "nbaccel"))
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert "RESULT FSDP FullyShardedDataParallel 1 BackwardPrefetch.BACKWARD_PRE" in ours.stdout, ours.stdout
+    refused = _launch(["-m", "accelerate.commands.launch"], str(fsdp_config), str(tmp_path / "train_accelerate.py"),
+                      str(tmp_path / "refused"))
+    assert refused.returncode != 0 and "no available devices" in refused.stderr, refused.stderr[-2000:]
+    ddp = _launch(["-m", "accelerate.commands.launch"], str(cpu_config), str(tmp_path / "train_accelerate.py"),
+                  str(tmp_path / "accelerate"), ACCELERATE_USE_CPU="true")
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    assert "RESULT MULTI_CPU DistributedDataParallel" in ddp.stdout.replace("DistributedType.", ""), ddp.stdout
+    mine = load_file(tmp_path / "nbaccel" / "model.safetensors")
+    theirs = load_file(tmp_path / "accelerate" / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=key)

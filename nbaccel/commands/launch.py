@@ -245,6 +245,14 @@ def _flag(value) -> str:
     return str(value)
 
 
+# What `accelerate launch` sets for an FSDP run when neither the config file nor a flag names the value.
+_FSDP_LAUNCH_DEFAULTS = {
+    "fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False, "fsdp_min_num_params": 100_000_000, "fsdp_forward_prefetch": False,
+    "fsdp_use_orig_params": True, "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,
+    "fsdp_activation_checkpointing": False, "fsdp_activation_checkpointing_offload": False,
+}
+
 # fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
 _FSDP_ENV = {
     "fsdp_version": "FSDP_VERSION",
@@ -302,10 +310,11 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
             both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
     if s.use_fsdp:
         both("USE_FSDP", "true")
-        env["FSDP_VERSION"] = "1"  # Accelerate's default when the config names no fsdp_version
         for key, name in _FSDP_ENV.items():
-            if s.fsdp_config.get(key) is not None:
-                env[name] = _flag(s.fsdp_config[key])
+            value = s.fsdp_config.get(key)
+            value = _FSDP_LAUNCH_DEFAULTS.get(key) if value is None else value
+            if value is not None:
+                env[name] = _flag(value)
     if s.use_deepspeed:
         both("USE_DEEPSPEED", "true")
     if s.gpu_ids not in (None, "all") and not s.use_cpu:
