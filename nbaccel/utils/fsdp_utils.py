@@ -216,37 +216,45 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.opt
 
 
 def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.PathLike,
-                       safe_serialization: bool = True, remove_checkpoint_dir: bool = False) -> str:
-    """Turn a sharded FSDP model checkpoint folder into one `model.safetensors` (or `pytorch_model.bin`) in
-    `output_path`, in a single process (no process group needed). Returns the file written."""
+                       safe_serialization: bool = True, remove_checkpoint_dir: bool = False) -> str | None:
+    """Turn a sharded FSDP checkpoint folder (SHARDED_STATE_DICT, e.g. `checkpoint/pytorch_model_fsdp_0`) into one
+    `model.safetensors` (or `pytorch_model.bin`) in `output_path`. Needs no process group; under one, rank 0
+    merges and the others wait. Returns the file written (None on the other ranks)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
-        raise ValueError(f"{checkpoint_dir} is not a torch.distributed.checkpoint folder (no .metadata file).")
-    os.makedirs(output_path, exist_ok=True)
-    tmp = os.path.join(os.fspath(output_path), ".merged.tmp")
-    dcp_to_torch_save(checkpoint_dir, tmp)
-    state = torch.load(tmp, map_location="cpu", weights_only=True)
-    os.remove(tmp)
-    if set(state) == {"model"}:
-        state = state["model"]
-    if safe_serialization:
-        from safetensors.torch import save_file
+        hints = [os.path.join(checkpoint_dir, name) for name in (f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0")
+                 if os.path.isfile(os.path.join(checkpoint_dir, name, ".metadata"))]
+        hint = f" It holds sharded checkpoint folders: pass {' or '.join(hints)} instead." if hints else ""
+        raise ValueError(f"{checkpoint_dir} is not a sharded FSDP checkpoint (a torch.distributed.checkpoint folder "
+                         f"with a .metadata file).{hint}")
+    path = None
+    if _rank() == 0:
+        os.makedirs(output_path, exist_ok=True)
+        tmp = os.path.join(os.fspath(output_path), ".merged.tmp")
+        dcp_to_torch_save(checkpoint_dir, tmp)
+        state = torch.load(tmp, map_location="cpu", weights_only=True)
+        os.remove(tmp)
+        if len(state) == 1:  # {"model": {...}} as save_fsdp_model writes it
+            state = next(iter(state.values()))
+        if safe_serialization:
+            from safetensors.torch import save_file
 
-        unique, seen = {}, set()
-        for name, tensor in state.items():
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if key not in seen:
-                seen.add(key)
-                unique[name] = tensor.contiguous()
-        path = os.path.join(os.fspath(output_path), "model.safetensors")
-        save_file(unique, path, metadata={"format": "pt"})
-    else:
-        path = os.path.join(os.fspath(output_path), "pytorch_model.bin")
-        torch.save(state, path)
-    if remove_checkpoint_dir:
-        shutil.rmtree(checkpoint_dir)
+            unique, seen = {}, set()
+            for name, tensor in state.items():
+                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+                if key not in seen:
+                    seen.add(key)
+                    unique[name] = tensor.contiguous()
+            path = os.path.join(os.fspath(output_path), "model.safetensors")
+            save_file(unique, path, metadata={"format": "pt"})
+        else:
+            path = os.path.join(os.fspath(output_path), "pytorch_model.bin")
+            torch.save(state, path)
+        if remove_checkpoint_dir:
+            shutil.rmtree(checkpoint_dir)
+    _barrier()
     return path
 
 
