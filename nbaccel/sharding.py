@@ -82,7 +82,7 @@ def _wrap_policy(plugin: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
         min_params = int(min_params or getattr(plugin, "min_num_params", 0) or 0)
         if min_params <= 0:
             return lambda module: False
-        return lambda module: sum(p.numel() for p in module.parameters()) >= min_params
+        return lambda module: sum(p.numel() for p in module.parameters()) > min_params  # Accelerate: more than
     if callable(policy) and base not in (transformer_auto_wrap_policy, size_based_auto_wrap_policy):
         return lambda module: bool(policy(module=module, recurse=False, nonwrapped_numel=0))
     return lambda module: False

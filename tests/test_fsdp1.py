@@ -372,3 +372,55 @@ def test_accelerate_fsdp_config_without_version_runs_under_nbaccel_launch(tmp_pa
     assert mine.keys() == theirs.keys()
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=key)
+
+
+def _load_full_state(rank: int):
+    """fsdp2_load_full_state_dict of nbaccel and of Accelerate on FSDP2 models built on the meta device."""
+    import types
+
+    from accelerate.utils import fsdp2_load_full_state_dict as theirs
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from nbaccel.utils import fsdp2_load_full_state_dict as ours
+
+    torch.manual_seed(0)
+    full = Tiny().state_dict() if rank == 0 else {}
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), is_main_process=rank == 0)
+    results = []
+    for load in (ours, theirs):
+        with torch.device("meta"):
+            model = Tiny()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        failure = ""
+        try:
+            load(accelerator, model, full)
+        except RuntimeError as error:
+            failure = str(error)
+        flag = torch.tensor(0 if failure else 1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)  # did every rank load?
+        if not flag.item():
+            results.append(failure or "failed on another rank")
+            continue
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        results.append({k: v.clone() for k, v in state.items()})
+    return results
+
+
+def test_fsdp2_load_full_state_dict_matches_accelerate():
+    """nbaccel's fsdp2_load_full_state_dict fills every rank's shards from rank 0's weights. Accelerate's fails
+    with torch 2.13 here (its `load_state_dict(..., assign=True)` of the shards reports a size mismatch); where it
+    works, both must give the same weights."""
+    pytest.importorskip("accelerate")
+    per_rank = run_ranks(_load_full_state, init=True, timeout=120)
+    mine, theirs = per_rank[1][0], per_rank[0][1]  # rank 1 had no weights of its own; rank 0 reports the error
+    torch.manual_seed(0)
+    expected = Tiny().state_dict()
+    assert isinstance(mine, dict) and mine.keys() == expected.keys()
+    assert all(torch.equal(mine[k], expected[k]) for k in expected)
+    if isinstance(theirs, str):
+        assert "size mismatch" in theirs, theirs
+    else:
+        assert all(torch.equal(theirs[k], expected[k]) for k in expected)

@@ -136,3 +136,94 @@ def test_sync_module_states_works_without_an_accelerator():
     assert plugin.param_init_fn(module).weight.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
     assert plugin.sync_module_states is True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Accelerate's FSDP helper names in nbaccel.utils, compared on the same inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Stack(torch.nn.Module):
+    _no_split_modules = ["Layer"]
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_fsdp2_helpers_match_accelerate(monkeypatch):
+    import types
+
+    from accelerate.utils import fsdp_utils as theirs
+
+    import nbaccel.utils as ours
+    from nbaccel.utils import fsdp_utils as our_module
+
+    names = {"_orig_mod.layers.0._checkpoint_wrapped_module.fc.weight": 1, "head._orig_mod.bias": 2, "plain": 3}
+    assert ours.fsdp2_canonicalize_names(names) == theirs.fsdp2_canonicalize_names(names)
+
+    model = Stack()
+    for kwargs in ({"auto_wrap_policy": "transformer_based_wrap"},
+                   {"auto_wrap_policy": "size_based_wrap", "min_num_params": 72},  # Linear(8, 8) has exactly 72
+                   {"auto_wrap_policy": "no_wrap"}):
+        plugin = accelerate_utils.FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
+        mine = our_module.fsdp2_prepare_auto_wrap_policy(plugin, model)
+        other = theirs.fsdp2_prepare_auto_wrap_policy(plugin, model)
+        if other is None:
+            assert mine is None
+        else:
+            assert [mine(m) for m in model.modules()] == [other(m) for m in model.modules()], kwargs
+
+    # activation checkpointing on the selected layers: the same module tree
+    plugin = accelerate_utils.FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                             activation_checkpointing=True)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
+    a, b = ours.fsdp2_apply_ac(accelerator, Stack()), theirs.fsdp2_apply_ac(accelerator, Stack())
+    assert [type(m).__name__ for m in a.modules()] == [type(m).__name__ for m in b.modules()]
+    assert "CheckpointWrapper" in {type(m).__name__ for m in a.modules()}
+
+    # optimizer parameters switched through a mapping keyed as Accelerate keys it
+    for switch in (ours.fsdp2_switch_optimizer_parameters, theirs.fsdp2_switch_optimizer_parameters):
+        old, new = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(old.parameters(), lr=0.1)
+        switch(optimizer, {p.data_ptr: q for p, q in zip(old.parameters(), new.parameters())})
+        assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(q) for q in new.parameters()]
+        with pytest.raises(KeyError):
+            switch(optimizer, {})
+
+    from accelerate.utils import model_has_dtensor
+
+    assert ours.model_has_dtensor(model) is model_has_dtensor(model) is False
+    mine, other = ours.get_fsdp2_grad_scaler(device="cpu", init_scale=8.0), theirs.get_fsdp2_grad_scaler(
+        device="cpu", init_scale=8.0)
+    assert type(mine) is type(other) and mine.get_scale() == other.get_scale() == 8.0
+
+    envs = []
+    for module in (ours, theirs):
+        monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+        module.enable_fsdp_ram_efficient_loading()
+        enabled = (os.environ.get("ACCELERATE_USE_FSDP"), os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"])
+        module.disable_fsdp_ram_efficient_loading()
+        envs.append((enabled, os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"]))
+    assert envs[0] == envs[1] == (("True", "True"), "False")
+
+    from accelerate.utils import compile_regions_fsdp2 as their_compile
+
+    a, b = ours.compile_regions_fsdp2(Stack()), their_compile(Stack())
+    compiled = [[getattr(m, "_compiled_call_impl", None) is not None for m in x.modules()] for x in (a, b)]
+    assert compiled[0] == compiled[1] and any(compiled[0])

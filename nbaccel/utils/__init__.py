@@ -63,7 +63,10 @@ _MODULES: dict[str, list[str]] = {
     ],
     ".fsdp_utils": [
         "load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer",
-        "ensure_weights_retied",
+        "ensure_weights_retied", "enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading",
+        "model_has_dtensor", "fsdp2_canonicalize_names", "fsdp2_switch_optimizer_parameters",
+        "fsdp2_apply_ac", "fsdp2_load_full_state_dict", "get_fsdp2_grad_scaler",
+        "compile_regions_fsdp2",
     ],
     ".offload": [
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",

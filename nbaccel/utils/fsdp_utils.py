@@ -285,3 +285,140 @@ def ensure_weights_retied(param_init_fn: Any, model: torch.nn.Module, device: An
         return module
 
     return init_and_retie
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Accelerate's FSDP helper names that work on their own (the Accelerator's prepare does the rest itself)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Let transformers' `from_pretrained` load real weights on rank 0 only (the others build empty models), by
+    the environment variables it reads; ACCELERATE_USE_FSDP is set unless already given."""
+    os.environ.setdefault("ACCELERATE_USE_FSDP", "True")
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "True"
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Undo `enable_fsdp_ram_efficient_loading`: every rank loads the weights again."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "False"
+
+
+def model_has_dtensor(model: torch.nn.Module) -> bool:
+    """Whether any parameter of `model` is a DTensor (sharded by FSDP2 or tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def fsdp2_canonicalize_names(named_params: dict) -> dict:
+    """The same mapping with parameter names as the user's model has them: without the parts activation
+    checkpointing (`._checkpoint_wrapped_module`) and torch.compile (`_orig_mod.`) insert."""
+    def canonical(name: str) -> str:
+        name = name.replace("._checkpoint_wrapped_module", "")
+        if name.startswith("_orig_mod."):
+            name = name[len("_orig_mod."):]
+        return name.replace("._orig_mod", "")
+
+    return {canonical(name): value for name, value in named_params.items()}
+
+
+def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
+    """Replace every parameter of `optimizer` by `mapping[old.data_ptr]` (Accelerate's key: the bound
+    `data_ptr` method, i.e. the old parameter) or `mapping[old]`; KeyError if one has no replacement, since an
+    optimizer left on a replaced parameter silently stops training it."""
+    for group in optimizer.param_groups:
+        switched = []
+        for param in group["params"]:
+            new = mapping.get(param.data_ptr, mapping.get(param))
+            if new is None:
+                raise KeyError(f"fsdp2_switch_optimizer_parameters: no sharded parameter for an optimizer parameter "
+                               f"of shape {tuple(param.shape)}; the mapping must cover every parameter.")
+            switched.append(new)
+        group["params"] = switched
+
+
+def fsdp2_prepare_auto_wrap_policy(fsdp2_plugin: Any, model: torch.nn.Module) -> Any:
+    """The FSDP2 wrap decision of `fsdp2_plugin` as `policy(module) -> bool` (None without a policy): layers of
+    the transformer classes named (default `model._no_split_modules`, looked up through activation-checkpoint
+    wrappers), or modules with more than `min_num_params` parameters."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    base = fsdp2_plugin.auto_wrap_policy
+    if isinstance(base, functools.partial):
+        base = base.func
+    if base is transformer_auto_wrap_policy:
+        names = fsdp2_plugin.transformer_cls_names_to_wrap
+        if names is None:
+            names = list(getattr(model, "_no_split_modules", None) or [])
+        present = {type(m).__name__: type(m) for m in model.modules()}
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise ValueError(f"Could not find the transformer layer class {missing[0]} in the model.")
+        classes = tuple(present[name] for name in names)
+        return lambda module: bool(classes) and isinstance(
+            getattr(module, "_checkpoint_wrapped_module", module), classes)
+    if base is size_based_auto_wrap_policy:
+        minimum = fsdp2_plugin.min_num_params
+        return lambda module: sum(p.numel() for p in module.parameters()) > minimum
+    return None
+
+
+def fsdp2_apply_ac(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap every layer the plugin's wrap policy selects (bottom up, the root excepted) in an activation
+    checkpoint, also offloading its saved input to the CPU with `activation_checkpointing_offload`."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+
+    from .other import get_module_children_bottom_up
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        raise ValueError("fsdp2_apply_ac needs an auto_wrap_policy (TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP) to "
+                         "choose the layers to checkpoint.")
+    for name, layer in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
+        if policy(layer):
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+            if plugin.activation_checkpointing_offload:
+                wrapped = offload_wrapper(wrapped)
+            model.set_submodule(name, wrapped)
+    return model
+
+
+def fsdp2_load_full_state_dict(accelerator: Any, model: torch.nn.Module, full_sd: dict,
+                               cpu_offload: bool = False) -> torch.nn.Module:
+    """Load `full_sd` (needed on rank 0 only; the other ranks may pass {}) into an FSDP2-sharded `model`, rank 0
+    broadcasting each tensor into the others' shards. A model still on the meta device gets storage first (on
+    the CPU with `cpu_offload`, else on the accelerator's device). A collective; returns the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device="cpu" if cpu_offload else accelerator.device)
+    set_model_state_dict(model, full_sd if _rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def get_fsdp2_grad_scaler(**kwargs: Any) -> Any:
+    """A `torch.amp.GradScaler` built from `kwargs` (what FSDP2 runs use for fp16)."""
+    from torch.amp.grad_scaler import GradScaler
+
+    return GradScaler(**kwargs)
+
+
+def compile_regions_fsdp2(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """Regional compilation in place (`module.compile()`), so hooks FSDP2 adds afterwards still run: each block of
+    a repeated-block ModuleList is compiled alone, parts without repeated blocks whole. Returns `module`."""
+    from .other import _is_repeated_blocks
+
+    if _is_repeated_blocks(module):
+        for block in module:
+            block.compile(**compile_kwargs)
+    elif any(_is_repeated_blocks(sub) for sub in module.modules()) and module._modules:
+        for child in module.children():
+            compile_regions_fsdp2(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+    return module

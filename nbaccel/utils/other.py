@@ -333,3 +333,7 @@ def compile_regions(module: Any, **compile_kwargs: Any) -> Any:
     compiled.__dict__.setdefault("_orig_mod", module)
     return compiled
 
+
+
+# Accelerate keeps these two FSDP2 helpers in utils.other; nbaccel defines them with the other FSDP helpers.
+from .fsdp_utils import compile_regions_fsdp2, model_has_dtensor  # noqa: E402, F401
