@@ -369,7 +369,10 @@ def fsdp2_prepare_auto_wrap_policy(fsdp2_plugin: Any, model: torch.nn.Module) ->
 def fsdp2_apply_ac(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
     """Wrap every layer the plugin's wrap policy selects (bottom up, the root excepted) in an activation
     checkpoint, also offloading its saved input to the CPU with `activation_checkpointing_offload`."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+        offload_wrapper,
+    )
 
     from .other import get_module_children_bottom_up
 
