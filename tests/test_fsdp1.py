@@ -424,3 +424,55 @@ def test_fsdp2_load_full_state_dict_matches_accelerate():
         assert "size mismatch" in theirs, theirs
     else:
         assert all(torch.equal(theirs[k], expected[k]) for k in expected)
+
+
+def _per_rank_files(rank: int, folder: str, version: int):
+    """save/load_fsdp_model and _optimizer with use_dcp=False (each rank writes its shard with torch.save)."""
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_states
+    from nbaccel.utils import (
+        FullyShardedDataParallelPlugin,
+        load_fsdp_model,
+        load_fsdp_optimizer,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    def trained(seed: int, steps: int):
+        reset_states()
+        torch.manual_seed(seed)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type="SHARDED_STATE_DICT",
+                                                auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                                transformer_cls_names_to_wrap=["Block"])
+        accelerator = Accelerator(fsdp_plugin=plugin)
+        model = Tiny()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for x, y in batches(rank, steps):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        return accelerator, plugin, model, optimizer
+
+    accelerator, plugin, model, optimizer = trained(0, 3)
+    save_fsdp_model(plugin, accelerator, model, folder, use_dcp=False)
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, folder, use_dcp=False)
+    x, y = batches(rank, 4)[3]
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    expected = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+
+    accelerator, plugin, model, optimizer = trained(123, 1)  # other weights and optimizer state
+    load_fsdp_model(plugin, accelerator, model, folder, use_dcp=False)
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, folder, use_dcp=False)
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    got = accelerator.get_state_dict(model)
+    return {"files": sorted(os.listdir(folder)), "exact": all(torch.equal(got[k], expected[k]) for k in expected)}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_fsdp_checkpoint_functions_without_dcp(tmp_path, version):
+    results = run_ranks(lambda rank: _per_rank_files(rank, str(tmp_path), version), timeout=200)
+    assert results[0]["exact"]  # (full weights are gathered on rank 0)
+    assert results[0]["files"] == ["optimizer_0_rank0.bin", "optimizer_0_rank1.bin", "pytorch_model_fsdp_0_rank0.bin",
+                                   "pytorch_model_fsdp_0_rank1.bin"]

@@ -42,6 +42,19 @@ def local_weights_name(model_index: int, rank: int) -> str:
     return f"{stem}_rank{rank}.bin"
 
 
+def _rank_file(stem: str, index: int) -> str:
+    """Accelerate's per-rank file name of `use_dcp=False` checkpoints."""
+    return f"{stem}_{index}_rank{_rank()}.bin"
+
+
+def _load_rank_file(input_dir: str | os.PathLike, stem: str, index: int) -> dict:
+    path = os.path.join(os.fspath(input_dir), _rank_file(stem, index))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: a use_dcp=False checkpoint has one file per rank and must be "
+                                "loaded with use_dcp=False and the number of processes that saved it.")
+    return torch.load(path, map_location="cpu", weights_only=False)  # holds DTensors / ShardedTensors
+
+
 def _fsdp1_local_context(model: torch.nn.Module):
     """FSDP1's LOCAL_STATE_DICT context around `model`; refuses models that are not FSDP1."""
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
@@ -113,8 +126,10 @@ def _optimizer_name(optimizer_index: int) -> str:
 
 
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, output_dir: str | os.PathLike,
-                    model_index: int = 0, adapter_only: bool = False) -> None:
-    """Write the weights of an FSDP model: one shard per rank (sharded, local) or one file from rank 0 (full)."""
+                    model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
+    """Write the weights of an FSDP model: one shard per rank (sharded, local) or one file from rank 0 (full).
+    With `use_dcp=False` a sharded state is written by each rank alone with torch.save
+    (`pytorch_model_fsdp_<i>_rank<r>.bin`: no collective; reload with the same number of processes)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -131,13 +146,18 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
         torch.save(state, os.path.join(os.fspath(output_dir), local_weights_name(model_index, _rank())))
         _barrier()
         return
+    if not use_dcp:
+        torch.save(get_model_state_dict(model),
+                   os.path.join(os.fspath(output_dir), _rank_file(FSDP_MODEL_NAME, model_index)))
+        _barrier()
+        return
     state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=os.path.join(os.fspath(output_dir), f"{FSDP_MODEL_NAME}_{model_index}"))
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str | os.PathLike,
-                    model_index: int = 0, adapter_only: bool = False) -> None:
-    """Read what `save_fsdp_model` wrote into the (already sharded) model."""
+                    model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
+    """Read what `save_fsdp_model` wrote (with the same `use_dcp`) into the (already sharded) model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -159,6 +179,9 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
         with _fsdp1_local_context(model):
             model.load_state_dict(state)
         return
+    if not use_dcp:
+        set_model_state_dict(model, _load_rank_file(input_dir, FSDP_MODEL_NAME, model_index))
+        return
     folder = os.fspath(input_dir)
     if FSDP_MODEL_NAME not in folder:
         folder = os.path.join(folder, f"{FSDP_MODEL_NAME}_{model_index}")
@@ -170,8 +193,10 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, 
 
 
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer,
-                        model: torch.nn.Module, output_dir: str | os.PathLike, optimizer_index: int = 0) -> None:
-    """Write the optimizer state of an FSDP model (sharded per rank, or full from rank 0; LOCAL as sharded)."""
+                        model: torch.nn.Module, output_dir: str | os.PathLike, optimizer_index: int = 0,
+                        use_dcp: bool = True) -> None:
+    """Write the optimizer state of an FSDP model (sharded per rank, or full from rank 0; LOCAL as sharded).
+    With `use_dcp=False` each rank writes its shard alone (`optimizer_<i>_rank<r>.bin`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -183,14 +208,19 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.opt
             torch.save(state, os.path.join(os.fspath(output_dir), _optimizer_name(optimizer_index)))
         _barrier()
         return
+    if not use_dcp:
+        torch.save(get_optimizer_state_dict(model, optimizer),
+                   os.path.join(os.fspath(output_dir), _rank_file(OPTIMIZER_NAME, optimizer_index)))
+        _barrier()
+        return
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=os.path.join(os.fspath(output_dir), f"{OPTIMIZER_NAME}_{optimizer_index}"))
 
 
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.optim.Optimizer,
                         model: torch.nn.Module, input_dir: str | os.PathLike, optimizer_index: int = 0,
-                        adapter_only: bool = False) -> None:
-    """Read what `save_fsdp_optimizer` wrote into the optimizer of the sharded model."""
+                        adapter_only: bool = False, use_dcp: bool = True) -> None:
+    """Read what `save_fsdp_optimizer` wrote (with the same `use_dcp`) into the optimizer of the sharded model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -204,6 +234,9 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: torch.opt
         state = torch.load(path, map_location="cpu", weights_only=True) if _rank() == 0 else {}
         set_optimizer_state_dict(model, optimizer, state,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return
+    if not use_dcp:
+        set_optimizer_state_dict(model, optimizer, _load_rank_file(input_dir, OPTIMIZER_NAME, optimizer_index))
         return
     folder = os.fspath(input_dir)
     if OPTIMIZER_NAME not in os.path.basename(folder):
