@@ -196,6 +196,8 @@ class Accelerator:
         self.scaler = _precision.make_grad_scaler(
             self.state.mixed_precision, self.device.type,
             self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None)
+        if self.scaler is not None and self._is_fsdp1:  # fp16: skip or step on every rank alike (as Accelerate)
+            self.scaler = _fsdp1.sharded_grad_scaler(self.device.type, self.scaler_handler)
 
         self.rng_types = rng_types
         self.step = 0

@@ -183,6 +183,15 @@ def prepare_fsdp1_args(args: Sequence[Any], plugin: Any, device: torch.device | 
     return args
 
 
+def sharded_grad_scaler(device_type: str, scaler_handler: Any = None) -> Any:
+    """fp16's GradScaler for FSDP1: torch's ShardedGradScaler, which agrees across ranks on skipping a step
+    (each rank sees only its gradient shards)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    kwargs = scaler_handler.to_kwargs() if scaler_handler is not None else {}
+    return ShardedGradScaler(device_type, **kwargs)
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """FSDP1's own gradient clipping over all shards of `model` (the root wrapper): the global norm."""
     return getattr(model, "_orig_mod", model).clip_grad_norm_(max_norm, norm_type)

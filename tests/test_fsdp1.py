@@ -476,3 +476,41 @@ def test_fsdp_checkpoint_functions_without_dcp(tmp_path, version):
     assert results[0]["exact"]  # (full weights are gathered on rank 0)
     assert results[0]["files"] == ["optimizer_0_rank0.bin", "optimizer_0_rank1.bin", "pytorch_model_fsdp_0_rank0.bin",
                                    "pytorch_model_fsdp_0_rank1.bin"]
+
+
+def _mixed_precision(rank: int, mixed_precision: str):
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_states
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
+    out = {}
+    for name, plugin in (("ddp", None), ("fsdp1", FullyShardedDataParallelPlugin())):
+        reset_states()
+        torch.manual_seed(0)
+        model = Tiny()
+        accelerator = Accelerator(mixed_precision=mixed_precision, fsdp_plugin=plugin)
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses = []
+        for x, y in batches(rank, 4):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "scaler": type(accelerator.scaler).__name__,
+                     "policy": str(getattr(accelerator.state.fsdp_plugin, "mixed_precision_policy", None))}
+    return out
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
+def test_fsdp1_mixed_precision_tracks_ddp(mixed_precision):
+    """Accelerator(mixed_precision=...) gives FSDP1 a MixedPrecision of that dtype (Accelerate's rule); the losses
+    follow DDP's autocast run closely (FSDP1 also keeps parameters and reductions in half precision). fp16 uses
+    torch's ShardedGradScaler, so every rank skips or steps alike. (Accelerate trains fp16 in fp32 on CPU, and
+    runs FSDP only on accelerators: no comparison with it here.)"""
+    result = run_ranks(lambda rank: _mixed_precision(rank, mixed_precision), timeout=200)[0]
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[mixed_precision]
+    assert f"param_dtype={dtype}" in result["fsdp1"]["policy"]
+    assert result["fsdp1"]["scaler"] == ("ShardedGradScaler" if mixed_precision == "fp16" else "NoneType")
+    assert result["fsdp1"]["losses"] == pytest.approx(result["ddp"]["losses"], rel=5e-3)
