@@ -514,3 +514,37 @@ def test_fsdp1_mixed_precision_tracks_ddp(mixed_precision):
     assert f"param_dtype={dtype}" in result["fsdp1"]["policy"]
     assert result["fsdp1"]["scaler"] == ("ShardedGradScaler" if mixed_precision == "fp16" else "NoneType")
     assert result["fsdp1"]["losses"] == pytest.approx(result["ddp"]["losses"], rel=5e-3)
+
+
+def _ram_efficient(rank: int):
+    """cpu_ram_efficient_loading: rank 1 builds its model on the meta device, rank 0's weights reach it."""
+    from nbaccel import Accelerator, init_empty_weights
+    from nbaccel.state import reset_states
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
+    reset_states()
+    plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap=["Block"])
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    torch.manual_seed(0)
+    if rank == 0:
+        model = Tiny()
+    else:
+        with init_empty_weights():
+            model = Tiny()
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x, y in batches(rank, 4):  # the loop of `_train`
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def test_fsdp1_cpu_ram_efficient_loading_from_rank0():
+    ddp = run_ranks(lambda rank: _train(rank, None, optimizer_first=False), timeout=200)[0]["weights"]
+    got = run_ranks(_ram_efficient, timeout=200)[0]
+    assert got.keys() == ddp.keys()
+    for key, value in ddp.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2e-5, msg=key)
