@@ -548,3 +548,33 @@ def test_fsdp1_cpu_ram_efficient_loading_from_rank0():
     assert got.keys() == ddp.keys()
     for key, value in ddp.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=2e-5, msg=key)
+
+
+def _accumulating(rank: int, settings: dict | None):
+    """Gradient accumulation over 2 batches with `accelerator.accumulate` (FSDP1's no_sync, as DDP's)."""
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_states
+    from nbaccel.utils import FullyShardedDataParallelPlugin
+
+    reset_states()
+    torch.manual_seed(0)
+    model = Tiny()
+    plugin = None if settings is None else FullyShardedDataParallelPlugin(**settings)
+    accelerator = Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=2)
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for x, y in batches(rank, 6):
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    return {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_gradient_accumulation_gives_ddp_weights(strategy):
+    ddp = run_ranks(lambda rank: _accumulating(rank, None), timeout=200)[0]
+    got = run_ranks(lambda rank: _accumulating(rank, {"sharding_strategy": strategy}), timeout=200)[0]
+    assert got.keys() == ddp.keys()
+    for key, value in ddp.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2e-5, msg=key)
