@@ -578,3 +578,38 @@ def test_fsdp1_gradient_accumulation_gives_ddp_weights(strategy):
     assert got.keys() == ddp.keys()
     for key, value in ddp.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=2e-5, msg=key)
+
+
+@pytest.mark.parametrize("fsdp_config", [
+    None,  # the file of ACCELERATE_FSDP_CONFIG
+    "fsdp_config: {}\n",  # FSDP with nothing said: every value from the launchers' defaults
+    "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n  fsdp_offload_params: true\n"
+    "  fsdp_state_dict_type: SHARDED_STATE_DICT\n  fsdp_activation_checkpointing: true\n",
+])
+def test_launch_sets_the_fsdp_environment_accelerate_launch_sets(tmp_path, fsdp_config):
+    """The FSDP_* variables `nbaccel launch` gives the workers for an FSDP config file equal those of
+    `accelerate launch` (its own parser, validation and environment builder, run here without launching)."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from nbaccel.commands.launch import resolve_settings, worker_environment
+    from nbaccel.commands.main import build_parser
+    from nbaccel.utils.config_file import load_config
+
+    text = ACCELERATE_FSDP_CONFIG
+    if fsdp_config is not None:
+        head, rest = text.split("fsdp_config:\n", 1)
+        rest = "\n".join(line for line in rest.splitlines() if not line.startswith("  "))
+        text = head + fsdp_config + rest + "\n"
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(text)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    validated = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), str(script)]))
+    accelerate_args = validated[0] if isinstance(validated, tuple) else validated
+    theirs = {k: v for k, v in prepare_multi_gpu_env(accelerate_args).items() if k.startswith("FSDP_")}
+    ours_args = build_parser().parse_args(["launch", "--config_file", str(config), str(script)])
+    environment = worker_environment(resolve_settings(ours_args, load_config(config)))
+    ours = {k: v for k, v in environment.items() if k.startswith("FSDP_")}
+    assert ours == theirs
