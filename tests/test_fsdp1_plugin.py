@@ -227,3 +227,22 @@ def test_fsdp2_helpers_match_accelerate(monkeypatch):
     a, b = ours.compile_regions_fsdp2(Stack()), their_compile(Stack())
     compiled = [[getattr(m, "_compiled_call_impl", None) is not None for m in x.modules()] for x in (a, b)]
     assert compiled[0] == compiled[1] and any(compiled[0])
+
+
+def test_fsdp_utils_module_helpers_match_accelerate():
+    from accelerate.utils import fsdp_utils as theirs
+    from accelerate.utils.dataclasses import get_module_class_from_name as their_class_lookup
+
+    from nbaccel.utils import fsdp_utils as ours
+
+    model = Stack()
+    for name in ("Layer", "Linear", "Stack", "Missing"):
+        assert ours.get_module_class_from_name(model, name) is their_class_lookup(model, name)
+    for modules in (None, r"layers\.[01]", [model.head]):
+        mine = ours.get_parameters_from_modules(modules, model, "cpu")
+        other = theirs.get_parameters_from_modules(modules, model, "cpu")
+        assert {id(p) for p in mine} == {id(p) for p in other}
+    assert ours.FSDP_MODEL_NAME == theirs.FSDP_MODEL_NAME and ours.OPTIMIZER_NAME == theirs.OPTIMIZER_NAME
+    assert (ours.SAFE_WEIGHTS_NAME, ours.WEIGHTS_NAME) == (theirs.SAFE_WEIGHTS_NAME, theirs.WEIGHTS_NAME)
+    bottom_up = [type(m).__name__ for m in ours.get_module_children_bottom_up(model)]
+    assert bottom_up == [type(m).__name__ for m in theirs.get_module_children_bottom_up(model)]
