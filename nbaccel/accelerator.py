@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import data_loader as _data_loader
+from . import fsdp1 as _fsdp1
 from . import precision as _precision
 from . import sharding
 from .optimizer import AcceleratedOptimizer
@@ -193,6 +194,8 @@ class Accelerator:
         self.scaler = _precision.make_grad_scaler(
             self.state.mixed_precision, self.device.type,
             self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None)
+        if self.scaler is not None and self._is_fsdp1:  # fp16: skip or step on every rank alike (as Accelerate)
+            self.scaler = _fsdp1.sharded_grad_scaler(self.device.type, self.scaler_handler)
 
         self.rng_types = rng_types
         self.step = 0
@@ -427,6 +430,8 @@ class Accelerator:
         if self.is_fsdp2:  # shards the model and re-points its optimizer before the per-object preparation
             result = sharding.prepare_fsdp2_args(result, self.state.fsdp_plugin, self.mixed_precision, self.device,
                                                  mesh=sharding.fsdp_mesh(self.torch_device_mesh, self.parallelism_config))
+        elif self._is_fsdp1:  # wraps the models and re-points the optimizers given with them
+            result = _fsdp1.prepare_fsdp1_args(result, self.state.fsdp_plugin, self.device)
         for index, (obj, place) in enumerate(zip(result, device_placement)):
             result[index] = self._prepare_one(obj, first_pass=True, device_placement=place)
         for index, obj in enumerate(result):
@@ -460,6 +465,8 @@ class Accelerator:
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
         model = sharding.prepare_tensor_parallel_if_asked(model, self.state, self.device)
+        if self._is_fsdp1 and not evaluation_mode:
+            model = _fsdp1.wrap_fsdp1(model, self.state.fsdp_plugin, self.device)
         sharded = sharding.is_sharded(model)  # FSDP2 / tensor parallel models place themselves, no DDP
         self._models.append(model)
         if device_placement and not sharded:
@@ -623,6 +630,11 @@ class Accelerator:
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` after unscaling fp16 gradients; returns the total norm."""
         self.unscale_gradients()
+        if self._is_fsdp1:  # FSDP1 clips over all shards itself, when given its whole model (Accelerate's rule)
+            parameters = list(parameters)
+            for model in self._models:
+                if _fsdp1.is_fsdp1(model) and parameters == list(model.parameters()):
+                    return _fsdp1.clip_grad_norm_(model, max_norm, norm_type)
         if self.is_fsdp2 or any(sharding.is_sharded(m) for m in self._models):
             return sharding.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # DTensor gradient shards
         if self.distributed_type == DistributedType.XLA and self.num_processes > 1:
@@ -655,7 +667,8 @@ class Accelerator:
         compiled = model if _is_compiled(model) else None
         if compiled is not None:
             model = compiled._orig_mod
-        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or _fsdp1.is_fsdp1(
+                model):
             model = model.module
         if not keep_fp32_wrapper:
             _precision.unwrap_forward(model)
@@ -881,6 +894,8 @@ class Accelerator:
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The model's state dict (of the unwrapped model by default)."""
+        if _fsdp1.is_fsdp1(model):  # a collective: FSDP1's full weights, gathered on the main process
+            return sharding.get_full_state_dict(model, cpu_offload=True)
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
         if sharding.is_sharded(model):  # a collective: the full weights, gathered on the main process
@@ -923,14 +938,14 @@ class Accelerator:
         return os.fspath(location)
 
     def _sharded_checkpoint_fns(self, direction: str) -> dict[str, Any]:
-        """With FSDP2-sharded models: the `{save,load}_{model,optimizer}_fn` hooks of save/load_accelerator_state
+        """With FSDP-sharded models (FSDP1 or 2): the `{save,load}_{model,optimizer}_fn` hooks of save/load_accelerator_state
         that write/read each rank's shard through torch.distributed.checkpoint (nbaccel.utils.fsdp_utils, with
         the plugin's state_dict_type: SHARDED_STATE_DICT by default). Without sharded models: {} (the usual
         safetensors/torch.save files)."""
         from .utils import fsdp_utils
 
-        models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models]
-        if not (self.is_fsdp2 and any(sharding.is_sharded(m) for m in models)):
+        models = [self._fsdp_checkpoint_model(m) for m in self._models]
+        if not (self.distributed_type == DistributedType.FSDP and any(sharding.is_sharded(m) for m in models)):
             return {}
         plugin = self.state.fsdp_plugin
 
@@ -946,15 +961,17 @@ class Accelerator:
         if direction == "save":
             return {
                 "save_model_fn": lambda model, directory, index: fsdp_utils.save_fsdp_model(
-                    plugin, self, self.unwrap_model(model, keep_torch_compile=False), directory, index),
+                    plugin, self, self._fsdp_checkpoint_model(model), directory, index),
                 "save_optimizer_fn": lambda optimizer, directory, index: fsdp_utils.save_fsdp_optimizer(
                     plugin, self, optimizer, model_for(optimizer), directory, index),
             }
-        full = fsdp_utils._is_full(plugin)
+        kind = fsdp_utils.state_dict_kind(plugin)
+        full = kind == "FULL"
 
         def source(directory: Any, stem: str, index: int) -> str:
             # the exact shard folder, so a checkpoint folder whose own name holds the stem is not mistaken for it
-            return os.fspath(directory) if full else os.path.join(os.fspath(directory), f"{stem}_{index}")
+            whole = full or (kind == "LOCAL" and stem == fsdp_utils.FSDP_MODEL_NAME)  # files, not a folder
+            return os.fspath(directory) if whole else os.path.join(os.fspath(directory), f"{stem}_{index}")
 
         def check(directory: Any) -> None:
             # every model/optimizer part is there before anything is loaded (no half-restored run)
@@ -962,6 +979,8 @@ class Accelerator:
 
             names = [fsdp_utils._weights_name(i) if full else f"{fsdp_utils.FSDP_MODEL_NAME}_{i}/.metadata"
                      for i in range(len(models))]
+            if kind == "LOCAL":  # FSDP1: each rank's own model file
+                names = [fsdp_utils.local_weights_name(i, self.process_index) for i in range(len(models))]
             names += [fsdp_utils._optimizer_name(i) if full else f"{fsdp_utils.OPTIMIZER_NAME}_{i}/.metadata"
                       for i in range(len(self._optimizers))]
             for name in names:
@@ -974,12 +993,21 @@ class Accelerator:
         return {
             "check": check,
             "load_model_fn": lambda model, directory, index: fsdp_utils.load_fsdp_model(
-                plugin, self, self.unwrap_model(model, keep_torch_compile=False),
+                plugin, self, self._fsdp_checkpoint_model(model),
                 source(directory, fsdp_utils.FSDP_MODEL_NAME, index), index),
             "load_optimizer_fn": lambda optimizer, directory, index: fsdp_utils.load_fsdp_optimizer(
                 plugin, self, optimizer, model_for(optimizer),
                 source(directory, fsdp_utils.OPTIMIZER_NAME, index), index),
         }
+
+    def _fsdp_checkpoint_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module FSDP checkpoint functions take: the FSDP1 wrapper itself, else the unwrapped model."""
+        inner = getattr(model, "_orig_mod", model)
+        return inner if _fsdp1.is_fsdp1(inner) else self.unwrap_model(model, keep_torch_compile=False)
+
+    @property
+    def _is_fsdp1(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP and not self.is_fsdp2
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:

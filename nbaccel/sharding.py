@@ -1,4 +1,4 @@
-"""FSDP2 and tensor parallelism for the Accelerator: sharding a model, fixing its optimizer, checkpoints.
+"""FSDP2 and tensor parallelism for the Accelerator (FSDP1 lives in nbaccel.fsdp1): sharding a model, fixing its optimizer, checkpoints.
 
 Everything runs on torch's own machinery: `torch.distributed.fsdp.fully_shard` (FSDP2, parameters become
 DTensors sharded over a DeviceMesh), `torch.distributed.tensor.parallel.parallelize_module` (tensor
@@ -82,7 +82,7 @@ def _wrap_policy(plugin: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
         min_params = int(min_params or getattr(plugin, "min_num_params", 0) or 0)
         if min_params <= 0:
             return lambda module: False
-        return lambda module: sum(p.numel() for p in module.parameters()) >= min_params
+        return lambda module: sum(p.numel() for p in module.parameters()) > min_params  # Accelerate: more than
     if callable(policy) and base not in (transformer_auto_wrap_policy, size_based_auto_wrap_policy):
         return lambda module: bool(policy(module=module, recurse=False, nonwrapped_numel=0))
     return lambda module: False
@@ -130,16 +130,15 @@ def apply_fsdp2(
     checkpointing wraps the same submodules first when asked. Returns the model."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    version = getattr(plugin, "fsdp_version", 2)
+    if version != 2:
+        raise ValueError(
+            f"apply_fsdp2 got a plugin with fsdp_version={version}: FSDP1 models are wrapped by "
+            "nbaccel.fsdp1.wrap_fsdp1 (Accelerator.prepare picks the right one)."
+        )
     _require_process_group("FSDP")
     if isinstance(model, FSDPModule):
         return model
-    version = getattr(plugin, "fsdp_version", 2)
-    if version != 2:
-        raise NotImplementedError(
-            f"fsdp_version={version}: nbaccel shards with FSDP2 (torch.distributed.fsdp.fully_shard). Use "
-            "FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True) instead of FSDP1's "
-            "sharding_strategy/backward_prefetch settings."
-        )
     device = torch.device(device) if device is not None else _default_device()
     mesh = mesh if mesh is not None else default_mesh(device)
     should_wrap = _wrap_policy(plugin, model)
@@ -311,11 +310,11 @@ def prepare_fsdp2_args(args: Sequence[Any], plugin: Any, mixed_precision: str | 
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 or tensor parallelism manages this model's placement (no .to(device), no DDP wrap)."""
-    from torch.distributed.fsdp import FSDPModule
+    """Whether FSDP (1 or 2) or tensor parallelism manages this model's placement (no .to(device), no DDP)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    if isinstance(model, FSDPModule):
+    if isinstance(getattr(model, "_orig_mod", model), (FSDPModule, FullyShardedDataParallel)):
         return True
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -361,9 +360,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 def get_full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict of a (possibly FSDP2/TP-sharded) model. A collective: every rank must call it.
     With `cpu_offload=True` only rank 0 receives the tensors (on the CPU); the other ranks get {}."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from .utils.fsdp_utils import gather_full_state
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    return gather_full_state(model, cpu_offload=cpu_offload)
 
 
 def save_full_model(model: nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True,
@@ -544,12 +543,6 @@ def default_plugins(fsdp_plugin: Any, torch_tp_plugin: Any) -> tuple[Any, Any]:
     if fsdp_plugin is not None:
         if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
             raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(fsdp_plugin).__name__}.")
-        if fsdp_plugin.fsdp_version != 2:
-            raise ValueError(
-                f"fsdp_plugin has fsdp_version={fsdp_plugin.fsdp_version}: nbaccel shards with FSDP2 "
-                "(torch.distributed.fsdp.fully_shard). Use FullyShardedDataParallelPlugin(fsdp_version=2) with "
-                "reshard_after_forward instead of FSDP1's sharding_strategy / backward_prefetch."
-            )
     if torch_tp_plugin is not None and not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
         raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got {type(torch_tp_plugin).__name__}.")
     return fsdp_plugin, torch_tp_plugin

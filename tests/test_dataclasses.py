@@ -175,11 +175,21 @@ def test_profile_kwargs_build_cpu():
     assert isinstance(profiler, torch.profiler.profile)
 
 
-def test_fsdp_defaults_to_version_2():
-    from torch.distributed.fsdp import OffloadPolicy, StateDictType
+def test_fsdp_defaults_to_version_1_as_accelerate():
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy, StateDictType
 
     plugin = FullyShardedDataParallelPlugin()
-    assert plugin.fsdp_version == 2
+    assert plugin.fsdp_version == 1
+    assert plugin.sharding_strategy == ShardingStrategy.FULL_SHARD and plugin.reshard_after_forward is None
+    assert plugin.state_dict_type == StateDictType.FULL_STATE_DICT
+    assert isinstance(plugin.cpu_offload, CPUOffload)
+    assert plugin.use_orig_params is False and plugin.sync_module_states is False
+
+
+def test_fsdp2_defaults():
+    from torch.distributed.fsdp import OffloadPolicy, StateDictType
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     assert plugin.reshard_after_forward is True
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
     assert isinstance(plugin.cpu_offload, OffloadPolicy)
@@ -209,7 +219,7 @@ def test_fsdp_strings_and_env(monkeypatch):
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "Linear,ReLU")
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
-    plugin = FullyShardedDataParallelPlugin(mixed_precision_policy="bf16")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="bf16")
     assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
     assert plugin.transformer_cls_names_to_wrap == ["Linear", "ReLU"]
     assert plugin.reshard_after_forward is False

@@ -197,10 +197,12 @@ def test_fsdp_errors_without_process_group():
         sharding.apply_fsdp2(Tiny(), make_plugin())
     with pytest.raises(ValueError, match="must be passed together"):
         sharding.check_fsdp2_prepare_args([torch.optim.SGD(Tiny().parameters(), lr=0.1)])
-    with pytest.raises(ValueError, match="fsdp_version=1: nbaccel shards with FSDP2"):
-        from nbaccel.utils import FullyShardedDataParallelPlugin
+    from nbaccel.utils import FullyShardedDataParallelPlugin
 
-        sharding.default_plugins(FullyShardedDataParallelPlugin(fsdp_version=1), None)
+    fsdp1 = FullyShardedDataParallelPlugin(fsdp_version=1)  # FSDP1 is accepted (nbaccel.fsdp1 wraps the model)
+    assert sharding.default_plugins(fsdp1, None) == (fsdp1, None)
+    with pytest.raises(ValueError, match="FSDP1 models are wrapped by nbaccel.fsdp1.wrap_fsdp1"):
+        sharding.apply_fsdp2(Tiny(), fsdp1)
     with pytest.raises(TypeError, match="torch_tp_plugin must be a TorchTensorParallelPlugin"):
         sharding.default_plugins(None, {"tp_size": 2})
 

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "examples/hello_ranks.py"
 
 # Defaults that differ on purpose: None means "not given: the config file's value, else Accelerate's default"
-# (Accelerate's launcher never reads these keys from the file). fsdp_version: the fsdp1 branch sets Accelerate's 1.
-DEFAULT_DIFFERENCES = {**FROM_CONFIG, "fsdp_version": "1 (shipped by the fsdp1 branch)"}
+# (Accelerate's launcher never reads these keys from the file). fsdp_version: see below.
+DEFAULT_DIFFERENCES = {**FROM_CONFIG, "fsdp_version": "None, so a config file's value applies; a launch without one uses Accelerate's 1"}
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -22,15 +22,12 @@ import pytest
 
 accelerate = pytest.importorskip("accelerate", reason="the walk compares with Accelerate 1.15 (a dev dependency)")
 
-FSDP1_BRANCH = "shipped by the fsdp1 branch"
 
 # Modules of Accelerate that nbaccel does not have, with the reason.
 EXCLUDED_MODULES: dict[str, str] = {
     "accelerate.commands.menu": "the arrow-key menus of Accelerate's questionnaire; `nbaccel config` asks with "
                                 "plain prompts that also work in a notebook terminal",
     "accelerate.commands.config.sagemaker": "SageMaker is not supported: `nbaccel launch` runs on this machine",
-    "accelerate.commands.to_fsdp2": FSDP1_BRANCH,
-    "accelerate.commands.merge": FSDP1_BRANCH,
     "accelerate.inference": "pipeline parallelism (prepare_pippy) is not supported",
     "accelerate.test_utils.examples": "checks Accelerate's own examples folder against its tests",
     "accelerate.test_utils.scripts.external_deps": "Accelerate's CI scripts needing transformers, datasets, "
@@ -41,7 +38,8 @@ EXCLUDED_MODULES: dict[str, str] = {
     "accelerate.test_utils.scripts.test_ddp_comm_hook": "Accelerate's own CI script for GPU comm hooks",
     "accelerate.test_utils.scripts.test_distributed_data_loop": "Accelerate's own CI script; nbaccel's data "
                                                                 "loaders are tested in tests/test_data_loader.py",
-    "accelerate.test_utils.scripts.test_merge_weights": FSDP1_BRANCH,
+    "accelerate.test_utils.scripts.test_merge_weights": "Accelerate's own CI script; nbaccel's merge-weights is tested "
+                                                        "in tests/test_fsdp1_commands.py",
 }
 
 PLUMBING = "a module's own logger or help text, not API"
@@ -63,15 +61,10 @@ EXCLUDED_NAMES: dict[tuple[str, str], str] = {
     ("accelerate", "prepare_pippy"): "pipeline parallelism is not supported",
     ("accelerate", "rich"): "bound only when ACCELERATE_ENABLE_RICH is set; `nbaccel.utils.rich` imports (and turns on "
                             "rich tracebacks) when asked for",
-    ("accelerate.utils", "compile_regions_fsdp2"): FSDP1_BRANCH,
-    ("accelerate.utils.other", "compile_regions_fsdp2"): FSDP1_BRANCH,
 }
-for _name in ("disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading", "fsdp2_apply_ac",
-              "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "fsdp2_prepare_auto_wrap_policy",
-              "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler",
-              "get_parameters_from_modules"):
-    EXCLUDED_NAMES[("accelerate.utils.fsdp_utils", _name)] = FSDP1_BRANCH
-    EXCLUDED_NAMES[("accelerate.utils", _name)] = FSDP1_BRANCH
+for _module in ("accelerate.utils.fsdp_utils", "accelerate.utils"):
+    EXCLUDED_NAMES[(_module, "fsdp2_prepare_model")] = ("a step of Accelerator.prepare for FSDP2 "
+                                                        "(nbaccel.sharding.apply_fsdp2 does it)")
 for _script in ("test_script", "test_ops", "test_sync"):
     EXCLUDED_NAMES[(f"accelerate.test_utils.scripts.{_script}", "*")] = SCRIPT_CHECKS
 

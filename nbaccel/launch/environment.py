@@ -36,6 +36,14 @@ FSDP_ENV = {
     "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
 }
 
+# What `accelerate launch` sets for an FSDP run when neither the config file nor a flag names the value.
+FSDP_LAUNCH_DEFAULTS = {
+    "fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False, "fsdp_min_num_params": 100_000_000, "fsdp_forward_prefetch": False,
+    "fsdp_use_orig_params": True, "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,
+    "fsdp_activation_checkpointing": False, "fsdp_activation_checkpointing_offload": False,
+}
+
 # dynamo_config keys -> NBACCEL_/ACCELERATE_ variables read by TorchDynamoPlugin.
 DYNAMO_ENV = {
     "dynamo_backend": "DYNAMO_BACKEND",
@@ -137,10 +145,11 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
             both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
     if config.use_fsdp:
         both("USE_FSDP", "true")
-        env["FSDP_VERSION"] = "2"
         for key, name in FSDP_ENV.items():
-            if config.fsdp_config.get(key) is not None:
-                env[name] = _flag(config.fsdp_config[key])
+            value = config.fsdp_config.get(key)
+            value = FSDP_LAUNCH_DEFAULTS.get(key) if value is None else value
+            if value is not None:
+                env[name] = _flag(value)
     if config.use_deepspeed:
         both("USE_DEEPSPEED", "true")
     if config.gpu_ids not in (None, "all") and not config.use_cpu:

@@ -66,7 +66,9 @@ _MODULES: dict[str, list[str]] = {
     ],
     ".fsdp_utils": [
         "load_fsdp_model", "load_fsdp_optimizer", "merge_fsdp_weights", "save_fsdp_model", "save_fsdp_optimizer",
-        "ensure_weights_retied",
+        "ensure_weights_retied", "enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading",
+        "fsdp2_canonicalize_names", "fsdp2_switch_optimizer_parameters",
+        "fsdp2_apply_ac", "fsdp2_load_full_state_dict", "get_fsdp2_grad_scaler",
     ],
     ".offload": [
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
@@ -79,6 +81,7 @@ _MODULES: dict[str, list[str]] = {
         "clean_state_dict_for_safetensors", "compile_regions", "has_compiled_regions",
         "get_module_children_bottom_up", "load",
         "check_os_kernel", "compile_regions_deepspeed", "get_model_tp_size", "model_has_dtensor", "recursive_getattr",
+        "compile_regions_fsdp2",
     ],
     ".constants": [
         "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME",

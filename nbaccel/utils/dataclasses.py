@@ -685,20 +685,21 @@ def _enum_member(field_name: str, value: Any, enum_cls: Any, names: tuple[str, .
         text = value.strip().upper()
         if text.isdigit() and 1 <= int(text) <= len(names):
             text = names[int(text) - 1]
-        if text in names and hasattr(enum_cls, text):
-            return enum_cls[text]
+        if text in names:  # torch numbers these members from 1 in this order (HYBRID_SHARD_ZERO2 is private)
+            return enum_cls(names.index(text) + 1)
     raise ValueError(f"`{field_name}` must be one of {', '.join(names)}; got {value!r}")
 
 
 @dataclass
 class FullyShardedDataParallelPlugin:
-    """Fully Sharded Data Parallel settings (Accelerate's fields). nbaccel defaults to FSDP2 (`fsdp_version=2`)
-    unless FSDP1-only settings are given (`sharding_strategy`, `backward_prefetch`, `forward_prefetch`, an FSDP1
-    `CPUOffload` or `MixedPrecision`), so code written for Accelerate's FSDP1 default keeps its meaning.
+    """Fully Sharded Data Parallel settings (Accelerate's fields and defaults): `fsdp_version=1` (torch's
+    `FullyShardedDataParallel` wrapper) unless `fsdp_version=2` (`fully_shard`) or FSDP_VERSION says otherwise.
+    Both run on CPU processes (gloo) as well as on GPUs.
 
     Unset fields come from the FSDP_* environment variables that `nbaccel launch` / `accelerate launch` set from
     the config file's `fsdp_config`. Strings are accepted where Accelerate accepts them (sharding strategy, state
-    dict type, auto wrap policy, mixed precision "bf16"...).
+    dict type, auto wrap policy, mixed precision "bf16"...). FSDP1-only settings given with `fsdp_version=2`
+    (backward_prefetch, use_orig_params, sync_module_states) are dropped with one warning, as Accelerate does.
     """
 
     fsdp_version: int | None = None
@@ -726,8 +727,9 @@ class FullyShardedDataParallelPlugin:
     def __post_init__(self) -> None:
         from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+        dropped: list[str] = []  # FSDP1-only settings given with FSDP2: dropped with one warning, as Accelerate
         if self.fsdp_version is None:
-            self.fsdp_version = int(os.environ.get("FSDP_VERSION", "1" if self._uses_fsdp1_settings() else "2"))
+            self.fsdp_version = int(os.environ.get("FSDP_VERSION", "1"))
         if self.fsdp_version not in (1, 2):
             raise ValueError(f"`fsdp_version` must be 1 or 2, got {self.fsdp_version!r}")
         v2 = self.fsdp_version == 2
@@ -737,14 +739,22 @@ class FullyShardedDataParallelPlugin:
                 "`sharding_strategy` is an FSDP1 setting; with fsdp_version=2 use `reshard_after_forward` (bool)"
             )
         if not v2:
-            if self.sharding_strategy is None and self.reshard_after_forward is None:
+            # Accelerate's rule: FSDP1 always has a sharding_strategy (FULL_SHARD unless FSDP_SHARDING_STRATEGY);
+            # it wins over reshard_after_forward, which is only converted when given.
+            if self.sharding_strategy is None:
                 self.sharding_strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
-            if self.sharding_strategy is None:  # FSDP1 given a strategy through reshard_after_forward
-                self.sharding_strategy = self.reshard_after_forward
             self.sharding_strategy = _enum_member(
                 "sharding_strategy", self.sharding_strategy, ShardingStrategy, _SHARDING_STRATEGIES
             )
-            self.reshard_after_forward = self.sharding_strategy
+            if isinstance(self.reshard_after_forward, bool):
+                raise ValueError(
+                    f"reshard_after_forward={self.reshard_after_forward}: FSDP1 takes a sharding strategy here "
+                    "(a name such as 'FULL_SHARD' or a ShardingStrategy); a bool is for fsdp_version=2"
+                )
+            if self.reshard_after_forward is not None:
+                self.reshard_after_forward = _enum_member(
+                    "reshard_after_forward", self.reshard_after_forward, ShardingStrategy, _SHARDING_STRATEGIES
+                )
         else:
             if self.reshard_after_forward is None:
                 self.reshard_after_forward = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true")
@@ -760,11 +770,12 @@ class FullyShardedDataParallelPlugin:
         if isinstance(self.backward_prefetch, str) and self.backward_prefetch.upper() == "NO_PREFETCH":
             self.backward_prefetch = None
         if self.backward_prefetch is not None:
-            if v2:
-                raise ValueError("`backward_prefetch` is an FSDP1 setting; FSDP2 prefetches on its own")
             self.backward_prefetch = _enum_member(
                 "backward_prefetch", self.backward_prefetch, BackwardPrefetch, _BACKWARD_PREFETCH
             )
+            if v2:
+                dropped.append("backward_prefetch (FSDP2 prefetches on its own)")
+                self.backward_prefetch = None
 
         self.set_state_dict_type()
 
@@ -791,11 +802,14 @@ class FullyShardedDataParallelPlugin:
 
         if v2:
             # FSDP2 always uses the original parameters and needs no module-state sync: Accelerate drops both.
+            if self.use_orig_params is not None:
+                dropped.append("use_orig_params (FSDP2 always uses the original parameters)")
+            if self.sync_module_states is not None:
+                dropped.append("sync_module_states (FSDP2 does not need it)")
             self.use_orig_params = None
             self.sync_module_states = None
-            if self.forward_prefetch:
+            if self.forward_prefetch is not None:
                 raise ValueError("`forward_prefetch` is not implemented in FSDP2; leave it unset or use fsdp_version=1")
-            self.forward_prefetch = None
         else:
             if self.use_orig_params is None:
                 self.use_orig_params = _fsdp_env_bool("USE_ORIG_PARAMS")
@@ -833,18 +847,12 @@ class FullyShardedDataParallelPlugin:
         if self.sync_module_states and self.param_init_fn is None:
             device = self._current_device()
             self.param_init_fn = lambda module: module.to_empty(device=device, recurse=False)
+        if dropped:
+            import logging
 
-    def _uses_fsdp1_settings(self) -> bool:
-        """True when FSDP1-only settings were given, as code written for Accelerate's FSDP1 default does."""
-        from torch.distributed.fsdp import CPUOffload, MixedPrecision
-
-        return (
-            self.sharding_strategy is not None
-            or (self.backward_prefetch is not None and str(self.backward_prefetch).upper() != "NO_PREFETCH")
-            or bool(self.forward_prefetch)
-            or isinstance(self.cpu_offload, CPUOffload)
-            or isinstance(self.mixed_precision_policy, MixedPrecision)
-        )
+            logging.getLogger(__name__).warning(
+                "FSDP2 ignores these FSDP1 settings, set to None: %s", "; ".join(dropped)
+            )
 
     @staticmethod
     def _current_device():

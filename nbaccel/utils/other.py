@@ -365,6 +365,20 @@ def get_model_tp_size(model: Any) -> int | None:
     return None
 
 
+def compile_regions_fsdp2(module: Any, **compile_kwargs: Any) -> Any:
+    """Regional compilation in place (`module.compile()`), so hooks FSDP2 adds afterwards still run: each block of
+    a repeated-block ModuleList is compiled alone, parts without repeated blocks whole. Returns `module`."""
+    if _is_repeated_blocks(module):
+        for block in module:
+            block.compile(**compile_kwargs)
+    elif any(_is_repeated_blocks(sub) for sub in module.modules()) and module._modules:
+        for child in module.children():
+            compile_regions_fsdp2(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+    return module
+
+
 def recursive_getattr(obj: Any, attr: str) -> Any:
     """`getattr` along a dotted path: `recursive_getattr(model, "encoder.layer.0")`."""
     for part in attr.split("."):

@@ -20,13 +20,12 @@ import accelerate.utils
 import accelerate.utils.dataclasses as acc_dataclasses
 
 # name pattern -> reason. Accelerate-internal helpers, or helpers of backends nbaccel declares unsupported
-# (docs/accelerator.md "Not supported": DeepSpeed, FSDP, Megatron-LM, transformer_engine, MS-AMP, tensor/context/
+# (docs/accelerator.md "Not supported": DeepSpeed, Megatron-LM, transformer_engine, MS-AMP, tensor/context/
 # pipeline parallelism, SageMaker).
 EXCLUDED: dict[str, str] = {
     r"^(Megatron|BertTrainStep|GPTTrainStep|T5TrainStep|AbstractTrainStep|add_model_config_to_megatron_parser"
     r"|avg_losses_across_data_parallel_group)": "Megatron-LM: not supported by nbaccel",
-    r"^(fsdp2_|save_fsdp_|load_fsdp_|merge_fsdp_weights|enable_fsdp_ram|disable_fsdp_ram|get_fsdp2_grad_scaler"
-    r"|compile_regions_fsdp2|model_has_dtensor)": "FSDP training internals: nbaccel trains with DDP only",
+    r"^fsdp2_prepare_model$": "FSDP2 preparation step of Accelerator.prepare (nbaccel.sharding.apply_fsdp2 does it)",
     r"^(compile_regions_deepspeed|GatheredParameters|DeepSpeedSequenceParallelConfig|prepare_deepspeed_cmd_env)":
         "DeepSpeed internals: DeepSpeed is not supported",
     r"^(apply_fp8_autowrap|contextual_fp8_autocast|convert_model$|has_transformer_engine_layers"

@@ -139,7 +139,7 @@ def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults, con
     """One line on stderr naming the file, each value notebook_launcher took from it, and the keys it set that
     notebook_launcher does not apply (nbaccel's addition: Accelerate's notebook_launcher reads no config file, so
     nothing from one may pass unnoticed)."""
-    from ..utils.config_file import LaunchConfig
+    from ...utils.config_file import LaunchConfig
 
     taken = [f"{name}={getattr(result, name)!r}" for name in _REPORTED if getattr(result, name) != getattr(given, name)]
     taken += [f"gradient_accumulation_steps={result.env['NBACCEL_GRADIENT_ACCUMULATION_STEPS']}"] if result.env else []
