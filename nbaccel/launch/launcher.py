@@ -165,8 +165,16 @@ def _visible_gpus() -> int:
         return 0
 
 
+def _in_kernel() -> bool:
+    from ..notebook.live_output import in_kernel
+
+    return in_kernel()
+
+
 def _common_env(mixed_precision: str, use_cpu: bool) -> dict[str, str]:
     env = {"NBACCEL_MIXED_PRECISION": mixed_precision, "ACCELERATE_MIXED_PRECISION": mixed_precision}
+    if _in_kernel():  # spawned ranks make a display publisher of their own (rank_display.py)
+        env["NBACCEL_RICH_DISPLAY"] = "1"
     if use_cpu:
         env["NBACCEL_USE_CPU"] = env["ACCELERATE_USE_CPU"] = "1"
         if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:

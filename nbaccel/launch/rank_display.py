@@ -1,0 +1,316 @@
+"""Worker side: a rank's rich output goes to the kernel over nbaccel's channel, never over the kernel's sockets.
+
+A worker forked from a Jupyter kernel inherits its IPython shell: `display()`, `plt.show()`, `tqdm.auto`,
+`tqdm.notebook`, rich and ipywidgets would all try to send on the kernel's ZMQ sockets, which ipykernel
+refuses from a fork ("attempted to send message from fork", once per message, in the kernel's log) and the
+cell shows nothing. `install(send)` rewires them in this process only:
+
+- the shell's display publisher becomes `ChannelDisplayPublisher`: every display (any rich repr: HTML,
+  Markdown, images, pandas tables, matplotlib figures under the inline backend) and `clear_output` becomes
+  a `display` / `clear_output` message, sent after the rank's stdout/stderr are flushed (so the kernel
+  shows it in order with the rank's text);
+- widgets get a comm that sends nothing (the kernel shows their text form);
+- `tqdm.notebook` / `tqdm.auto` bars become plain text bars and rich draws as on a terminal: their
+  carriage-return redraws are shown live by the kernel (screen.py, notebook/live_output.py);
+- logging handlers that wrote to the kernel's streams write to this process's stdout/stderr.
+
+A spawned worker has no shell; when the kernel asked for it (`NBACCEL_RICH_DISPLAY=1`, set by the launcher
+in a notebook) it gets a bare `InteractiveShell` whose publisher is the channel one, so `display()` works
+there too. `finish()` (after the function or cell) shows the figures pyplot still holds, as the inline
+backend does at the end of a cell. Nothing here imports ipywidgets.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import itertools
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .screen import MARK
+
+RICH_DISPLAY_ENV = "NBACCEL_RICH_DISPLAY"
+Send = Callable[[dict[str, Any]], None]
+
+_send: Send | None = None
+_mark = False
+_lock = threading.Lock()
+_count = itertools.count(1)
+
+
+def install(send: Send, mark: bool = True) -> None:
+    """Route this worker's displays, widgets, progress bars and log handlers as the module doc says.
+    `mark`: also write a marker into stdout where each display goes (the kernel shows it there, in order
+    with the text; `DisplayOrder`)."""
+    global _send, _mark
+    _send, _mark = send, mark
+    os.environ.setdefault("TTY_COMPATIBLE", "1")  # rich: draw progress and live views with cursor moves
+    _ImportHooks.install()
+    for name in list(_ImportHooks.after):
+        if name in sys.modules:
+            _ImportHooks.after[name](sys.modules[name])
+    _rebind_log_handlers()
+    shell = _shell()
+    if shell is None and os.environ.get(RICH_DISPLAY_ENV) == "1":
+        shell = _bare_shell()
+    if shell is not None:
+        shell.display_pub = publisher_class()(shell=shell)
+    _quiet_comms()
+
+
+def finish() -> None:
+    """Show the figures pyplot still holds (the inline backend's end-of-cell flush)."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None or _send is None:
+        return
+    try:
+        backend = str(pyplot.get_backend()).lower()
+        if "inline" not in backend:
+            return
+        from matplotlib_inline.backend_inline import flush_figures
+
+        flush_figures()
+    except Exception:
+        pass
+
+
+def send(message: dict[str, Any]) -> None:
+    """Send a display message to the kernel, after this rank's pending text."""
+    if _send is None:
+        return
+    from .output import flush_std
+
+    flush_std()
+    with _lock:
+        seq = next(_count)
+        _send(dict(message, seq=seq))
+        if _mark:
+            try:
+                sys.__stdout__.write(MARK.format(seq))
+                sys.__stdout__.flush()
+            except Exception:
+                pass
+
+
+class DisplayOrder:
+    """Kernel side: show each display message where its marker is in the rank's stdout (after the text
+    printed before it), whichever of the two arrives first; `flush()` shows what never got its marker."""
+
+    def __init__(self, show: Callable[[int, dict[str, Any]], None]) -> None:
+        self._show = show
+        self._waiting: dict[tuple[int, str], dict[str, Any]] = {}
+        self._marked: set[tuple[int, str]] = set()
+
+    def arrived(self, rank: int, message: dict[str, Any]) -> None:
+        key = (rank, str(message.get("seq")))
+        if message.get("seq") is None or key in self._marked:
+            self._marked.discard(key)
+            self._show(rank, message)
+        else:
+            self._waiting[key] = message
+
+    def marked(self, rank: int, seq: str) -> None:
+        message = self._waiting.pop((rank, seq), None)
+        if message is None:
+            self._marked.add((rank, seq))
+        else:
+            self._show(rank, message)
+
+    def flush(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for (rank, _), message in sorted(waiting.items(), key=lambda item: (item[0][0], int(item[0][1]))):
+            self._show(rank, message)
+
+
+# ---------------------------------------------------------------------------------------------- displays
+_publisher: type | None = None
+
+
+def publisher_class() -> type:
+    """`ChannelDisplayPublisher`: IPython's DisplayPublisher for a rank, whose output goes over the channel
+    (made on first use, so importing this module does not import IPython)."""
+    global _publisher
+    if _publisher is None:
+        from IPython.core.displaypub import DisplayPublisher
+
+        class ChannelDisplayPublisher(DisplayPublisher):
+            def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
+                        transient: dict | None = None, update: bool = False, **kwargs: Any) -> None:
+                send({"kind": "display", "data": _plain(data), "metadata": _plain(metadata or {}),
+                      "transient": dict(transient or {}), "update": bool(update)})
+
+            def clear_output(self, wait: bool = False) -> None:
+                send({"kind": "clear_output", "wait": bool(wait)})
+
+        _publisher = ChannelDisplayPublisher
+    return _publisher
+
+
+def _plain(value: Any) -> Any:
+    """Display data as plain containers (bytes kept: the kernel's publisher encodes images)."""
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _shell() -> Any:
+    if "IPython" not in sys.modules:
+        return None
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        return InteractiveShell._instance if InteractiveShell.initialized() else None
+    except Exception:
+        return None
+
+
+def _bare_shell() -> Any:
+    """A minimal IPython shell in a spawned rank (no history file), so display() formats rich reprs."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+
+        config = Config()
+        config.HistoryManager.enabled = False
+        return InteractiveShell.instance(config=config)
+    except Exception:
+        return None
+
+
+def _quiet_comms() -> None:
+    """Widgets made in a rank get a comm that sends nothing: the kernel shows their text form."""
+    comm = sys.modules.get("comm")
+    if comm is None:
+        try:
+            import comm  # noqa: F811  (small; what ipywidgets asks for a comm)
+        except ImportError:
+            return
+    dummy = getattr(comm, "DummyComm", None)
+    if dummy is not None:
+        comm.create_comm = lambda *args, **kwargs: dummy(*args, **kwargs)
+        comm.get_comm_manager = lambda: _NoComms()
+
+
+class _NoComms:
+    def register_target(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def unregister_target(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def register_comm(self, comm: Any) -> str:
+        return getattr(comm, "comm_id", "")
+
+    def unregister_comm(self, comm: Any) -> None:
+        return None
+
+    def get_comm(self, comm_id: str) -> None:
+        return None
+
+
+def _rebind_log_handlers() -> None:
+    """Log handlers bound to the kernel's streams (a fork inherits them) write to this rank's fds."""
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if stream is not None and type(stream).__module__.startswith("ipykernel"):
+                name = getattr(stream, "name", "stderr")
+                handler.stream = sys.stdout if name == "stdout" else sys.stderr
+
+
+# ---------------------------------------------------------------------------------------------- progress bars
+def _plain_tqdm_notebook(module: Any) -> None:
+    """tqdm.notebook's bar becomes tqdm's text bar in this process (no widget, no kernel socket)."""
+    cls = getattr(module, "tqdm_notebook", None)
+    if cls is None or getattr(cls, "_nbaccel_plain", False):
+        return
+    from tqdm.std import tqdm as std_tqdm
+
+    for name in ("status_printer", "display", "colour", "__iter__", "update", "close", "clear", "reset"):
+        if name in cls.__dict__:
+            delattr(cls, name)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("display", None)  # tqdm.notebook's own keyword
+        std_tqdm.__init__(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    cls._nbaccel_plain = True
+
+
+def _plain_rich(module: Any) -> None:
+    """rich in a forked rank would see the kernel's shell and draw with widgets: draw as on a terminal."""
+    module._is_jupyter = lambda: False
+    console = getattr(module, "_console", None)
+    if console is not None:
+        console.is_jupyter = False
+
+
+def _without_kernel_shell(action: Callable[[], None]) -> None:
+    """Run `action` (an import) while `ipykernel.zmqshell` is hidden: tqdm.autonotebook then picks tqdm.std."""
+    hidden = sys.modules.pop("ipykernel.zmqshell", None)
+    try:
+        action()
+    finally:
+        if hidden is not None:
+            sys.modules["ipykernel.zmqshell"] = hidden
+
+
+class _ImportHooks(importlib.abc.MetaPathFinder):
+    """Patch tqdm and rich when a rank imports them (and at install when the kernel had imported them)."""
+
+    after: dict[str, Callable[[Any], None]] = {"tqdm.notebook": _plain_tqdm_notebook, "rich.console": _plain_rich}
+    around: dict[str, Callable[[Callable[[], None]], None]] = {"tqdm.autonotebook": _without_kernel_shell}
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            sys.meta_path.insert(0, cls())
+            cls._installed = True
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in self.after and name not in self.around:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, self.after.get(name), self.around.get(name))
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader: Any, after: Callable[[Any], None] | None,
+                 around: Callable[[Callable[[], None]], None] | None) -> None:
+        self._loader = loader
+        self._after = after
+        self._around = around
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        if self._around is not None:
+            self._around(lambda: self._loader.exec_module(module))
+        else:
+            self._loader.exec_module(module)
+        if self._after is not None:
+            try:
+                self._after(module)
+            except Exception:
+                pass
