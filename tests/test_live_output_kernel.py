@@ -46,6 +46,24 @@ def rich_loop():
     print("END", os.environ["RANK"], time.time(), flush=True)
 notebook_launcher(rich_loop, num_processes=2, dashboard=False)
 """
+ACCELERATE = """
+def with_accelerate():
+    # what transformers' Trainer, PEFT and diffusers do: import the real Accelerate
+    import accelerate
+    import torch
+    from accelerate.logging import get_logger
+    from accelerate.utils import tqdm as accelerate_tqdm
+    accelerator = accelerate.Accelerator()
+    logging.getLogger().setLevel(logging.INFO)
+    get_logger("accel").info(f"state {accelerator.distributed_type} {accelerator.num_processes}",
+                             main_process_only=False)
+    gathered = accelerator.gather(torch.tensor([accelerator.process_index])).tolist()
+    for _ in accelerate_tqdm(range(20), main_process_only=False):
+        time.sleep(0.3)
+    print("END", os.environ["RANK"], time.time(), flush=True)
+    return str(accelerator.distributed_type), accelerator.num_processes, gathered
+print("accelerate:", notebook_launcher(with_accelerate, num_processes=2, dashboard=False))
+"""
 DISPLAYS = """
 def show():
     import matplotlib.pyplot as plt
@@ -144,7 +162,8 @@ def check_live_bars(cell: Cell) -> None:
 
 @pytest.fixture(scope="module")
 def bars(tmp_path_factory):
-    return run_cells([SETUP, AUTO_NO_DASHBOARD, PLAIN_WITH_DASHBOARD, RICH], tmp_path_factory.mktemp("bars"))
+    return run_cells([SETUP, AUTO_NO_DASHBOARD, PLAIN_WITH_DASHBOARD, RICH, ACCELERATE],
+                     tmp_path_factory.mktemp("bars"))
 
 
 def test_tqdm_auto_bars_are_live_without_the_dashboard(bars):
@@ -178,6 +197,17 @@ def test_rich_progress_bars_are_live(bars):
         assert re.search(rf"\[rank {rank}\] rich .* 100%", cell.stream()), cell.stream()
     for text in texts(cell):
         assert "\r" not in text and "\x1b[" not in text, repr(text)
+
+
+def test_real_accelerate_inside_the_launcher_sees_the_ranks_and_its_bars_are_live(bars):
+    cells, log = bars
+    cell = cells[4]
+    check_live_bars(cell)
+    out = cell.stream()
+    assert "accelerate: [('DistributedType.MULTI_CPU', 2, [0, 1]), ('DistributedType.MULTI_CPU', 2, [0, 1])]" in out
+    for rank in (0, 1):  # Accelerate's logger (MultiProcessAdapter) through the kernel's log handler
+        assert f"[rank {rank}] INFO:accel:[RANK {rank}] state DistributedType.MULTI_CPU 2" in out, out
+    assert FORK_WARNING not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
