@@ -15,13 +15,14 @@ cell shows nothing. `install(send)` rewires them in this process only:
 - logging handlers that wrote to the kernel's streams write to this process's stdout/stderr.
 
 A spawned worker has no shell; when the kernel asked for it (`NBACCEL_RICH_DISPLAY=1`, set by the launcher
-in a notebook) it gets a bare `InteractiveShell` whose publisher is the channel one, so `display()` works
-there too. `finish()` (after the function or cell) shows the figures pyplot still holds, as the inline
+in a notebook) it gets a bare `InteractiveShell` whose publisher is the channel one when it first imports
+`IPython.display`, so `display()` works there too. `finish()` (after the function or cell) shows the figures pyplot still holds, as the inline
 backend does at the end of a cell. Nothing here imports ipywidgets.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import itertools
@@ -55,11 +56,14 @@ def install(send: Send, mark: bool = True) -> None:
         if name in sys.modules:
             _ImportHooks.after[name](sys.modules[name])
     _rebind_log_handlers()
+    _close_inherited_figures()
     shell = _shell()
-    if shell is None and os.environ.get(RICH_DISPLAY_ENV) == "1":
-        shell = _bare_shell()
     if shell is not None:
         shell.display_pub = publisher_class()(shell=shell)
+    elif os.environ.get(RICH_DISPLAY_ENV) == "1":  # spawned from a notebook: a shell once display is imported
+        _ImportHooks.after["IPython.display"] = _shell_on_first_display
+        if "IPython.display" in sys.modules:
+            _shell_on_first_display(sys.modules["IPython.display"])
     _quiet_comms()
 
 
@@ -173,17 +177,55 @@ def _shell() -> Any:
         return None
 
 
-def _bare_shell() -> Any:
-    """A minimal IPython shell in a spawned rank (no history file), so display() formats rich reprs."""
+def _shell_on_first_display(module: Any) -> None:
+    """After IPython.display is imported in a spawned rank: its display functions make the shell first."""
+    targets = [module, sys.modules.get("IPython.core.display_functions")]
+    for target in filter(None, targets):
+        for name in ("display", "clear_output", "publish_display_data", "update_display"):
+            original = getattr(target, name, None)
+            if callable(original) and not getattr(original, "_nbaccel_shell", False):
+                setattr(target, name, _after_shell(original))
+
+
+def _after_shell(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _start_bare_shell()
+        return function(*args, **kwargs)
+
+    call._nbaccel_shell = True  # type: ignore[attr-defined]
+    return call
+
+
+def _start_bare_shell() -> None:
+    """A minimal IPython shell in a spawned rank (no history file), made at its first display() (it costs
+    most of a second), so display() formats rich reprs (figures too) and sends them here."""
+    if _shell() is not None:
+        return
     try:
         from IPython.core.interactiveshell import InteractiveShell
         from traitlets.config import Config
 
         config = Config()
         config.HistoryManager.enabled = False
-        return InteractiveShell.instance(config=config)
+        shell = InteractiveShell.instance(config=config)
+        shell.display_pub = publisher_class()(shell=shell)
+        inline = sys.modules.get("matplotlib_inline.backend_inline")
+        if inline is not None:  # imported before the shell existed: register its figure formatter now
+            inline._enable_matplotlib_integration()
     except Exception:
-        return None
+        pass
+
+
+def _close_inherited_figures() -> None:
+    """Figures a forked rank inherited from the kernel are not the rank's: `finish` must not show them."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:
+        return
+    try:
+        pyplot.close("all")
+    except Exception:
+        pass
 
 
 def _quiet_comms() -> None:
