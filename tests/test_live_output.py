@@ -127,3 +127,31 @@ def test_launched_tqdm_bars_reach_observers_live_and_end_in_their_final_state(ca
         assert len(positions & set(range(1, 12))) >= 3, live
         assert re.search(rf"^\[rank {rank}\] 100%.*12/12", err, re.M), err
     assert "\r" not in err
+
+
+RANK_SIDE = r"""
+import io, sys
+from nbaccel.launch import rank_display
+sent = []
+rank_display.install(sent.append, mark=False)
+from tqdm.notebook import tqdm  # imported after install: the rank's copy draws text, no widget
+buffer = io.StringIO()
+for _ in tqdm(range(3), file=buffer, mininterval=0):
+    pass
+import comm
+print("bar:", repr(buffer.getvalue().splitlines()[-1] if buffer.getvalue() else ""))
+print("comm:", type(comm.create_comm()).__name__)
+import rich.console
+print("rich jupyter:", rich.console.Console().is_jupyter, "terminal:", rich.console.Console().is_terminal)
+"""
+
+
+def test_in_a_rank_tqdm_notebook_draws_text_widgets_get_silent_comms_and_rich_draws_as_a_terminal():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", RANK_SIDE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "3/3" in done.stdout.split("bar:")[1].splitlines()[0], done.stdout
+    assert "comm: DummyComm" in done.stdout
+    assert "rich jupyter: False terminal: True" in done.stdout
