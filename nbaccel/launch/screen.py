@@ -43,6 +43,7 @@ class Screen:
         self._delivered = 0  # rows delivered so far (the row numbers of _rows start here)
         self._hold: int | None = None  # cursor hidden (a redraw starts) at this row: nothing below it is final yet
         self._redrawn = False  # the cursor went back on the current line (a partial plain line is not live)
+        self._downs = 0  # newlines since the cursor last moved up
         self._live: list[str] = []
 
     # ------------------------------------------------------------------------------------------ input
@@ -105,6 +106,9 @@ class Screen:
             self._row += 1
             self._col = 0
             self._redrawn = False
+            self._downs += 1
+            if self._reach and self._hold is None and self._downs > self._reach + 1:
+                self._reach = 0  # it went on printing below its bars for a while: the redrawing is over
             if self._row == len(self._rows):
                 self._rows.append("")
         elif piece == "\r":
@@ -133,6 +137,7 @@ class Screen:
             return  # colours: dropped on redrawn rows
         count = int(params) if params.isdigit() and int(params) > 0 else 1
         if final in "AF":
+            self._downs = 0
             self._row = max(0, self._row - count)
             self._reach = max(self._reach, count)
             if final == "F":
