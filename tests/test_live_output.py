@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from nbaccel.launch.rank_display import DisplayOrder
-from nbaccel.launch.screen import MARK, Screen, resolve
+from nbaccel.launch.screen import MARK, DisplayOrder, Screen, resolve
 from nbaccel.notebook.dashboard_model import DashboardModel
 from nbaccel.notebook.live_output import CellOutput, label
 

@@ -101,36 +101,6 @@ def send(message: dict[str, Any]) -> None:
                 pass
 
 
-class DisplayOrder:
-    """Kernel side: show each display message where its marker is in the rank's stdout (after the text
-    printed before it), whichever of the two arrives first; `flush()` shows what never got its marker."""
-
-    def __init__(self, show: Callable[[int, dict[str, Any]], None]) -> None:
-        self._show = show
-        self._waiting: dict[tuple[int, str], dict[str, Any]] = {}
-        self._marked: set[tuple[int, str]] = set()
-
-    def arrived(self, rank: int, message: dict[str, Any]) -> None:
-        key = (rank, str(message.get("seq")))
-        if message.get("seq") is None or key in self._marked:
-            self._marked.discard(key)
-            self._show(rank, message)
-        else:
-            self._waiting[key] = message
-
-    def marked(self, rank: int, seq: str) -> None:
-        message = self._waiting.pop((rank, seq), None)
-        if message is None:
-            self._marked.add((rank, seq))
-        else:
-            self._show(rank, message)
-
-    def flush(self) -> None:
-        waiting, self._waiting = self._waiting, {}
-        for (rank, _), message in sorted(waiting.items(), key=lambda item: (item[0][0], int(item[0][1]))):
-            self._show(rank, message)
-
-
 # ---------------------------------------------------------------------------------------------- displays
 _publisher: type | None = None
 

@@ -9,7 +9,8 @@ the *live* rows: the bars as they look right now.
 
 Understood: `\\r`, `\\n`, `\\b`, cursor up/down (ESC[nA, ESC[nB, ESC[nF, ESC[nE), erase in line (ESC[K, ESC[2K),
 show cursor (ESC[?25h: a redraw is over). Colour codes pass through on plain lines and are dropped from
-redrawn ones; other escape sequences are dropped.
+redrawn ones; other escape sequences are dropped, except `MARK`: a rank writes it where one of its
+displays belongs, and `DisplayOrder` shows that display message (sent over the channel) there.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import codecs
 import re
 from collections.abc import Callable
+from typing import Any
 
 MARK = "\x1b]5150;nbaccel:{}\x07"  # an OSC sequence a rank writes where a display of its goes (rank_display.py)
 _CONTROL = re.compile(r"(\r|\n|\x08|\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>78])")
@@ -213,3 +215,33 @@ def resolve(text: str) -> str:
     screen.write(text)
     screen.finish()
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+class DisplayOrder:
+    """Kernel side: show each display message where its marker is in the rank's stdout (after the text
+    printed before it), whichever of the two arrives first; `flush()` shows what never got its marker."""
+
+    def __init__(self, show: Callable[[int, dict[str, Any]], None]) -> None:
+        self._show = show
+        self._waiting: dict[tuple[int, str], dict[str, Any]] = {}
+        self._marked: set[tuple[int, str]] = set()
+
+    def arrived(self, rank: int, message: dict[str, Any]) -> None:
+        key = (rank, str(message.get("seq")))
+        if message.get("seq") is None or key in self._marked:
+            self._marked.discard(key)
+            self._show(rank, message)
+        else:
+            self._waiting[key] = message
+
+    def marked(self, rank: int, seq: str) -> None:
+        message = self._waiting.pop((rank, seq), None)
+        if message is None:
+            self._marked.add((rank, seq))
+        else:
+            self._show(rank, message)
+
+    def flush(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for (rank, _), message in sorted(waiting.items(), key=lambda item: (item[0][0], int(item[0][1]))):
+            self._show(rank, message)

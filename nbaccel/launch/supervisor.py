@@ -21,7 +21,7 @@ from .channel import Message, Observer, close_quietly, recv_all
 from .errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
 from .output import LineForwarder, read_available
 from .processes import signal_name
-from .rank_display import DisplayOrder
+from .screen import DisplayOrder
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
