@@ -154,3 +154,24 @@ def test_in_a_rank_tqdm_notebook_draws_text_widgets_get_silent_comms_and_rich_dr
     assert "3/3" in done.stdout.split("bar:")[1].splitlines()[0], done.stdout
     assert "comm: DummyComm" in done.stdout
     assert "rich jupyter: False terminal: True" in done.stdout
+
+
+def test_clear_output_of_a_rank_clears_only_its_own_displays(monkeypatch):
+    import IPython.display
+
+    published: list = []
+    monkeypatch.setattr(IPython.display, "publish_display_data",
+                        lambda data, metadata=None, **kw: published.append((data, kw)))
+    cell = CellOutput(kernel=True)
+    cell.display(0, {"data": {"text/plain": "a"}})
+    cell.display(0, {"data": {"text/plain": "b"}})
+    cell.display(1, {"data": {"text/plain": "other rank"}})
+    first, second = (kw["transient"]["display_id"] for _, kw in published[:2])
+    cell.clear_output(0, wait=True)
+    assert len(published) == 3  # wait=True: nothing cleared until rank 0 shows its next output
+    cell.display(0, {"data": {"text/plain": "c"}})
+    assert published[3] == ({"text/plain": "[rank 0] c"}, {"transient": {"display_id": first}, "update": True})
+    assert published[4] == ({"text/plain": ""}, {"transient": {"display_id": second}, "update": True})
+    cell.clear_output(0)
+    assert published[5] == ({"text/plain": ""}, {"transient": {"display_id": first}, "update": True})
+    assert len(published) == 6  # rank 1's output stays
