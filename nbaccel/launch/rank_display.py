@@ -64,7 +64,6 @@ def install(send: Send, mark: bool = True) -> None:
         _ImportHooks.after["IPython.display"] = _shell_on_first_display
         if "IPython.display" in sys.modules:
             _shell_on_first_display(sys.modules["IPython.display"])
-    _quiet_comms()
 
 
 def finish() -> None:
@@ -198,14 +197,12 @@ def _close_inherited_figures() -> None:
         pass
 
 
-def _quiet_comms() -> None:
-    """Widgets made in a rank get a comm that sends nothing: the kernel shows their text form."""
-    comm = sys.modules.get("comm")
+def _quiet_comms(comm: Any = None) -> None:
+    """Widgets made in a rank get a comm that sends nothing: the kernel shows their text form. (When the
+    `comm` package is not imported yet this runs when it is, from the import hook.)"""
+    comm = comm or sys.modules.get("comm")
     if comm is None:
-        try:
-            import comm  # noqa: F811  (small; what ipywidgets asks for a comm)
-        except ImportError:
-            return
+        return
     dummy = getattr(comm, "DummyComm", None)
     if dummy is not None:
         comm.create_comm = lambda *args, **kwargs: dummy(*args, **kwargs)
@@ -282,7 +279,8 @@ def _without_kernel_shell(action: Callable[[], None]) -> None:
 class _ImportHooks(importlib.abc.MetaPathFinder):
     """Patch tqdm and rich when a rank imports them (and at install when the kernel had imported them)."""
 
-    after: dict[str, Callable[[Any], None]] = {"tqdm.notebook": _plain_tqdm_notebook, "rich.console": _plain_rich}
+    after: dict[str, Callable[[Any], None]] = {"tqdm.notebook": _plain_tqdm_notebook, "rich.console": _plain_rich,
+                                               "comm": _quiet_comms}
     around: dict[str, Callable[[Callable[[], None]], None]] = {"tqdm.autonotebook": _without_kernel_shell}
     _installed = False
 
