@@ -255,6 +255,74 @@ def _drive_notebook(lab, page) -> None:
     page.screenshot(path=str(OUTPUT / "reopened.png"))
 
 
+ACTIVE_NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # not another test's open tab
+
+
+def _run_all_cells(page) -> None:
+    """Run > Run All Cells on the notebook on show, retrying until its first cell started."""
+    prompt = page.locator(f"{ACTIVE_NOTEBOOK} .jp-Cell .jp-InputPrompt").first
+    for _attempt in range(4):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        try:
+            page.wait_for_function("(node) => /\\[[*0-9]+\\]/.test(node.textContent)",
+                                   arg=prompt.element_handle(), timeout=10_000)
+            return
+        except playwright_sync.TimeoutError:
+            page.keyboard.press("Escape")
+
+
+def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
+    """Notebook 08's launch: both ranks' tqdm bars drawn live mid-run, then rank 0's figure and the tables."""
+    base, token, root = lab
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    source = nbformat.read(ROOT / "notebooks" / "08_live_output.ipynb", as_version=4)
+    cells = [cell for cell in source.cells if cell.cell_type == "code"][:3]  # data, train, launch
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell.source) for cell in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, root / "live_output.ipynb")
+    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()  # a page of its own, in a workspace of its own: no tab of the test before
+    try:
+        page.set_default_timeout(60_000)
+        page.goto(f"{base}/lab/workspaces/live-output/tree/live_output.ipynb?token={token}")
+        page.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        select_kernel = page.locator(".jp-Dialog button", has_text="Select")
+        if select_kernel.count():
+            select_kernel.click()
+        _run_all_cells(page)
+        # mid-run: the live area shows both ranks' bars at a position strictly between 0 and 100 %
+        page.wait_for_function(
+            r"""() => [...document.querySelectorAll(".nbaccel-live")].some(node =>
+                   /rank 0\] rank 0 training: +[1-9]\d?%/.test(node.textContent)
+                   && /rank 1\] rank 1 training: +[1-9]\d?%/.test(node.textContent))""",
+            timeout=120_000,
+        )
+        page.locator(".nbaccel-live").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(OUTPUT / "live_bars.png"), full_page=True)
+        # the end: rank 0's confusion matrix (a PNG image), a table from each rank, the final bar lines
+        page.wait_for_selector(".jp-OutputArea-output img", timeout=120_000)
+        page.wait_for_function(
+            """() => document.querySelectorAll(".nbaccel-display table").length >= 2
+                     && document.body.textContent.includes("accuracy per rank")""",
+            timeout=60_000,
+        )
+        page.locator(".jp-OutputArea-output img").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(OUTPUT / "rank_figure.png"), full_page=True)
+        text = page.locator(ACTIVE_NOTEBOOK).inner_text()
+        assert "[rank 0] rank 0 training: 100%" in text and "[rank 1] rank 1 training: 100%" in text
+        assert "\r" not in text
+    except Exception as error:
+        page.screenshot(path=str(OUTPUT / "live_failure.png"), full_page=True)
+        outputs = page.locator(".jp-OutputArea").all_inner_texts()
+        raise AssertionError(f"browser check failed ({error}); screenshot {OUTPUT / 'live_failure.png'}; "
+                             f"outputs: {outputs}") from error
+    finally:
+        _delete_kernels(base, token)
+        context.close()
+
+
 def _delete_kernels(base: str, token: str) -> None:
     request = urllib.request.Request(f"{base}/api/kernels?token={token}")
     for kernel in json.load(urllib.request.urlopen(request, timeout=5)):

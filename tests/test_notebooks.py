@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume", "04_distributed_inference",
-            "05_config_and_scripts", "07_big_models")
+            "05_config_and_scripts", "07_big_models", "08_live_output")
 
 
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
@@ -135,6 +135,24 @@ def test_big_models(tmp_path):
     losses = re.search(r"loss \(mean over the 2 ranks\): ([0-9.]+) at step 1 -> ([0-9.]+) at step 24", trained)
     assert losses and float(losses.group(2)) < float(losses.group(1)), trained
     assert re.search(r"the exported model continues 0\.\.9 with \d+", run.cell("load_file(os.path.join(export_dir").text)
+
+
+@pytest.mark.timeout(300)
+def test_live_output(tmp_path):
+    run = run_notebook("08_live_output.ipynb", tmp_path)
+    launch = run.cell("notebook_launcher(train")
+    assert launch.error is None, launch.error
+    for rank in (0, 1):  # each bar's final state, once, without its carriage-return history
+        assert len(re.findall(rf"\[rank {rank}\] rank {rank} training: 100%.*\| 88/88", launch.text)) == 1, launch.text
+        assert re.search(rf"\[rank {rank}\] rank {rank}: test accuracy 0\.9\d\d on 397 images", launch.text), launch.text
+        assert re.search(rf"\[rank {rank}\]\s+rank\s+batches per epoch", launch.text), launch.text  # its table
+    assert "\r" not in launch.text
+    assert "image/png" in launch.mimetypes and "text/html" in launch.mimetypes  # the confusion matrix, tables
+    assert "[rank 0] <Figure" in launch.text and "[rank 1] <Figure" not in launch.text
+    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes  # the dashboard
+    ranks = run.cell("display(Markdown(")
+    assert ranks.error is None and "text/markdown" in ranks.mimetypes, ranks.text
+    assert re.search(r"\[rank 1\] rank 1: 100%.*10/10", ranks.text) and "\r" not in ranks.text, ranks.text
 
 
 def test_tpu_recipe_is_marked_not_executed():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..utils.constants import LAUNCH_DEVICE_ENV
+from ..utils.constants import LAUNCH_DEVICE_ENV, RICH_DISPLAY_ENV
 
 # fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
 FSDP_ENV = {
@@ -79,6 +79,7 @@ class WorkerConfig:
     explicit_flags: bool = False
     cpu_affinity: bool = False  # pin each GPU process to its NUMA node's cores (--enable_cpu_affinity)
     extra_env: Mapping[str, str] = field(default_factory=dict)  # ACCELERATE_* variables of fp8/DeepSpeed options
+    rich_display: bool = False  # launched from a notebook: spawned ranks make a display publisher of their own
 
     @classmethod
     def from_saved(cls, config: Any, **settings: Any) -> WorkerConfig:
@@ -167,6 +168,8 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
         env["NBACCEL_CONFIG_FILE_USED"] = str(config.config_path)
     if config.cpu_affinity:
         both("CPU_AFFINITY", "1")
+    if config.rich_display:
+        env[RICH_DISPLAY_ENV] = "1"  # read by launch/worker/rank_display.py
     env.update(config.extra_env)
     return env
 

@@ -26,6 +26,9 @@ class MessageKind(str, Enum):
     ERROR = "error"  # the function's exception
     LAUNCH = "launch"  # the launch as a whole (kernel side, rank None)
     BATCH = "batch"  # telemetry queued by a worker, sent together; unpacked before observers see it
+    LIVE = "live"  # the rows a rank is redrawing in place (a progress bar), made in the kernel
+    DISPLAY = "display"  # a rich display (display(), a figure) from a rank, as a MIME bundle
+    CLEAR_OUTPUT = "clear_output"  # IPython.display.clear_output from a rank
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +76,11 @@ def status(rank: int, local_rank: int, state: RankState, **fields: Any) -> Messa
 def output(rank: int, local_rank: int, stream: str, text: str) -> Message:
     """One line of a rank's stdout or stderr."""
     return message(MessageKind.OUTPUT, rank, local_rank=local_rank, stream=stream, text=text)
+
+
+def live(rank: int, local_rank: int, stream: str, lines: list[str]) -> Message:
+    """The rows of a rank's stream that it is still redrawing (tqdm's carriage returns, rich's cursor moves)."""
+    return message(MessageKind.LIVE, rank, local_rank=local_rank, stream=stream, lines=lines)
 
 
 def launch(state: LaunchState, **fields: Any) -> Message:

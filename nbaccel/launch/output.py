@@ -4,18 +4,18 @@ Worker side: `redirect_std_fds` points fds 1 and 2 at pipes the kernel reads (os
 extensions and subprocesses is caught too, and rebinds `sys.stdout`/`sys.stderr` to line-buffered text
 files on those fds (in a kernel fork they were ipykernel streams that must not be used from a child).
 Kernel side: `LineForwarder` turns the bytes read from one pipe into whole lines, each delivered exactly
-once and in order; the pipe survives the worker, so whatever it wrote before dying is still read.
+once and in order (carriage-return redraws of progress bars collapsed, their live state reported apart); the pipe survives the worker, so whatever it wrote before dying is still read.
 """
 
 from __future__ import annotations
 
-import codecs
 import io
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any, TextIO
+
+from .screen import Screen
 
 READ_SIZE = 65536
 
@@ -82,26 +82,7 @@ def flush_std() -> None:
             pass
 
 
-class LineForwarder:
-    """Split one worker stream into lines and hand each complete line to `deliver(line)` (no newline)."""
-
-    def __init__(self, deliver: Callable[[str], None]) -> None:
-        self._deliver = deliver
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._partial = ""
-
-    def feed(self, data: bytes) -> None:
-        text = self._partial + self._decoder.decode(data)
-        *lines, self._partial = text.split("\n")
-        for line in lines:
-            self._deliver(line.rstrip("\r"))
-
-    def finish(self) -> None:
-        """End of stream: deliver a last line that had no newline."""
-        text = self._partial + self._decoder.decode(b"", final=True)
-        self._partial = ""
-        if text:
-            self._deliver(text.rstrip("\r"))
+LineForwarder = Screen  # one worker stream -> its final lines, live rows and display marks (screen.py)
 
 
 def read_available(fd: int) -> tuple[bytes, bool]:

@@ -167,6 +167,13 @@ class DashboardModel:
             state.last_output = text[-500:]
         self._mark_running(state)
 
+    def _on_live(self, state: RankState, message: dict) -> None:
+        """A rank's progress bar redrawn in place: its current state is the rank's last output."""
+        rows = [str(row) for row in message.get("lines") or () if str(row).strip()]
+        if rows:
+            state.last_output = rows[-1][-500:]
+            self._mark_running(state)
+
     def _on_metrics(self, state: RankState, message: dict) -> None:
         # A sampler-batched message carries the earlier logs of its interval in `history`, oldest first.
         for entry in message.get("history") or ():
@@ -303,6 +310,7 @@ class DashboardModel:
 _HANDLERS = {
     "status": DashboardModel._on_status,
     "output": DashboardModel._on_output,
+    "live": DashboardModel._on_live,
     "metrics": DashboardModel._on_metrics,
     "step": DashboardModel._on_step,
     "total": DashboardModel._on_total,

@@ -252,7 +252,8 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = saved.master_addr
     loopback = not elastic or is_loopback_address(master_addr)
     worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=not gpus,
-                                     loopback=loopback, num_nodes=num_nodes, nproc_per_node=num_processes)
+                                     loopback=loopback, num_nodes=num_nodes, nproc_per_node=num_processes,
+                                     rich_display=_in_notebook())
     environ = worker_environment(worker)
     device = "cuda:{local_rank}" if gpus else "cpu"
     if num_processes == 1 and not elastic:
@@ -312,7 +313,8 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
             "Fewer devices: set TPU_VISIBLE_CHIPS (TPU) or CPU_NUM_DEVICES (PJRT_DEVICE=CPU) before launching."
         )
     nprocs = count or num_processes or TPU_CORES
-    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=False, nproc_per_node=nprocs)
+    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=False, nproc_per_node=nprocs,
+                                     rich_display=_in_notebook())
     environ = worker_environment(worker)
     if nprocs == 1:
         return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
@@ -323,13 +325,21 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
                       xla_count_known=count is not None)
 
 
+def _in_notebook() -> bool:
+    """Whether this launch runs in a Jupyter kernel (its ranks' display() output then goes to the cell)."""
+    from ...notebook.live_output import in_kernel
+
+    return in_kernel()
+
+
 def _debug_plan(request: LaunchRequest) -> LaunchPlan:
     """debug_launcher: CPU processes with gloo, fork where safe, no saved configuration."""
     num_processes = plain(request.num_processes)
     precision = check_request(request, SimpleNamespace(num_processes=num_processes, node_rank=0, num_nodes=1,
                                                        rdzv_backend="static", mixed_precision="no"))
     method, note = choose_start_method(None)
-    environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes))
+    environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes,
+                                              rich_display=_in_notebook()))
     environ["FORK_LAUNCHED"] = "1"  # as Accelerate's debug_launcher
     return LaunchPlan(mode=Mode.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
                       device="cpu", environ=_frozen(environ), port=free_port(), start_note=note)

@@ -23,6 +23,7 @@ from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
 from ..messages import MessageKind, RankState
 from ..output import LineForwarder, read_available
+from ..screen import DisplayOrder
 from .processes import signal_name
 
 if TYPE_CHECKING:
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+
+
+def _cell_output() -> Any:
+    from ...notebook.live_output import CellOutput
+
+    return CellOutput()
 
 
 def _memory_interval() -> float:
@@ -116,6 +123,7 @@ class Supervisor:
         stderr: TextIO | None = None,
         timeout: float | None = None,
         world_rank_of: Callable[[int], int] | None = None,
+        cell: Any = None,
     ) -> None:
         self.workers = list(workers)
         self.backend = backend
@@ -125,6 +133,8 @@ class Supervisor:
         self._stdout = stdout
         self._stderr = stderr
         self.timeout = timeout
+        self.cell = cell if cell is not None else _cell_output()  # live rows, displays (notebook/live_output.py)
+        self._displays = DisplayOrder(self._show_display)
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure: int | None = None
         self.generation = 0
@@ -164,7 +174,21 @@ class Supervisor:
                 pass
             self.notify(messages.output(worker.rank, worker.local_rank, stream, line))
 
-        return LineForwarder(deliver)
+        def live(rows: list[str]) -> None:
+            self.cell.live(worker.rank, stream, rows)
+            self.notify(messages.live(worker.rank, worker.local_rank, stream, rows))
+
+        if stream == "stderr":
+            return LineForwarder(deliver, live)
+        return LineForwarder(deliver, live, lambda mark: self._displays.marked(worker.local_rank, mark))
+
+    def _show_display(self, local_rank: int, message: Message) -> None:
+        self._flush()
+        rank = self.workers[local_rank].rank
+        if message.get("kind") == "display":
+            self.cell.display(rank, message)
+        else:
+            self.cell.clear_output(rank, bool(message.get("wait")))
 
     def _flush(self) -> None:
         for target in (self.stdout, self.stderr):
@@ -224,6 +248,8 @@ class Supervisor:
             except Exception as exc:
                 self._fail(WorkerFailure(worker.rank, type(exc).__name__,
                                          f"the result of rank {worker.rank} cannot be unpickled in the kernel: {exc}"))
+        elif kind in (MessageKind.DISPLAY, MessageKind.CLEAR_OUTPUT):
+            self._displays.arrived(worker.local_rank, message)
         elif kind == MessageKind.ERROR:
             self._fail(WorkerFailure(worker.rank, message.get("exc_type"), message.get("message", ""),
                                      message.get("traceback", "")))
@@ -278,6 +304,7 @@ class Supervisor:
             elif id(obj) in self._by_channel:
                 self._read_channel(self._by_channel[id(obj)])
         self._flush()
+        self.cell.tick()
         for local_rank, exitcode in self.backend.poll_exits():
             self._on_exit(local_rank, exitcode)
         if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
@@ -386,4 +413,6 @@ class Supervisor:
             worker.open_fds.clear()
             close_quietly(worker.channel)
             worker.channel_open = False
+        self._displays.flush()
         self._flush()
+        self.cell.close()

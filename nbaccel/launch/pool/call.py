@@ -39,7 +39,8 @@ class Call:
     """One command sent to the selected ranks, and the wait for their replies (with hang checks)."""
 
     def __init__(self, ranks: list[RankProcess], selected: list[int], call_id: int, timeout: float,
-                 on_progress: Callable[[RankResults], None] | None = None) -> None:
+                 on_progress: Callable[[RankResults], None] | None = None,
+                 on_display: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         self.ranks = ranks
         self.selected = selected
         self.call_id = call_id
@@ -51,6 +52,7 @@ class Call:
         self.raw_seen: dict[int, tuple[Any, float]] = {}
         self.broken: str | None = None
         self.on_progress = on_progress
+        self.on_display = on_display  # a rank's display() / clear_output while the call runs
         self.changed = False
         self.progress_at = time.monotonic() + PROGRESS_DELAY
 
@@ -114,6 +116,10 @@ class Call:
             message = rank.commands.recv()
         except (EOFError, OSError):
             self._dead(index)
+            return
+        if message.get("kind") in ("display", "clear_output"):
+            if self.on_display is not None:
+                self.on_display(index, message)
             return
         if message.get("kind") != "reply" or message.get("id") != self.call_id:
             return  # a late reply of an interrupted earlier call

@@ -285,7 +285,7 @@ class RankPool:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
-            call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress)
+            call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress, _DisplayTarget())
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:
                 for index in selected:
@@ -355,6 +355,23 @@ class RankPool:
                       "defined on the ranks are lost: re-run the cells that define them."]
         cls = CollectiveMismatchError if diagnosis.kind == "mismatch" else RankTimeoutError
         return cls("\n".join(lines), call.partial_results(), restarted=True)
+
+
+class _DisplayTarget:
+    """Where the ranks' display() output of one call goes: the cell running it (notebook/live_output.py)."""
+
+    def __init__(self) -> None:
+        self._cell: Any = None
+
+    def __call__(self, rank: int, message: dict) -> None:
+        if self._cell is None:
+            from ...notebook.live_output import CellOutput
+
+            self._cell = CellOutput()
+        if message.get("kind") == "display":
+            self._cell.display(rank, message)
+        else:
+            self._cell.clear_output(rank, bool(message.get("wait")))
 
 
 def _check_timeout(value: Any, name: str) -> float:

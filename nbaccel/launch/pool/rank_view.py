@@ -11,14 +11,17 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from ..screen import resolve
+
 MAX_LINES = 200  # per rank and stream; the full text stays in RankResult.stdout / .stderr
 STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "running": "running...",
                  "not run": "not run"}
 
 
 def tail(text: str, max_lines: int = MAX_LINES) -> str:
-    """The last `max_lines` lines of `text`, saying how many were left out."""
-    lines = text.rstrip("\n").splitlines()
+    """The last `max_lines` lines of `text` as a terminal shows them (a progress bar's carriage-return
+    redraws collapsed to its current state), saying how many were left out."""
+    lines = resolve(text).rstrip("\n").splitlines()
     if len(lines) <= max_lines:
         return "\n".join(lines)
     return "\n".join([f"... ({len(lines) - max_lines} earlier lines: see .stdout/.stderr of the results)",

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..channel import close_quietly
 from ..output import flush_std, redirect_std_fds
+from ..worker import rank_display
 from ..worker.entry import _destroy_process_group
 
 CELL_PREFIX = "<rank-cell-"
@@ -59,6 +60,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     close_quietly(stdout, stderr)
     os.environ.update(env)
     rank = int(os.environ.get("RANK", "0"))
+    rank_display.install(lambda message: _send(commands, dict(message, rank=rank, time=time.time())), mark=False)
     _start_status_thread(status)
     try:
         device = _set_up()
@@ -104,6 +106,7 @@ def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
         call_id = message[1]
         _busy = (call_id, time.time())
         reply = _handle(kind, message, namespace, rank)
+        rank_display.finish()  # figures a cell left open are shown, as Jupyter does at the end of a cell
         _busy = None
         flush_std()
         reply.update(kind="reply", id=call_id, rank=rank)

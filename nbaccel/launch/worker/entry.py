@@ -18,6 +18,7 @@ from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from ..channel import WorkerSink, close_quietly
 from ..output import flush_std, redirect_std_fds
+from . import rank_display
 from .parent_death import die_with_parent
 
 
@@ -36,6 +37,7 @@ def run_worker(
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     sink = WorkerSink(channel, rank, local_rank)
+    rank_display.install(lambda message: sink(dict(message, rank=sink.rank, time=time.time())))
     ok = execute(payload, sink)
     sink.close()
     if not ok:
@@ -65,6 +67,7 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
             if exc.code not in (None, 0):
                 raise
             value = None
+        rank_display.finish()  # figures still open are shown, as at the end of a notebook cell
         try:
             data = serialize.dumps_value(value)
         except Exception as exc:
