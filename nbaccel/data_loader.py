@@ -52,54 +52,77 @@ def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
 
 
 class SeedableRandomSampler(RandomSampler):
-    """A RandomSampler whose order depends only on (seed, epoch): the same on every process and on resume."""
+    """A RandomSampler whose order depends only on (seed, epoch): the same on every process and on resume.
+
+    Each pass seeds the generator with `initial_seed + epoch` and, once complete, moves to the next epoch (as
+    Accelerate's). The generator is made at the first pass when none was given."""
 
     def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.generator is None:
-            self.generator = torch.Generator()
-        self.initial_seed = torch.random.initial_seed() if data_seed is None else int(data_seed)
+        self.initial_seed = torch.random.initial_seed() if data_seed is None else data_seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
         self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+
+def _round_multiple_error(kind: str, batch_size: Any, num_processes: int) -> ValueError:
+    return ValueError(
+        f"{kind} with split_batches=True needs a batch size that is a round multiple of the number of processes "
+        f"({num_processes}), got {batch_size}: change the batch size (or give the batch sampler a `batch_size`), "
+        "or use split_batches=False."
+    )
 
 
 class BatchSamplerShard(BatchSampler):
-    """This process's batches of `batch_sampler` (see the module docstring for the rules)."""
+    """This process's batches of `batch_sampler`, with Accelerate's rules.
+
+    Without `split_batches`, batch i goes to process i % num_processes, and a round is handed out only once its
+    last batch is full. When the data runs out mid-round: with `drop_last` the round is dropped; with
+    `even_batches` the short last batch is completed from the first samples of the epoch and the round is
+    completed with whole batches that go on cycling through those samples; otherwise the processes that have a
+    batch get it (short or not). With `split_batches` every batch is cut in `num_processes` equal slices, the
+    short last batch completed from the first batch with `even_batches`.
+    """
 
     def __init__(self, batch_sampler: Any, num_processes: int = 1, process_index: int = 0,
                  split_batches: bool = False, even_batches: bool = True) -> None:
-        batch_size = getattr(batch_sampler, "batch_size", None)
-        if split_batches and batch_size is not None and batch_size % num_processes != 0:
-            raise ValueError(
-                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
-                f"processes ({num_processes}): change the batch size or use split_batches=False."
-            )
         self.batch_sampler = batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", None)
+        self.sampler = getattr(batch_sampler, "sampler", None)  # nbaccel: get_sampler() finds it through the shard
         self.num_processes = num_processes
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
-        self.batch_size = batch_size
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = getattr(batch_sampler, "drop_last", False)
-        self.skip_batches = 0  # set by the loader for one pass when resuming or skipping
+        if split_batches and (self.batch_size is None or self.batch_size % num_processes != 0):
+            raise _round_multiple_error("BatchSamplerShard", self.batch_size, num_processes)
+        self.skip_batches = 0  # nbaccel: set by the loader for one pass when resuming or skipping
 
     @property
     def total_length(self) -> int:
         return len(self.batch_sampler)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to the wrapped batch sampler, when it takes one (custom batch samplers)."""
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
     def __len__(self) -> int:
         total, n = len(self.batch_sampler), self.num_processes
-        if self.split_batches:
-            return total
-        if self.drop_last or self.even_batches:
-            return total // n if self.drop_last else math.ceil(total / n)
+        if self.split_batches or total % n == 0:
+            return total if self.split_batches else total // n
+        if self.drop_last:
+            return total // n
+        if self.even_batches:
+            return total // n + 1
         return total // n + (1 if self.process_index < total % n else 0)
 
     def __iter__(self) -> Iterator[list]:
@@ -108,72 +131,70 @@ class BatchSamplerShard(BatchSampler):
         return itertools.islice(batches, skip, None) if skip else batches
 
     def _iter_round_robin(self) -> Iterator[list]:
-        n, me = self.num_processes, self.process_index
-        if not _has_length(self.batch_sampler):  # a batch sampler of unknown length: plain round robin
-            yield from (b for i, b in enumerate(self.batch_sampler) if i % n == me)
-            return
-        total = len(self.batch_sampler)
-        if self.drop_last:
-            limit = (total // n) * n  # whole rounds only: no process steps alone
-        elif self.even_batches:
-            limit = math.ceil(total / n) * n  # the last round is completed below
-        else:
-            limit = total
-        full = self.batch_size
-        start: list = []  # samples from the start of the epoch, to complete the last round
+        n, me, size = self.num_processes, self.process_index, self.batch_size
+        start: list = []  # the first round: whole batches when their size varies, else its samples
+        mine = None  # this process's batch in the round being read
+        index, last = -1, []
         for index, batch in enumerate(self.batch_sampler):
-            if index >= limit:
-                return
-            if full is None:
-                full = len(batch)
-            if self.even_batches and len(start) < full * n:
-                start.extend(batch)
-            if index == total - 1 and len(batch) < full and self.even_batches and not self.drop_last:
-                filler = itertools.cycle(start)
-                batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
-                if index % n == me:
-                    yield batch
-                break
+            if not self.drop_last and index < n:
+                if size is None:
+                    start.append(batch)
+                else:
+                    start.extend(batch)
             if index % n == me:
-                yield batch
-        else:
-            filler = itertools.cycle(start) if start else None
-        if total >= limit or not start:
+                mine = batch
+            if index % n == n - 1 and (size is None or len(batch) == size):
+                yield mine
+                mine = None
+            last = batch
+        if self.drop_last or not start:
             return
-        # Complete the last round with whole batches, cycling through the samples from the start.
-        for index in range(total, limit):
-            batch = [next(filler) for _ in range(full)]
+        if not self.even_batches:
+            if mine:
+                yield mine
+            return
+        if mine and (size is None or len(mine) == size):
+            yield mine
+        while len(start) < (n if size is None else n * size):  # fewer samples than one round needs
+            start = start + start
+        # Finish the round: the short last batch is completed from the start, then whole batches follow,
+        # cycling on through the first samples.
+        if size is None or len(last) == size:
+            partial, index = [], index + 1
+        else:
+            partial = list(last)
+        position = 0
+        while index % n != 0 or partial:
+            if size is None:
+                batch, position = start[position], position + 1
+            else:
+                take = size - len(partial)
+                batch, position = partial + start[position:position + take], position + take
             if index % n == me:
                 yield batch
+            partial, index = [], index + 1
 
     def _iter_split(self) -> Iterator[list]:
-        n, me = self.num_processes, self.process_index
-        start: list = []
-        full = self.batch_size
-        for batch in self.batch_sampler:
-            if full is None:
-                full = len(batch)
-                if full % n != 0:
-                    raise ValueError(
-                        f"split_batches=True needs batches whose size ({full}) is a multiple of the number "
-                        f"of processes ({n})."
-                    )
-            if len(start) < full:
-                start.extend(batch)
-            if len(batch) < full:
-                if self.drop_last:
-                    return
-                if self.even_batches:
-                    filler = itertools.cycle(start)
-                    batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
-                else:
-                    per = full // n  # the regular slices: the last processes may get less, or nothing
-                    piece = batch[me * per:(me + 1) * per]
-                    if piece:
-                        yield piece
-                    return
-            per = full // n
-            yield batch[me * per:(me + 1) * per]
+        n, me, size = self.num_processes, self.process_index, self.batch_size
+        per = size // n
+        mine = slice(per * me, per * (me + 1))
+        first: list = []
+        last: list = []
+        for index, batch in enumerate(self.batch_sampler):
+            if index == 0:
+                first = list(batch)
+            if len(batch) == size:
+                yield batch[mine]
+            last = batch
+        if self.drop_last or not first or len(last) == size:
+            return
+        if not self.even_batches:
+            if len(last) > per * me:
+                yield last[mine]
+            return
+        while len(first) < size:
+            first = first + first
+        yield (list(last) + first)[mine]
 
 
 class SkipBatchSampler(BatchSampler):
@@ -181,9 +202,6 @@ class SkipBatchSampler(BatchSampler):
 
     def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
         self.batch_sampler = batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", None)
-        self.batch_size = getattr(batch_sampler, "batch_size", None)
-        self.drop_last = getattr(batch_sampler, "drop_last", False)
         self.skip_batches = skip_batches
 
     def __iter__(self) -> Iterator[list]:
@@ -194,35 +212,18 @@ class SkipBatchSampler(BatchSampler):
         return len(self.batch_sampler)
 
     def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip_batches, 0)
-
-
-class SkipDataLoader(DataLoader):
-    """A DataLoader that leaves out the first `skip_batches` batches of every pass (for iterable datasets,
-    where the batches cannot be skipped at the index level)."""
-
-    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self.skip_batches = skip_batches
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(super().__iter__(), self.skip_batches, None)
-
-    def __len__(self) -> int:
-        return max(super().__len__() - self.skip_batches, 0)
+        return len(self.batch_sampler) - self.skip_batches  # negative (len() raises) when skipping too many
 
 
 class IterableDatasetShard(IterableDataset):
     """This process's samples of an iterable dataset: every process reads the stream and keeps its slice
-    of each group of batch_size x num_processes samples (the last group completed from the start)."""
+    of each group of samples (batch_size x num_processes, or batch_size with `split_batches`); the last group
+    is completed by repeating the first one, unless `drop_last`."""
 
     def __init__(self, dataset: Any, batch_size: int = 1, drop_last: bool = False, num_processes: int = 1,
                  process_index: int = 0, split_batches: bool = False) -> None:
         if split_batches and batch_size > 1 and batch_size % num_processes != 0:
-            raise ValueError(
-                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
-                f"processes ({num_processes})."
-            )
+            raise _round_multiple_error("IterableDatasetShard", batch_size, num_processes)
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -236,30 +237,33 @@ class IterableDatasetShard(IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __len__(self) -> int:
-        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
-        group = real * self.num_processes
+        # As Accelerate: counted with batch_size x num_processes per group, whatever split_batches says.
+        group = self.batch_size * self.num_processes
         if self.drop_last:
-            return (len(self.dataset) // group) * real
-        return math.ceil(len(self.dataset) / group) * real
+            return (len(self.dataset) // group) * self.batch_size
+        return math.ceil(len(self.dataset) / group) * self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
-        group = real * self.num_processes
-        lo, hi = self.process_index * real, (self.process_index + 1) * real
+        generator = getattr(self.dataset, "generator", None)
+        if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
+            generator.manual_seed(getattr(self, "epoch", 0))  # a dataset that shuffles with its generator
+        group = self.batch_size if self.split_batches else self.batch_size * self.num_processes
+        per = self.batch_size // self.num_processes if self.split_batches else self.batch_size
+        mine = slice(self.process_index * per, (self.process_index + 1) * per)
         first: list | None = None
         buffer: list = []
         for sample in self.dataset:
             buffer.append(sample)
             if len(buffer) == group:
-                yield from buffer[lo:hi]
+                yield from buffer[mine]
                 if first is None:
-                    first = buffer
+                    first = list(buffer)
                 buffer = []
         if buffer and not self.drop_last:
-            filler = itertools.cycle(first if first is not None else list(buffer))
+            first = list(buffer) if first is None else first
             while len(buffer) < group:
-                buffer.append(next(filler))
-            yield from buffer[lo:hi]
+                buffer = buffer + first
+            yield from buffer[mine]
 
 
 # ----------------------------------------------------------------------------------------------- loaders
@@ -356,6 +360,32 @@ class _PreparedLoaderMixin:
     def _skipped_length(self, length: int) -> int:
         """The batches a pass yields: a `skip_first_batches` copy leaves out its first `skip_batches`."""
         return max(length - self.skip_batches, 0)
+
+
+class SkipDataLoader(DataLoader):
+    """A DataLoader that leaves out the first `skip_batches` batches of every pass (what `skip_first_batches`
+    gives for an iterable dataset, where batches cannot be skipped by index). As Accelerate's, it reads through
+    `base_dataloader` (a plain DataLoader built from the same arguments) and registers with `GradientState`
+    while iterated."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.base_dataloader = DataLoader(dataset, **kwargs)
+        self.skip_batches = skip_batches
+        self.gradient_state = GradientState()
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def __iter__(self) -> Iterator[Any]:
+        self.end_of_dataloader, self.remainder = False, -1
+        self.gradient_state._add_dataloader(self)
+        try:
+            yield from itertools.islice(iter(self.base_dataloader), self.skip_batches, None)
+        finally:
+            self.gradient_state._remove_dataloader(self)
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader) - self.skip_batches
 
 
 def _start_iterator(loader: DataLoader, resuming: bool) -> Iterator[Any]:
