@@ -433,6 +433,9 @@ class Accelerator:
             result[index] = self._prepare_one(obj, first_pass=True, device_placement=place)
         for index, obj in enumerate(result):
             result[index] = self._prepare_one(obj, first_pass=False)
+        for obj in result:  # as Accelerate: code checks this flag to skip objects prepared already
+            if any(obj is kept for kept in (*self._models, *self._optimizers, *self._dataloaders, *self._schedulers)):
+                obj._is_accelerate_prepared = True
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_one(self, obj: Any, first_pass: bool, device_placement: bool | None = None) -> Any:
@@ -456,8 +459,10 @@ class Accelerator:
         processes train, and compile it when a dynamo backend is set."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
-        if any(model is prepared for prepared in self._models) or isinstance(
+        if getattr(model, "_is_accelerate_prepared", False) or isinstance(
                 model, torch.nn.parallel.DistributedDataParallel):
+            if not any(model is prepared for prepared in self._models):
+                self._models.append(model)
             return model  # prepared already: wrapping it again would nest DDP
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
@@ -495,6 +500,7 @@ class Accelerator:
             kwargs["backend"] = str(kwargs.get("backend", "inductor")).lower()
             model = torch.compile(model, **kwargs)
             self._models[-1] = model
+        model._is_accelerate_prepared = True
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -514,6 +520,10 @@ class Accelerator:
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Callable | None = None) -> DataLoader:
         """Shard `data_loader` across the processes and move its batches to the device."""
+        if getattr(data_loader, "_is_accelerate_prepared", False):  # prepared already: keep it, do not wrap twice
+            if not any(data_loader is kept for kept in self._dataloaders):
+                self._dataloaders.append(data_loader)
+            return data_loader
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
@@ -782,15 +792,14 @@ class Accelerator:
             for loader in self._dataloaders:
                 sampler = getattr(loader, "batch_sampler", None)
                 if isinstance(sampler, _data_loader.BatchSamplerShard):
-                    changed.append((loader, sampler, sampler.even_batches, loader._even_batches))
+                    changed.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
-                    loader._even_batches = even_batches
         try:
             with Join(joinables, throw_on_early_termination=False):
                 yield
         finally:
-            for loader, sampler, sampler_even, loader_even in changed:
-                sampler.even_batches, loader._even_batches = sampler_even, loader_even
+            for sampler, sampler_even in changed:
+                sampler.even_batches = sampler_even
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: list | None = None, buffer_seq_dims: list | None = None,

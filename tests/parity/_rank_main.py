@@ -11,6 +11,8 @@ def main() -> int:
     with open(os.environ["PARITY_SPEC"], "rb") as f:
         spec = pickle.load(f)
     lib = importlib.import_module(spec["lib"])
+    for submodule in ("utils", "state", "data_loader", "checkpointing", "big_modeling"):
+        importlib.import_module(f"{spec['lib']}.{submodule}")  # reachable as lib.<submodule> in scenarios
     scenario = getattr(importlib.import_module(spec["module"]), spec["name"])
     try:
         result = scenario(lib, *spec["args"])
