@@ -16,6 +16,7 @@ import os
 import pathlib
 import re
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -789,6 +790,11 @@ class Accelerator:
 
         changed = []
         if even_batches is not None:
+            if any(isinstance(loader, _data_loader.DataLoaderDispatcher)
+                   or isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+                   for loader in self._dataloaders):
+                warnings.warn("Overriding even_batches is only supported for map-style datasets: the prepared "
+                              "loaders over iterable datasets keep their own setting.", UserWarning, stacklevel=3)
             for loader in self._dataloaders:
                 sampler = getattr(loader, "batch_sampler", None)
                 if isinstance(sampler, _data_loader.BatchSamplerShard):

@@ -5,6 +5,8 @@ the batches each rank gets over several epochs, `len()`, `end_of_dataloader`, `r
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from parity_harness import assert_parity, run_both
@@ -158,4 +160,27 @@ def test_gather_for_metrics_with_drop_last_keeps_both_ranks_batches():
     for lib in ("accelerate", "nbaccel"):
         gathered = [entry["gathered"] for entry in results[lib][0][0]["epochs"][0]]
         assert [len(g[0]) for g in gathered] == [10, 10], lib
+    assert_parity(results)
+
+
+def join_scenario(lib):
+    """join_uneven_inputs(even_batches=False) with an iterable (dispatched) loader: the warning."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.prepare(DataLoader(Stream(8), batch_size=2))
+    if lib.__name__ == "accelerate":
+        # Accelerate 1.15 takes its join path only on multi-GPU types (on MULTI_CPU it warns "only supported
+        # for multi-GPU training" and does nothing); take that path on gloo to compare its warning.
+        type(accelerator).multi_device = property(lambda self: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass
+    return [(w.category.__name__, "only supported for map-style datasets" in str(w.message)) for w in caught
+            if "even_batches" in str(w.message)]
+
+
+def test_join_uneven_inputs_warns_for_iterable_loaders():
+    results = run_both(join_scenario, 2)
+    assert results["accelerate"][0] == [("UserWarning", True)]
     assert_parity(results)
