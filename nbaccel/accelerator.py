@@ -60,6 +60,21 @@ def _unsupported(name: str, what: str) -> ValueError:
     )
 
 
+def _refuse_offloaded_quantized_model(model: torch.nn.Module, distributed_type: Any) -> None:
+    """A model loaded in 8-bit or 4-bit (bitsandbytes) cannot be trained spread over devices with several
+    processes, nor with CPU or disk offload: raise Accelerate's ValueError before anything is moved."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map or not (getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)):
+        return
+    devices = {str(d) if not isinstance(d, int) else d for d in device_map.values()}
+    if len(devices) > 1 and distributed_type != DistributedType.NO:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
+                         "devices in any distributed mode: load it on one device per process, or run one process.")
+    if "cpu" in devices or "disk" in devices:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload: load it entirely on the accelerator (device_map={'': device}).")
+
+
 class Accelerator:
     """Prepare models, optimizers, data loaders and schedulers for the current processes, and train them."""
 
@@ -465,6 +480,7 @@ class Accelerator:
             if not any(model is prepared for prepared in self._models):
                 self._models.append(model)
             return model  # prepared already: wrapping it again would nest DDP
+        _refuse_offloaded_quantized_model(model, self.distributed_type)
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
         model = sharding.prepare_tensor_parallel_if_asked(model, self.state, self.device)
@@ -902,6 +918,11 @@ class Accelerator:
             model = self.unwrap_model(model, keep_torch_compile=False)
         if sharding.is_sharded(model):  # a collective: the full weights, gathered on the main process
             return sharding.get_full_state_dict(model, cpu_offload=True)
+        from .utils.modeling import get_state_dict_offloaded_model, has_offloaded_params
+
+        if any(has_offloaded_params(module) for module in model.modules()):
+            # Offloaded weights (CPU/disk, big-model inference) are brought back one module at a time.
+            return get_state_dict_offloaded_model(model)
         return model.state_dict()
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
