@@ -1,19 +1,23 @@
 """Data loaders for several processes: sharding, device placement, end-of-data, resuming mid-epoch.
 
-`prepare_data_loader` turns a `torch.utils.data.DataLoader` into one whose batches are this process's share:
-- map-style datasets: the batch sampler is sharded (`BatchSamplerShard`): batch i goes to process
-  i % num_processes, or with `split_batches` every batch is cut in num_processes slices. With
-  `even_batches` the last round is completed with samples from the start, so every process sees the same
-  number of full batches (`gather_for_metrics` later drops the duplicates, see `remainder`).
+The rules are Accelerate 1.15's (tests/parity/ compares them batch by batch). `prepare_data_loader` turns a
+`torch.utils.data.DataLoader` into one whose batches are this process's share:
+- one process: the DataLoader's own batch sampler, unchanged.
+- map-style datasets on several processes: the batch sampler is sharded (`BatchSamplerShard`): batch i goes
+  to process i % num_processes, or with `split_batches` every batch is cut in num_processes slices. With
+  `even_batches` a round the data leaves incomplete is filled with batches cycling from the start of the
+  epoch, so every process runs the same number of steps (`gather_for_metrics` drops the repeats, see
+  `remainder`).
 - iterable datasets: every process reads the stream and keeps its slice (`IterableDatasetShard`), or with
-  `dispatch_batches` only process 0 reads and broadcasts (`DataLoaderDispatcher`).
-- shuffling agrees across processes: the sampler's generator is broadcast from process 0 at the start of
-  each epoch, or with `use_seedable_sampler` it is seeded with seed + epoch (`SeedableRandomSampler`).
+  `dispatch_batches` (the default for them) only process 0 reads and broadcasts (`DataLoaderDispatcher`).
+- shuffling agrees across processes: the sampler gets a generator seeded from process 0's draw, or with
+  `use_seedable_sampler` it is seeded with seed + epoch (`SeedableRandomSampler`).
 
 The prepared loader (`DataLoaderShard` / `DataLoaderDispatcher`) moves batches to the device, looks one
 batch ahead so `end_of_dataloader` is True while the last batch is being used, and registers itself with
-`GradientState` while it is iterated. `state_dict()` / `load_state_dict()` record the epoch, the batches
-yielded so far and the shuffling generator, so a checkpoint taken mid-epoch resumes with the same batches.
+`GradientState` while it is iterated. `state_dict()` / `load_state_dict()` (nbaccel's addition) record the
+epoch, the batches yielded so far, the shuffling generator and torch's RNG at the epoch's start, so a
+checkpoint taken mid-epoch or at an epoch's end resumes with the batches of the uninterrupted run.
 """
 
 from __future__ import annotations
