@@ -94,3 +94,44 @@ def test_training_resuming_and_evaluating_like_accelerate(num_processes, tmp_pat
                 assert_same(full[rank]["weights"], resumed[rank]["weights"], f"{lib} {mode} rank {rank} weights")
                 assert resumed[rank]["evals"] == full[rank]["evals"][1:], (lib, mode, rank)
     assert all(seen == 21 for _, seen, _ in runs["full"]["nbaccel"][0]["evals"])  # each eval sample once
+
+
+def seedable_training(lib, batch_size, split_batches, data_seed):
+    """3 epochs with the seedable sampler; the final weights and the first epoch's sample order."""
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=lib.utils.DataLoaderConfiguration(
+        use_seedable_sampler=True, split_batches=split_batches, data_seed=data_seed))
+    lib.utils.set_seed(1)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(2))
+    y = x.sum(dim=1, keepdim=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(TensorDataset(torch.arange(64), x, y), batch_size=batch_size, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first_epoch = []
+    for epoch in range(3):
+        for index, inputs, targets in loader:
+            if epoch == 0:
+                first_epoch.append(accelerator.gather(index).tolist())
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"weights": {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+            "order": first_epoch}
+
+
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_seedable_sampler_two_ranks_train_like_one_process(split_batches):
+    """As in Accelerate: 2 ranks x batch 8 (or batch 16 split) give the model of 1 process x batch 16, to 1e-6."""
+    from parity_harness import run_ranks
+
+    per_rank = 16 if split_batches else 8
+    for lib in ("accelerate", "nbaccel"):
+        single = run_ranks(seedable_training, lib, 1, args=(16, False, None))[0]
+        double = run_ranks(seedable_training, lib, 2, args=(per_rank, split_batches, None))
+        assert double[0]["order"] == double[1]["order"]
+        assert [sorted(b) for b in double[0]["order"]] == [sorted(b) for b in single["order"]], lib
+        for name, value in single["weights"].items():
+            assert torch.allclose(value, double[0]["weights"][name], atol=1e-6), (lib, name)
+    other_seed = run_ranks(seedable_training, "nbaccel", 1, args=(16, False, 123))[0]
+    assert other_seed["order"] != single["order"]  # data_seed changes the order
