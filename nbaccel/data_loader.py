@@ -362,6 +362,15 @@ class _PreparedLoaderMixin:
         self._take_resume()
         self.iteration = copy.iteration + 1
 
+    def set_sampler(self, sampler: Sampler) -> None:
+        """Replace the index sampler (in the batch sampler, and in the one a shard wraps)."""
+        if isinstance(self.sampler, BatchSampler):
+            self.sampler.sampler = sampler
+            return
+        self.batch_sampler.sampler = sampler
+        if hasattr(self.batch_sampler, "batch_sampler"):
+            self.batch_sampler.batch_sampler.sampler = sampler
+
     def _skipped_length(self, length: int) -> int:
         """The batches a pass yields: a `skip_first_batches` copy leaves out its first `skip_batches`."""
         return max(length - self.skip_batches, 0)
@@ -521,15 +530,6 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
 
     def get_sampler(self) -> Sampler | None:
         return get_sampler(self)
-
-    def set_sampler(self, sampler: Sampler) -> None:
-        """Replace the index sampler (in the batch sampler, and in the one a shard wraps)."""
-        if isinstance(self.sampler, BatchSampler):
-            self.sampler.sampler = sampler
-            return
-        self.batch_sampler.sampler = sampler
-        if hasattr(self.batch_sampler, "batch_sampler"):
-            self.batch_sampler.batch_sampler.sampler = sampler
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start

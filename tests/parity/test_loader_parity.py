@@ -96,6 +96,8 @@ LOADER_CASES = [
     dict(length=21, batch_size=5, iterable=True, dispatch_batches=False),
     dict(length=21, batch_size=5, iterable=True, drop_last=True),
     dict(length=21, batch_size=5, dispatch_batches=True),
+    dict(length=21, batch_size=4, dispatch_batches=True, shuffle=True, use_seedable_sampler=True),
+    dict(length=21, batch_size=4, dispatch_batches=True, split_batches=True),
     dict(length=21, batch_size=5, custom_batch_sampler=True, gather="set_epoch", num_processes=1),
 ]
 
@@ -115,6 +117,7 @@ def loader_scenario(lib, cases):
         except TypeError:
             entry["len"] = None
         entry["prepared_flag"] = getattr(loader, "_is_accelerate_prepared", None)
+        entry["batch_sampler"] = type(loader.batch_sampler).__name__  # 1 process: the DataLoader's own
         entry["rng_after"] = torch.randint(0, 1 << 30, (1,)).item()  # the global RNG draws the same
         results.append(entry)
     return results
@@ -183,4 +186,49 @@ def join_scenario(lib):
 def test_join_uneven_inputs_warns_for_iterable_loaders():
     results = run_both(join_scenario, 2)
     assert results["accelerate"][0] == [("UserWarning", True)]
+    assert_parity(results)
+
+
+class Unsized(BatchSampler):
+    """A batch sampler without a batch size."""
+
+    def __init__(self):
+        pass
+
+    def __iter__(self):
+        return iter([[0, 1], [2, 3]])
+
+    def __len__(self):
+        return 2
+
+
+def misc_scenario(lib):
+    """split_batches with no batch size; skip_first_batches of a plain iterable loader; prepared flags."""
+    out = {}
+    accelerator = lib.Accelerator(cpu=True)
+    try:
+        lib.data_loader.prepare_data_loader(DataLoader(range(4), batch_sampler=Unsized()), num_processes=2,
+                                            process_index=0, split_batches=True)
+        out["split_without_batch_size"] = "ok"
+    except ValueError as error:
+        out["split_without_batch_size"] = ("ValueError", "round multiple" in str(error)
+                                           or "batch_size" in str(error))
+    skipped = lib.data_loader.skip_first_batches(DataLoader(Stream(7), batch_size=2), 2)
+    out["skip_type"] = type(skipped).__name__
+    out["skip_base"] = type(getattr(skipped, "base_dataloader", None)).__name__
+    out["skip_batches"] = [b.tolist() for b in skipped]
+    out["skip_len"] = None
+    model, optimizer = accelerator.prepare(torch.nn.Linear(2, 2), torch.optim.SGD([torch.nn.Parameter(
+        torch.zeros(1))], lr=0.1))
+    out["flags"] = [getattr(model, "_is_accelerate_prepared", None), getattr(optimizer, "_is_accelerate_prepared", None)]
+    loader = accelerator.prepare(DataLoader(range(6), batch_size=2))
+    again = accelerator.prepare_data_loader(loader)
+    out["prepared_twice_is_same"] = again is loader
+    return out
+
+
+def test_split_refusal_skip_loader_and_prepared_flags():
+    results = run_both(misc_scenario, 1)
+    assert results["accelerate"][0]["split_without_batch_size"] == ("ValueError", True)
+    assert results["accelerate"][0]["skip_base"] == "DataLoader"
     assert_parity(results)
