@@ -118,6 +118,18 @@ def loader_scenario(lib, cases):
             entry["len"] = None
         entry["prepared_flag"] = getattr(loader, "_is_accelerate_prepared", None)
         entry["batch_sampler"] = type(loader.batch_sampler).__name__  # 1 process: the DataLoader's own
+        # Not compared (deliberate differences, docs/compat.md): a custom batch sampler is told the epoch by
+        # nbaccel only (see the test after this one); on a map-style dataset dispatched to several processes,
+        # Accelerate's skip counts the DataLoader's batches, nbaccel's counts steps (the batches a process got).
+        dispatched_map = case.get("dispatch_batches") and not case.get("iterable") and accelerator.num_processes > 1
+        if case.get("gather") is not False and not case.get("custom_batch_sampler") and not dispatched_map:
+            copy = accelerator.skip_first_batches(loader, 1)
+            entry["skipped"] = [_plain(batch) for batch in copy]
+            try:
+                entry["skipped_len"] = len(copy)
+            except TypeError:
+                entry["skipped_len"] = None
+            entry["skipped_type"] = type(copy).__name__
         entry["rng_after"] = torch.randint(0, 1 << 30, (1,)).item()  # the global RNG draws the same
         results.append(entry)
     return results
