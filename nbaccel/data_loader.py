@@ -790,8 +790,7 @@ def prepare_data_loader(
     if dispatch_batches:
         kwargs.pop("generator", None)
         if iterable:
-            kwargs.update(batch_size=batch_size if not split_batches else dataloader.batch_size,
-                          drop_last=dataloader.drop_last)
+            kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
         else:
             kwargs.update(batch_sampler=dataloader.batch_sampler)
         prepared: DataLoader = DataLoaderDispatcher(
@@ -811,7 +810,7 @@ def prepare_data_loader(
         batch_sampler = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
         generator = None
         if num_processes > 1:
-            if not use_seedable_sampler and isinstance(getattr(sampler, "generator", False), (torch.Generator, type(None))):
+            if not use_seedable_sampler and hasattr(sampler, "generator"):
                 if sampler.generator is None:
                     # A generator of the sampler's own, seeded alike everywhere (process 0's draw from torch's
                     # global RNG, as Accelerate draws it), draws the same order on every process.
