@@ -16,6 +16,7 @@ import os
 import pathlib
 import re
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,6 +59,21 @@ def _unsupported(name: str, what: str) -> ValueError:
         f"{name} was given, but nbaccel does not drive {what}: leave {name}=None (nbaccel trains with "
         "DistributedDataParallel), or run this script with Hugging Face Accelerate for that backend."
     )
+
+
+def _refuse_offloaded_quantized_model(model: torch.nn.Module, distributed_type: Any) -> None:
+    """A model loaded in 8-bit or 4-bit (bitsandbytes) cannot be trained spread over devices with several
+    processes, nor with CPU or disk offload: raise Accelerate's ValueError before anything is moved."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map or not (getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)):
+        return
+    devices = {str(d) if not isinstance(d, int) else d for d in device_map.values()}
+    if len(devices) > 1 and distributed_type != DistributedType.NO:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
+                         "devices in any distributed mode: load it on one device per process, or run one process.")
+    if "cpu" in devices or "disk" in devices:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload: load it entirely on the accelerator (device_map={'': device}).")
 
 
 class Accelerator:
@@ -436,6 +452,9 @@ class Accelerator:
             result[index] = self._prepare_one(obj, first_pass=True, device_placement=place)
         for index, obj in enumerate(result):
             result[index] = self._prepare_one(obj, first_pass=False)
+        for obj in result:  # as Accelerate: code checks this flag to skip objects prepared already
+            if any(obj is kept for kept in (*self._models, *self._optimizers, *self._dataloaders, *self._schedulers)):
+                obj._is_accelerate_prepared = True
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_one(self, obj: Any, first_pass: bool, device_placement: bool | None = None) -> Any:
@@ -459,9 +478,12 @@ class Accelerator:
         processes train, and compile it when a dynamo backend is set."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
-        if any(model is prepared for prepared in self._models) or isinstance(
+        if getattr(model, "_is_accelerate_prepared", False) or isinstance(
                 model, torch.nn.parallel.DistributedDataParallel):
+            if not any(model is prepared for prepared in self._models):
+                self._models.append(model)
             return model  # prepared already: wrapping it again would nest DDP
+        _refuse_offloaded_quantized_model(model, self.distributed_type)
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
         model = sharding.prepare_tensor_parallel_if_asked(model, self.state, self.device)
@@ -500,6 +522,7 @@ class Accelerator:
             kwargs["backend"] = str(kwargs.get("backend", "inductor")).lower()
             model = torch.compile(model, **kwargs)
             self._models[-1] = model
+        model._is_accelerate_prepared = True
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -519,6 +542,10 @@ class Accelerator:
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Callable | None = None) -> DataLoader:
         """Shard `data_loader` across the processes and move its batches to the device."""
+        if getattr(data_loader, "_is_accelerate_prepared", False):  # prepared already: keep it, do not wrap twice
+            if not any(data_loader is kept for kept in self._dataloaders):
+                self._dataloaders.append(data_loader)
+            return data_loader
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
@@ -790,18 +817,22 @@ class Accelerator:
 
         changed = []
         if even_batches is not None:
+            if any(isinstance(loader, _data_loader.DataLoaderDispatcher)
+                   or isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+                   for loader in self._dataloaders):
+                warnings.warn("Overriding even_batches is only supported for map-style datasets: the prepared "
+                              "loaders over iterable datasets keep their own setting.", UserWarning, stacklevel=3)
             for loader in self._dataloaders:
                 sampler = getattr(loader, "batch_sampler", None)
                 if isinstance(sampler, _data_loader.BatchSamplerShard):
-                    changed.append((loader, sampler, sampler.even_batches, loader._even_batches))
+                    changed.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
-                    loader._even_batches = even_batches
         try:
             with Join(joinables, throw_on_early_termination=False):
                 yield
         finally:
-            for loader, sampler, sampler_even, loader_even in changed:
-                sampler.even_batches, loader._even_batches = sampler_even, loader_even
+            for sampler, sampler_even in changed:
+                sampler.even_batches = sampler_even
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: list | None = None, buffer_seq_dims: list | None = None,
@@ -900,6 +931,11 @@ class Accelerator:
             model = self.unwrap_model(model, keep_torch_compile=False)
         if sharding.is_sharded(model):  # a collective: the full weights, gathered on the main process
             return sharding.get_full_state_dict(model, cpu_offload=True)
+        from .utils.modeling import get_state_dict_offloaded_model, has_offloaded_params
+
+        if any(has_offloaded_params(module) for module in model.modules()):
+            # Offloaded weights (CPU/disk, big-model inference) are brought back one module at a time.
+            return get_state_dict_offloaded_model(model)
         return model.state_dict()
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,

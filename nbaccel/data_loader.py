@@ -1,19 +1,23 @@
 """Data loaders for several processes: sharding, device placement, end-of-data, resuming mid-epoch.
 
-`prepare_data_loader` turns a `torch.utils.data.DataLoader` into one whose batches are this process's share:
-- map-style datasets: the batch sampler is sharded (`BatchSamplerShard`): batch i goes to process
-  i % num_processes, or with `split_batches` every batch is cut in num_processes slices. With
-  `even_batches` the last round is completed with samples from the start, so every process sees the same
-  number of full batches (`gather_for_metrics` later drops the duplicates, see `remainder`).
+The rules are Accelerate 1.15's (tests/parity/ compares them batch by batch). `prepare_data_loader` turns a
+`torch.utils.data.DataLoader` into one whose batches are this process's share:
+- one process: the DataLoader's own batch sampler, unchanged.
+- map-style datasets on several processes: the batch sampler is sharded (`BatchSamplerShard`): batch i goes
+  to process i % num_processes, or with `split_batches` every batch is cut in num_processes slices. With
+  `even_batches` a round the data leaves incomplete is filled with batches cycling from the start of the
+  epoch, so every process runs the same number of steps (`gather_for_metrics` drops the repeats, see
+  `remainder`).
 - iterable datasets: every process reads the stream and keeps its slice (`IterableDatasetShard`), or with
-  `dispatch_batches` only process 0 reads and broadcasts (`DataLoaderDispatcher`).
-- shuffling agrees across processes: the sampler's generator is broadcast from process 0 at the start of
-  each epoch, or with `use_seedable_sampler` it is seeded with seed + epoch (`SeedableRandomSampler`).
+  `dispatch_batches` (the default for them) only process 0 reads and broadcasts (`DataLoaderDispatcher`).
+- shuffling agrees across processes: the sampler gets a generator seeded from process 0's draw, or with
+  `use_seedable_sampler` it is seeded with seed + epoch (`SeedableRandomSampler`).
 
 The prepared loader (`DataLoaderShard` / `DataLoaderDispatcher`) moves batches to the device, looks one
 batch ahead so `end_of_dataloader` is True while the last batch is being used, and registers itself with
-`GradientState` while it is iterated. `state_dict()` / `load_state_dict()` record the epoch, the batches
-yielded so far and the shuffling generator, so a checkpoint taken mid-epoch resumes with the same batches.
+`GradientState` while it is iterated. `state_dict()` / `load_state_dict()` (nbaccel's addition) record the
+epoch, the batches yielded so far, the shuffling generator and torch's RNG at the epoch's start, so a
+checkpoint taken mid-epoch or at an epoch's end resumes with the batches of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from . import telemetry
 from .state import GradientState, PartialState
 from .utils import xla as _xla
-from .utils.operations import broadcast, broadcast_object_list, send_to_device
+from .utils.operations import broadcast, broadcast_object_list, send_to_device, slice_tensors
 from .utils.random import synchronize_rng_states
 
 # DataLoader arguments carried over when a loader is rebuilt around a new sampler or dataset.
@@ -52,128 +56,146 @@ def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
 
 
 class SeedableRandomSampler(RandomSampler):
-    """A RandomSampler whose order depends only on (seed, epoch): the same on every process and on resume."""
+    """A RandomSampler whose order depends only on (seed, epoch): the same on every process and on resume.
+
+    Each pass seeds the generator with `initial_seed + epoch` and, once complete, moves to the next epoch (as
+    Accelerate's). The generator is made at the first pass when none was given."""
 
     def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.generator is None:
-            self.generator = torch.Generator()
-        self.initial_seed = torch.random.initial_seed() if data_seed is None else int(data_seed)
+        self.initial_seed = torch.random.initial_seed() if data_seed is None else data_seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
         self.generator.manual_seed(self.initial_seed + self.epoch)
         yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+
+def _round_multiple_error(kind: str, batch_size: Any, num_processes: int) -> ValueError:
+    return ValueError(
+        f"{kind} with split_batches=True needs a batch size that is a round multiple of the number of processes "
+        f"({num_processes}), got {batch_size}: change the batch size (or give the batch sampler a `batch_size`), "
+        "or use split_batches=False."
+    )
 
 
 class BatchSamplerShard(BatchSampler):
-    """This process's batches of `batch_sampler` (see the module docstring for the rules)."""
+    """This process's batches of `batch_sampler`, with Accelerate's rules.
+
+    Without `split_batches`, batch i goes to process i % num_processes, and a round is handed out only once its
+    last batch is full. When the data runs out mid-round: with `drop_last` the round is dropped; with
+    `even_batches` the short last batch is completed from the first samples of the epoch and the round is
+    completed with whole batches that go on cycling through those samples; otherwise the processes that have a
+    batch get it (short or not). With `split_batches` every batch is cut in `num_processes` equal slices, the
+    short last batch completed from the first batch with `even_batches`.
+    """
 
     def __init__(self, batch_sampler: Any, num_processes: int = 1, process_index: int = 0,
                  split_batches: bool = False, even_batches: bool = True) -> None:
-        batch_size = getattr(batch_sampler, "batch_size", None)
-        if split_batches and batch_size is not None and batch_size % num_processes != 0:
-            raise ValueError(
-                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
-                f"processes ({num_processes}): change the batch size or use split_batches=False."
-            )
         self.batch_sampler = batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", None)
+        self.sampler = getattr(batch_sampler, "sampler", None)  # nbaccel: get_sampler() finds it through the shard
         self.num_processes = num_processes
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
-        self.batch_size = batch_size
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = getattr(batch_sampler, "drop_last", False)
-        self.skip_batches = 0  # set by the loader for one pass when resuming or skipping
+        if split_batches and (self.batch_size is None or self.batch_size % num_processes != 0):
+            raise _round_multiple_error("BatchSamplerShard", self.batch_size, num_processes)
 
     @property
     def total_length(self) -> int:
         return len(self.batch_sampler)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to the wrapped batch sampler, when it takes one (custom batch samplers)."""
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
     def __len__(self) -> int:
         total, n = len(self.batch_sampler), self.num_processes
-        if self.split_batches:
-            return total
-        if self.drop_last or self.even_batches:
-            return total // n if self.drop_last else math.ceil(total / n)
+        if self.split_batches or total % n == 0:
+            return total if self.split_batches else total // n
+        if self.drop_last:
+            return total // n
+        if self.even_batches:
+            return total // n + 1
         return total // n + (1 if self.process_index < total % n else 0)
 
     def __iter__(self) -> Iterator[list]:
-        batches = self._iter_split() if self.split_batches else self._iter_round_robin()
-        skip, self.skip_batches = self.skip_batches, 0
-        return itertools.islice(batches, skip, None) if skip else batches
+        return self._iter_split() if self.split_batches else self._iter_round_robin()
 
     def _iter_round_robin(self) -> Iterator[list]:
-        n, me = self.num_processes, self.process_index
-        if not _has_length(self.batch_sampler):  # a batch sampler of unknown length: plain round robin
-            yield from (b for i, b in enumerate(self.batch_sampler) if i % n == me)
-            return
-        total = len(self.batch_sampler)
-        if self.drop_last:
-            limit = (total // n) * n  # whole rounds only: no process steps alone
-        elif self.even_batches:
-            limit = math.ceil(total / n) * n  # the last round is completed below
-        else:
-            limit = total
-        full = self.batch_size
-        start: list = []  # samples from the start of the epoch, to complete the last round
+        n, me, size = self.num_processes, self.process_index, self.batch_size
+        start: list = []  # the first round: whole batches when their size varies, else its samples
+        mine = None  # this process's batch in the round being read
+        index, last = -1, []
         for index, batch in enumerate(self.batch_sampler):
-            if index >= limit:
-                return
-            if full is None:
-                full = len(batch)
-            if self.even_batches and len(start) < full * n:
-                start.extend(batch)
-            if index == total - 1 and len(batch) < full and self.even_batches and not self.drop_last:
-                filler = itertools.cycle(start)
-                batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
-                if index % n == me:
-                    yield batch
-                break
+            if not self.drop_last and index < n:
+                if size is None:
+                    start.append(batch)
+                else:
+                    start.extend(batch)
             if index % n == me:
-                yield batch
-        else:
-            filler = itertools.cycle(start) if start else None
-        if total >= limit or not start:
+                mine = batch
+            if index % n == n - 1 and (size is None or len(batch) == size):
+                yield mine
+                mine = None
+            last = batch
+        if self.drop_last or not start:
             return
-        # Complete the last round with whole batches, cycling through the samples from the start.
-        for index in range(total, limit):
-            batch = [next(filler) for _ in range(full)]
+        if not self.even_batches:
+            if mine:
+                yield mine
+            return
+        if mine and (size is None or len(mine) == size):
+            yield mine
+        while len(start) < (n if size is None else n * size):  # fewer samples than one round needs
+            start = start + start
+        # Finish the round: the short last batch is completed from the start, then whole batches follow,
+        # cycling on through the first samples.
+        if size is None or len(last) == size:
+            partial, index = [], index + 1
+        else:
+            partial = list(last)
+        position = 0
+        while index % n != 0 or partial:
+            if size is None:
+                batch, position = start[position], position + 1
+            else:
+                take = size - len(partial)
+                batch, position = partial + start[position:position + take], position + take
             if index % n == me:
                 yield batch
+            partial, index = [], index + 1
 
     def _iter_split(self) -> Iterator[list]:
-        n, me = self.num_processes, self.process_index
-        start: list = []
-        full = self.batch_size
-        for batch in self.batch_sampler:
-            if full is None:
-                full = len(batch)
-                if full % n != 0:
-                    raise ValueError(
-                        f"split_batches=True needs batches whose size ({full}) is a multiple of the number "
-                        f"of processes ({n})."
-                    )
-            if len(start) < full:
-                start.extend(batch)
-            if len(batch) < full:
-                if self.drop_last:
-                    return
-                if self.even_batches:
-                    filler = itertools.cycle(start)
-                    batch = list(batch) + [next(filler) for _ in range(full - len(batch))]
-                else:
-                    per = full // n  # the regular slices: the last processes may get less, or nothing
-                    piece = batch[me * per:(me + 1) * per]
-                    if piece:
-                        yield piece
-                    return
-            per = full // n
-            yield batch[me * per:(me + 1) * per]
+        n, me, size = self.num_processes, self.process_index, self.batch_size
+        per = size // n
+        mine = slice(per * me, per * (me + 1))
+        first: list = []
+        last: list = []
+        for index, batch in enumerate(self.batch_sampler):
+            if index == 0:
+                first = list(batch)
+            if len(batch) == size:
+                yield batch[mine]
+            last = batch
+        if self.drop_last or not first or len(last) == size:
+            return
+        if not self.even_batches:
+            if len(last) > per * me:
+                yield last[mine]
+            return
+        while len(first) < size:
+            first = first + first
+        yield (list(last) + first)[mine]
 
 
 class SkipBatchSampler(BatchSampler):
@@ -181,9 +203,6 @@ class SkipBatchSampler(BatchSampler):
 
     def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
         self.batch_sampler = batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", None)
-        self.batch_size = getattr(batch_sampler, "batch_size", None)
-        self.drop_last = getattr(batch_sampler, "drop_last", False)
         self.skip_batches = skip_batches
 
     def __iter__(self) -> Iterator[list]:
@@ -194,35 +213,18 @@ class SkipBatchSampler(BatchSampler):
         return len(self.batch_sampler)
 
     def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip_batches, 0)
-
-
-class SkipDataLoader(DataLoader):
-    """A DataLoader that leaves out the first `skip_batches` batches of every pass (for iterable datasets,
-    where the batches cannot be skipped at the index level)."""
-
-    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self.skip_batches = skip_batches
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(super().__iter__(), self.skip_batches, None)
-
-    def __len__(self) -> int:
-        return max(super().__len__() - self.skip_batches, 0)
+        return len(self.batch_sampler) - self.skip_batches  # negative (len() raises) when skipping too many
 
 
 class IterableDatasetShard(IterableDataset):
     """This process's samples of an iterable dataset: every process reads the stream and keeps its slice
-    of each group of batch_size x num_processes samples (the last group completed from the start)."""
+    of each group of samples (batch_size x num_processes, or batch_size with `split_batches`); the last group
+    is completed by repeating the first one, unless `drop_last`."""
 
     def __init__(self, dataset: Any, batch_size: int = 1, drop_last: bool = False, num_processes: int = 1,
                  process_index: int = 0, split_batches: bool = False) -> None:
         if split_batches and batch_size > 1 and batch_size % num_processes != 0:
-            raise ValueError(
-                f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of "
-                f"processes ({num_processes})."
-            )
+            raise _round_multiple_error("IterableDatasetShard", batch_size, num_processes)
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -236,30 +238,33 @@ class IterableDatasetShard(IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __len__(self) -> int:
-        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
-        group = real * self.num_processes
+        # As Accelerate: counted with batch_size x num_processes per group, whatever split_batches says.
+        group = self.batch_size * self.num_processes
         if self.drop_last:
-            return (len(self.dataset) // group) * real
-        return math.ceil(len(self.dataset) / group) * real
+            return (len(self.dataset) // group) * self.batch_size
+        return math.ceil(len(self.dataset) / group) * self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        real = self.batch_size // self.num_processes if self.split_batches else self.batch_size
-        group = real * self.num_processes
-        lo, hi = self.process_index * real, (self.process_index + 1) * real
+        generator = getattr(self.dataset, "generator", None)
+        if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
+            generator.manual_seed(getattr(self, "epoch", 0))  # a dataset that shuffles with its generator
+        group = self.batch_size if self.split_batches else self.batch_size * self.num_processes
+        per = self.batch_size // self.num_processes if self.split_batches else self.batch_size
+        mine = slice(self.process_index * per, (self.process_index + 1) * per)
         first: list | None = None
         buffer: list = []
         for sample in self.dataset:
             buffer.append(sample)
             if len(buffer) == group:
-                yield from buffer[lo:hi]
+                yield from buffer[mine]
                 if first is None:
-                    first = buffer
+                    first = list(buffer)
                 buffer = []
         if buffer and not self.drop_last:
-            filler = itertools.cycle(first if first is not None else list(buffer))
+            first = list(buffer) if first is None else first
             while len(buffer) < group:
-                buffer.append(next(filler))
-            yield from buffer[lo:hi]
+                buffer = buffer + first
+            yield from buffer[mine]
 
 
 # ----------------------------------------------------------------------------------------------- loaders
@@ -270,8 +275,7 @@ _END = object()  # marks the end of the wrapped iterator
 class _PreparedLoaderMixin:
     """What both prepared loaders share: end-of-data, GradientState registration, positions for resume."""
 
-    def _init_prepared(self, device, non_blocking: bool, total_batch_size: int | None,
-                       total_dataset_length: int | None, even_batches: bool) -> None:
+    def _init_prepared(self, device, non_blocking: bool, drop_last: bool) -> None:
         self.device = device
         self.non_blocking = non_blocking
         self._move = device is not None and torch.device(device).type != "cpu"
@@ -279,22 +283,12 @@ class _PreparedLoaderMixin:
         self.end_of_dataloader = False
         self.remainder = -1
         self.iteration = 0
-        self._total_batch_size = total_batch_size
-        self._total_dataset_length = total_dataset_length
-        self._even_batches = even_batches
+        self._drop_last = drop_last
         self._batches_yielded = 0
         self._resume_skip = 0  # batches a restored position leaves out of the next pass
         self._resume_pending = False  # load_state_dict set a position no pass has used yet
-        self._resume_fork_rng = False  # the next pass continues an interrupted epoch: keep the restored RNG
-
-    @property
-    def total_batch_size(self) -> int | None:
-        """Samples consumed per step over all processes."""
-        return self._total_batch_size
-
-    @property
-    def total_dataset_length(self) -> int | None:
-        return self._total_dataset_length
+        self._resume_fork_rng = False  # the next pass continues an interrupted epoch: replay its start's draws
+        self._epoch_rng_state: torch.Tensor | None = None  # torch's global RNG when this epoch's pass began
 
     end_of_dataloader = False
     remainder = -1
@@ -304,12 +298,22 @@ class _PreparedLoaderMixin:
         self.end_of_dataloader = False
         self.remainder = -1
 
+    def _starting_remainder(self) -> int:
+        """The samples of the last global batch that are real (Accelerate: dataset length modulo the total batch
+        size, unless `drop_last`); -1 when unknown."""
+        if getattr(self, "_drop_last", False):
+            return -1
+        try:
+            length = getattr(self.dataset, "total_dataset_length", None)
+            length = len(self.dataset) if length is None else length
+            return length % self.total_batch_size
+        except Exception:  # an unsized dataset or no batch size: unknown, as in Accelerate
+            return -1
+
     def begin(self) -> None:
-        """Start of an epoch: reset end-of-data, compute the padding remainder, register with GradientState."""
+        """Start of an epoch: reset end-of-data, compute the remainder, register with GradientState."""
         self.reset()
-        length, total = getattr(self, "_total_dataset_length", None), getattr(self, "_total_batch_size", None)
-        if getattr(self, "_even_batches", False) and length is not None and total:
-            self.remainder = length % total
+        self.remainder = self._starting_remainder()
         self.gradient_state._add_dataloader(self)
 
     def end(self) -> None:
@@ -325,13 +329,17 @@ class _PreparedLoaderMixin:
 
     def _state(self) -> dict[str, Any]:
         holder = self._position_holder()
-        return {"epoch": holder.iteration, "batches_yielded": holder._batches_yielded}
+        state = {"epoch": holder.iteration, "batches_yielded": holder._batches_yielded}
+        if holder._batches_yielded and holder._epoch_rng_state is not None:
+            state["epoch_rng_state"] = holder._epoch_rng_state.clone()
+        return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.set_epoch(int(state.get("epoch", 0)))
         self._resume_skip = int(state.get("batches_yielded", 0))
         self._resume_pending = True
         self._resume_fork_rng = self._resume_skip > 0
+        self._epoch_rng_state = state.get("epoch_rng_state")
 
     def _take_resume(self) -> tuple[int, bool]:
         """At the start of a pass: the restored batches to leave out and whether the pass resumes an epoch
@@ -350,22 +358,79 @@ class _PreparedLoaderMixin:
         if not self._resume_pending:
             return
         copy._resume_fork_rng = self._resume_fork_rng
+        copy._epoch_rng_state = self._epoch_rng_state
         self._take_resume()
         self.iteration = copy.iteration + 1
+
+    def set_sampler(self, sampler: Sampler) -> None:
+        """Replace the index sampler (in the batch sampler, and in the one a shard wraps)."""
+        if isinstance(self.sampler, BatchSampler):
+            self.sampler.sampler = sampler
+            return
+        self.batch_sampler.sampler = sampler
+        if hasattr(self.batch_sampler, "batch_sampler"):
+            self.batch_sampler.batch_sampler.sampler = sampler
 
     def _skipped_length(self, length: int) -> int:
         """The batches a pass yields: a `skip_first_batches` copy leaves out its first `skip_batches`."""
         return max(length - self.skip_batches, 0)
 
+    def _open_pass(self, skip: int, resuming: bool) -> Iterator[Any]:
+        """Start a pass of this DataLoader, leaving out its first `skip` batches (by index when it has a batch
+        sampler: no sample of a skipped batch is loaded).
 
-def _start_iterator(loader: DataLoader, resuming: bool) -> Iterator[Any]:
-    """Start a pass of `loader`. Starting a pass draws a base seed from the global RNG; when the pass
-    resumes mid-epoch from a checkpoint, the restored RNG state already includes the draw the interrupted run
-    made at the start of that epoch, so the draw is made on a forked RNG to leave the restored state exact."""
-    if not resuming:
-        return DataLoader.__iter__(loader)
-    with torch.random.fork_rng(devices=[]):
-        return DataLoader.__iter__(loader)
+        Starting a pass draws from torch's global RNG (the loader's base seed; a shuffling sampler without a
+        generator draws its seed at the first batch). When the pass resumes an interrupted epoch, those draws
+        are replayed from the RNG state the interrupted run had when the epoch began (so the order is the
+        same), on a forked RNG, so the state `load_state` restored is left exactly as it was."""
+        if not resuming:
+            self._epoch_rng_state = torch.get_rng_state()
+            return self._skipping_iterator(skip)
+        with torch.random.fork_rng(devices=[]):
+            if self._epoch_rng_state is not None:
+                torch.set_rng_state(self._epoch_rng_state)
+            batches = self._skipping_iterator(skip)
+            first = next(batches, _END)
+        return batches if first is _END else itertools.chain([first], batches)
+
+    def _skipping_iterator(self, skip: int) -> Iterator[Any]:
+        batch_sampler = self.__dict__.get("batch_sampler")
+        if not skip:
+            return DataLoader.__iter__(self)
+        if batch_sampler is None or not _has_length(batch_sampler):
+            return itertools.islice(DataLoader.__iter__(self), skip, None)
+        # The DataLoader reads its batch sampler when the iterator is made: skip by index for this pass only.
+        self.__dict__["batch_sampler"] = SkipBatchSampler(batch_sampler, skip)
+        try:
+            return DataLoader.__iter__(self)
+        finally:
+            self.__dict__["batch_sampler"] = batch_sampler
+
+
+class SkipDataLoader(DataLoader):
+    """A DataLoader that leaves out the first `skip_batches` batches of every pass (what `skip_first_batches`
+    gives for an iterable dataset, where batches cannot be skipped by index). As Accelerate's, it reads through
+    `base_dataloader` (a plain DataLoader built from the same arguments) and registers with `GradientState`
+    while iterated."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.base_dataloader = DataLoader(dataset, **kwargs)
+        self.skip_batches = skip_batches
+        self.gradient_state = GradientState()
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def __iter__(self) -> Iterator[Any]:
+        self.end_of_dataloader, self.remainder = False, -1
+        self.gradient_state._add_dataloader(self)
+        try:
+            yield from itertools.islice(iter(self.base_dataloader), self.skip_batches, None)
+        finally:
+            self.gradient_state._remove_dataloader(self)
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader) - self.skip_batches
 
 
 class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
@@ -373,10 +438,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
 
     def __init__(self, dataset: Any, device: torch.device | None = None, rng_types: list | None = None,
                  synchronized_generator: torch.Generator | None = None, skip_batches: int = 0,
-                 non_blocking: bool = False, total_batch_size: int | None = None,
-                 total_dataset_length: int | None = None, even_batches: bool = True, **kwargs: Any) -> None:
+                 non_blocking: bool = False, drop_last_of_source: bool = False, **kwargs: Any) -> None:
         DataLoader.__init__(self, dataset, **kwargs)
-        self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
+        self._init_prepared(device, non_blocking, drop_last_of_source)
         # At each epoch's start every process takes process 0's state of these RNGs ("generator": the
         # sampler's generator when the user gave it; one nbaccel created is agreed once, at prepare).
         self.rng_types = [str(r) for r in rng_types or [] if synchronized_generator is not None or str(r) != "generator"]
@@ -384,25 +448,44 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         self.skip_batches = skip_batches
         self._epoch_generator_state: torch.Tensor | None = None
 
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per step: the batch size with `split_batches`, else the batch size times the processes
+        (Accelerate's rule: read from the batch sampler)."""
+        batch_sampler = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        size = getattr(batch_sampler, "batch_size", None)
+        if size is None or getattr(batch_sampler, "split_batches", False):
+            return size
+        return size * getattr(batch_sampler, "num_processes", 1)
+
+    @property
+    def total_dataset_length(self) -> int:
+        return getattr(self.dataset, "total_length", None) or len(self.dataset)
+
+    def _starting_remainder(self) -> int:
+        shard = self.dataset
+        if isinstance(shard, IterableDatasetShard) and not self._drop_last:
+            # Deliberate difference (docs/compat.md): Accelerate divides the shard's padded length by the
+            # per-process batch size, which gives 0, and gather_for_metrics then keeps the repeated samples.
+            # The real remainder is the stream's length modulo the samples of one step over all processes.
+            group = shard.batch_size if shard.split_batches else shard.batch_size * shard.num_processes
+            return len(shard.dataset) % group if _has_length(shard.dataset) and group else -1
+        return super()._starting_remainder()
+
     def __iter__(self) -> Iterator[Any]:
         if self.rng_types:
             synchronize_rng_states(self.rng_types, self.synchronized_generator)
-        if self.synchronized_generator is not None:
-            self._epoch_generator_state = self.synchronized_generator.get_state()
+        self.begin()
         self.set_epoch(self.iteration)
         resume_skip, resuming = self._take_resume()
         skip = self.skip_batches + resume_skip
         self._batches_yielded = skip  # the epoch's position, for state_dict
-        if skip and isinstance(self.batch_sampler, BatchSamplerShard):
-            self.batch_sampler.skip_batches = skip  # skip indices, without loading the samples
-            skip = 0
-        self.begin()
+        if self.synchronized_generator is not None and not resuming:
+            self._epoch_generator_state = self.synchronized_generator.get_state()
         move, device, non_blocking = self._move, self.device, self.non_blocking
         run_step = _xla_step_runner(device)
         try:
-            batches = _start_iterator(self, resuming)
-            if skip:
-                batches = itertools.islice(batches, skip, None)
+            batches = self._open_pass(skip, resuming)
             # Look one batch ahead, so end_of_dataloader is already True while the last batch is used.
             current = next(batches, _END)
             while current is not _END:
@@ -419,6 +502,10 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
             self.end_of_dataloader = True
             self.iteration += 1
             self._batches_yielded = 0
+            # The epoch is over: a checkpoint taken now must give the next epoch's order.
+            if self.synchronized_generator is not None:
+                self._epoch_generator_state = self.synchronized_generator.get_state()
+            self._epoch_rng_state = None
         finally:
             self.end()
 
@@ -426,24 +513,27 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         return self._skipped_length(DataLoader.__len__(self))
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch: the seedable sampler, a sharded iterable dataset and datasets with set_epoch see it."""
+        """Set the epoch of the next pass, and tell it (as Accelerate does) to the batch sampler, the sampler
+        (seedable samplers), the sampler behind a sharded batch sampler, or else the dataset."""
         self.iteration = epoch
-        sampler = self.get_sampler()
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        if hasattr(self.batch_sampler, "set_epoch"):
-            self.batch_sampler.set_epoch(epoch)
-        if hasattr(self.dataset, "set_epoch"):
+        batch_sampler = self.batch_sampler
+        if hasattr(batch_sampler, "set_epoch"):
+            batch_sampler.set_epoch(epoch)
+        if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
+            batch_sampler.sampler.set_epoch(epoch)
+        inner = getattr(batch_sampler, "batch_sampler", None)
+        if hasattr(getattr(inner, "sampler", None), "set_epoch"):
+            if inner.sampler is not getattr(batch_sampler, "sampler", None):
+                inner.sampler.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
     def get_sampler(self) -> Sampler | None:
-        batch_sampler = self.batch_sampler
-        while batch_sampler is not None and not isinstance(getattr(batch_sampler, "sampler", None), Sampler):
-            batch_sampler = getattr(batch_sampler, "batch_sampler", None)
-        return getattr(batch_sampler, "sampler", None) if batch_sampler is not None else self.sampler
+        return get_sampler(self)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start."""
+        """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start
+        (after a complete pass: at the next epoch's start), torch's RNG when an unfinished epoch began."""
         state = self._state()
         generator_state = self._position_holder()._epoch_generator_state
         if generator_state is not None:
@@ -456,103 +546,117 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         generator_state = state.get("generator_state")
         if generator_state is not None and self.synchronized_generator is not None:
             self.synchronized_generator.set_state(generator_state)
+            self._epoch_generator_state = generator_state
 
 
 class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
     """A DataLoader where process 0 reads the data and sends each process its share (`dispatch_batches`).
 
-    For iterable datasets that cannot be read by every process (a stream, a queue). Per step: one object
-    broadcast of the batch's structure and shapes, then one tensor broadcast per tensor in the batch.
+    As Accelerate's: process 0 reads one batch (`split_batches`) or one batch per process, the group is
+    broadcast and every process takes its equal slice. A last group that does not divide evenly is completed
+    with the first samples of the epoch (unless `drop_last`), and `remainder` then says how many samples were
+    real. Per step: one object broadcast of the group's structure and shapes, then one broadcast per tensor.
     """
 
     def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
-                 device: torch.device | None = None, non_blocking: bool = False,
-                 total_batch_size: int | None = None, total_dataset_length: int | None = None,
-                 even_batches: bool = True, slice_fn: Any = None, **kwargs: Any) -> None:
+                 device: torch.device | None = None, non_blocking: bool = False, drop_last_of_source: bool = False,
+                 slice_fn: Any = None, **kwargs: Any) -> None:
         DataLoader.__init__(self, dataset, **kwargs)
-        self._init_prepared(device, non_blocking, total_batch_size, total_dataset_length, even_batches)
+        self._init_prepared(device, non_blocking, drop_last_of_source)
         state = PartialState()
         self.num_processes = state.num_processes
         self.process_index = state.process_index
         self.split_batches = split_batches
         self.skip_batches = skip_batches
-        self.slice_fn = slice_fn or _slice_batch
+        self.slice_fn = slice_fn or slice_tensors
         self._comm_device = state.device if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
 
-    def _read_group(self, iterator: Iterator[Any], first: list) -> tuple[Any, int]:
-        """On process 0: the next batch over all processes (concatenated), and how many real samples it has."""
+    @property
+    def total_batch_size(self) -> int | None:
+        size = self.batch_size if self.batch_size is not None else getattr(self.batch_sampler, "batch_size", None)
+        if size is None:
+            return None
+        return size if self.split_batches else size * self.num_processes
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
+
+    def _starting_remainder(self) -> int:
+        return -1  # as Accelerate: only known once the last group is read
+
+    def _read_group(self, iterator: Iterator[Any]) -> Any:
+        """On process 0: the next group (one batch per process, concatenated; one batch with split_batches),
+        or None at the end. A partial group at the end is kept, unless `drop_last`."""
         wanted = 1 if self.split_batches else self.num_processes
-        batches = []
-        for _ in range(wanted):
-            try:
-                batches.append(next(iterator))
-            except StopIteration:
-                break
-        if not batches:
-            return None, 0
-        if not first:
-            first.append(batches[0])
-        real = sum(_batch_length(b) for b in batches)
-        full = _batch_length(first[0]) * wanted
-        if real < full and self._even_batches:
-            # Complete the last group from the first batch, so every process gets a full share.
-            while sum(_batch_length(b) for b in batches) < full:
-                missing = full - sum(_batch_length(b) for b in batches)
-                batches.append(_slice_batch(first[0], 0, missing))
-        return _concatenate(batches), real
+        batches = list(itertools.islice(iterator, wanted))
+        if not batches or (len(batches) < wanted and self._drop_last):
+            return None
+        return _concatenate(batches)
 
     def __iter__(self) -> Iterator[Any]:
+        self.begin()
         self.set_epoch(self.iteration)
         resume_skip, resuming = self._take_resume()
         skip = self.skip_batches + resume_skip
         self._batches_yielded = skip  # the epoch's position, for state_dict
-        self.begin()
         run_step = _xla_step_runner(self.device)
+        n, me = self.num_processes, self.process_index
         try:
-            iterator = _start_iterator(self, resuming) if self.process_index == 0 else None
-            first: list = []
-            current = self._fetch(iterator, first)
+            # Every process starts a pass (as Accelerate: the DataLoader draws its base seed everywhere); only
+            # process 0 reads from it.
+            iterator = self._open_pass(0, resuming)
+            start = None  # the first samples of the epoch, to complete the last group
+            current = self._fetch(iterator)
             index = 0
             while current is not None:
-                upcoming = self._fetch(iterator, first)
+                upcoming = self._fetch(iterator)
+                if start is None and not self._drop_last:
+                    start = self.slice_fn(current, slice(0, n), process_index=me, num_processes=n)
+                observed = _batch_length(current)
+                per = observed // n
                 if upcoming is None:
+                    if not self._drop_last and observed % n:
+                        current, per = _concatenate([current, start]), per + 1
                     self.end_of_dataloader = True
+                    self.remainder = observed
+                share = self.slice_fn(current, slice(me * per, (me + 1) * per), process_index=me, num_processes=n)
+                if self._move:
+                    share = send_to_device(share, self.device, non_blocking=self.non_blocking)
                 if index >= skip:
                     self._batches_yielded += 1
-                    yield current
+                    yield share
                     if run_step is not None:
                         run_step()
                 index += 1
                 current = upcoming
             self.iteration += 1
             self._batches_yielded = 0
+            self._epoch_rng_state = None
         finally:
             self.end()
 
-    def _fetch(self, iterator: Iterator[Any] | None, first: list) -> Any:
-        """Every process: its share of the next group, or None at the end of the data."""
+    def _fetch(self, iterator: Iterator[Any]) -> Any:
+        """Every process: the next whole group, broadcast from process 0, or None at the end of the data."""
         if self.process_index == 0:
-            group, _ = self._read_group(iterator, first)
+            group = self._read_group(iterator)
             meta = [None if group is None else _describe(group)]
         else:
             group, meta = None, [None]
         broadcast_object_list(meta, from_process=0)
         if meta[0] is None:
             return None
-        group = _receive(meta[0], group, self._comm_device)
-        total = _batch_length(group)
-        per = total // self.num_processes
-        lo = self.process_index * per
-        hi = total if self.process_index == self.num_processes - 1 and not self._even_batches else lo + per
-        share = self.slice_fn(group, lo, hi)
-        if self._move:
-            share = send_to_device(share, self.device, non_blocking=self.non_blocking)
-        return share
+        return _receive(meta[0], group, self._comm_device)
 
     def set_epoch(self, epoch: int) -> None:
         self.iteration = epoch
-        if hasattr(self.dataset, "set_epoch"):
+        if hasattr(getattr(self.batch_sampler, "sampler", None), "set_epoch"):
+            self.batch_sampler.sampler.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+    def get_sampler(self) -> Sampler | None:
+        return get_sampler(self)
 
     def state_dict(self) -> dict[str, Any]:
         return self._state()
@@ -563,7 +667,7 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
     def __len__(self) -> int:
         whole = DataLoader.__len__(self)
         if not self.split_batches:
-            whole = whole // self.num_processes if self.drop_last else math.ceil(whole / self.num_processes)
+            whole = whole // self.num_processes if self._drop_last else math.ceil(whole / self.num_processes)
         return self._skipped_length(whole)
 
 
@@ -575,17 +679,6 @@ def _batch_length(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
         return _batch_length(batch[0])
     return len(batch)
-
-
-def _slice_batch(batch: Any, lo: int, hi: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[lo:hi]
-    if isinstance(batch, dict):
-        return type(batch)({k: _slice_batch(v, lo, hi) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
-        items = [_slice_batch(v, lo, hi) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch[lo:hi]
 
 
 def _concatenate(batches: list) -> Any:
@@ -665,74 +758,77 @@ def prepare_data_loader(
         )
     if torch_device_mesh is not None:
         raise ValueError("torch_device_mesh (tensor/context parallel data loading) is not supported by nbaccel.")
+    if dispatch_batches is None:
+        dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
+        raise ValueError("dispatch_batches=True needs put_on_device=True: the batches are sent from process 0 to "
+                         "each process's device.")
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
-    if dispatch_batches is None:
-        dispatch_batches = iterable and num_processes > 1 and put_on_device
     batch_size = dataloader.batch_size
-    if batch_size is None and dataloader.batch_sampler is not None:
-        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
-    if split_batches and batch_size is not None and batch_size % num_processes != 0:
-        raise ValueError(
-            f"split_batches=True needs the batch size ({batch_size}) to be a multiple of the number of processes "
-            f"({num_processes}): change the batch size or use split_batches=False."
-        )
-    total_batch_size = None if batch_size is None else (batch_size if split_batches else batch_size * num_processes)
-    try:
-        total_length = len(dataset)
-    except TypeError:
-        total_length = None
+    if split_batches:
+        if batch_size is None:
+            batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        if batch_size is None:
+            raise _round_multiple_error("A DataLoader", "None (neither the DataLoader nor its batch sampler has a "
+                                        "batch_size)", num_processes)
+        if batch_size > 1 and batch_size % num_processes != 0:
+            raise _round_multiple_error("A DataLoader", batch_size, num_processes)
     place = device if put_on_device else None
     kwargs = _loader_kwargs(dataloader)
-    common = dict(non_blocking=non_blocking, total_batch_size=total_batch_size,
-                  total_dataset_length=total_length, even_batches=even_batches)
+    sync = [str(r) for r in rng_types or []]
+    sampler = get_sampler(dataloader)
+    if isinstance(sampler, RandomSampler) and use_seedable_sampler:
+        seed = data_seed if data_seed is not None else _agreed_seed()
+        sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
+                                        num_samples=sampler._num_samples, generator=sampler.generator,
+                                        data_seed=seed)
 
-    if dispatch_batches and num_processes > 1:
-        loader_kwargs = dict(kwargs)
+    if dispatch_batches:
+        kwargs.pop("generator", None)
         if iterable:
-            loader_kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
+            kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
         else:
-            loader_kwargs.update(batch_sampler=dataloader.batch_sampler)
+            kwargs.update(batch_sampler=dataloader.batch_sampler)
         prepared: DataLoader = DataLoaderDispatcher(
             dataset, split_batches=split_batches, device=place, slice_fn=slice_fn_for_dispatch,
-            **common, **loader_kwargs)
+            non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last, **kwargs)
     elif iterable:
-        shard = dataset if num_processes == 1 else IterableDatasetShard(
-            dataset, batch_size=batch_size or 1, drop_last=dataloader.drop_last,
-            num_processes=num_processes, process_index=process_index, split_batches=split_batches)
-        per_process = batch_size // num_processes if (split_batches and batch_size) else batch_size
-        prepared = DataLoaderShard(shard, device=place, rng_types=rng_types, batch_size=per_process,
-                                   drop_last=dataloader.drop_last, **common, **kwargs)
+        if num_processes > 1:
+            dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
+                                           num_processes=num_processes, process_index=process_index,
+                                           split_batches=split_batches)
+        per_process = dataloader.batch_size // num_processes if split_batches else dataloader.batch_size
+        generator = getattr(dataloader.dataset, "generator", None) if num_processes > 1 else None
+        prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
+                                   batch_size=per_process, drop_last=dataloader.drop_last,
+                                   non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last, **kwargs)
     else:
-        batch_sampler = dataloader.batch_sampler
-        sampler = getattr(batch_sampler, "sampler", None)
+        batch_sampler = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
         generator = None
-        sync = [str(r) for r in rng_types or []]
-        if isinstance(sampler, RandomSampler) and use_seedable_sampler:
-            seed = data_seed if data_seed is not None else _agreed_seed(sampler.generator)
-            sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
-                                            num_samples=sampler._num_samples, generator=sampler.generator,
-                                            data_seed=seed)
-            batch_sampler = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
-        elif isinstance(sampler, RandomSampler):
-            generator = sampler.generator
-            if generator is None:
-                # A generator of the sampler's own, seeded alike everywhere, draws the same order on every
-                # process epoch after epoch (one broadcast now instead of one per epoch), and its state at an
-                # epoch's start is what a checkpoint needs to repeat that epoch's order.
-                generator = sampler.generator = torch.Generator()
-                generator.manual_seed(_agreed_random_seed())
-                sync = [r for r in sync if r != "generator"]
-            elif "generator" not in sync and num_processes > 1:
-                sync.append("generator")  # the user's generator may be drawn from elsewhere: re-agree each epoch
-        if num_processes > 1 or _has_length(batch_sampler):  # with one process too: resuming skips indices
+        if num_processes > 1:
+            if not use_seedable_sampler and hasattr(sampler, "generator"):
+                if sampler.generator is None:
+                    # A generator of the sampler's own, seeded alike everywhere (process 0's draw from torch's
+                    # global RNG, as Accelerate draws it), draws the same order on every process.
+                    sampler.generator = torch.Generator()
+                    sampler.generator.manual_seed(_agreed_random_seed())
+                    sync = [r for r in sync if r != "generator"]  # agreed once here, not at every epoch
+                generator = sampler.generator
             batch_sampler = BatchSamplerShard(batch_sampler, num_processes, process_index,
                                               split_batches=split_batches, even_batches=even_batches)
+        if isinstance(dataloader.sampler, BatchSampler):
+            loader_args = dict(sampler=batch_sampler, batch_size=dataloader.batch_size)
+        else:
+            loader_args = dict(batch_sampler=batch_sampler)
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
-                                   batch_sampler=batch_sampler, **common, **kwargs)
+                                   non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
+                                   **loader_args, **kwargs)
+    if isinstance(sampler, SeedableRandomSampler):
+        prepared.set_sampler(sampler)
     if _has_length(prepared):
         telemetry.report_total_steps(len(prepared))
     return prepared
@@ -753,9 +849,10 @@ def _agreed_random_seed() -> int:
     return int(seed[0])
 
 
-def _agreed_seed(generator: torch.Generator | None) -> int:
-    """A seed every process agrees on: process 0's initial seed, broadcast once."""
-    seed = [generator.initial_seed() if generator is not None else torch.random.initial_seed()]
+def _agreed_seed() -> int:
+    """The seed of a seedable sampler without `data_seed`: torch's initial seed, process 0's (Accelerate takes
+    each process's own, the same after `set_seed`)."""
+    seed = [torch.random.initial_seed()]
     broadcast_object_list(seed, from_process=0)
     return int(seed[0])
 

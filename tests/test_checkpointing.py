@@ -689,7 +689,7 @@ def _accelerator_run(project_dir: str, stop_at: int | None, resume: bool, total_
             project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2))
         set_seed(0)
         model = Net()
-        # Dropout stays on: the resumed pass must not shift the global RNG (see data_loader._start_iterator).
+        # Dropout stays on: the resumed pass must not shift the global RNG (see data_loader._PreparedLoaderMixin._open_pass).
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
         data_rng = torch.Generator().manual_seed(42)

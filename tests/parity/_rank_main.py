@@ -1,0 +1,35 @@
+"""One rank of a parity run (started by harness.run_ranks): call the scenario, pickle its result."""
+
+import importlib
+import os
+import pickle
+import sys
+import traceback
+
+
+def main() -> int:
+    with open(os.environ["PARITY_SPEC"], "rb") as f:
+        spec = pickle.load(f)
+    lib = importlib.import_module(spec["lib"])
+    for submodule in ("utils", "state", "data_loader", "checkpointing", "big_modeling"):
+        importlib.import_module(f"{spec['lib']}.{submodule}")  # reachable as lib.<submodule> in scenarios
+    scenario = getattr(importlib.import_module(spec["module"]), spec["name"])
+    try:
+        result = scenario(lib, *spec["args"])
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    with open(os.environ["PARITY_OUT"], "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
