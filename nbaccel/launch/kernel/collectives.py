@@ -20,6 +20,7 @@ The deciding and the wording are RankPool's (`pool/hang_report.py`), so both rep
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +96,16 @@ class CollectiveTracker:
                           key=lambda s: s.rank)
             reason = difference(pair)
             if reason:
-                summary = "; ".join(f"rank {s.rank}'s collective #{seq} is {s.collective().describe()}"  # type: ignore[union-attr]
-                                    for s in pair)
-                self.divergence = Diagnosis("mismatch", summary, "", reason)
+                self.divergence = Diagnosis("mismatch", "; ".join(self._describe(s, seq) for s in pair), "", reason)
                 return
+
+    def _describe(self, state: RankState, seq: int) -> str:
+        """RankPool's words for a rank still inside its collective #seq; else which collective it went through."""
+        inside = self.ranks[state.rank].inside
+        if inside and inside[-1]["seq"] == seq:
+            return state.describe(time.time())
+        record = state.collective()
+        return f"rank {state.rank} went through {record.describe()} (its collective #{seq})"  # type: ignore[union-attr]
 
     def finished(self, rank: int) -> None:
         """`rank` returned from the function."""

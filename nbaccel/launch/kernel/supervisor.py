@@ -366,10 +366,12 @@ class Supervisor:
         if diagnosis is None:
             first = self.collectives.root_cause(failures, self.first_failure)
             return LaunchError(format_failures(failures, first), failures)
+        exitcodes = {w.rank: w.exitcode for w in self.workers}
         for state in self.collectives.states(ranks, failure_view=True):
             waiting = state.waiting(time.time())
             if waiting is not None and state.rank not in failures:
-                failures[state.rank] = WorkerFailure(state.rank, None, f"stopped while waiting in {waiting[0]}")
+                failures[state.rank] = WorkerFailure(state.rank, None, f"stopped while waiting in {waiting[0]}",
+                                                     exitcode=exitcodes.get(state.rank))
         lines = report_lines(diagnosis, "not every rank entered the same collective", (
             "A collective returns only when every rank of the process group calls it, with the same operation "
             "and matching shapes; the ranks above could never meet, so every worker was stopped."))
