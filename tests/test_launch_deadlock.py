@@ -168,6 +168,11 @@ def test_tracker_rules():
     assert tracker.divergence is None
     diagnosis = tracker.check([0, 1], now)
     assert diagnosis.kind == "mismatch" and "collective #2 on rank 0, collective #1 on rank 1" in diagnosis.reason
+    # pad_across_processes traces tensors whose lengths differ by design: not a divergence
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("pad_across_processes", [[3, 2]], 90.0))
+    tracker.on_message(1, _enter("pad_across_processes", [[5, 2]], 90.0))
+    assert tracker.divergence is None and tracker.check([0, 1], now) is None
     # another rank just arrived (less than the grace): wait; a rank still computing: wait
     tracker = CollectiveTracker(grace=2)
     tracker.on_message(0, _enter("reduce", [[3]], 90.0))

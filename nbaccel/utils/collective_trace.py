@@ -51,6 +51,11 @@ class CollectiveRecord:
                 "started": self.started, "seq": self.seq}
 
 
+# Operations whose traced tensors differ in shape between ranks by design (the communication itself is
+# even: pad_across_processes all-gathers the lengths of tensors that differ); hang reports compare
+# their operation and sequence number, not their shapes.
+UNEVEN_SHAPES = frozenset({"pad_across_processes"})
+
 _current: CollectiveRecord | None = None
 _count = 0  # collectives entered by this process: the next one's `seq` is _count + 1
 _listeners: list[CollectiveListener] = []

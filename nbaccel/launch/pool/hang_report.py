@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...utils.collective_trace import CollectiveRecord
+from ...utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
 
 
 @dataclass
@@ -56,7 +56,8 @@ class RankState:
         can never meet."""
         record = self.collective()
         if record is not None:
-            return f"{record.op}/{record.call}#{record.seq} {record.shapes}"
+            shapes = "" if record.op in UNEVEN_SHAPES else f" {record.shapes}"
+            return f"{record.op}/{record.call}#{record.seq}{shapes}"
         return (self.snapshot or {}).get("raw_call")
 
     def describe(self, now: float) -> str:
@@ -138,7 +139,7 @@ def difference(waiting: list[RankState]) -> str:
     if len({r.seq for _, r in records}) > 1:
         return ("The ranks are at different points of the program: "
                 + listing(lambda r: f"collective #{r.seq}") + " (a rank skipped or repeated a collective).")
-    if len({str(r.shapes) for _, r in records}) > 1:
+    if records[0][1].op not in UNEVEN_SHAPES and len({str(r.shapes) for _, r in records}) > 1:
         return "The shapes differ: " + listing(lambda r: ", ".join(str(list(s)) for s in r.shapes) or "none") + "."
     return ""
 
