@@ -51,13 +51,13 @@ class RankState:
             return where, max(0.0, now - (self.raw_since or now))
         return None
 
-    def signature(self) -> str | None:
-        """Which collective (operation, sequence number, shapes; not the call site): ranks in different ones
-        can never meet."""
+    def signature(self, with_seq: bool = True) -> str | None:
+        """Which collective (operation, shapes and, `with_seq`, sequence number; not the call site): ranks in
+        different ones can never meet."""
         record = self.collective()
         if record is not None:
             shapes = "" if record.op in UNEVEN_SHAPES else f" {record.shapes}"
-            return f"{record.op}/{record.call}#{record.seq}{shapes}"
+            return f"{record.op}/{record.call}{f'#{record.seq}' if with_seq else ''}{shapes}"
         return (self.snapshot or {}).get("raw_call")
 
     def describe(self, now: float) -> str:
@@ -90,7 +90,9 @@ def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
 
     `all_blocked` (launches, which see only traced collectives): a mismatch needs every running rank inside
     a collective for at least `grace` seconds, so a rank that left a slow collective a moment before the
-    others, or runs code between collectives, is never taken for a deadlock."""
+    others, or runs code between collectives, is never taken for a deadlock; and sequence numbers count
+    (a launch's ranks start together; a pool's ranks can leave a collective on an interrupt, after which
+    their counts differ for good)."""
     waits = {state.rank: state.waiting(now) for state in states}
     waiting = [state for state in states if waits[state.rank] is not None]
     if not waiting:
@@ -103,7 +105,7 @@ def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
         kind = None
     elif (min(durations) if all_blocked else max(durations)) >= grace:
         cannot_join = any(state.phase != "running" for state in states)
-        signatures = {state.signature() for state in waiting}
+        signatures = {state.signature(with_seq=all_blocked) for state in waiting}
         if cannot_join or len(signatures) > 1:
             kind = "mismatch"
     if kind is None:
