@@ -79,6 +79,16 @@ def slow_but_matching():
     return total.tolist()
 
 
+def uneven_but_legal():
+    from nbaccel.utils import broadcast_object_list, gather_object, pad_across_processes
+
+    state = _state()
+    padded = pad_across_processes(torch.ones(state.process_index + 1))  # lengths differ by design
+    objects = gather_object([{"rank": state.process_index, "text": "x" * (100 * state.process_index)}])
+    sent = broadcast_object_list([state.process_index * 7])
+    return padded.tolist(), [o["rank"] for o in objects], sent
+
+
 def _launch(function, **kwargs):
     started = time.monotonic()
     with pytest.raises(LaunchError) as caught:
@@ -144,6 +154,13 @@ def test_timeout_says_where_each_rank_was():
 
 def test_matching_collectives_that_are_only_slow_complete():
     assert notebook_launcher(slow_but_matching, num_processes=2, dashboard=False) == [[4.0, 4.0], [4.0, 4.0]]
+
+
+def test_collectives_whose_inputs_differ_by_design_are_not_flagged():
+    # pad_across_processes traces each rank's own (different) tensors; object collectives pickle
+    # objects of different sizes: the communications agree, nothing must be reported
+    results = notebook_launcher(uneven_but_legal, num_processes=2, dashboard=False)
+    assert results == [([1.0, 0.0], [0, 1], [0]), ([1.0, 1.0], [0, 1], [0])]
 
 
 # ----------------------------------------------------------------------------------- the tracker alone
