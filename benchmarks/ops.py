@@ -5,7 +5,9 @@
 Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
 at least pay), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
-checks), (d) accelerate.utils.gather when Accelerate is installed. Then gather_object and
+checks), (d) accelerate.utils.gather when Accelerate is installed, (e) nbaccel.utils.gather with a
+launcher's telemetry sink attached (what a notebook_launcher worker runs: every collective queues its
+`collective` enter/exit messages for the kernel's deadlock detection). Then gather_object and
 broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
 repetition (so machine load hits them alike); the median time per call is reported, with ratios.
 """
@@ -80,8 +82,28 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
         parts = received.view(world, len(keys), -1).transpose(0, 1).reshape(len(keys), -1).unbind(0)
         return dict(zip(keys, parts))
 
+    from multiprocessing import Pipe
+    from threading import Thread
+
+    from nbaccel import telemetry
+    from nbaccel.launch.channel import WorkerSink
+
+    kernel_end, worker_end = Pipe(duplex=False)
+
+    def drain() -> None:  # the kernel's side: read what the sink sends, as the supervisor does
+        try:
+            while True:
+                kernel_end.recv()
+        except (EOFError, OSError):
+            pass
+
+    Thread(target=drain, daemon=True).start()
+    sink = WorkerSink(worker_end, rank)
+    traced = "gather: nbaccel, launch telemetry on"
+
     variants = {
         "gather: nbaccel": lambda: ops.gather(data),
+        traced: lambda: ops.gather(data),
         "gather: floor (one raw all-gather)": lambda: all_gather(out, flat),
         "gather: by hand (cat, all-gather, split)": by_hand,
         "gather_object: nbaccel": lambda: ops.gather_object([small]),
@@ -104,7 +126,11 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
         _time(fn, 5)
     for _ in range(reps):
         for name, fn in variants.items():
+            if name == traced:
+                telemetry.attach(sink, rank)
             samples[name].append(_time(fn, iters))
+            if name == traced:
+                telemetry.detach()
     if rank == 0:
         queue.put({
             name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
@@ -143,6 +169,9 @@ def main() -> None:
         return medians[a][which] / medians[b][which]
 
     floor = "gather: floor (one raw all-gather)"
+    traced = "gather: nbaccel, launch telemetry on"
+    print(f"gather, telemetry on / off:     {ratio(traced, 'gather: nbaccel'):5.2f}x wall, "
+          f"{ratio(traced, 'gather: nbaccel', 1):5.2f}x CPU  (the collective trace under a launch; goal ~1.0x)")
     print(f"gather, nbaccel / floor:        {ratio('gather: nbaccel', floor):5.2f}x wall, "
           f"{ratio('gather: nbaccel', floor, 1):5.2f}x CPU  (goal <= 1.5x)")
     print(f"gather, nbaccel / by hand:      {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)'):5.2f}x "

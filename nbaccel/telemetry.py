@@ -131,7 +131,12 @@ def _is_number(value: Any) -> bool:
 
 
 def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> None:
-    emit("collective", event=event, **record.to_dict())
+    """`enter` carries the whole record; `exit`/`error` only what identifies it (op, seq): the kernel already
+    has the rest, and a training step should not pay for it twice."""
+    if event == "enter":
+        emit("collective", event=event, **record.to_dict())
+    else:
+        emit("collective", event=event, op=record.op, seq=record.seq)
 
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------

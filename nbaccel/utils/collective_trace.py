@@ -2,8 +2,11 @@
 
 Every nbaccel collective wraps its communication in `in_collective(...)`. The record it leaves (operation,
 torch call, shapes, dtypes, call site, start time) is what the persistent ranks' hang report and the
-dashboard show when ranks diverge. Listeners (registered by `nbaccel.telemetry` when a launcher channel is
-attached) hear each enter and exit; with none registered the cost is a few attribute writes.
+dashboard show when ranks diverge. `seq` numbers the collectives this process entered (1, 2, ...): ranks
+running the same program agree on it, so two ranks waiting in different `seq` can never meet. Listeners
+(registered by `nbaccel.telemetry` when a launcher channel is attached) hear each enter and each exit
+("exit", or "error" when an exception left the collective); with none registered the cost is a few
+attribute writes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 CollectiveListener = Callable[[str, "CollectiveRecord"], None]
@@ -30,6 +33,7 @@ class CollectiveRecord:
     dtypes: list[str] = field(default_factory=list)
     site: str = ""
     started: float = 0.0
+    seq: int = 0
 
     def describe(self) -> str:
         """One line for reports: `gather(all_gather_into_tensor, shape [2], float32) at cell line 4`."""
@@ -42,10 +46,18 @@ class CollectiveRecord:
         return f"{text} at {self.site}" if self.site else text
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict (the lists are shared, not copied: a record is not changed once made)."""
+        return {"op": self.op, "call": self.call, "shapes": self.shapes, "dtypes": self.dtypes, "site": self.site,
+                "started": self.started, "seq": self.seq}
 
+
+# Operations whose traced tensors differ in shape between ranks by design (the communication itself is
+# even: pad_across_processes all-gathers the lengths of tensors that differ); hang reports compare
+# their operation and sequence number, not their shapes.
+UNEVEN_SHAPES = frozenset({"pad_across_processes"})
 
 _current: CollectiveRecord | None = None
+_count = 0  # collectives entered by this process: the next one's `seq` is _count + 1
 _listeners: list[CollectiveListener] = []
 _lock = threading.Lock()
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +98,8 @@ def _caller_site() -> str:
 @contextlib.contextmanager
 def in_collective(op: str, call: str = "", tensors: Any = ()) -> Iterator[CollectiveRecord]:
     """Mark the body as collective `op` (torch call `call`) over `tensors` (a tensor or a list of them)."""
-    global _current
+    global _current, _count
+    _count += 1
     items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
     record = CollectiveRecord(
         op=op,
@@ -95,13 +108,18 @@ def in_collective(op: str, call: str = "", tensors: Any = ()) -> Iterator[Collec
         dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
         site=_caller_site() if _listeners else "",
         started=time.time(),
+        seq=_count,
     )
     previous, _current = _current, record
     for listener in list(_listeners):
         listener("enter", record)
+    event = "exit"
     try:
         yield record
+    except BaseException:
+        event = "error"
+        raise
     finally:
         _current = previous
         for listener in list(_listeners):
-            listener("exit", record)
+            listener(event, record)

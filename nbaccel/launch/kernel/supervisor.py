@@ -3,6 +3,8 @@
 The supervisor runs in the thread that called the launcher (in Jupyter: the cell's thread), so forwarded
 output lands in the calling cell and a kernel interrupt (KeyboardInterrupt) arrives right here. One
 `multiprocessing.connection.wait` watches the channels, the output pipes and the process sentinels.
+The ranks' `collective` messages go to a `CollectiveTracker` (collectives.py): ranks deadlocked in
+collectives that cannot meet are stopped within seconds and named with their operations and source lines.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
 from ..messages import MessageKind, RankState
 from ..output import LineForwarder, read_available
+from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
+from .collectives import CHECK_INTERVAL, CollectiveTracker
 from .processes import signal_name
 
 if TYPE_CHECKING:
@@ -139,6 +143,9 @@ class Supervisor:
         self.first_failure: int | None = None
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
+        self.collectives = CollectiveTracker()
+        self.deadlock: Diagnosis | None = None
+        self._next_check = 0.0
         self._memory_interval = _memory_interval()
         self._next_sample = time.monotonic() + self._memory_interval
         self._by_channel = {id(w.channel): w for w in self.workers}
@@ -224,6 +231,8 @@ class Supervisor:
             return
         if kind == MessageKind.MEMORY:
             worker.reports_memory = True
+        elif kind == MessageKind.COLLECTIVE:
+            self.collectives.on_message(worker.rank, message)
         if kind == MessageKind.STATUS and message.get("state") == RankState.STARTING:
             worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
             worker.pid = message.get("pid", worker.pid)
@@ -231,6 +240,7 @@ class Supervisor:
             if restart > worker.generation:
                 worker.generation = restart
                 worker.has_result = False
+                self.collectives.restarted(worker.rank)
             if restart > self.generation:  # elastic restarted the workers: earlier failures are handled
                 self.generation = restart
                 cause = "; ".join(f.summary() for f in self.failures.values()) or "a worker failed"
@@ -244,6 +254,7 @@ class Supervisor:
             try:
                 worker.result = serialize.loads(message.pop("value"))
                 worker.has_result = True
+                self.collectives.finished(worker.rank)
                 message["value"] = worker.result
             except Exception as exc:
                 self._fail(WorkerFailure(worker.rank, type(exc).__name__,
@@ -262,6 +273,7 @@ class Supervisor:
             known.signal = failure.signal or known.signal
             return
         self.failures[failure.rank] = failure
+        self.collectives.failed(failure.rank, failure.summary().split(": ", 1)[-1])
         if self.first_failure is None:
             self.first_failure = failure.rank
 
@@ -322,6 +334,9 @@ class Supervisor:
                 if self.failures and self.backend.fail_fast:
                     outcome = "failed"
                     break
+                if self._deadlocked():
+                    outcome = "deadlock"
+                    break
                 if self.backend.finished():
                     break
                 if deadline is not None and time.monotonic() >= deadline:
@@ -334,7 +349,7 @@ class Supervisor:
             self._shutdown("failed")
             raise
         if outcome != "finished":
-            self._shutdown(outcome)
+            self._shutdown("failed" if outcome == "deadlock" else outcome)
         else:
             self._drain()
             for failure in self.backend.exit_failures().values():
@@ -350,18 +365,59 @@ class Supervisor:
                 outcome = "failed"
         self._close()
         if outcome == "timeout":
-            running = [w.rank for w in self.workers
-                       if w.seen and not w.has_result and w.rank not in self.failures]
-            if not any(w.seen for w in self.workers):
-                state = "no worker had started yet (for several nodes: is every node up?)"
-            else:
-                state = f"ranks still running: {running or 'none'}"
-            raise LaunchTimeout(
-                f"the launch did not finish within timeout={self.timeout} s; stopped every worker ({state})",
-                self.failures)
-        if self.failures:
-            raise LaunchError(format_failures(self.failures, self.first_failure), self.failures)
+            raise self._timeout_error()
+        if outcome == "deadlock" or self.failures:
+            raise self._failure_error()
         return [w.result for w in self.workers]
+
+    # ------------------------------------------------------------------ collectives that cannot meet
+    def _deadlocked(self) -> bool:
+        """Every running rank waits in a collective the others cannot join (checked a few times a second)."""
+        if self.collectives.divergence is not None:
+            self.deadlock = self.collectives.divergence
+            return True
+        now = time.monotonic()
+        if not self.collectives.active() or now < self._next_check:
+            return False
+        self._next_check = now + CHECK_INTERVAL
+        self.deadlock = self.collectives.check([w.rank for w in self.workers], time.time())
+        return self.deadlock is not None
+
+    def _failure_error(self) -> LaunchError:
+        """LaunchError: the deadlock first when there was one (seen live, or behind the ranks' errors),
+        then each rank's failure; else the failures, the root cause first."""
+        ranks = [w.rank for w in self.workers]
+        diagnosis = (self.deadlock or self.collectives.divergence
+                     or self.collectives.at_failure(ranks, time.time()))
+        failures = dict(self.failures)
+        if diagnosis is None:
+            first = self.collectives.root_cause(failures, self.first_failure)
+            return LaunchError(format_failures(failures, first), failures)
+        exitcodes = {w.rank: w.exitcode for w in self.workers}
+        for state in self.collectives.states(ranks, failure_view=True):
+            waiting = state.waiting(time.time())
+            if waiting is not None and state.rank not in failures:
+                failures[state.rank] = WorkerFailure(state.rank, None, f"stopped while waiting in {waiting[0]}",
+                                                     exitcode=exitcodes.get(state.rank))
+        lines = report_lines(diagnosis, "not every rank entered the same collective", (
+            "A collective returns only when every rank of the process group calls it, with the same operation "
+            "and matching shapes; the ranks above could never meet, so every worker was stopped."))
+        if self.failures and self.deadlock is None:  # errors raised because a peer went away; else none
+            lines += ["", "What the ranks reported:", format_failures(self.failures, self.first_failure)]
+        return LaunchError("\n".join(lines), failures)
+
+    def _timeout_error(self) -> LaunchTimeout:
+        running = [w.rank for w in self.workers
+                   if w.seen and not w.has_result and w.rank not in self.failures]
+        if not any(w.seen for w in self.workers):
+            state = "no worker had started yet (for several nodes: is every node up?)"
+        else:
+            state = f"ranks still running: {running or 'none'}"
+        text = f"the launch did not finish within timeout={self.timeout} s; stopped every worker ({state})"
+        where = self.collectives.where([w.rank for w in self.workers], time.time())
+        if where is not None:
+            text += "\nwhere the ranks were: " + where.summary + (f"\n{where.reason}" if where.reason else "")
+        return LaunchTimeout(text, self.failures)
 
     def _sample_memory(self) -> None:
         """Host memory of workers that do not report it themselves (they never sent telemetry)."""

@@ -1,9 +1,11 @@
-"""Decide whether a running cell is hung in a collective, and say where each rank is.
+"""Decide whether ranks are hung in a collective, and say where each rank is.
 
 The pool asks busy ranks for a status snapshot (see `pool_worker.snapshot`) while a cell runs longer than
-a moment. From the snapshots and the ranks that are already done, `diagnose` tells:
+a moment; a launch's supervisor builds the same picture from the `collective` telemetry messages
+(`kernel/collectives.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
 - a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
-  (it finished or failed the cell, does not run the cell, or waits in a different collective);
+  (it finished or failed the cell, does not run the cell, or waits in a different collective: another
+  operation, another sequence number, or other shapes);
 - a *timeout*: a rank has waited in one collective for `timeout` seconds;
 - nothing yet (None).
 Collectives nbaccel runs are known exactly (`collective_trace` records name, torch call, shapes, dtypes and
@@ -12,10 +14,11 @@ the cell line); raw `torch.distributed` calls are recognised from the main threa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...utils.collective_trace import CollectiveRecord
+from ...utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
 
 
 @dataclass
@@ -28,6 +31,7 @@ class RankState:
     snapshot: dict[str, Any] | None = None  # the latest status snapshot, for "running"
     raw_since: float | None = None  # when the kernel first saw it in the current raw torch.distributed call
     extra: dict[str, Any] = field(default_factory=dict)
+    work: str = "the cell"  # what the rank runs, for the report: "the cell" (RankPool), "the function" (launch)
 
     def collective(self) -> CollectiveRecord | None:
         data = (self.snapshot or {}).get("collective")
@@ -47,11 +51,13 @@ class RankState:
             return where, max(0.0, now - (self.raw_since or now))
         return None
 
-    def signature(self) -> str | None:
-        """Which collective, without shapes or call site: ranks in different ones can never meet."""
+    def signature(self, with_seq: bool = True) -> str | None:
+        """Which collective (operation, shapes and, `with_seq`, sequence number; not the call site): ranks in
+        different ones can never meet."""
         record = self.collective()
         if record is not None:
-            return f"{record.op}/{record.call}"
+            shapes = "" if record.op in UNEVEN_SHAPES else f" {record.shapes}"
+            return f"{record.op}/{record.call}{f'#{record.seq}' if with_seq else ''}{shapes}"
         return (self.snapshot or {}).get("raw_call")
 
     def describe(self, now: float) -> str:
@@ -59,9 +65,9 @@ class RankState:
         if waiting is not None:
             return f"rank {self.rank} waits in {waiting[0]} for {waiting[1]:.1f} s"
         if self.phase == "finished":
-            return f"rank {self.rank} finished the cell"
+            return f"rank {self.rank} finished {self.work}"
         if self.phase == "failed":
-            return f"rank {self.rank} failed the cell ({self.error})"
+            return f"rank {self.rank} failed {self.work} ({self.error})"
         if self.phase == "idle":
             return f"rank {self.rank} does not run this cell"
         if self.phase == "dead":
@@ -75,32 +81,80 @@ class Diagnosis:
     kind: str  # "mismatch" or "timeout"
     summary: str  # one line: "rank 0 waits in gather(...) at cell line 2 for 2.0 s; rank 1 finished the cell"
     details: str  # stacks of the waiting ranks
+    reason: str = ""  # what differs between the waiting ranks' collectives, when they differ
 
 
-def diagnose(states: list[RankState], now: float, timeout: float, grace: float) -> Diagnosis | None:
-    """A hang to report now, or None to keep waiting."""
+def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
+             all_blocked: bool = False) -> Diagnosis | None:
+    """A hang to report now, or None to keep waiting.
+
+    `all_blocked` (launches, which see only traced collectives): a mismatch needs every running rank inside
+    a collective for at least `grace` seconds, so a rank that left a slow collective a moment before the
+    others, or runs code between collectives, is never taken for a deadlock; and sequence numbers count
+    (a launch's ranks start together; a pool's ranks can leave a collective on an interrupt, after which
+    their counts differ for good)."""
     waits = {state.rank: state.waiting(now) for state in states}
     waiting = [state for state in states if waits[state.rank] is not None]
     if not waiting:
         return None
-    longest = max(waits[state.rank][1] for state in waiting)  # type: ignore[index]
+    durations = [waits[state.rank][1] for state in waiting]  # type: ignore[index]
     kind = None
-    if longest >= timeout:
+    if max(durations) >= timeout:
         kind = "timeout"
-    elif longest >= grace:
+    elif all_blocked and any(state.phase == "running" and waits[state.rank] is None for state in states):
+        kind = None
+    elif (min(durations) if all_blocked else max(durations)) >= grace:
         cannot_join = any(state.phase != "running" for state in states)
-        signatures = {state.signature() for state in waiting}
+        signatures = {state.signature(with_seq=all_blocked) for state in waiting}
         if cannot_join or len(signatures) > 1:
             kind = "mismatch"
     if kind is None:
         return None
+    return describe_ranks(kind, states, now)
+
+
+def describe_ranks(kind: str, states: list[RankState], now: float) -> Diagnosis:
+    """The report of `states` as they are now (also used for a launch's timeout and failures)."""
     summary = "; ".join(state.describe(now) for state in sorted(states, key=lambda s: s.rank))
+    waiting = [state for state in states if state.waiting(now) is not None]
     details = []
     for state in waiting:
         stack = (state.snapshot or {}).get("stack", "").rstrip()
         if stack:
             details.append(f"rank {state.rank}, main thread (most recent call last):\n{stack}")
-    return Diagnosis(kind, summary, "\n".join(details))
+    return Diagnosis(kind, summary, "\n".join(details), difference(waiting))
+
+
+def difference(waiting: list[RankState]) -> str:
+    """What differs between the collectives the ranks wait in: the operation, the sequence number (how many
+    collectives each rank entered so far) or the shapes; "" when they agree or are unknown."""
+    records = [(state.rank, state.collective()) for state in waiting]
+    records = [(rank, record) for rank, record in records if record is not None]
+    if len(records) < 2:
+        return ""
+
+    def listing(value: Callable[[CollectiveRecord], str]) -> str:
+        return ", ".join(f"{value(record)} on rank {rank}" for rank, record in records)
+
+    if len({(r.op, r.call) for _, r in records}) > 1:
+        return "The operations differ: " + listing(lambda r: f"{r.op} ({r.call})" if r.call else r.op) + "."
+    if len({r.seq for _, r in records}) > 1:
+        return ("The ranks are at different points of the program: "
+                + listing(lambda r: f"collective #{r.seq}") + " (a rank skipped or repeated a collective).")
+    if records[0][1].op not in UNEVEN_SHAPES and len({str(r.shapes) for _, r in records}) > 1:
+        return "The shapes differ: " + listing(lambda r: ", ".join(str(list(s)) for s in r.shapes) or "none") + "."
+    return ""
+
+
+def report_lines(diagnosis: Diagnosis, head: str, explanation: str) -> list[str]:
+    """The body of the error: `head:`, where each rank is, what differs, the explanation and the stacks."""
+    lines = [f"{head}:", diagnosis.summary]
+    if diagnosis.reason:
+        lines.append(diagnosis.reason)
+    lines += ["", explanation]
+    if diagnosis.details:
+        lines += ["", diagnosis.details]
+    return lines
 
 
 def explain(diagnosis: Diagnosis, timeout: float, grace: float) -> str:

@@ -34,7 +34,7 @@ from ..kernel.processes import choose_start_method
 from ..messages import RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from .call import MISMATCH_GRACE, Call, Hang
-from .hang_report import Diagnosis, explain
+from .hang_report import Diagnosis, explain, report_lines
 from .processes import START_TIMEOUT, RankProcesses
 from .results import (
     CollectiveMismatchError,
@@ -346,10 +346,7 @@ class RankPool:
         stuck = [state.rank for state in hang.states if state.waiting(hang.now) is not None]
         head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
                 else f"a collective did not complete within timeout={call.timeout:g} s")
-        lines = [f"{head}:", diagnosis.summary, "",
-                 explain(diagnosis, call.timeout, min(MISMATCH_GRACE, call.timeout))]
-        if diagnosis.details:
-            lines += ["", diagnosis.details]
+        lines = report_lines(diagnosis, head, explain(diagnosis, call.timeout, min(MISMATCH_GRACE, call.timeout)))
         lines += ["", f"The ranks were restarted: rank{'s' if len(stuck) > 1 else ''} "
                       f"{', '.join(map(str, stuck))} stayed inside a collective, which cannot be undone. Variables "
                       "defined on the ranks are lost: re-run the cells that define them."]

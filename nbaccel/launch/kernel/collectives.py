@@ -1,0 +1,177 @@
+"""Which collective each rank of a launch is in, from its `collective` telemetry; deadlocks named early.
+
+Workers report every traced collective (`utils/collective_trace.py`) as `collective` messages: `enter` with
+the record (operation, torch call, shapes, call site, sequence number), `exit`, or `error` when an exception
+left it. They are batched telemetry (a deque append in the worker, one pipe write per 50 ms), so the trace
+costs training next to nothing. The supervisor feeds them here, with which ranks finished or failed, and:
+- on each `enter`, the rank's n-th collective is compared with the n-th of every other rank (the kernel
+  numbers them per rank, so threads of one process count apart): another operation or other shapes is a
+  `divergence`, reported at once, even where gloo lets the pair complete (an all_reduce of [3] against
+  one of [4] returns garbage on one rank and hangs the other);
+- `check` each round: every running rank has waited GRACE seconds in a collective and the collectives
+  differ (operation, sequence number or shapes), or a rank finished while another waits: a deadlock;
+- `at_failure` once a rank failed: when the error came out of a collective whose peers had finished or sat
+  in another collective (gloo's "Connection closed by peer"), the report says so instead of blaming the
+  rank that happened to notice first;
+- `where` for a timeout: where each rank was.
+The deciding and the wording are RankPool's (`pool/hang_report.py`), so both report hangs alike.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..pool.hang_report import Diagnosis, RankState, describe_ranks, diagnose, difference
+
+GRACE = 2.0  # seconds every rank must be stuck before differing collectives count as a deadlock
+CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective
+RECORD_FIELDS = ("op", "call", "shapes", "dtypes", "site", "started")
+HISTORY = 256  # collectives remembered per rank for the comparison (ranks never drift far apart: they sync)
+WORK = "the function"
+
+
+@dataclass
+class RankCollectives:
+    """One rank as the kernel sees it: the collectives it is inside (innermost last) and how it ended."""
+
+    inside: list[dict[str, Any]] = field(default_factory=list)
+    failed_in: dict[str, Any] | None = None  # the collective an exception came out of (the innermost)
+    phase: str = "running"  # "running", "finished", "failed"
+    error: str = ""
+    entered: int = 0  # collectives entered so far: the next one's sequence number is entered + 1
+    history: dict[int, dict[str, Any]] = field(default_factory=dict)  # the last HISTORY records, by seq
+
+
+class CollectiveTracker:
+    """Where every local rank is, collective-wise; see the module docstring."""
+
+    def __init__(self, grace: float = GRACE) -> None:
+        self.grace = grace
+        self.ranks: dict[int, RankCollectives] = {}
+        self._open = 0  # collectives entered and not left, over all ranks: 0 means nothing to check
+        self.divergence: Diagnosis | None = None  # the first n-th collectives that differ between ranks
+
+    def _rank(self, rank: int) -> RankCollectives:
+        state = self.ranks.get(rank)
+        if state is None:
+            state = self.ranks[rank] = RankCollectives()
+        return state
+
+    # ------------------------------------------------------------------ what the supervisor feeds in
+    def on_message(self, rank: int, message: dict[str, Any]) -> None:
+        """A `collective` message of `rank`."""
+        state = self._rank(rank)
+        if message.get("event") == "enter":
+            state.entered += 1
+            record = {name: message.get(name) for name in RECORD_FIELDS}
+            record["seq"] = state.entered
+            state.inside.append(record)
+            state.failed_in = None
+            self._open += 1
+            state.history[state.entered] = record
+            if len(state.history) > HISTORY:
+                del state.history[state.entered - HISTORY]
+            if self.divergence is None:
+                self._compare(rank, record)
+            return
+        if state.inside:  # collectives nest: the exit is the innermost one's
+            record = state.inside.pop()
+            self._open -= 1
+            if message.get("event") == "error" and state.failed_in is None:
+                state.failed_in = record
+
+    def _compare(self, rank: int, record: dict[str, Any]) -> None:
+        """Compare `rank`'s newest collective with the other ranks' collective of the same number."""
+        seq = record["seq"]
+        mine = RankState(rank, "running", snapshot={"collective": record}, work=WORK)
+        for other, state in self.ranks.items():
+            theirs = state.history.get(seq) if other != rank else None
+            if theirs is None:
+                continue
+            pair = sorted([mine, RankState(other, "running", snapshot={"collective": theirs}, work=WORK)],
+                          key=lambda s: s.rank)
+            reason = difference(pair)
+            if reason:
+                self.divergence = Diagnosis("mismatch", "; ".join(self._describe(s, seq) for s in pair), "", reason)
+                return
+
+    def _describe(self, state: RankState, seq: int) -> str:
+        """RankPool's words for a rank still inside its collective #seq; else which collective it went through."""
+        inside = self.ranks[state.rank].inside
+        if inside and inside[-1]["seq"] == seq:
+            return state.describe(time.time())
+        record = state.collective()
+        return f"rank {state.rank} went through {record.describe()} (its collective #{seq})"  # type: ignore[union-attr]
+
+    def finished(self, rank: int) -> None:
+        """`rank` returned from the function."""
+        self._rank(rank).phase = "finished"
+
+    def failed(self, rank: int, error: str) -> None:
+        state = self._rank(rank)
+        if state.phase != "failed":
+            state.phase, state.error = "failed", error.splitlines()[0] if error else ""
+
+    def restarted(self, rank: int) -> None:
+        """torch elastic started `rank` again: what the earlier attempt did no longer counts."""
+        state = self.ranks.pop(rank, None)
+        if state is not None:
+            self._open -= len(state.inside)
+
+    # ------------------------------------------------------------------ what the supervisor asks
+    def active(self) -> bool:
+        """Some rank is inside a collective (the only time `check` can find anything)."""
+        return self._open > 0
+
+    def states(self, ranks: Iterable[int], failure_view: bool = False) -> list[RankState]:
+        """hang_report's picture of `ranks`. `failure_view`: a rank whose error came out of a collective is
+        shown waiting in it (that is where it was stuck until a peer went away)."""
+        states = []
+        for rank in ranks:
+            state = self.ranks.get(rank) or RankCollectives()
+            record = state.inside[-1] if state.inside else None
+            if failure_view and record is None and state.phase == "failed":
+                record = state.failed_in
+            if state.phase == "running" or (failure_view and record is not None):
+                states.append(RankState(rank, "running", snapshot={"collective": record}, work=WORK))
+            else:
+                states.append(RankState(rank, state.phase, state.error, work=WORK))
+        return states
+
+    def check(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
+        """A deadlock to report now, or None (also for matching collectives that are only slow)."""
+        if not self.active():
+            return None
+        return diagnose(self.states(ranks), now, math.inf, self.grace, all_blocked=True)
+
+    def at_failure(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
+        """After a failure: the deadlock behind it, when every failed rank's error came out of a collective
+        and the ranks could not have met (one finished, or their collectives differ)."""
+        ranks = list(ranks)
+        failed = [rank for rank in ranks if self._rank(rank).phase == "failed"]
+        if not failed or any(self._rank(rank).failed_in is None and not self._rank(rank).inside for rank in failed):
+            return None  # some rank failed on its own: that error is the story
+        states = self.states(ranks, failure_view=True)
+        waiting = [state for state in states if state.waiting(now) is not None]
+        cannot_join = any(state.phase != "running" for state in states)
+        if not waiting or not (cannot_join or len({state.signature() for state in waiting}) > 1):
+            return None
+        return describe_ranks("mismatch", states, now)
+
+    def root_cause(self, failed: Iterable[int], first: int | None) -> int | None:
+        """The rank to name first: one whose error did not come out of a collective (the others' collectives
+        broke because it went away), else `first`."""
+        failed = list(failed)
+        if first is None or self._rank(first).failed_in is None:
+            return first
+        return next((rank for rank in failed if self._rank(rank).failed_in is None), first)
+
+    def where(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
+        """Where each rank is, when some rank is inside a collective (for a timeout); else None."""
+        if not self.active():
+            return None
+        return describe_ranks("timeout", self.states(ranks), now)

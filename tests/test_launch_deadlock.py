@@ -1,0 +1,210 @@
+"""Ranks deadlocked in collectives are named within seconds (issue 15 item 3).
+
+Each fault is provoked with 2 gloo ranks under notebook_launcher (or debug_launcher); the process group keeps
+its 600 s default timeout, so a launch that returns in well under 30 s was stopped by nbaccel's detection.
+On main these launches hang until `timeout=` (or 600 s) with "ranks still running: [0, 1]", or blame rank 0
+with gloo's "Connection closed by peer". Speed figures live in benchmarks/, not here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import time
+
+import psutil
+import pytest
+import torch
+
+from nbaccel import debug_launcher, notebook_launcher
+from nbaccel.launch import LaunchError, LaunchTimeout
+from nbaccel.launch.kernel.collectives import CollectiveTracker
+from nbaccel.utils import broadcast, reduce
+
+pytestmark = pytest.mark.timeout(180)
+HERE = os.path.abspath(__file__)
+BOUND = 30.0  # seconds: far below the process group's 600 s, far above the few seconds the detection takes
+
+
+def _line(function, text: str, occurrence: int = 1) -> str:
+    """`file:line` of the `occurrence`-th line of `function` containing `text` (what the report names)."""
+    lines, first = inspect.getsourcelines(function)
+    hits = [first + i for i, line in enumerate(lines) if text in line]
+    return f"{HERE}:{hits[occurrence - 1]}"
+
+
+def _state():
+    from nbaccel import PartialState
+
+    return PartialState()
+
+
+def different_operations():
+    state = _state()
+    t = torch.ones(3)
+    if state.process_index == 0:
+        reduce(t)
+    else:
+        broadcast(t)
+
+
+def different_shapes():
+    state = _state()
+    reduce(torch.ones(3 + state.process_index))
+
+
+def returns_early():
+    state = _state()
+    if state.process_index == 0:
+        reduce(torch.ones(3))
+    return state.process_index
+
+
+def sleeps_on_rank_1():
+    state = _state()
+    if state.process_index == 0:
+        reduce(torch.ones(3))
+    else:
+        time.sleep(120)
+
+
+def slow_but_matching():
+    state = _state()
+    total = torch.zeros(2)
+    for _ in range(2):
+        if state.process_index == 1:
+            time.sleep(3)  # longer than the 2 s grace: rank 0 waits alone in the same all_reduce
+        total += reduce(torch.ones(2), reduction="sum")
+    return total.tolist()
+
+
+def uneven_but_legal():
+    from nbaccel.utils import broadcast_object_list, gather_object, pad_across_processes
+
+    state = _state()
+    padded = pad_across_processes(torch.ones(state.process_index + 1))  # lengths differ by design
+    objects = gather_object([{"rank": state.process_index, "text": "x" * (100 * state.process_index)}])
+    sent = broadcast_object_list([state.process_index * 7])
+    return padded.tolist(), [o["rank"] for o in objects], sent
+
+
+def _launch(function, **kwargs):
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        notebook_launcher(function, num_processes=2, dashboard=False, **kwargs)
+    elapsed = time.monotonic() - started
+    assert not psutil.Process().children(recursive=True)
+    return str(caught.value), elapsed, caught.value
+
+
+def test_different_operations_are_named_with_their_lines():
+    message, elapsed, error = _launch(different_operations)
+    assert elapsed < BOUND, message
+    assert message.startswith("not every rank entered the same collective"), message
+    assert (f"rank 0 waits in reduce(all_reduce, shape [3], float32) at {_line(different_operations, 'reduce(t)')}"
+            in message), message
+    assert (f"rank 1 waits in broadcast(broadcast, shape [3], float32) at "
+            f"{_line(different_operations, 'broadcast(t)')}" in message), message
+    assert "The operations differ: reduce (all_reduce) on rank 0, broadcast (broadcast) on rank 1." in message
+    assert sorted(error.failures) == [0, 1]
+
+
+def test_debug_launcher_names_them_too():
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 0 waits in reduce\(.*rank 1 waits in broadcast\("):
+        debug_launcher(different_operations, num_processes=2)
+    assert time.monotonic() - started < BOUND
+
+
+def test_different_shapes_are_named_even_where_gloo_lets_one_rank_through():
+    message, elapsed, _ = _launch(different_shapes)
+    assert elapsed < BOUND, message
+    line = _line(different_shapes, "reduce(")
+    # gloo lets rank 0 through (garbage); rank 1 waits for the rest of its [4]
+    assert re.search(rf"rank 0 (went through|waits in) reduce\(all_reduce, shape \[3\], float32\) at {re.escape(line)}",
+                     message), message
+    assert re.search(rf"rank 1 (went through|waits in) reduce\(all_reduce, shape \[4\], float32\) at {re.escape(line)}",
+                     message), message
+    assert "The shapes differ: [3] on rank 0, [4] on rank 1." in message
+
+
+def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
+    message, elapsed, _ = _launch(returns_early)
+    assert elapsed < BOUND, message
+    first = message.splitlines()[:2]
+    assert first[0] == "not every rank entered the same collective:", message
+    assert re.fullmatch(
+        rf"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at {re.escape(_line(returns_early, 'reduce('))} "
+        r"for [\d.]+ s; rank 1 finished the function", first[1]), message
+
+
+def test_timeout_says_where_each_rank_was():
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as caught:
+        notebook_launcher(sleeps_on_rank_1, num_processes=2, dashboard=False, timeout=15)
+    assert time.monotonic() - started < BOUND
+    message = str(caught.value)
+    assert "did not finish within timeout=15 s" in message
+    assert (f"rank 0 waits in reduce(all_reduce, shape [3], float32) at {_line(sleeps_on_rank_1, 'reduce(')} for"
+            in message), message
+    assert "rank 1 is still running" in message
+    assert not psutil.Process().children(recursive=True)
+
+
+def test_matching_collectives_that_are_only_slow_complete():
+    assert notebook_launcher(slow_but_matching, num_processes=2, dashboard=False) == [[4.0, 4.0], [4.0, 4.0]]
+
+
+def test_collectives_whose_inputs_differ_by_design_are_not_flagged():
+    # pad_across_processes traces each rank's own (different) tensors; object collectives pickle
+    # objects of different sizes: the communications agree, nothing must be reported
+    results = notebook_launcher(uneven_but_legal, num_processes=2, dashboard=False)
+    assert results == [([1.0, 0.0], [0, 1], [0]), ([1.0, 1.0], [0, 1], [0])]
+
+
+# ----------------------------------------------------------------------------------- the tracker alone
+def _enter(op: str, shapes: list[list[int]], started: float, site: str = "x.py:1") -> dict:
+    return {"kind": "collective", "event": "enter", "op": op, "call": op, "shapes": shapes, "dtypes": ["float32"],
+            "site": site, "started": started}
+
+
+def test_tracker_rules():
+    now = 100.0
+    # the same collective, both stuck long: slow, not a deadlock
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(1, _enter("reduce", [[3]], 90.0))
+    assert tracker.divergence is None and tracker.check([0, 1], now) is None
+    # one rank a collective ahead (it skipped one): different sequence numbers
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 80.0))
+    tracker.on_message(0, {"event": "exit", "op": "reduce"})
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(1, _enter("reduce", [[3]], 97.0))  # rank 1's first meets rank 0's first: they agree
+    assert tracker.divergence is None
+    diagnosis = tracker.check([0, 1], now)
+    assert diagnosis.kind == "mismatch" and "collective #2 on rank 0, collective #1 on rank 1" in diagnosis.reason
+    # pad_across_processes traces tensors whose lengths differ by design: not a divergence
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("pad_across_processes", [[3, 2]], 90.0))
+    tracker.on_message(1, _enter("pad_across_processes", [[5, 2]], 90.0))
+    assert tracker.divergence is None and tracker.check([0, 1], now) is None
+    # another rank just arrived (less than the grace): wait; a rank still computing: wait
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(1, _enter("broadcast", [[3]], 99.5))
+    assert tracker.divergence is not None  # (the first collectives already differ: reported at once)
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    assert tracker.check([0, 1], now) is None  # rank 1 runs code outside any collective: it may still come
+    tracker.finished(1)
+    assert "rank 1 finished the function" in tracker.check([0, 1], now).summary
+    # the root cause of a failure is the rank whose error did not come out of a collective
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(0, {"event": "error", "op": "reduce"})
+    tracker.failed(0, "RuntimeError: Connection closed by peer")
+    tracker.failed(1, "ValueError: bad")
+    assert tracker.root_cause([0, 1], 0) == 1
+    assert tracker.at_failure([0, 1], now) is None  # rank 1 failed on its own: its error is the story
