@@ -26,6 +26,7 @@ from ..output import LineForwarder, read_available
 from .processes import signal_name
 
 if TYPE_CHECKING:
+    from ..serialize import Payload
     from .plan import LaunchPlan
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
@@ -46,7 +47,7 @@ class Backend(Protocol):
     fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
     workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
 
-    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
         ...
 
@@ -127,6 +128,7 @@ class Supervisor:
         self.timeout = timeout
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure: int | None = None
+        self.attempts: list[dict[int, WorkerFailure]] = []  # failures of earlier attempts (elastic restarts)
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
         self._memory_interval = _memory_interval()
@@ -214,7 +216,9 @@ class Supervisor:
                     self.stderr.write(f"[nbaccel] {cause}: restarting the workers (restart {restart})\n")
                 except Exception:
                     pass
-                self.failures.clear()
+                self.attempts.append(dict(self.failures))  # the final error names them
+                self.attempts += [{} for _ in range(restart - len(self.attempts))]  # attempts that never reported
+                self.failures = {}
                 self.first_failure = None
         elif kind == MessageKind.RESULT:
             try:
@@ -235,6 +239,10 @@ class Supervisor:
             known.exitcode = failure.exitcode if failure.exitcode is not None else known.exitcode
             known.signal = failure.signal or known.signal
             return
+        worker = next((w for w in self.workers if w.rank == failure.rank), None)
+        if worker is not None:  # what torch's ProcessFailure says about the process
+            failure.local_rank = worker.local_rank if failure.local_rank is None else failure.local_rank
+            failure.pid = worker.pid if failure.pid is None else failure.pid
         self.failures[failure.rank] = failure
         if self.first_failure is None:
             self.first_failure = failure.rank
@@ -331,9 +339,10 @@ class Supervisor:
                 state = f"ranks still running: {running or 'none'}"
             raise LaunchTimeout(
                 f"the launch did not finish within timeout={self.timeout} s; stopped every worker ({state})",
-                self.failures)
+                self.failures, first_rank=self.first_failure, attempts=self.attempts)
         if self.failures:
-            raise LaunchError(format_failures(self.failures, self.first_failure), self.failures)
+            raise LaunchError(format_failures(self.failures, self.first_failure, self.attempts), self.failures,
+                              first_rank=self.first_failure, attempts=self.attempts)
         return [w.result for w in self.workers]
 
     def _sample_memory(self) -> None:
