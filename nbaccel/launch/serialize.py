@@ -46,10 +46,10 @@ class Payload:
         return (Payload, (self.data,))
 
 
-def make_payload(function: Callable[..., Any], args: tuple, kwargs: dict, start_method: str) -> Payload:
-    """The payload for workers started with `start_method`: inherited under fork, cloudpickled otherwise
-    (raising UnpicklableError, naming the object, before any process starts)."""
-    if start_method == "fork":
+def make_payload(function: Callable[..., Any], args: tuple, kwargs: dict, inherit: bool) -> Payload:
+    """The payload: inherited when the workers are forked with their arguments (`inherit`), cloudpickled
+    otherwise (raising UnpicklableError, naming the object, before any process starts)."""
+    if inherit:
         return Payload(call=(function, tuple(args), dict(kwargs)))
     return Payload(data=dumps_payload(function, args, kwargs))
 

@@ -103,8 +103,10 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     """Run a resolved plan: in this process, or through its backend under the supervisor."""
     if plan.mode is Mode.IN_PROCESS:
         return run_in_process(plan, request, reporting)
-    # under fork the workers inherit the objects; else cloudpickled here, unpicklable ones named before any start
-    payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), plan.start_method)
+    # under fork the workers inherit the objects (torch_xla's spawn excepted: its process pool pickles what it
+    # runs, even when it forks); else cloudpickled here, unpicklable ones named before any process starts
+    inherit = plan.start_method == "fork" and plan.mode is not Mode.XLA
+    payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), inherit)
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
