@@ -93,10 +93,10 @@ def case_c10d() -> bool:
     return True
 
 
-def case_fault_tolerant(max_restarts: int = 3) -> dict[str, Any]:
+def case_fault_tolerant(max_restarts: int = 3, rdzv_backend: str = "static") -> dict[str, Any]:
     queue = multiprocessing.get_context("fork").Queue()
     queue.put(max_restarts)
-    launch(tough_nut_function, (queue,), max_restarts=max_restarts)
+    launch(tough_nut_function, (queue,), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
     return {"returned": True, "queue_empty": queue.empty()}
 
 
@@ -143,6 +143,7 @@ CASES = {
     "static": case_static,
     "c10d": case_c10d,
     "fault_tolerant": case_fault_tolerant,
+    "fault_tolerant_c10d": lambda: case_fault_tolerant(rdzv_backend="c10d"),
     "monitoring": case_monitoring,
     "fork_objects": case_fork_objects,
     "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
