@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by itself before the others are stopped
 
 
 def _memory_interval() -> float:
@@ -314,6 +315,8 @@ class Supervisor:
         except BaseException:
             self._shutdown("failed")
             raise
+        if outcome == "failed":
+            self._let_failed_ranks_exit()
         if outcome != "finished":
             self._shutdown(outcome)
         else:
@@ -344,6 +347,16 @@ class Supervisor:
             raise LaunchError(format_failures(self.failures, self.first_failure, self.attempts), self.failures,
                               first_rank=self.first_failure, attempts=self.attempts)
         return [w.result for w in self.workers]
+
+    def _let_failed_ranks_exit(self) -> None:
+        """A rank that reported its exception is on its way out (exit code 1): let it get there before every
+        worker is stopped, as torch elastic (Accelerate) sees it, instead of cutting its teardown short."""
+        deadline = time.monotonic() + EXIT_GRACE
+        while time.monotonic() < deadline:
+            if not [w for w in self.workers
+                    if not w.exited and w.rank in self.failures and self.failures[w.rank].exc_type]:
+                return
+            self.pump(max(0.0, min(0.05, deadline - time.monotonic())))
 
     def _sample_memory(self) -> None:
         """Host memory of workers that do not report it themselves (they never sent telemetry)."""
