@@ -178,10 +178,12 @@ def test_unpicklable_capture_is_named():
         with lock:
             return 1
 
+    # spawn pickles; under fork the workers inherit the lock, as in Accelerate (issue 14 item 10)
     with pytest.raises(UnpicklableError, match=r"train -> closure variable 'lock' -> _thread.lock"):
-        launch(train)
+        launch(train, start_method="spawn")
     with pytest.raises(UnpicklableError, match=r"args\[1\]\[\'k\'\] -> _thread.lock"):
-        launch(lambda a, b: 1, (1, {"k": lock}))
+        launch(lambda a, b: 1, (1, {"k": lock}), start_method="spawn")
+    assert launch(train, start_method="fork") == [1, 1]
 
 
 def test_unpicklable_return_value_fails_the_rank():

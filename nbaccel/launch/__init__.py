@@ -1,6 +1,7 @@
 """Launching a function on every process of the machine: notebook_launcher, debug_launcher, RankPool.
 
-`import nbaccel.launch` stays cheap: torch and the elastic machinery load only when a launch needs them.
+`import nbaccel.launch` imports torch (LaunchError is a torch ChildFailedError); the elastic agent, cloudpickle's
+use and the notebook views load only when a launch needs them.
 """
 
 from __future__ import annotations

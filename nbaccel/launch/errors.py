@@ -1,13 +1,32 @@
-"""The errors a launch raises in the kernel, and the per-rank failure record they carry."""
+"""The errors a launch raises in the kernel, and the per-rank failure record they carry.
+
+`LaunchError` is a torch `ChildFailedError` (what Accelerate's notebook_launcher raises when a rank fails, from
+torch.distributed.elastic), so `except ChildFailedError` code written for Accelerate catches it; its
+`.failures` values answer torch's `ProcessFailure` attributes too (`local_rank`, `pid`, `exitcode`,
+`error_file`, `error_file_data`, `timestamp`, `signal_name()`). This module imports torch for that base class.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import signal as signals
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+NOT_AVAILABLE = "<N/A>"  # torch's word for a field it does not know
 
 
 @dataclass
 class WorkerFailure:
-    """What went wrong on one rank: the remote exception, or how the process ended."""
+    """What went wrong on one rank: the remote exception, or how the process ended.
+
+    `message` is the exception's own message (torch's ProcessFailure puts its error-file record there; that
+    record is `error_file_data`, in torch's layout)."""
 
     rank: int
     exc_type: str | None = None
@@ -15,6 +34,10 @@ class WorkerFailure:
     traceback: str = ""
     exitcode: int | None = None
     signal: str | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    timestamp: int = field(default_factory=lambda: int(time.time()))
+    error_file: str = NOT_AVAILABLE  # nbaccel's workers report over their channel, not through a file
 
     def summary(self) -> str:
         """One line: `rank 1: ValueError: boom` or `rank 0: killed by SIGKILL (exit code -9)`."""
@@ -24,13 +47,58 @@ class WorkerFailure:
             return f"rank {self.rank}: killed by {self.signal} (exit code {self.exitcode})"
         return f"rank {self.rank}: {self.message or 'exited'} (exit code {self.exitcode})"
 
+    @property
+    def error_file_data(self) -> dict[str, Any]:
+        """The remote exception in the layout of torch elastic's error file (`record`), as Accelerate's
+        ChildFailedError carries it: {"message": {"message": "ValueError: boom", "extraInfo":
+        {"py_callstack": traceback, "timestamp": "..."}}}; {"message": "<NONE>"} without an exception."""
+        if not self.exc_type:
+            return {"message": "<NONE>"}
+        return {"message": {"message": f"{self.exc_type}: {self.message}".rstrip(": "),
+                            "extraInfo": {"py_callstack": self.traceback, "timestamp": str(self.timestamp)}}}
 
-class LaunchError(RuntimeError):
-    """A launched worker failed (or the launch could not go on); `.failures` maps rank -> WorkerFailure."""
+    def signal_name(self) -> str:
+        """The name of the signal that ended the process (torch's ProcessFailure.signal_name), else <N/A>."""
+        if self.signal:
+            return self.signal
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signals.Signals(-self.exitcode).name
+            except ValueError:
+                pass
+        return NOT_AVAILABLE
 
-    def __init__(self, message: str, failures: dict[int, WorkerFailure] | None = None) -> None:
-        super().__init__(message)
+    def timestamp_isoformat(self) -> str:
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+
+class LaunchError(ChildFailedError, RuntimeError):
+    """A launched worker failed (or the launch could not go on); `.failures` maps rank -> WorkerFailure.
+
+    A torch `ChildFailedError` as Accelerate raises: `.name` is the function's name, `get_first_failure()`
+    the first rank that failed, `format_msg()` torch's report. `.attempts` holds the failures of earlier
+    attempts that `max_restarts` restarted, oldest first (the message names them too)."""
+
+    def __init__(self, message: str, failures: dict[int, WorkerFailure] | None = None, *, name: str = "",
+                 first_rank: int | None = None, attempts: Sequence[dict[int, WorkerFailure]] = ()) -> None:
+        RuntimeError.__init__(self, message)  # not ChildFailedError's: it refuses an empty map, writes its own text
+        self.name = name
         self.failures: dict[int, WorkerFailure] = dict(failures or {})
+        self.first_rank = first_rank
+        self.attempts: list[dict[int, WorkerFailure]] = [dict(earlier) for earlier in attempts]
+
+    def get_first_failure(self) -> tuple[int, Any]:
+        """(rank, failure) of the first failure the launcher saw."""
+        if self.first_rank in self.failures:
+            return self.first_rank, self.failures[self.first_rank]
+        return super().get_first_failure()
+
+    def _format_failure(self, idx: int, rank: int, failure: Any) -> tuple[str, int]:
+        # torch's report shows the remote traceback when `message` is an error-file record
+        if isinstance(failure, WorkerFailure):
+            failure = copy.copy(failure)
+            failure.message = failure.error_file_data["message"] if failure.exc_type else failure.summary()
+        return super()._format_failure(idx, rank, failure)
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -45,17 +113,23 @@ class UnpicklableError(LaunchError, TypeError):
     """The function, its arguments or a value they reference cannot be serialized for the workers."""
 
 
-def format_failures(failures: dict[int, WorkerFailure], first: int | None = None) -> str:
-    """The LaunchError text: which rank(s) failed, how, and the remote traceback of the first."""
+def format_failures(failures: dict[int, WorkerFailure], first: int | None = None,
+                    attempts: Sequence[dict[int, WorkerFailure]] = ()) -> str:
+    """The LaunchError text: which rank(s) failed, how, the failures of earlier (restarted) attempts, and
+    the remote traceback of the first."""
     if not failures:
         return "the launch failed"
     order = sorted(failures, key=lambda rank: (rank != first, rank))
     head = failures[order[0]]
     ranks = ", ".join(str(rank) for rank in order)
     plural = "s" if len(order) > 1 else ""
-    lines = [f"rank{plural} {ranks} failed; first: {head.summary()}"]
+    attempt = f" (attempt {len(attempts)}, the last)" if attempts else ""
+    lines = [f"rank{plural} {ranks} failed{attempt}; first: {head.summary()}"]
     for rank in order[1:]:
         lines.append(f"  also {failures[rank].summary()}")
+    for number, earlier in enumerate(attempts):
+        what = "; ".join(earlier[rank].summary() for rank in sorted(earlier)) or "a worker ended without a report"
+        lines.append(f"attempt {number} (restarted): {what}")
     if head.traceback:
         lines.append("")
         lines.append(f"Traceback from rank {head.rank} (remote):")

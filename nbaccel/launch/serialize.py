@@ -1,15 +1,20 @@
-"""Serialize the training function and its arguments once, in the kernel, with cloudpickle.
+"""Hand the training function and its arguments to the workers: by fork's inheritance, or cloudpickled once.
 
-cloudpickle pickles objects defined in `__main__` (notebook cells) by value, so closures, lambdas and
-cell-defined functions and classes reach workers started with fork or spawn alike. When something cannot
-be pickled, `find_culprit` walks closures, referenced globals, defaults, containers and attributes to name
-the object and the path that led to it (e.g. "train -> closure variable 'lock' -> _thread.lock").
+`make_payload` decides by the start method. Under `fork` the workers inherit the objects themselves, as with
+Accelerate's fork path, so what only inheritance can share (a fork-context Queue, Lock, Event or Value,
+Manager proxies, open files) reaches them, and every elastic restart inherits the same objects again. Under
+`spawn` and `forkserver` they are cloudpickled once, in the kernel: cloudpickle pickles objects defined in
+`__main__` (notebook cells) by value, so closures, lambdas and cell-defined functions and classes work. When
+something cannot be pickled, `find_culprit` walks closures, referenced globals, defaults, containers and
+attributes to name the object and the path that led to it (e.g. "train -> closure variable 'lock' ->
+_thread.lock").
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -17,6 +22,36 @@ import cloudpickle
 from .errors import UnpicklableError
 
 _MAX_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Payload:
+    """`(function, args, kwargs)` on their way to the workers: cloudpickled bytes (spawn, forkserver), or the
+    objects themselves, which a forked worker inherits (never pickled)."""
+
+    data: bytes | None = None
+    call: tuple[Callable[..., Any], tuple, dict] | None = None
+
+    def load(self) -> tuple[Callable[..., Any], tuple, dict]:
+        """In the worker: the function, its positional and its keyword arguments."""
+        if self.data is not None:
+            return loads(self.data)
+        assert self.call is not None
+        return self.call
+
+    def __reduce__(self) -> Any:
+        if self.data is None:  # only a forked worker may receive the objects themselves
+            raise TypeError("the training function and its arguments are handed over by fork's inheritance; "
+                            "they were about to be pickled instead (a start method other than fork?)")
+        return (Payload, (self.data,))
+
+
+def make_payload(function: Callable[..., Any], args: tuple, kwargs: dict, inherit: bool) -> Payload:
+    """The payload: inherited when the workers are forked with their arguments (`inherit`), cloudpickled
+    otherwise (raising UnpicklableError, naming the object, before any process starts)."""
+    if inherit:
+        return Payload(call=(function, tuple(args), dict(kwargs)))
+    return Payload(data=dumps_payload(function, args, kwargs))
 
 
 def dumps_payload(function: Any, args: tuple, kwargs: dict) -> bytes:

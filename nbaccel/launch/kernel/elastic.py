@@ -3,6 +3,11 @@
 `num_nodes > 1` (any rendezvous backend, "c10d" recommended) or `max_restarts > 0` go here. The agent runs
 in a helper thread (so it does not replace the kernel's SIGINT handler) and starts the workers with
 `worker.elastic_entry`, which reports over the same channel and pipes as a local launch.
+
+On one node, every attempt's workers meet in a store of their own (`AttemptStores`): torch elastic would hand
+each attempt the same store, where the previous attempt's keys (the dead ranks' gloo addresses) make a
+restarted process group fail with "Gloo connectFullMesh failed ... Connection refused" instead of running.
+Under fork the payload (nbaccel.launch.serialize.Payload) is inherited by every attempt's workers.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class ElasticBackend(ThreadedBackend):
         if rdzv.backend == "static":
             master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
         self._handler = registry.get_rendezvous_handler(params)
+        if plan.num_nodes == 1 and self._handler.use_agent_store:
+            self._handler = AttemptStores(self._handler, master_addr or plan.master_addr)
+            master_port = None  # each attempt's own store; WorkerSpec's port would override it
         environ = dict(entry_args[4])
         environ[LAUNCH_DEVICE_ENV] = plan.device  # the worker fills in its local rank
         spec = WorkerSpec(role="default", local_world_size=plan.num_processes, entrypoint=elastic_entry,
@@ -116,3 +124,37 @@ class ElasticBackend(ThreadedBackend):
                 failures[rank] = WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}",
                                                "", code, sig)
         return failures
+
+
+class AttemptStores:
+    """A rendezvous handler (torch elastic's interface) that gives each attempt's workers a new, empty TCP
+    store on a port the OS picks, hosted here, instead of the agent's store that every attempt shares.
+    One node only: the store's address is not published to other nodes."""
+
+    def __init__(self, inner: Any, master_addr: str) -> None:
+        self.inner = inner
+        self.master_addr = master_addr
+        self.store: Any = None  # the current attempt's; the previous one closes when replaced
+
+    def next_rendezvous(self) -> Any:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        info = self.inner.next_rendezvous()
+        self.store = None
+        self.store = TCPStore(self.master_addr, 0, None, True, timedelta(seconds=900), wait_for_workers=False)
+        return RendezvousInfo(info.store, info.rank, info.world_size,
+                              RendezvousStoreInfo(self.master_addr, self.store.port))
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers are clients of the attempt's store
+
+    def shutdown(self) -> bool:
+        self.store = None
+        return self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # get_backend, is_closed, set_closed, num_nodes_waiting, ...
+        return getattr(self.inner, name)

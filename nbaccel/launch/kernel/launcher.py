@@ -19,7 +19,7 @@ from .. import messages
 from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
-from ..serialize import dumps_payload
+from ..serialize import make_payload
 from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
@@ -103,7 +103,10 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     """Run a resolved plan: in this process, or through its backend under the supervisor."""
     if plan.mode is Mode.IN_PROCESS:
         return run_in_process(plan, request, reporting)
-    payload = dumps_payload(request.function, tuple(request.args), dict(request.kwargs))  # before any process
+    # under fork the workers inherit the objects (torch_xla's spawn excepted: its process pool pickles what it
+    # runs, even when it forks); else cloudpickled here, unpicklable ones named before any process starts
+    inherit = plan.start_method == "fork" and plan.mode is not Mode.XLA
+    payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), inherit)
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
@@ -111,8 +114,15 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
         with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
             handles = backend.start(plan, payload)
             return supervise(plan, handles, backend, reporting)
+    except LaunchError as exc:
+        exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
+        raise
     finally:
         backend.close()
+
+
+def function_name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__name__", None) or type(function).__name__
 
 
 def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, reporting: Reporting) -> list[Any]:

@@ -17,6 +17,7 @@ from .processes import get_context, main_module_hidden, stop_processes
 from .supervisor import WorkerHandle
 
 if TYPE_CHECKING:
+    from ..serialize import Payload
     from .plan import LaunchPlan
 
 
@@ -31,7 +32,7 @@ class LocalBackend:
         self._reported: set[int] = set()
         self._store_dir: str | None = None
 
-    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
         ctx = get_context(plan.start_method)
         pipes = Pipes(ctx, 0)

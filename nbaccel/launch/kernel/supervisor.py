@@ -31,10 +31,12 @@ from .collectives import CHECK_INTERVAL, CollectiveTracker
 from .processes import signal_name
 
 if TYPE_CHECKING:
+    from ..serialize import Payload
     from .plan import LaunchPlan
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by itself before the others are stopped
 
 
 def _cell_output() -> Any:
@@ -57,7 +59,7 @@ class Backend(Protocol):
     fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
     workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
 
-    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
         ...
 
@@ -141,6 +143,7 @@ class Supervisor:
         self._displays = DisplayOrder(self._show_display)
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure: int | None = None
+        self.attempts: list[dict[int, WorkerFailure]] = []  # failures of earlier attempts (elastic restarts)
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
         self.collectives = CollectiveTracker()
@@ -248,7 +251,9 @@ class Supervisor:
                     self.stderr.write(f"[nbaccel] {cause}: restarting the workers (restart {restart})\n")
                 except Exception:
                     pass
-                self.failures.clear()
+                self.attempts.append(dict(self.failures))  # the final error names them
+                self.attempts += [{} for _ in range(restart - len(self.attempts))]  # attempts that never reported
+                self.failures = {}
                 self.first_failure = None
         elif kind == MessageKind.RESULT:
             try:
@@ -272,6 +277,10 @@ class Supervisor:
             known.exitcode = failure.exitcode if failure.exitcode is not None else known.exitcode
             known.signal = failure.signal or known.signal
             return
+        worker = next((w for w in self.workers if w.rank == failure.rank), None)
+        if worker is not None:  # what torch's ProcessFailure says about the process
+            failure.local_rank = worker.local_rank if failure.local_rank is None else failure.local_rank
+            failure.pid = worker.pid if failure.pid is None else failure.pid
         self.failures[failure.rank] = failure
         self.collectives.failed(failure.rank, failure.summary().split(": ", 1)[-1])
         if self.first_failure is None:
@@ -348,6 +357,8 @@ class Supervisor:
         except BaseException:
             self._shutdown("failed")
             raise
+        if outcome == "failed":
+            self._let_failed_ranks_exit()
         if outcome != "finished":
             self._shutdown("failed" if outcome == "deadlock" else outcome)
         else:
@@ -392,7 +403,8 @@ class Supervisor:
         failures = dict(self.failures)
         if diagnosis is None:
             first = self.collectives.root_cause(failures, self.first_failure)
-            return LaunchError(format_failures(failures, first), failures)
+            return LaunchError(format_failures(failures, first, self.attempts), failures, first_rank=first,
+                               attempts=self.attempts)
         exitcodes = {w.rank: w.exitcode for w in self.workers}
         for state in self.collectives.states(ranks, failure_view=True):
             waiting = state.waiting(time.time())
@@ -404,7 +416,7 @@ class Supervisor:
             "and matching shapes; the ranks above could never meet, so every worker was stopped."))
         if self.failures and self.deadlock is None:  # errors raised because a peer went away; else none
             lines += ["", "What the ranks reported:", format_failures(self.failures, self.first_failure)]
-        return LaunchError("\n".join(lines), failures)
+        return LaunchError("\n".join(lines), failures, first_rank=self.first_failure, attempts=self.attempts)
 
     def _timeout_error(self) -> LaunchTimeout:
         running = [w.rank for w in self.workers
@@ -417,7 +429,17 @@ class Supervisor:
         where = self.collectives.where([w.rank for w in self.workers], time.time())
         if where is not None:
             text += "\nwhere the ranks were: " + where.summary + (f"\n{where.reason}" if where.reason else "")
-        return LaunchTimeout(text, self.failures)
+        return LaunchTimeout(text, self.failures, first_rank=self.first_failure, attempts=self.attempts)
+
+    def _let_failed_ranks_exit(self) -> None:
+        """A rank that reported its exception is on its way out (exit code 1): let it get there before every
+        worker is stopped, as torch elastic (Accelerate) sees it, instead of cutting its teardown short."""
+        deadline = time.monotonic() + EXIT_GRACE
+        while time.monotonic() < deadline:
+            if not [w for w in self.workers
+                    if not w.exited and w.rank in self.failures and self.failures[w.rank].exc_type]:
+                return
+            self.pump(max(0.0, min(0.05, deadline - time.monotonic())))
 
     def _sample_memory(self) -> None:
         """Host memory of workers that do not report it themselves (they never sent telemetry)."""

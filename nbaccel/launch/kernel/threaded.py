@@ -19,6 +19,7 @@ from .processes import get_context, kill_pids
 from .supervisor import WorkerHandle
 
 if TYPE_CHECKING:
+    from ..serialize import Payload
     from .plan import LaunchPlan
 
 JOIN_TIMEOUT = 5.0
@@ -44,7 +45,7 @@ class ThreadedBackend:
         """The blocking call that starts and waits for the workers (in the helper thread)."""
         raise NotImplementedError
 
-    def start(self, plan: LaunchPlan, payload: bytes) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Prepare every local rank's pipes, then run `target` in the helper thread."""
         pipes = Pipes(get_context(plan.start_method), plan.num_processes)
         try:

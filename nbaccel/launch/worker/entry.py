@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
@@ -21,9 +21,12 @@ from ..output import flush_std, redirect_std_fds
 from . import rank_display
 from .parent_death import die_with_parent
 
+if TYPE_CHECKING:
+    from ..serialize import Payload
+
 
 def run_worker(
-    payload: bytes,
+    payload: Payload,
     channel: Connection,
     stdout: Connection,
     stderr: Connection,
@@ -44,7 +47,7 @@ def run_worker(
         sys.exit(1)
 
 
-def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, device: str | None = None) -> bool:
+def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, device: str | None = None) -> bool:
     """Unpickle and call the function, reporting status, result or error through `sink`. True on success.
     `thread_rank`: this thread is one of several ranks of the process (telemetry per thread; the process
     group, shared by the threads, is left to the process's end). `device`: shown in status messages
@@ -58,7 +61,7 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
     try:
         from .. import serialize
 
-        function, args, kwargs = serialize.loads(payload)
+        function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
         sink.send("status", state="running", device=device)
         start_memory_reports(telemetry, sink)
         try:
@@ -136,7 +139,7 @@ def _stop_telemetry_sampler(telemetry: Any) -> None:
             pass
 
 
-def elastic_entry(payload: bytes, channels: list[Connection], stdouts: list[Connection],
+def elastic_entry(payload: Payload, channels: list[Connection], stdouts: list[Connection],
                   stderrs: list[Connection], env: dict[str, str]) -> None:
     """Entry point under torch elastic: it sets RANK/LOCAL_RANK/...; pick this local rank's pipes."""
     local_rank = int(os.environ["LOCAL_RANK"])

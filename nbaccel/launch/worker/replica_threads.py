@@ -14,10 +14,14 @@ import os
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from ..channel import WorkerSink, close_quietly
 from ..output import ThreadRoutedStream, flush_std, redirect_std_fds, text_stream
 from .entry import DEVICE_ENV, execute
+
+if TYPE_CHECKING:
+    from ..serialize import Payload
 
 THREAD_ENV_KEYS = ("RANK", "LOCAL_RANK", DEVICE_ENV)  # per rank: not written to the process environment
 
@@ -25,7 +29,7 @@ _setup_lock = threading.Lock()
 _set_up_for: int | None = None  # the pid whose process-wide setup is done (a fork child redoes it)
 
 
-def run_worker_thread(payload: bytes, local: int, own: range, channels: list[Connection],
+def run_worker_thread(payload: Payload, local: int, own: range, channels: list[Connection],
                       stdouts: list[Connection], stderrs: list[Connection], env: dict[str, str]) -> None:
     """Run rank `local` (one of the local ordinals `own` of this process) in the calling thread."""
     _set_up_process(own, channels, stdouts, stderrs, env)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ..channel import close_quietly
 from .entry import run_worker
 from .parent_death import die_with_parent
 from .replica_threads import run_worker_thread
+
+if TYPE_CHECKING:
+    from ..serialize import Payload
 
 
 def replica_layout() -> tuple[int, range]:
@@ -21,7 +25,7 @@ def replica_layout() -> tuple[int, range]:
     return xr.local_ordinal(), range(first, first + per_process)
 
 
-def xla_entry(index: int, payload: bytes, channels: list[Connection], stdouts: list[Connection],
+def xla_entry(index: int, payload: Payload, channels: list[Connection], stdouts: list[Connection],
               stderrs: list[Connection], env: dict[str, str]) -> None:
     """Entry point under torch_xla's spawn, called in every replica with its global ordinal (the rank).
 

@@ -1,0 +1,165 @@
+"""The same notebook_launcher calls run on Accelerate or on nbaccel: `python launcher_parity_cases.py LIB`.
+
+LIB is `accelerate` or `nbaccel`. Each case is Accelerate's own notebook test
+(accelerate/test_utils/scripts/test_notebook.py) or a launcher-exception / fork hand-over check, run with 2
+CPU processes; the script prints one JSON line `RESULT {case: outcome}` that tests/test_launcher_parity.py
+compares between the two libraries. Accelerate's ranks build `PartialState(cpu=True)` (no GPU here).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch  # noqa: F401  (forked ranks inherit it)
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+LIB = sys.argv[1] if __name__ == "__main__" else "nbaccel"
+lib = importlib.import_module(LIB)
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def launch(function: Any, args: tuple = (), **options: Any) -> Any:
+    """notebook_launcher on 2 processes with a free port (Accelerate's default is the fixed 29500)."""
+    if LIB == "nbaccel":
+        options.setdefault("dashboard", False)  # nbaccel's keywords: no live table in this log,
+        options.setdefault("timeout", 120)  # and a bound on the whole run
+    return lib.notebook_launcher(function, args, num_processes=2, use_port=free_port(), **options)
+
+
+# ------------------------------------------------------------------ the ranks' functions
+def basic_function() -> None:
+    print(f"PartialState:\n{lib.PartialState(cpu=True)}")
+
+
+def tough_nut_function(queue: Any) -> None:  # Accelerate's, fails until the queue's counter reaches 0
+    if queue.empty():
+        return
+    trial = queue.get()
+    if trial > 0:
+        queue.put(trial - 1)
+        raise RuntimeError("The nut hasn't cracked yet! Try again.")
+    print(f"PartialState:\n{lib.PartialState(cpu=True)}")
+
+
+def bipolar_sleep_function(sleep_sec: int) -> None:
+    state = lib.PartialState(cpu=True)
+    if state.process_index % 2 == 0:
+        raise RuntimeError("I'm an even process. I don't like to sleep.")
+    time.sleep(sleep_sec)
+
+
+def fail_on_rank_one() -> None:
+    state = lib.PartialState(cpu=True)
+    if state.process_index == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(30)  # stopped by the launcher once rank 1 failed
+
+
+# ------------------------------------------------------------------ the cases
+def case_child_failed_error() -> dict[str, Any]:
+    try:
+        launch(fail_on_rank_one)
+    except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()
+        data = first.error_file_data["message"]
+        return {"name": exc.name, "ranks": sorted(exc.failures), "first": rank, "local_rank": first.local_rank,
+                "exitcode": first.exitcode, "error": data["message"],
+                "traceback_names_function": "fail_on_rank_one" in data["extraInfo"]["py_callstack"],
+                "message_has_error": "ValueError: rank one is broken" in str(exc),
+                "pid_is_int": isinstance(first.pid, int), "signal_name": first.signal_name()}
+    return {"raised": False}
+
+
+def case_static() -> bool:
+    launch(basic_function, rdzv_backend="static")
+    return True
+
+
+def case_c10d() -> bool:
+    launch(basic_function, rdzv_backend="c10d")
+    return True
+
+
+def case_fault_tolerant(max_restarts: int = 3, rdzv_backend: str = "static") -> dict[str, Any]:
+    queue = multiprocessing.get_context("fork").Queue()
+    queue.put(max_restarts)
+    launch(tough_nut_function, (queue,), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
+    return {"returned": True, "queue_empty": queue.empty()}
+
+
+def case_monitoring(monitor_interval: float = 0.01, sleep_sec: int = 100) -> dict[str, Any]:
+    start = time.time()
+    try:
+        launch(bipolar_sleep_function, (sleep_sec,), monitor_interval=monitor_interval)
+    except ChildFailedError as exc:
+        return {"raised": True, "matches": "I'm an even process. I don't like to sleep." in str(exc),
+                "within_30s": time.time() - start < 30}
+    return {"raised": False}
+
+
+def case_fork_objects(max_restarts: int = 0) -> dict[str, Any]:
+    """Objects only fork's inheritance hands over: passed as args and captured by the function."""
+    ctx = multiprocessing.get_context("fork")
+    queue, lock, event, counter = ctx.Queue(), ctx.Lock(), ctx.Event(), ctx.Value("i", 0)
+    manager = ctx.Manager()
+    shared = manager.dict()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "lines.txt")
+        with open(path, "w") as out:
+            def work(queue: Any) -> None:
+                rank = lib.PartialState(cpu=True).process_index
+                with lock:
+                    counter.value += 1
+                event.set()
+                shared[rank] = rank * 10
+                queue.put(rank)
+                out.write(f"rank {rank}\n")
+                out.flush()
+
+            launch(work, (queue,), max_restarts=max_restarts)
+        got = sorted(queue.get(timeout=10) for _ in range(2))
+        lines = sorted(open(path).read().splitlines())
+    outcome = {"queue": got, "counter": counter.value, "event": event.is_set(), "shared": sorted(shared.items()),
+               "lines": lines}
+    manager.shutdown()
+    return outcome
+
+
+CASES = {
+    "child_failed_error": case_child_failed_error,
+    "static": case_static,
+    "c10d": case_c10d,
+    "fault_tolerant": case_fault_tolerant,
+    "fault_tolerant_c10d": lambda: case_fault_tolerant(rdzv_backend="c10d"),
+    "monitoring": case_monitoring,
+    "fork_objects": case_fork_objects,
+    "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
+}
+
+
+def main() -> None:
+    names = sys.argv[2:] or list(CASES)
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = CASES[name]()
+        except BaseException as exc:  # the comparison shows it
+            results[name] = {"exception": type(exc).__name__, "text": str(exc)[:500]}
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""notebook_launcher's exceptions, fork hand-over, rendezvous backends and restarts, against Accelerate 1.15.
+
+The cases (tests/launcher_parity_cases.py, Accelerate's own notebook tests among them) run once on Accelerate
+and once on nbaccel, each in its own subprocess (Accelerate keeps global state), and their outcomes must be
+equal: a failing rank raises a torch ChildFailedError with the same failure fields; fork-context Queue, Lock,
+Event, Value, Manager proxies and open files reach the ranks, with and without restarts; static and c10d
+rendezvous work; a function that fails on its first attempts returns under max_restarts; a raising rank ends
+a run whose other rank sleeps 100 s within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (forked workers inherit it)
+from process_helpers import live_children
+
+from nbaccel import PartialState
+from nbaccel.launch import LaunchError, UnpicklableError, notebook_launcher
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_cases(lib: str) -> dict:
+    done = subprocess.run([sys.executable, str(HERE / "launcher_parity_cases.py"), lib], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"{lib}: no result (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(900)
+def test_launcher_cases_behave_as_on_accelerate():
+    accelerate = run_cases("accelerate")
+    nbaccel = run_cases("nbaccel")
+    assert nbaccel == accelerate
+    # and what they agree on is what Accelerate's tests require
+    failure = nbaccel["child_failed_error"]
+    assert (failure["ranks"], failure["first"], failure["exitcode"]) == ([1], 1, 1)
+    assert failure["error"] == "ValueError: rank one is broken" and failure["message_has_error"]
+    assert nbaccel["fault_tolerant"] == nbaccel["fault_tolerant_c10d"] == {"returned": True, "queue_empty": True}
+    assert nbaccel["monitoring"] == {"raised": True, "matches": True, "within_30s": True}
+    assert nbaccel["static"] is True and nbaccel["c10d"] is True
+    assert nbaccel["fork_objects"]["counter"] == 2 and nbaccel["fork_objects_restarts"]["queue"] == [0, 1]
+
+
+def put_rank(queue) -> None:
+    queue.put(int(os.environ["RANK"]))
+
+
+def test_spawn_still_names_what_only_fork_can_hand_over():
+    # Accelerate always forks (spawn only on XPU/ROCm, where it would fail inside torch elastic): nbaccel-only
+    queue = multiprocessing.get_context("fork").Queue()
+    with pytest.raises(UnpicklableError, match=r"args\[0\]"):
+        notebook_launcher(put_rank, (queue,), num_processes=2, start_method="spawn", dashboard=False, timeout=60)
+    assert live_children() == []
+
+
+def raise_on_rank_zero() -> None:
+    state = PartialState()
+    if state.process_index == 0:
+        raise ValueError(f"user error in attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+    state.wait_for_everyone()
+
+
+@pytest.mark.timeout(600)
+def test_every_restarted_attempt_gets_a_working_rendezvous_and_the_error_names_each():
+    # Issue 15 item 6: attempt 1 reused attempt 0's store and failed in 3 of 7 runs with "Gloo connectFullMesh
+    # failed ... Connection refused". Accelerate's restarts share that torch store, so there is nothing to
+    # compare with: each of 7 runs must show the user's error of both attempts.
+    for run in range(7):
+        with pytest.raises(LaunchError) as info:
+            notebook_launcher(raise_on_rank_zero, num_processes=2, max_restarts=1, dashboard=False, timeout=120)
+        error = info.value
+        text = str(error)
+        assert "rank 0: ValueError: user error in attempt 1" in text, (run, text)
+        assert "attempt 0 (restarted): rank 0: ValueError: user error in attempt 0" in text, (run, text)
+        assert "connectFullMesh" not in text, (run, text)
+        assert len(error.attempts) == 1 and error.attempts[0][0].exc_type == "ValueError"
+        assert error.failures[0].exc_type == "ValueError"
+    assert live_children() == []
