@@ -23,7 +23,7 @@ from ..serialize import dumps_payload
 from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
-from .processes import gc_frozen, resource_tracker_scope
+from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
 from .saved_config import default
 from .supervisor import Backend, Supervisor, WorkerHandle
 
@@ -107,6 +107,8 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
+    if plan.mode is Mode.LOCAL:
+        preload_worker_modules(plan.start_method)
     try:
         with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
             handles = backend.start(plan, payload)

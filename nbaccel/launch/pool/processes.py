@@ -25,6 +25,7 @@ from ..kernel.processes import (
     free_port,
     get_context,
     main_module_hidden,
+    preload_worker_modules,
     resource_tracker_scope,
     signal_name,
     stop_processes,
@@ -83,6 +84,7 @@ class RankProcesses:
         self._tracker = resource_tracker_scope()
         self._tracker.__enter__()
         ctx = get_context(start_method)
+        preload_worker_modules(start_method)  # forked ranks inherit PartialState's modules
         port = free_port()
         # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
         self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")
