@@ -55,7 +55,7 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
     sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
                 "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
-        from .. import serialize
+        from .. import serialize, shared_tensors
 
         function, args, kwargs = serialize.loads(payload)
         sink.send("status", state="running", device=device)
@@ -67,7 +67,7 @@ def execute(payload: bytes, sink: WorkerSink, *, thread_rank: bool = False, devi
                 raise
             value = None
         try:
-            data = serialize.dumps_value(value)
+            data = shared_tensors.dumps_value(value)  # large tensors through shared memory
         except Exception as exc:
             raise TypeError(
                 f"the return value of rank {sink.rank} ({type(value).__name__}) cannot be pickled: {exc}"
