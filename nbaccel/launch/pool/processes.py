@@ -66,8 +66,12 @@ class RankProcess:
             self.closed_fds.add(fd)
 
     def take_output(self) -> tuple[str, str]:
-        self.drain(self.out_fd)
-        self.drain(self.err_fd)
+        open_fds = [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
+        if open_fds:  # one poll instead of a non-blocking read of each pipe (most calls print nothing)
+            for fd in wait(open_fds, 0):
+                self.drain(fd)
+        if not self.out and not self.err:
+            return "", ""
         out, err = bytes(self.out).decode("utf-8", "replace"), bytes(self.err).decode("utf-8", "replace")
         self.out.clear()
         self.err.clear()
