@@ -1,7 +1,11 @@
-"""Persistent ranks: latency of running a trivial statement on 2 ranks and getting both results back.
+"""Persistent ranks: start-up, and latency of a trivial statement / function on 2 ranks, both results back.
 
-Variants, interleaved call by call in one run:
+Start (interleaved round by round): RankPool(2) until both ranks are ready for a cell (process group and
+PartialState built) against the floor: fork 2 raw processes and get one answer from each through a pipe.
+
+Calls, interleaved call by call in one run:
   floor        2 forked processes that exec() what a raw multiprocessing pipe brings and send back the value
+  floor fn     the same processes called with a function (pickled by reference) instead of source
   nbaccel      RankPool(2).exec("a = 1 + 1") (the %%ranks path: output capture, per-rank namespaces, hang
                watch) and .exec("1 + 1") (also returns and pickles the value of the last expression)
   ipyparallel  view.execute("a = 1 + 1", block=True) on a local 2-engine cluster: what `%px` does (when
@@ -33,8 +37,15 @@ def _floor_worker(conn) -> None:
         source = conn.recv()
         if source is None:
             return
+        if callable(source):
+            conn.send(source())
+            continue
         exec(source, namespace)
         conn.send(namespace.get("a"))
+
+
+def trivial() -> int:
+    return 2
 
 
 class Floor:
@@ -50,9 +61,9 @@ class Floor:
             self.conns.append(kernel)
             self.procs.append(proc)
 
-    def call(self) -> list:
+    def call(self, what: object = STATEMENT) -> list:
         for conn in self.conns:
-            conn.send(STATEMENT)
+            conn.send(what)
         return [conn.recv() for conn in self.conns]
 
     def close(self) -> None:
@@ -87,8 +98,32 @@ def describe(name: str, samples: list[float]) -> str:
     return f"{name:<28} median {statistics.median(samples):7.2f} ms   p90 {p90:7.2f} ms   min {ordered[0]:6.2f} ms"
 
 
+def start_floor() -> None:
+    floor = Floor()
+    floor.call()
+    floor.close()
+
+
+def start_pool() -> None:
+    pool = RankPool(2)
+    pool.shutdown()
+
+
+def measure_start(rounds: int) -> None:
+    samples: dict[str, list[float]] = {"start floor (raw fork)": [], "start RankPool(2)": []}
+    for _ in range(rounds):
+        timed(start_floor, samples["start floor (raw fork)"])
+        timed(start_pool, samples["start RankPool(2)"])
+    for name, values in samples.items():
+        print(describe(name, values))
+    pool_ms = statistics.median(samples["start RankPool(2)"])
+    print(f"RankPool start: {pool_ms / 1000:.2f} s median (goal <= 0.5 s), "
+          f"{pool_ms / statistics.median(samples['start floor (raw fork)']):.0f}x the raw fork")
+
+
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    measure_start(int(os.environ.get("RANKS_START_ROUNDS", "5")))
     floor = Floor()
     pool = RankPool(2)
     cluster, view = start_ipyparallel()
@@ -96,6 +131,8 @@ def main() -> None:
         "floor (raw pipes)": floor.call,
         "nbaccel exec (statement)": lambda: pool.exec(STATEMENT),
         "nbaccel exec (value back)": lambda: pool.exec("1 + 1").values,
+        "floor fn (raw pipes)": lambda: floor.call(trivial),
+        "nbaccel run(fn)": lambda: pool.run(trivial),
     }
     if view is not None:
         variants["ipyparallel execute (%px)"] = lambda: view.execute(STATEMENT, block=True)
@@ -116,7 +153,9 @@ def main() -> None:
     for name, values in samples.items():
         print(describe(name, values))
     nb = statistics.median(samples["nbaccel exec (statement)"])
-    print(f"nbaccel / floor:        {nb / statistics.median(samples['floor (raw pipes)']):.2f}x (median)")
+    print(f"nbaccel exec / floor:   {nb / statistics.median(samples['floor (raw pipes)']):.2f}x (median; goal <= 1.3x)")
+    run_ratio = statistics.median(samples["nbaccel run(fn)"]) / statistics.median(samples["floor fn (raw pipes)"])
+    print(f"nbaccel run / floor fn: {run_ratio:.2f}x (median; goal <= 1.5x)")
     if view is not None:
         ipp_median = statistics.median(samples["ipyparallel execute (%px)"])
         print(f"nbaccel / ipyparallel:  {nb / ipp_median:.2f}x (median; goal <= 1)")

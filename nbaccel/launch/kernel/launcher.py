@@ -10,8 +10,10 @@ With one process the function runs in the kernel (inprocess.py).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
@@ -20,10 +22,11 @@ from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
 from ..serialize import make_payload
+from ..shared_tensors import RESULT_DIR_ENV, make_result_dir, remove_result_dir
 from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
-from .processes import gc_frozen, resource_tracker_scope
+from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
 from .saved_config import default
 from .supervisor import Backend, Supervisor, WorkerHandle
 
@@ -110,6 +113,12 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
+    result_dir = None
+    if plan.mode is Mode.LOCAL:
+        preload_worker_modules(plan.start_method)
+        result_dir = make_result_dir()  # large tensors in the results come back through shared memory
+        if result_dir:
+            plan = dataclasses.replace(plan, environ=MappingProxyType({**plan.environ, RESULT_DIR_ENV: result_dir}))
     try:
         with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
             handles = backend.start(plan, payload)
@@ -119,6 +128,7 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
         raise
     finally:
         backend.close()
+        remove_result_dir(result_dir)
 
 
 def function_name(function: Callable[..., Any]) -> str:

@@ -287,6 +287,16 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def preload_worker_modules(start_method: str) -> None:
+    """Under fork, import in the kernel what every rank imports before the user's code runs: the ranks
+    inherit the loaded modules instead of each importing them again (`nbaccel.state` and what it pulls in
+    cost 0.3-0.9 s per rank on a loaded 2-core machine; see docs/internals.md "Where the time goes")."""
+    if start_method != "fork":
+        return
+    from ... import state  # noqa: F401
+    from ...utils import collective_trace  # noqa: F401
+
+
 @contextlib.contextmanager
 def resource_tracker_scope() -> Iterator[None]:
     """Stop multiprocessing's helper processes afterwards if this launch started them: the resource

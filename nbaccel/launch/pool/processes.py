@@ -25,6 +25,7 @@ from ..kernel.processes import (
     free_port,
     get_context,
     main_module_hidden,
+    preload_worker_modules,
     resource_tracker_scope,
     signal_name,
     stop_processes,
@@ -65,8 +66,12 @@ class RankProcess:
             self.closed_fds.add(fd)
 
     def take_output(self) -> tuple[str, str]:
-        self.drain(self.out_fd)
-        self.drain(self.err_fd)
+        open_fds = [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
+        if open_fds:  # one poll instead of a non-blocking read of each pipe (most calls print nothing)
+            for fd in wait(open_fds, 0):
+                self.drain(fd)
+        if not self.out and not self.err:
+            return "", ""
         out, err = bytes(self.out).decode("utf-8", "replace"), bytes(self.err).decode("utf-8", "replace")
         self.out.clear()
         self.err.clear()
@@ -83,6 +88,7 @@ class RankProcesses:
         self._tracker = resource_tracker_scope()
         self._tracker.__enter__()
         ctx = get_context(start_method)
+        preload_worker_modules(start_method)  # forked ranks inherit PartialState's modules
         port = free_port()
         # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
         self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")

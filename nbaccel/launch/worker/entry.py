@@ -59,7 +59,7 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
     sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
                 "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     try:
-        from .. import serialize
+        from .. import serialize, shared_tensors
 
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
         sink.send("status", state="running", device=device)
@@ -72,7 +72,7 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             value = None
         rank_display.finish()  # figures still open are shown, as at the end of a notebook cell
         try:
-            data = serialize.dumps_value(value)
+            data = shared_tensors.dumps_value(value)  # large tensors through shared memory
         except Exception as exc:
             raise TypeError(
                 f"the return value of rank {sink.rank} ({type(value).__name__}) cannot be pickled: {exc}"
@@ -100,10 +100,19 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         return False
     finally:
         sink.ticker = None
-        if not thread_rank:
+        if not thread_rank and _spawned():
             _destroy_process_group()
         telemetry.detach()
         flush_std()
+
+
+def _spawned() -> bool:
+    """True in a process started by multiprocessing's spawn, which ends through the interpreter's exit (its
+    destructors then meet the process group). fork and forkserver children end in os._exit, which frees the
+    group with the process: destroying it first only made the kernel wait ~20 ms longer for the exit."""
+    from multiprocessing import spawn
+
+    return spawn.is_forking(sys.argv)
 
 
 def _destroy_process_group() -> None:
