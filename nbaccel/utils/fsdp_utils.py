@@ -435,17 +435,6 @@ def get_fsdp2_grad_scaler(**kwargs: Any) -> Any:
     return GradScaler(**kwargs)
 
 
-def get_module_class_from_name(module: torch.nn.Module, name: str) -> type | None:
-    """The class of the first module (depth first, `module` itself included) whose class is called `name`."""
-    if type(module).__name__ == name:
-        return type(module)
-    for child in module.children():
-        found = get_module_class_from_name(child, name)
-        if found is not None:
-            return found
-    return None
-
-
 def get_parameters_from_modules(modules: Any, model: torch.nn.Module, device: Any) -> set:
     """The parameters of `modules`: modules, or a regular expression over `model`'s module names (the matching
     modules are moved to `device`, as FSDP leaves ignored modules where they are). None gives an empty set."""
@@ -461,5 +450,6 @@ def get_parameters_from_modules(modules: Any, model: torch.nn.Module, device: An
 
 # Names Accelerate's fsdp_utils module also offers (imported at the end: utils.other imports this module back).
 from .constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME  # noqa: E402, F401
+from .dataclasses import get_module_class_from_name  # noqa: E402, F401
 from .modeling import get_non_persistent_buffers, is_peft_model  # noqa: E402, F401
 from .other import get_module_children_bottom_up, is_compiled_module  # noqa: E402, F401
