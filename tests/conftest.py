@@ -19,6 +19,19 @@ from process_helpers import live_children  # noqa: E402  (needs the path above)
 
 
 @pytest.fixture(autouse=True)
+def environment_restored():
+    """Give every test the environment the one before it started with. Some code under test sets variables
+    in this process on purpose, as Accelerate does (`enable_fsdp_ram_efficient_loading` sets
+    ACCELERATE_USE_FSDP, the FSDP plugin FSDP_CPU_RAM_EFFICIENT_LOADING); left set, they turned a later
+    test's plain `accelerate.Accelerator()` into an FSDP one."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def no_process_left_behind():
     """Fail a test that leaves a child process running (after a 10 s grace), and kill what it left."""
     yield
