@@ -234,6 +234,10 @@ class DisplayOrder:
         else:
             self._waiting[key] = message
 
+    def has_waiting(self, rank: int, seq: str) -> bool:
+        """Whether the display message of this marker has arrived and waits to be shown."""
+        return (rank, seq) in self._waiting
+
     def marked(self, rank: int, seq: str) -> None:
         message = self._waiting.pop((rank, seq), None)
         if message is None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
+MARK_WAIT = 1.0  # seconds to wait for a display message whose marker the rank's stdout already shows
 EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by itself before the others are stopped
 
 
@@ -190,7 +191,23 @@ class Supervisor:
 
         if stream == "stderr":
             return LineForwarder(deliver, live)
-        return LineForwarder(deliver, live, lambda mark: self._displays.marked(worker.local_rank, mark))
+        return LineForwarder(deliver, live, lambda mark: self._mark_reached(worker, mark))
+
+    def _mark_reached(self, worker: WorkerHandle, mark: str) -> None:
+        """A rank's stdout reached a display marker. The rank sent the display message before it wrote the
+        marker, so read its channel first (briefly): the display then lands before the text that follows."""
+        deadline = time.monotonic() + MARK_WAIT
+        while worker.channel_open and not self._displays.has_waiting(worker.local_rank, mark):
+            left = deadline - time.monotonic()
+            try:
+                ready = left > 0 and worker.channel.poll(min(0.05, left))
+            except (EOFError, OSError):
+                ready = True  # recv_all sees the closed end and says so
+            if ready:
+                self._read_channel(worker)
+            elif left <= 0:
+                break
+        self._displays.marked(worker.local_rank, mark)
 
     def _show_display(self, local_rank: int, message: Message) -> None:
         self._flush()
