@@ -44,7 +44,12 @@ def basic_function() -> None:
     print(f"PartialState:\n{lib.PartialState(cpu=True)}")
 
 
-def tough_nut_function(queue: Any) -> None:  # Accelerate's, fails until the queue's counter reaches 0
+def tough_nut_function(queues: Any) -> None:
+    """Accelerate's fault-tolerance test function, with one queue per rank: fail until this rank's counter
+    reaches 0, then build the state. Accelerate's version shares one queue between the ranks, which races:
+    a rank that looks while the other holds the item sees it empty and returns, and in a later attempt one
+    rank builds PartialState alone and waits for its peer forever (on both libraries)."""
+    queue = queues[int(os.environ["LOCAL_RANK"])]
     if queue.empty():
         return
     trial = queue.get()
@@ -94,10 +99,11 @@ def case_c10d() -> bool:
 
 
 def case_fault_tolerant(max_restarts: int = 3, rdzv_backend: str = "static") -> dict[str, Any]:
-    queue = multiprocessing.get_context("fork").Queue()
-    queue.put(max_restarts)
-    launch(tough_nut_function, (queue,), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
-    return {"returned": True, "queue_empty": queue.empty()}
+    queues = [multiprocessing.get_context("fork").Queue() for _ in range(2)]
+    for queue in queues:
+        queue.put(max_restarts)
+    launch(tough_nut_function, (queues,), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
+    return {"returned": True, "queue_empty": all(queue.empty() for queue in queues)}
 
 
 def case_monitoring(monitor_interval: float = 0.01, sleep_sec: int = 100) -> dict[str, Any]:
