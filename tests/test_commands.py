@@ -98,7 +98,9 @@ def test_launch_two_processes(tmp_path):
 def test_launch_restarts_then_reports_a_failed_worker(tmp_path):
     script = write(tmp_path / "fail.py", """
         import os, sys
-        print("rank", os.environ["RANK"], "attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+        # one write per line: two ranks share the pipe, and an unbuffered print writes each piece apart
+        sys.stdout.write(f"rank {os.environ['RANK']} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n")
+        sys.stdout.flush()
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
     """)
     code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "--max_restarts", "1", str(script))
