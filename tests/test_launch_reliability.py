@@ -129,23 +129,32 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
 
 
 def _listening_addresses() -> list[str]:
-    """The addresses this rank listens on once its process group exists."""
+    """The addresses this rank and the process that started it (the kernel, or the elastic agent's process)
+    listen on once the rank's process group exists."""
     import psutil
 
     from nbaccel import PartialState
 
     state = PartialState()
     state.wait_for_everyone()
-    return sorted({conn.laddr.ip for conn in psutil.Process().net_connections(kind="inet")
+    rank = psutil.Process()
+    return sorted({conn.laddr.ip for process in (rank, rank.parent()) for conn in process.net_connections(kind="inet")
                    if conn.status == psutil.CONN_LISTEN})
 
 
-def test_a_single_node_launch_listens_on_nothing_beyond_the_machine(monkeypatch):
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+@pytest.mark.parametrize("restarts", [0, 1], ids=["local", "elastic"])
+def test_a_single_node_launch_listens_on_nothing_beyond_the_machine(monkeypatch, restarts):
     monkeypatch.delenv("NBACCEL_INIT_METHOD", raising=False)
-    for addresses in notebook_launcher(_listening_addresses, num_processes=2, dashboard=False):
-        # torch's TCP store listened on every interface ('::') in rank 0; the process group now meets in a
-        # private file, and gloo's own sockets are on the loopback device (GLOO_SOCKET_IFNAME=lo)
-        assert all(address.startswith("127.") or address == "::1" for address in addresses), addresses
+    for addresses in notebook_launcher(_listening_addresses, num_processes=2, dashboard=False,
+                                       max_restarts=restarts, rdzv_backend="c10d"):
+        # torch's TCP store listened on every interface ('::'), in rank 0 or in the elastic agent; a local
+        # launch's group now meets in a private file, an elastic one's in stores on 127.0.0.1, and gloo's own
+        # sockets are on the loopback device (GLOO_SOCKET_IFNAME=lo)
+        assert all(_is_loopback(address) for address in addresses), addresses
 
 
 def test_rank_pool_ranks_listen_on_nothing_beyond_the_machine(monkeypatch):
@@ -154,4 +163,4 @@ def test_rank_pool_ranks_listen_on_nothing_beyond_the_machine(monkeypatch):
     monkeypatch.delenv("NBACCEL_INIT_METHOD", raising=False)
     with RankPool(2) as pool:
         for addresses in pool.run(_listening_addresses):
-            assert all(address.startswith("127.") or address == "::1" for address in addresses), addresses
+            assert all(_is_loopback(address) for address in addresses), addresses

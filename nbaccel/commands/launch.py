@@ -13,7 +13,8 @@ import argparse
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
+    from ..launch.kernel.loopback_store import LoopbackStore
 
 
 class LaunchOptionError(ValueError):
@@ -420,14 +422,10 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
             argv += [f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
         else:
             argv += [f"--rdzv-endpoint={s.main_process_ip}:{port}", f"--rdzv-id=nbaccel-{port}"]
-    else:
-        argv.append(f"--rdzv-backend={s.rdzv_backend}")
+    else:  # one machine, one agent: the static rendezvous on the loopback store run_settings opens
+        argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1"]
         if s.main_process_port is not None:
-            if s.rdzv_backend == "static":
-                argv += ["--master-addr=127.0.0.1", f"--master-port={s.main_process_port}"]
-            else:
-                argv += [f"--rdzv-endpoint=127.0.0.1:{s.main_process_port}", f"--rdzv-id=nbaccel-{s.main_process_port}"]
-        # no port: torch.distributed.run picks a free one on a single machine
+            argv.append(f"--master-port={s.main_process_port}")
     if s.role != "default":
         argv.append(f"--role={s.role}")
     if s.no_python:
@@ -449,6 +447,10 @@ def run_settings(s: LaunchSettings) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    store = None
+    if s.num_machines == 1:  # keep the rendezvous off the network (launch/kernel/loopback_store.py)
+        store = _open_loopback_store(s.main_process_port)
+        s = replace(s, main_process_port=store.port)
     os.environ.update(worker_environment(s))
     if s.quiet:  # -q: only the workers' output and errors, not the agent's progress messages
         import logging
@@ -471,6 +473,19 @@ def run_settings(s: LaunchSettings) -> int:
         print(f"nbaccel launch: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _open_loopback_store(port: int | None) -> LoopbackStore:
+    """The single-machine rendezvous store on 127.0.0.1: on `port`, or on a free port when none is given or,
+    as in Accelerate, when the given one is taken (with a warning)."""
+    from ..launch.kernel.loopback_store import StorePortBusy, open_loopback_store
+
+    try:
+        return open_loopback_store(port or 0)
+    except StorePortBusy:
+        warnings.warn(f"Port `{port}` is already in use on this machine: nbaccel launch meets on a free port "
+                      "instead. Pass another --main_process_port (or 0 for a free one) to choose.", stacklevel=2)
+        return open_loopback_store(0)
 
 
 def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:

@@ -4,9 +4,12 @@
 in a helper thread (so it does not replace the kernel's SIGINT handler) and starts the workers with
 `worker.elastic_entry`, which reports over the same channel and pipes as a local launch.
 
-On one node, every attempt's workers meet in a store of their own (`AttemptStores`): torch elastic would hand
-each attempt the same store, where the previous attempt's keys (the dead ranks' gloo addresses) make a
-restarted process group fail with "Gloo connectFullMesh failed ... Connection refused" instead of running.
+On one node (`AttemptStores`) the agent meets itself in torch's static rendezvous, and every store listens on
+loopback only (loopback_store.py): nothing of a restartable launch is open to the network, whatever
+`rdzv_backend` says (with one agent the backends behave alike). Every attempt's workers meet in a store of
+their own: torch elastic would hand each attempt the same store, where the previous attempt's keys (the dead
+ranks' gloo addresses) make a restarted process group fail with "Gloo connectFullMesh failed ... Connection
+refused" instead of running.
 Under fork the payload (nbaccel.launch.serialize.Payload) is inherited by every attempt's workers.
 """
 
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import LAUNCH_DEVICE_ENV
 from ..errors import LaunchError, WorkerFailure
 from ..worker.entry import elastic_entry
+from .loopback_store import LOOPBACK, LoopbackStore, open_loopback_store
 from .processes import signal_name
 from .threaded import ThreadedBackend
 
@@ -42,15 +46,17 @@ class ElasticBackend(ThreadedBackend):
         assert rdzv is not None
         conf = dict(rdzv.conf)
         conf.setdefault("timeout", 900)
-        params = RendezvousParameters(backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id,
-                                      min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, local_addr=None, **conf)
         master_addr = master_port = None
-        if rdzv.backend == "static":
-            master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
-        self._handler = registry.get_rendezvous_handler(params)
-        if plan.num_nodes == 1 and self._handler.use_agent_store:
-            self._handler = AttemptStores(self._handler, master_addr or plan.master_addr)
-            master_port = None  # each attempt's own store; WorkerSpec's port would override it
+        if plan.num_nodes == 1:  # one agent: a static rendezvous, every store on loopback (loopback_store.py)
+            _, port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=0)
+            self._handler = AttemptStores(open_loopback_store(port), rdzv.run_id, int(conf["timeout"]))
+            master_addr = LOOPBACK  # and each attempt's own store: no master_port, which would override it
+        else:
+            if rdzv.backend == "static":
+                master_addr, master_port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=-1)
+            self._handler = registry.get_rendezvous_handler(RendezvousParameters(
+                backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id, min_nodes=plan.num_nodes,
+                max_nodes=plan.num_nodes, local_addr=None, **conf))
         environ = dict(entry_args[4])
         environ[LAUNCH_DEVICE_ENV] = plan.device  # the worker fills in its local rank
         spec = WorkerSpec(role="default", local_world_size=plan.num_processes, entrypoint=elastic_entry,
@@ -127,33 +133,33 @@ class ElasticBackend(ThreadedBackend):
 
 
 class AttemptStores:
-    """A rendezvous handler (torch elastic's interface) that gives each attempt's workers a new, empty TCP
-    store on a port the OS picks, hosted here, instead of the agent's store that every attempt shares.
-    One node only: the store's address is not published to other nodes."""
+    """A rendezvous handler (torch elastic's interface) for one node: torch's static rendezvous on the
+    launch's loopback store, and for each attempt's workers a new, empty loopback store on a port the OS
+    picks, instead of the agent's store that every attempt shares."""
 
-    def __init__(self, inner: Any, master_addr: str) -> None:
-        self.inner = inner
-        self.master_addr = master_addr
-        self.store: Any = None  # the current attempt's; the previous one closes when replaced
+    def __init__(self, agent_store: LoopbackStore, run_id: str, timeout: int) -> None:
+        from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+        self.agent_store = agent_store  # the static rendezvous's multi-tenant TCPStore finds this server
+        self.inner = StaticTCPRendezvous(LOOPBACK, agent_store.port, rank=0, world_size=1, run_id=run_id,
+                                         timeout=timeout)
+        self.attempt_store: LoopbackStore | None = None  # the previous attempt's closes when replaced
 
     def next_rendezvous(self) -> Any:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
         info = self.inner.next_rendezvous()
-        self.store = None
-        self.store = TCPStore(self.master_addr, 0, None, True, timedelta(seconds=900), wait_for_workers=False)
+        self.attempt_store = None
+        self.attempt_store = open_loopback_store(0)
         return RendezvousInfo(info.store, info.rank, info.world_size,
-                              RendezvousStoreInfo(self.master_addr, self.store.port))
+                              RendezvousStoreInfo(LOOPBACK, self.attempt_store.port))
 
     @property
     def use_agent_store(self) -> bool:
         return True  # the workers are clients of the attempt's store
 
     def shutdown(self) -> bool:
-        self.store = None
+        self.attempt_store = None
         return self.inner.shutdown()
 
     def __getattr__(self, name: str) -> Any:  # get_backend, is_closed, set_closed, num_nodes_waiting, ...
