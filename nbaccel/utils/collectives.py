@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,15 +65,21 @@ def _world_size() -> int:
     return 1
 
 
-_backend_of: tuple[Any, str] = (None, "")
+_backend_of: tuple[Callable[[], Any], str] = (lambda: None, "")
 
 
 def _backend() -> str:
-    """The default group's backend name, lowercased (cached per group: this runs on every collective)."""
+    """The default group's backend name, lowercased (cached per group: this runs on every collective).
+
+    The cache holds the group weakly: a strong reference would keep the group (and gloo's worker threads)
+    alive past `destroy_process_group`, into interpreter finalization, where a worker thread releasing its
+    last collective's tensors needs the GIL and aborts the process ("terminate called without an active
+    exception", exit code -6) although the script finished."""
     global _backend_of
     group = dist.group.WORLD
-    if _backend_of[0] is not group:
-        _backend_of = (group, str(dist.get_backend(group)).lower())
+    if group is None or _backend_of[0]() is not group:
+        _backend_of = (weakref.ref(group) if group is not None else (lambda: None),
+                       str(dist.get_backend(group)).lower())
     return _backend_of[1]
 
 
