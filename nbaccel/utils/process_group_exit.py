@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 
 _registered_pid: int | None = None  # the process whose atexit list holds the hook (a fork inherits the list)
 
@@ -39,3 +40,44 @@ def _destroy_at_exit(pid: int) -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
         pass
+    wait_for_gloo_workers_to_settle()
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def wait_for_gloo_workers_to_settle(timeout: float = 0.25) -> None:
+    """Give gloo's worker threads, when a group outlives `destroy_process_group` (a DDP model still holds
+    it), the moment they need to release their last collective before the interpreter finalizes.
+
+    A worker thread drops its finished collective (and with it the tensors, whose Python objects need the
+    GIL) just after the rank's `wait()` returns. On a loaded machine it can be descheduled in between; if
+    the interpreter is finalizing when it wakes, it cannot take the GIL and the process aborts. This waits,
+    at most `timeout` seconds and only on Linux while such threads exist, until none of them has been
+    runnable over three polls (the GIL is free during each sleep, so one waiting for it gets it)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        states = _thread_states(tasks, GLOO_WORKER_THREAD)
+        if not states:
+            return
+        quiet = 0 if "R" in states else quiet + 1
+        time.sleep(0.002)
+
+
+def _thread_states(tasks: str, name: str) -> list[str]:
+    """The scheduler states (R, S, D, ...) of this process's threads called `name`."""
+    states = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/stat") as stat:
+                fields = stat.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        comm = fields[fields.index("(") + 1:fields.rindex(")")]
+        if comm == name:
+            states.append(fields[fields.rindex(")") + 2])
+    return states
