@@ -78,13 +78,9 @@ def env_command(args: argparse.Namespace) -> int:
 def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `env` parser (added to `subparsers` when given, as `nbaccel env`)."""
     description = "Print versions, devices and the config in use."
-    if subparsers is not None:
-        from .main import add_command
+    from .main import command_parser
 
-        parser = add_command(subparsers, "env", env_command, help=description)
-    else:
-        parser = argparse.ArgumentParser("nbaccel env", description=description)
-        parser.set_defaults(func=env_command)
+    parser = command_parser(subparsers, "env", env_command, description)
     parser.add_argument("--config_file", "--config-file", default=None, help="Config file to report on.")
     return parser
 

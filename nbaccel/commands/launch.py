@@ -519,17 +519,10 @@ class CustomHelpFormatter(argparse.HelpFormatter):
 
 def launch_command_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `launch` parser with every option of `accelerate launch` (added to `subparsers` when given)."""
-    if subparsers is not None:
-        from .main import add_command
+    from .main import command_parser
 
-        parser = add_command(subparsers, "launch", launch_command, help=description, allow_abbrev=False,
-                             formatter_class=CustomHelpFormatter)
-    else:
-        from .main import CommandParser
-
-        parser = CommandParser(prog="nbaccel launch", description=description, allow_abbrev=False,
-                               formatter_class=CustomHelpFormatter)
-        parser.set_defaults(func=launch_command)
+    parser = command_parser(subparsers, "launch", launch_command, description, allow_abbrev=False,
+                            formatter_class=CustomHelpFormatter)
     add_launch_arguments(parser)
     parser.set_defaults(_parser=parser)
     return parser

@@ -34,6 +34,19 @@ def add_command(subparsers, name: str, func: Callable[[argparse.Namespace], int]
     return parser
 
 
+def command_parser(subparsers, name: str, func: Callable[[argparse.Namespace], int], description: str,
+                   help: str | None = None, **kwargs) -> argparse.ArgumentParser:
+    """The parser of command `name` running `func(args)`: a subcommand of `nbaccel` when `subparsers` is given,
+    else a standalone `nbaccel <name>` parser (Accelerate's `*_command_parser(subparsers=None)` form)."""
+    if subparsers is not None:
+        parser = add_command(subparsers, name, func, help=help or description, **kwargs)
+        parser.description = description
+        return parser
+    parser = CommandParser(prog=f"nbaccel {name}", description=description, **kwargs)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def command_modules() -> list[str]:
     """Names of the modules of nbaccel.commands that may register a subcommand, in help order."""
     from . import __path__ as package_path

@@ -33,16 +33,9 @@ def _cli(args: argparse.Namespace) -> int:
 
 def merge_command_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `merge-weights` parser with Accelerate's arguments (a subcommand of `nbaccel` with `subparsers`)."""
-    if subparsers is not None:
-        from .main import add_command
+    from .main import command_parser
 
-        parser = add_command(subparsers, "merge-weights", _cli, help=description.splitlines()[0])
-        parser.description = description
-    else:
-        from .main import CommandParser
-
-        parser = CommandParser(prog="nbaccel merge-weights", description=description)
-        parser.set_defaults(func=_cli)
+    parser = command_parser(subparsers, "merge-weights", _cli, description, help=description.splitlines()[0])
     parser.add_argument("checkpoint_directory", type=str,
                         help="A folder of sharded weights saved by FSDP (e.g. checkpoint/pytorch_model_fsdp_0)")
     parser.add_argument("output_path", type=str, help="The folder to write the merged weights to")

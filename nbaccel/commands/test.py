@@ -34,15 +34,9 @@ def test_command(args: argparse.Namespace) -> int:
 def test_command_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `test` parser: the launch options, without a script (added to `subparsers` when given)."""
     description = "Check that collectives work on the configured processes (a short run)."
-    if subparsers is not None:
-        from .main import add_command
+    from .main import command_parser
 
-        parser = add_command(subparsers, "test", test_command, help=description)
-    else:
-        from .main import CommandParser
-
-        parser = CommandParser(prog="nbaccel test", description=description)
-        parser.set_defaults(func=test_command)
+    parser = command_parser(subparsers, "test", test_command, description)
     add_launch_arguments(parser, script=False)
     parser.set_defaults(_parser=parser)
     return parser

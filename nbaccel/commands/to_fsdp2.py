@@ -126,15 +126,9 @@ def _cli(args: argparse.Namespace) -> int:
 def to_fsdp2_command_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `to-fsdp2` parser with Accelerate's arguments (a subcommand of `nbaccel` when `subparsers` is given)."""
     description = "Convert an Accelerate/nbaccel config file from FSDP1 to FSDP2"
-    if subparsers is not None:
-        from .main import add_command
+    from .main import command_parser
 
-        parser = add_command(subparsers, "to-fsdp2", _cli, help=description)
-    else:
-        from .main import CommandParser
-
-        parser = CommandParser(prog="nbaccel to-fsdp2", description=description)
-        parser.set_defaults(func=_cli)
+    parser = command_parser(subparsers, "to-fsdp2", _cli, description)
     parser.add_argument("--config_file", type=str, required=True, help="The config file to convert to FSDP2")
     parser.add_argument("--overwrite", action="store_true", default=False,
                         help="Overwrite the config file (or the output file) if it exists")
