@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -54,6 +55,12 @@ class RankProcess:
         self.device = "cpu"
         self.pid = process.pid
         self.closed_fds: set[int] = set()
+        # one poll object for the output pipes, kept for the rank's life: take_output runs twice per rank in
+        # every call, and a selector built per call cost more than the rest of a trivial call's kernel side
+        self._output_poll = select.poll() if hasattr(select, "poll") else None
+        if self._output_poll is not None:
+            for fd in (out_fd, err_fd):
+                self._output_poll.register(fd, select.POLLIN)
 
     def drain(self, fd: int) -> None:
         if fd in self.closed_fds:
@@ -63,12 +70,29 @@ class RankProcess:
         if self.on_output is not None and data:
             self.on_output("stdout" if fd == self.out_fd else "stderr", data)
         if at_end:
-            self.closed_fds.add(fd)
+            self._closed(fd)
+
+    def _closed(self, fd: int) -> None:
+        self.closed_fds.add(fd)
+        if self._output_poll is not None:
+            self._output_poll.unregister(fd)
+
+    def close(self) -> None:
+        """Close the kernel's ends; the descriptors' numbers may be reused, so nothing here polls them again."""
+        close_quietly(self.commands, self.telemetry, self.out_fd, self.err_fd)
+        self.closed_fds.update((self.out_fd, self.err_fd))
+        self._output_poll = None
 
     def take_output(self) -> tuple[str, str]:
-        open_fds = [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
-        if open_fds:  # one poll instead of a non-blocking read of each pipe (most calls print nothing)
-            for fd in wait(open_fds, 0):
+        if self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
+            for fd, events in self._output_poll.poll(0):
+                if events & select.POLLNVAL:  # closed on this side (the pool is stopping)
+                    self._closed(fd)
+                else:
+                    self.drain(fd)
+        else:
+            open_fds = [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
+            for fd in wait(open_fds, 0) if open_fds else ():
                 self.drain(fd)
         if not self.out and not self.err:
             return "", ""
@@ -181,7 +205,7 @@ class RankProcesses:
             process.join(max(0.0, deadline - time.monotonic()))
         stop_processes(processes)
         for rank in self.ranks:
-            close_quietly(rank.commands, rank.telemetry, rank.out_fd, rank.err_fd)
+            rank.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
         try:
             self._tracker.__exit__(None, None, None)
