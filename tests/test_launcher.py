@@ -161,13 +161,15 @@ def test_timeout():
     assert live_children() == []
 
 
-def test_busy_port_is_named_before_starting():
+@pytest.mark.parametrize("restartable", [False, True], ids=["local", "elastic"])
+def test_busy_port_is_named_before_starting(restartable):
+    options = {"max_restarts": 1, "rdzv_backend": "c10d"} if restartable else {}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
         with pytest.raises(PortInUseError, match=str(port)):
-            launch(lambda: 1, use_port=port)
+            launch(lambda: 1, use_port=port, **options)
     assert live_children() == []
 
 

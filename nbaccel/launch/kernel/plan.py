@@ -289,6 +289,8 @@ def _rendezvous(request: LaunchRequest, saved: Any, port: int | None) -> Rendezv
                     "(with rdzv_backend='c10d') or use_port=... together with master_addr"
                 )
             port = free_port()
+        elif saved.num_nodes == 1:  # one node: its rendezvous listens on loopback (kernel/loopback_store.py)
+            check_port_free(port, "127.0.0.1")
         elif saved.node_rank == 0 and is_local_address(saved.master_addr) and backend == "static":
             check_port_free(port, bind_address(saved.master_addr))
         endpoint = f"{saved.master_addr}:{port}"
