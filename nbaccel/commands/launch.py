@@ -447,7 +447,7 @@ def run_settings(s: LaunchSettings) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    store = None
+    store = None  # referenced until this function returns: the store serves the whole launch
     if s.num_machines == 1:  # keep the rendezvous off the network (launch/kernel/loopback_store.py)
         store = _open_loopback_store(s.main_process_port)
         s = replace(s, main_process_port=store.port)
