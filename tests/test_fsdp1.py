@@ -41,6 +41,25 @@ def batches(rank: int, steps: int):
     return [(torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(steps)]
 
 
+def prepare_and_train(accelerator, model: nn.Module, rank: int, steps: int, optimizer_first: bool):
+    """The training both libraries run: prepare, then `steps` steps with clipping; (prepared model, grad norms).
+    `optimizer_first`: the optimizer is built before prepare and passed with the model; else Accelerate's
+    documented FSDP1 order (prepare the model, then build its optimizer)."""
+    if optimizer_first:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    norms = []
+    for x, y in batches(rank, steps):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, norms
+
+
 # Each setting trains the same model on the same data; FSDP1 must end with DDP's weights.
 SETTINGS = {
     "default": {},
@@ -76,18 +95,7 @@ def _train(rank: int, settings: dict | None, steps: int = 4, optimizer_first: bo
     model = Tiny()
     plugin = None if settings is None else FullyShardedDataParallelPlugin(**settings)
     accelerator = Accelerator(fsdp_plugin=plugin)
-    if optimizer_first:  # created before prepare and passed together with the model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:  # Accelerate's documented FSDP1 order: prepare the model, then build its optimizer
-        model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    norms = []
-    for x, y in batches(rank, steps):
-        accelerator.backward(nn.functional.mse_loss(model(x), y))
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
-        optimizer.step()
-        optimizer.zero_grad()
+    model, norms = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
     weights = accelerator.get_state_dict(model)
     kinds = sorted({type(m).__name__ for m in model.modules()})
     return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms, "kinds": kinds,
@@ -146,18 +154,7 @@ def _accelerate_train(rank: int, settings: dict, steps: int = 4, optimizer_first
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
-    if optimizer_first:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    norms = []
-    for x, y in batches(rank, steps):
-        accelerator.backward(nn.functional.mse_loss(model(x), y))
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
-        optimizer.step()
-        optimizer.zero_grad()
+    model, norms = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
     # (Accelerate's get_state_dict gathers with offload_to_cpu, which on CPU ranks frees the tensors it returns)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms}
