@@ -133,7 +133,8 @@ def test_launch_with_port_zero_runs_on_a_free_port(tmp_path):
     script = tmp_path / "port.py"
     # torchrun's agents meet in a store on MASTER_PORT before any worker starts, so workers that start and see
     # the port prove it was a usable one (no process group here: gloo's own connections are not the point)
-    script.write_text("import os\nprint('PORT', os.environ['MASTER_PORT'], os.environ['WORLD_SIZE'], flush=True)\n")
+    # one write per line: torchrun's workers are unbuffered, and print's pieces from two ranks can interleave
+    script.write_text("import os\nos.write(1, f\"PORT {os.environ['MASTER_PORT']} {os.environ['WORLD_SIZE']}\\n\".encode())\n")
     proc = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2",
                            "--main_process_port", "0", str(script)], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
