@@ -3,21 +3,32 @@
 Start (interleaved round by round): RankPool(2) until both ranks are ready for a cell (process group and
 PartialState built) against the floor: fork 2 raw processes and get one answer from each through a pipe.
 
-Calls, interleaved call by call in one run:
-  floor        2 forked processes that exec() what a raw multiprocessing pipe brings and send back the value
-  floor fn     the same processes called with a function (pickled by reference) instead of source
-  nbaccel      RankPool(2).exec("a = 1 + 1") (the %%ranks path: output capture, per-rank namespaces, hang
-               watch) and .exec("1 + 1") (also returns and pickles the value of the last expression)
-  ipyparallel  view.execute("a = 1 + 1", block=True) on a local 2-engine cluster: what `%px` does (when
-               ipyparallel is installed)
-Goals: nbaccel median <= ipyparallel's and < 10 ms.
+Calls, interleaved call by call in one run (in a shuffled order each round):
+  floor          2 forked processes that exec() what a raw multiprocessing pipe brings and send back the value
+  floor (new)    the same with a different source at every call (a notebook's cells: nothing to reuse)
+  floor fn       the same processes called with a function pickled by reference: the least a function
+                 that both sides already hold costs (a module's function, or one defined before the fork)
+  floor fn cp    the same with the function cloudpickled by value: the least a function defined in a
+                 notebook cell after the ranks started costs (by reference it does not exist on the ranks)
+  nbaccel        RankPool(2).exec("a = 1 + 1") (the %%ranks path: output capture, per-rank namespaces, hang
+                 watch), .exec("1 + 1") (also returns the value of the last expression), .exec of a new
+                 source each call, .run(fn) of a module's function and of a notebook function (by value)
+  nbdistributed  CommunicationManager.send_to_all("execute", "a = 1 + 1"): what its `%%distributed` does
+  ipyparallel    view.execute("a = 1 + 1", block=True) on a local 2-engine cluster: what `%px` does
+The peers run when installed (`pip install -e ".[bench]"`). Goals (issue 17): exec <= 1.3x the floor and
+<= nbdistributed; run <= 1.5x its floor; start <= 0.5 s.
 Run: python benchmarks/ranks.py [calls]
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import multiprocessing as mp
+import operator
 import os
+import random
 import statistics
 import sys
 import time
@@ -26,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import cloudpickle  # noqa: E402
+
 from nbaccel.launch.pool import RankPool  # noqa: E402
 
 STATEMENT = "a = 1 + 1"
@@ -33,6 +46,7 @@ STATEMENT = "a = 1 + 1"
 
 def _floor_worker(conn) -> None:
     namespace: dict = {}
+    compiled: dict = {}  # a source seen before is not compiled again (nbaccel's ranks do the same)
     while True:
         source = conn.recv()
         if source is None:
@@ -40,12 +54,24 @@ def _floor_worker(conn) -> None:
         if callable(source):
             conn.send(source())
             continue
-        exec(source, namespace)
+        if isinstance(source, bytes):  # a cloudpickled (function, args, kwargs)
+            function, args, kwargs = cloudpickle.loads(source)
+            conn.send(function(*args, **kwargs))
+            continue
+        code = compiled.get(source)
+        if code is None:
+            code = compiled[source] = compile(source, "<cell>", "exec")
+        exec(code, namespace)
         conn.send(namespace.get("a"))
 
 
-def trivial() -> int:
-    return 2
+def notebook_function() -> object:
+    """A function as a notebook cell defines it: in `__main__`, so cloudpickle sends it by value."""
+    def trivial_in_a_cell() -> int:
+        return 2
+    trivial_in_a_cell.__module__ = "__main__"
+    trivial_in_a_cell.__qualname__ = "trivial_in_a_cell"
+    return trivial_in_a_cell
 
 
 class Floor:
@@ -71,6 +97,40 @@ class Floor:
             conn.send(None)
         for proc in self.procs:
             proc.join(5)
+
+
+def start_nbdistributed():
+    """nbdistributed's workers and channel as its `%dist_init -n 2` starts them, once they answer a cell
+    (a cell sent before its workers' sockets connect is dropped: it retries). None when not installed."""
+    try:
+        from nbdistributed.communication import CommunicationManager
+        from nbdistributed.process_manager import ProcessManager
+    except ImportError:
+        return None
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # it runs "python"
+    with contextlib.redirect_stdout(io.StringIO()):
+        manager = ProcessManager()
+        comm = CommunicationManager(2, manager.start_workers(2))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            comm.send_to_all("execute", "1", timeout=0.05)
+            return manager, comm
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                stop_nbdistributed((manager, comm))  # its workers outlive an error otherwise
+                raise
+
+
+def stop_nbdistributed(started) -> None:
+    manager, comm = started
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            comm.send_to_all("shutdown", {}, timeout=2.0)
+        except Exception:
+            pass
+        comm.shutdown()
+        manager.shutdown()
 
 
 def start_ipyparallel():
@@ -109,16 +169,34 @@ def start_pool() -> None:
     pool.shutdown()
 
 
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def start_nbdistributed_once() -> None:
+    stop_nbdistributed(start_nbdistributed())
+
+
 def measure_start(rounds: int) -> None:
     samples: dict[str, list[float]] = {"start floor (raw fork)": [], "start RankPool(2)": []}
+    has_nbdistributed = _installed("nbdistributed")
+    if has_nbdistributed:
+        samples["start nbdistributed"] = []
     for _ in range(rounds):
         timed(start_floor, samples["start floor (raw fork)"])
         timed(start_pool, samples["start RankPool(2)"])
+        if has_nbdistributed:
+            timed(start_nbdistributed_once, samples["start nbdistributed"])
     for name, values in samples.items():
         print(describe(name, values))
     pool_ms = statistics.median(samples["start RankPool(2)"])
     print(f"RankPool start: {pool_ms / 1000:.2f} s median (goal <= 0.5 s), "
           f"{pool_ms / statistics.median(samples['start floor (raw fork)']):.0f}x the raw fork")
+    if has_nbdistributed:
+        print(f"RankPool start / nbdistributed start: "
+              f"{pool_ms / statistics.median(samples['start nbdistributed']):.2f}x")
 
 
 def main() -> None:
@@ -126,14 +204,23 @@ def main() -> None:
     measure_start(int(os.environ.get("RANKS_START_ROUNDS", "5")))
     floor = Floor()
     pool = RankPool(2)
+    nbdistributed = start_nbdistributed()
     cluster, view = start_ipyparallel()
+    in_a_cell = notebook_function()
+    new_sources = (f"a = {i} + 1" for i in range(10**9))
     variants = {
         "floor (raw pipes)": floor.call,
         "nbaccel exec (statement)": lambda: pool.exec(STATEMENT),
         "nbaccel exec (value back)": lambda: pool.exec("1 + 1").values,
-        "floor fn (raw pipes)": lambda: floor.call(trivial),
-        "nbaccel run(fn)": lambda: pool.run(trivial),
+        "floor (new source)": lambda: floor.call(next(new_sources)),
+        "nbaccel exec (new source)": lambda: pool.exec(next(new_sources)),
+        "floor fn (by reference)": lambda: floor.call(functools.partial(operator.pos, 2)),
+        "nbaccel run(module fn)": lambda: pool.run(operator.pos, 2),
+        "floor fn (cloudpickled)": lambda: floor.call(cloudpickle.dumps((in_a_cell, (), {}))),
+        "nbaccel run(cell fn)": lambda: pool.run(in_a_cell),
     }
+    if nbdistributed is not None:
+        variants["nbdistributed execute"] = lambda: nbdistributed[1].send_to_all("execute", STATEMENT)
     if view is not None:
         variants["ipyparallel execute (%px)"] = lambda: view.execute(STATEMENT, block=True)
     samples: dict[str, list[float]] = {name: [] for name in variants}
@@ -141,27 +228,38 @@ def main() -> None:
         for call in variants.values():  # warm up each path once
             call()
         assert pool.exec("1 + 1").values == [2, 2]
+        order = list(variants.items())
+        shuffle = random.Random(0).shuffle
         for _ in range(calls):
-            for name, call in variants.items():
+            shuffle(order)  # a fixed order favours some variants (the call after a slow peer's pays its wake-up)
+            for name, call in order:
                 timed(call, samples[name])
     finally:
         pool.shutdown()
         floor.close()
+        if nbdistributed is not None:
+            stop_nbdistributed(nbdistributed)
         if cluster is not None:
             cluster.stop_cluster_sync()
     print(f"{calls} calls per variant, 2 ranks, interleaved")
     for name, values in samples.items():
         print(describe(name, values))
-    nb = statistics.median(samples["nbaccel exec (statement)"])
-    print(f"nbaccel exec / floor:   {nb / statistics.median(samples['floor (raw pipes)']):.2f}x (median; goal <= 1.3x)")
-    run_ratio = statistics.median(samples["nbaccel run(fn)"]) / statistics.median(samples["floor fn (raw pipes)"])
-    print(f"nbaccel run / floor fn: {run_ratio:.2f}x (median; goal <= 1.5x)")
-    if view is not None:
-        ipp_median = statistics.median(samples["ipyparallel execute (%px)"])
-        print(f"nbaccel / ipyparallel:  {nb / ipp_median:.2f}x (median; goal <= 1)")
-    else:
-        print("ipyparallel not installed: no comparison")
-    print(f"nbaccel median < 10 ms: {'yes' if nb < 10 else 'NO'}")
+    median = {name: statistics.median(values) for name, values in samples.items()}
+
+    def ratio(name: str, floor_name: str, goal: str) -> None:
+        print(f"{name + ' / ' + floor_name:<58} {median[name] / median[floor_name]:5.2f}x  {goal}")
+
+    print("ratios of medians:")
+    ratio("nbaccel exec (statement)", "floor (raw pipes)", "(goal <= 1.3x)")
+    ratio("nbaccel exec (new source)", "floor (new source)", "(goal <= 1.3x)")
+    ratio("nbaccel run(module fn)", "floor fn (by reference)", "(goal <= 1.5x)")
+    ratio("nbaccel run(cell fn)", "floor fn (cloudpickled)", "(goal <= 1.5x)")
+    ratio("nbaccel run(cell fn)", "floor fn (by reference)", "(a function the ranks do not hold, by value)")
+    for peer in ("nbdistributed execute", "ipyparallel execute (%px)"):
+        if peer in median:
+            ratio("nbaccel exec (statement)", peer, "(goal <= 1)")
+        else:
+            print(f"{peer.split()[0]} not installed: no comparison (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":

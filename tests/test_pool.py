@@ -114,6 +114,30 @@ def test_exec_run_namespaces_output_errors_push_pull():
     assert not pool.running
 
 
+def test_a_cell_run_again_runs_again_under_its_first_name():
+    """The pool names a source it has seen with its first name and the ranks reuse its compiled code: the
+    cell still runs every time, in the namespace as it is then, and its errors point at its lines."""
+    with RankPool(2, timeout=20) as pool:
+        pool.exec("n = 0")
+        step = "n += 1\nn * 10"
+        assert [pool.exec(step).values for _ in range(3)] == [[10, 10], [20, 20], [30, 30]]
+        assert pool.exec("n = 100; n").values == [100, 100]  # a statement and its value on one line
+        assert pool.exec(step).values == [1010, 1010]
+        failing = "m = n\nraise KeyError(m)"
+        first, second = pool.exec(failing)[0].error.traceback, pool.exec(failing)[0].error.traceback
+        assert first == second and 'line 2' in first and "raise KeyError(m)" in first
+        other = pool.exec("raise KeyError(0)")[0].error.traceback
+        assert _cell_file(first).startswith("<rank-cell-") and _cell_file(other) != _cell_file(first)
+        assert pool.exec("x = 1").values == [None, None]  # no trailing expression: nothing shown
+        for _ in range(2):  # a syntax error is raised every time, never remembered as a good cell
+            with pytest.raises(SyntaxError):
+                pool.exec("def (")
+
+
+def _cell_file(traceback: str) -> str:
+    return next(part.split('"')[0] for part in traceback.split('File "')[1:] if part.startswith("<rank-cell-"))
+
+
 def _raise_on_rank_0() -> int:
     import torch.distributed as dist
 

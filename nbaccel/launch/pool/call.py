@@ -12,7 +12,8 @@ import select
 import signal
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ..errors import WorkerFailure
@@ -58,13 +59,17 @@ class Call:
         self.changed = False
         self.progress_at = time.monotonic() + PROGRESS_DELAY
 
-    def run(self, make: Callable[[int, int], tuple]) -> RankResults:
+    def run(self, make: Callable[[int], tuple]) -> RankResults:
+        """Send `make(call_id)` to the selected ranks (pickled once for all of them: a pushed value or a
+        function's payload is copied once, not once per rank) and wait for their replies."""
+        command = ForkingPickler.dumps(make(self.call_id))
         for index in self.selected:
             rank = self.ranks[index]
             rank.take_output()  # what a rank wrote between calls (background threads) is not this call's
-            _discard_stale(rank.status)
+            if rank.status_unanswered:
+                _discard_stale(rank)
             try:
-                rank.commands.send(make(self.call_id, index))
+                rank.commands.send_bytes(command)
             except (OSError, ValueError):
                 self._dead(index)
         self._quick_replies()
@@ -168,16 +173,19 @@ class Call:
         for index in self.pending:
             try:
                 self.ranks[index].status.send("status")
+                self.ranks[index].status_unanswered += 1
                 asked.add(index)
             except (OSError, ValueError):
                 pass
         return asked
 
     def _status(self, index: int) -> None:
+        rank = self.ranks[index]
         try:
-            snapshot = self.ranks[index].status.recv()
+            snapshot = rank.status.recv()
         except (EOFError, OSError):
             return
+        rank.status_unanswered -= 1
         if index not in self.pending or snapshot.get("call_id") != self.call_id:
             return
         self.snapshots[index] = snapshot
@@ -270,10 +278,12 @@ class Call:
         return [self._result(index, waiting=index in self.pending) for index in self.selected]
 
 
-def _discard_stale(conn: Connection) -> None:
-    """Drop status answers left over from an interrupted call, so each query reads its own answer."""
+def _discard_stale(rank: RankProcess) -> None:
+    """Drop status answers left over from an interrupted call, so each query reads its own answer. Called
+    only when a query is unanswered: `Connection.poll` builds a selector, a fifth of a trivial call's cost."""
     try:
-        while conn.poll(0):
-            conn.recv()
+        while rank.status.poll(0):
+            rank.status.recv()
+            rank.status_unanswered -= 1
     except (EOFError, OSError):
-        pass
+        rank.status_unanswered = 0

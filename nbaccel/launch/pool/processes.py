@@ -48,6 +48,7 @@ class RankProcess:
         self.process = process
         self.commands = commands
         self.status = status
+        self.status_unanswered = 0  # status queries sent whose answers were not read (an interrupted call)
         self.out_fd = out_fd
         self.err_fd = err_fd
         self.out = bytearray()

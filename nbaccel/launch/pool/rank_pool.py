@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 PG_TIMEOUT_MARGIN = 10.0  # the process group's own timeout: the pool's timeout plus this (a backstop)
+CELL_NAMES_KEPT = 256  # distinct cell sources whose name the pool remembers (the ranks keep their compiled code)
 
 
 class RankPool:
@@ -91,6 +92,7 @@ class RankPool:
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
+        self._cell_names: dict[str, tuple[str, bool]] = {}  # source -> _cell_name's answer (sources that parsed)
         self._lock = threading.RLock()
         self._workers: RankProcesses | None = None
         self._finalizer: weakref.finalize | None = None
@@ -151,12 +153,12 @@ class RankPool:
         for rank in workers.ranks:
             rank.on_output = OutputLines(rank.rank, self._notify)
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
-        self._call(lambda call_id, rank: ("telemetry", call_id, True), None, None).raise_if_failed()
+        self._call(lambda call_id: ("telemetry", call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
             self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
 
     def _telemetry_off(self) -> None:
-        self._call(lambda call_id, rank: ("telemetry", call_id, False), None, None)
+        self._call(lambda call_id: ("telemetry", call_id, False), None, None)
         self._stop_reader()
 
     def _stop_reader(self) -> None:
@@ -243,10 +245,24 @@ class RankPool:
         """
         if not isinstance(source, str):
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
-        filename = f"<rank-cell-{next(self._cells)}>"
-        ast.parse(source, filename, "exec")  # a SyntaxError is raised here, before any rank sees the cell
-        return self._call(lambda call_id, rank: ("exec", call_id, source, filename), ranks, timeout, on_progress,
-                          report=True)
+        filename, ends_with_expression = self._cell_name(source)
+        return self._call(lambda call_id: ("exec", call_id, source, filename, ends_with_expression), ranks,
+                          timeout, on_progress, report=True)
+
+    def _cell_name(self, source: str) -> tuple[str, bool]:
+        """The cell's file name in tracebacks, and whether it ends with an expression (whose value the ranks
+        return). A SyntaxError is raised here, before any rank sees the cell. A source run again keeps its
+        name, so neither the kernel nor a rank parses and compiles it twice (a third of a trivial cell's
+        time: a loop of `pool.exec("step()")` pays it once)."""
+        known = self._cell_names.get(source)
+        if known is None:
+            name = f"<rank-cell-{next(self._cells)}>"
+            tree = ast.parse(source, name, "exec")
+            known = (name, bool(tree.body) and isinstance(tree.body[-1], ast.Expr))
+            if len(self._cell_names) >= CELL_NAMES_KEPT:
+                del self._cell_names[next(iter(self._cell_names))]  # the oldest
+            self._cell_names[source] = known
+        return known
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `function(*args, **kwargs)` on every rank (cloudpickled once, like notebook_launcher); return
@@ -254,7 +270,7 @@ class RankPool:
         if not callable(function):
             raise TypeError(f"function must be callable, got {type(function).__name__}")
         payload = dumps_payload(function, args, kwargs)
-        results = self._call(lambda call_id, rank: ("run", call_id, payload), None, None, report=True)
+        results = self._call(lambda call_id: ("run", call_id, payload), None, None, report=True)
         results.raise_if_failed()
         return results.values
 
@@ -267,17 +283,17 @@ class RankPool:
             path = find_culprit(value, name) or name
             raise UnpicklableError(f"cannot send {path} to the ranks: it cannot be pickled "
                                    f"({type(exc).__name__}: {exc})") from exc
-        self._call(lambda call_id, rank: ("push", call_id, name, data), ranks, None).raise_if_failed()
+        self._call(lambda call_id: ("push", call_id, name, data), ranks, None).raise_if_failed()
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> list[Any]:
         """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
         _check_name(name)
-        results = self._call(lambda call_id, rank: ("pull", call_id, name), ranks, None)
+        results = self._call(lambda call_id: ("pull", call_id, name), ranks, None)
         results.raise_if_failed()
         return results.values
 
     # ------------------------------------------------------------------------------------------ the wait
-    def _call(self, make: Callable[[int, int], tuple], ranks: Iterable[int] | None,
+    def _call(self, make: Callable[[int], tuple], ranks: Iterable[int] | None,
               timeout: float | None, on_progress: Callable[[RankResults], None] | None = None,
               report: bool = False) -> RankResults:
         timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
