@@ -6,7 +6,7 @@ Variants, interleaved round by round in one run:
   nbaccel     nbaccel.notebook_launcher as a user runs it: PartialState() in the worker, the default
               dashboard ("auto"; its output is captured), results returned, output forwarded, supervision
   accelerate  accelerate.notebook_launcher with PartialState(cpu=True) inside (when installed)
-Goals: nbaccel <= 1.3x floor and <= 0.5x accelerate. Also the cost of one telemetry message from a worker
+Goals: nbaccel <= 1.3x floor and <= 0.4x accelerate (issue 17). Also the cost of one telemetry message from a worker
 (`telemetry.log_metrics`, one per step) against a small training step (goal: < 1%).
 Run: python benchmarks/launch.py [rounds]
 """
@@ -130,7 +130,7 @@ def main() -> None:
           f"{mins['nbaccel'] / mins['floor']:.2f}x min   (goal <= 1.3x)")
     if "accelerate" in medians:
         print(f"nbaccel / accelerate = {medians['nbaccel'] / medians['accelerate']:.2f}x median, "
-              f"{mins['nbaccel'] / mins['accelerate']:.2f}x min   (goal <= 0.5x)")
+              f"{mins['nbaccel'] / mins['accelerate']:.2f}x min   (goal <= 0.4x)")
         print(f"floor / accelerate   = {medians['floor'] / medians['accelerate']:.2f}x median "
               "(the lowest ratio any launcher on the same start method can reach)")
     per_log, per_step = telemetry_cost()

@@ -7,7 +7,7 @@ that the machine's other users add falls on all of them alike):
 - accelerate: Hugging Face Accelerate's Accelerator(cpu=True), same loop (when installed)
 
 MLP 784-512-512-10, batch 64 per rank, SGD, synthetic data held in memory. Prints steps/s per variant
-(all steps, epoch boundaries included), the median step time, and the ratios. Goal: nbaccel at most 3% slower than the floor and not slower
+(all steps, epoch boundaries included), the median step time, and the ratios. Goal: nbaccel at most 2% slower than the floor and not slower
 than Accelerate. Usage: python benchmarks/train.py [--rounds 20] [--steps 20]
 """
 
@@ -168,7 +168,7 @@ def main() -> None:
     for name in times:
         print(f"  {name:<11} {rate[name]:8.1f} steps/s overall, median step {median[name] * 1e3:6.2f} ms")
     print(f"  nbaccel / floor      = {rate['nbaccel'] / rate['floor']:.3f} overall, "
-          f"{median['floor'] / median['nbaccel']:.3f} by median step  (goal >= 0.97)")
+          f"{median['floor'] / median['nbaccel']:.3f} by median step  (goal >= 0.98: a step at most 1.02x the floor)")
     if "accelerate" in times:
         print(f"  nbaccel / accelerate = {rate['nbaccel'] / rate['accelerate']:.3f} overall, "
               f"{median['accelerate'] / median['nbaccel']:.3f} by median step  (goal >= 1.00)")
