@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -25,6 +27,7 @@ from nbaccel.launch.pool import (
 )
 from nbaccel.launch.pool.hang_report import RankState, diagnose
 from nbaccel.launch.pool.rank_view import render_html, render_text
+from nbaccel.launch.private_dirs import make_store_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,20 +220,26 @@ def test_garbage_collection_stops_the_ranks():
     assert all_gone(pids)
 
 
-def test_ranks_die_with_their_kernel(tmp_path):
-    """Even a SIGKILLed kernel leaves no rank behind."""
+def test_ranks_die_with_their_kernel(tmp_path, monkeypatch):
+    """Even a SIGKILLed kernel leaves no rank behind; the next pool or launch removes its store folder."""
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent("""
         import os, signal
         from nbaccel.launch.pool import RankPool
         pool = RankPool(2, timeout=10)
-        print(*pool.pids, flush=True)
+        print(*pool.pids, pool._workers._store_dir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
-    pids = [int(pid) for pid in proc.stdout.split()]
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
+    *pids, store = proc.stdout.split()
+    pids = [int(pid) for pid in pids]
     assert len(pids) == 2, proc.stderr
     assert all_gone(pids)
+    assert os.path.isdir(store) and os.path.dirname(store) == str(tmp_path / f"nbaccel-{os.getuid()}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = make_store_dir()
+    assert not os.path.exists(store) and os.path.isdir(made)
 
 
 def test_bad_arguments_fail_before_any_process_starts():

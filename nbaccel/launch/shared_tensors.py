@@ -23,6 +23,8 @@ from typing import Any
 
 import cloudpickle
 
+from .private_dirs import make_private_dir
+
 RESULT_DIR_ENV = "NBACCEL_RESULT_DIR"  # the launch's folder for large results, set in each worker's environment
 MIN_BYTES = 1 << 20  # smaller storages are cheaper through the pipe than through a file
 SHM_ROOT = "/dev/shm"
@@ -36,38 +38,10 @@ def make_result_dir() -> str | None:
     to clean up) are removed here, by the next launch on the machine."""
     if not sys.platform.startswith("linux") or not os.path.isdir(SHM_ROOT) or not os.access(SHM_ROOT, os.W_OK):
         return None
-    _remove_orphans()
     try:
-        return tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=SHM_ROOT)
+        return make_private_dir(DIR_PREFIX, SHM_ROOT)
     except OSError:
         return None
-
-
-def _remove_orphans() -> None:
-    try:
-        names = [name for name in os.listdir(SHM_ROOT) if name.startswith(DIR_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        path = os.path.join(SHM_ROOT, name)
-        try:
-            if os.stat(path).st_uid == os.getuid():
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. another user's process
-        return True
-    return True
 
 
 def remove_result_dir(directory: str | None) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
+from ..private_dirs import make_store_dir
 from ..worker.entry import run_worker
 from .pipes import Pipes
 from .processes import get_context, main_module_hidden, stop_processes
@@ -56,7 +56,7 @@ class LocalBackend:
     def _private_store(self) -> dict[str, str]:
         """Every rank of a local launch runs on this machine: their process group meets in a FileStore in an
         owner-only folder instead of a TCP store that torch would open on every network interface."""
-        self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")  # mode 0700
+        self._store_dir = make_store_dir()  # mode 0700; a killed kernel's are removed by the next one
         return {INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")}
 
     def wait_objects(self) -> list[Any]:

@@ -11,7 +11,6 @@ import multiprocessing.util
 import os
 import select
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -32,6 +31,7 @@ from ..kernel.processes import (
     stop_processes,
 )
 from ..output import read_available
+from ..private_dirs import make_store_dir
 from .results import RankStartError
 
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
@@ -116,7 +116,7 @@ class RankProcesses:
         preload_worker_modules(start_method)  # forked ranks inherit PartialState's modules
         port = free_port()
         # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
-        self._store_dir = tempfile.mkdtemp(prefix="nbaccel-store-")
+        self._store_dir = make_store_dir()  # mode 0700; a killed kernel's are removed by the next one
         env = dict(env, **{INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")})
         kernel_fds: list[int] = []
         death_signal = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the thread

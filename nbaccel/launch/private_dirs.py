@@ -1,0 +1,78 @@
+"""Owner-only folders of one launch or pool (its FileStore, its large results) that no killed kernel leaves.
+
+A folder's name carries the pid of the kernel that made it. A kernel killed with SIGKILL cannot remove its
+folders, so making a folder first removes those whose kernel no longer runs. The FileStore folders live in
+one owner-only parent per user (`<tmp>/nbaccel-<uid>`), so that sweep reads nbaccel's entries only, not all
+of /tmp (thousands of entries on a busy machine: milliseconds on every launch).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+
+STORE_PREFIX = "store-"
+
+
+def make_private_dir(prefix: str, root: str) -> str:
+    """A new 0700 folder `<root>/<prefix><pid>-<random>`, after removing the orphans of dead kernels."""
+    remove_orphans(prefix, root)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+
+
+def remove_orphans(prefix: str, root: str) -> None:
+    """Remove this user's `<prefix><pid>-...` folders of `root` whose pid no longer runs."""
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def make_store_dir() -> str:
+    """The folder of a local launch's or a pool's FileStore (0700)."""
+    root = _user_root()
+    if root is None:
+        return tempfile.mkdtemp(prefix="nbaccel-store-")
+    return make_private_dir(STORE_PREFIX, root)
+
+
+def _user_root() -> str | None:
+    """`<tmp>/nbaccel-<uid>`, made 0700; None where it is not this user's alone (or there are no uids)."""
+    if not hasattr(os, "getuid"):
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"nbaccel-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return None  # made by someone else (a shared /tmp): not a place for this user's stores
+    return path

@@ -1,0 +1,42 @@
+"""Private folders of launches and pools: owner-only, and a killed kernel's are removed by the next one."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tempfile
+
+from nbaccel.launch import private_dirs
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
+def test_store_folders_live_in_one_owner_only_parent_and_orphans_go(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = private_dirs.make_store_dir()
+    root = tmp_path / f"nbaccel-{os.getuid()}"
+    assert os.path.dirname(first) == str(root)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700 and stat.S_IMODE(os.stat(first).st_mode) == 0o700
+    orphan = root / f"{private_dirs.STORE_PREFIX}{_dead_pid()}-abc"
+    orphan.mkdir()
+    (orphan / "store").write_text("left by a killed kernel")
+    unknown = root / "store-notapid"  # not named by nbaccel: kept
+    unknown.mkdir()
+    second = private_dirs.make_store_dir()
+    assert not orphan.exists() and unknown.exists()
+    assert os.path.isdir(first) and os.path.isdir(second)  # this process's folders stay while it runs
+
+
+def test_a_parent_others_can_enter_is_not_used(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / f"nbaccel-{os.getuid()}"
+    root.mkdir()
+    root.chmod(0o777)  # e.g. made by someone else in a shared /tmp: the store goes straight into tmp, 0700
+    made = private_dirs.make_store_dir()
+    assert os.path.dirname(made) == str(tmp_path) and os.path.basename(made).startswith("nbaccel-store-")
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
