@@ -33,7 +33,7 @@ from typing import Any
 from ..channel import close_quietly
 from ..output import flush_std, redirect_std_fds
 from ..worker import rank_display
-from ..worker.entry import _destroy_process_group
+from ..worker.entry import _destroy_process_group, apply_cpu_threads
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
@@ -62,6 +62,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)
+    apply_cpu_threads()  # a forked rank keeps the kernel's torch threads otherwise (and can hang in OpenMP)
     rank = int(os.environ.get("RANK", "0"))
     rank_display.install(lambda message: _send(commands, dict(message, rank=rank, time=time.time())), mark=False)
     _start_status_thread(status)

@@ -37,6 +37,7 @@ def run_worker(
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)
+    apply_cpu_threads()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     sink = WorkerSink(channel, rank, local_rank)
@@ -45,6 +46,19 @@ def run_worker(
     sink.close()
     if not ok:
         sys.exit(1)
+
+
+def apply_cpu_threads() -> None:
+    """Give torch the rank's OMP_NUM_THREADS. torch reads it only when it starts, so a forked rank keeps the
+    kernel's thread count unless told. It matters beyond speed: a rank forked after the kernel ran a
+    multi-threaded op hangs in its first one (libgomp waits for the kernel's pool threads, which a fork does not
+    copy); with 1 thread, torch never enters an OpenMP region."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is None or not value.isdigit() or int(value) < 1:
+        return  # a torch imported from here on reads the variable itself
+    if torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
 
 
 def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, device: str | None = None) -> bool:
