@@ -12,6 +12,7 @@ from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import make_store_dir
 from ..worker.entry import run_worker
+from .fork_thread import start_process
 from .pipes import Pipes
 from .processes import get_context, main_module_hidden, stop_processes
 from .supervisor import WorkerHandle
@@ -44,7 +45,7 @@ class LocalBackend:
                 proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, spec.environ(shared)),
                                    name=f"nbaccel-rank-{spec.rank}")
                 with main_module_hidden(plan.start_method):
-                    proc.start()
+                    start_process(proc, plan.start_method)
                 self.processes.append(proc)
                 close_quietly(channel, out, err)  # the worker holds them now; end of stream when it exits
         except BaseException:

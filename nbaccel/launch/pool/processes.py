@@ -21,6 +21,7 @@ from typing import Any
 from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..environment import RankSpec
+from ..kernel.fork_thread import start_process
 from ..kernel.processes import (
     free_port,
     get_context,
@@ -119,7 +120,8 @@ class RankProcesses:
         self._store_dir = make_store_dir()  # mode 0700; a killed kernel's are removed by the next one
         env = dict(env, **{INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")})
         kernel_fds: list[int] = []
-        death_signal = threading.current_thread() is threading.main_thread()  # PDEATHSIG follows the thread
+        # PDEATHSIG follows the thread that started the rank: under fork, the kernel-long fork thread
+        death_signal = start_method == "fork" or threading.current_thread() is threading.main_thread()
         try:
             for rank in range(num_processes):
                 commands, worker_commands = ctx.Pipe(duplex=True)
@@ -140,7 +142,7 @@ class RankProcesses:
                           list(kernel_fds) if start_method == "fork" else [], death_signal, worker_telemetry),
                 )
                 with main_module_hidden(start_method):
-                    process.start()
+                    start_process(process, start_method)
                 close_quietly(worker_commands, worker_status, worker_telemetry, out_write, err_write)
                 self.ranks.append(RankProcess(rank, process, commands, status, out_read, err_read, telemetry))
         except BaseException:

@@ -50,9 +50,8 @@ def run_worker(
 
 def apply_cpu_threads() -> None:
     """Give torch the rank's OMP_NUM_THREADS. torch reads it only when it starts, so a forked rank keeps the
-    kernel's thread count unless told. It matters beyond speed: a rank forked after the kernel ran a
-    multi-threaded op hangs in its first one (libgomp waits for the kernel's pool threads, which a fork does not
-    copy); with 1 thread, torch never enters an OpenMP region."""
+    kernel's thread count unless told (and N ranks of a kernel's N threads would oversubscribe the cores).
+    Forking from a clean thread (kernel/fork_thread.py) is what keeps a rank's OpenMP from hanging."""
     torch = sys.modules.get("torch")
     value = os.environ.get("OMP_NUM_THREADS", "")
     if torch is None or not value.isdigit() or int(value) < 1:
