@@ -6,13 +6,17 @@ import time
 
 import psutil
 
+# Helpers meant to live as long as the test session (parity_harness's zygotes): not a test's leftovers.
+SESSION_HELPERS: set[int] = set()
+
 
 def live_children() -> list[psutil.Process]:
-    """Children (recursively) that are alive; one that exits while being looked at is left out."""
+    """Children (recursively) that are alive, but for SESSION_HELPERS (their own children do count); one that
+    exits while being looked at is left out."""
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.pid not in SESSION_HELPERS and child.status() != psutil.STATUS_ZOMBIE:
                 alive.append(child)
         except psutil.NoSuchProcess:
             pass

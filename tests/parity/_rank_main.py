@@ -1,4 +1,4 @@
-"""One rank of a parity run (started by harness.run_ranks): call the scenario, pickle its result."""
+"""One rank of a parity run (forked by _zygote_main.py, or run as a script): call the scenario, pickle its result."""
 
 import importlib
 import os
@@ -7,12 +7,20 @@ import sys
 import traceback
 
 
+def preload(lib_name: str):
+    """Import the library and the submodules scenarios reach as lib.<submodule> (a zygote does it once)."""
+    lib = importlib.import_module(lib_name)
+    for submodule in ("utils", "state", "data_loader", "checkpointing", "big_modeling"):
+        importlib.import_module(f"{lib_name}.{submodule}")
+    importlib.import_module("torch.distributed")
+    importlib.import_module("torch._dynamo")  # what every torch optimizer imports when first built (~2 s of CPU)
+    return lib
+
+
 def main() -> int:
     with open(os.environ["PARITY_SPEC"], "rb") as f:
         spec = pickle.load(f)
-    lib = importlib.import_module(spec["lib"])
-    for submodule in ("utils", "state", "data_loader", "checkpointing", "big_modeling"):
-        importlib.import_module(f"{spec['lib']}.{submodule}")  # reachable as lib.<submodule> in scenarios
+    lib = preload(spec["lib"])
     scenario = getattr(importlib.import_module(spec["module"]), spec["name"])
     try:
         result = scenario(lib, *spec["args"])

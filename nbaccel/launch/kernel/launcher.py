@@ -114,8 +114,9 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
         print(plan.start_note, file=sys.stderr)
     backend = select_backend(plan)
     result_dir = None
+    if plan.mode in (Mode.LOCAL, Mode.ELASTIC):  # both fork from this process (elastic: its agent thread)
+        preload_worker_modules(plan.start_method, training=True)
     if plan.mode is Mode.LOCAL:
-        preload_worker_modules(plan.start_method)
         result_dir = make_result_dir()  # large tensors in the results come back through shared memory
         if result_dir:
             plan = dataclasses.replace(plan, environ=MappingProxyType({**plan.environ, RESULT_DIR_ENV: result_dir}))

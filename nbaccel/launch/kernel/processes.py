@@ -287,14 +287,27 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def preload_worker_modules(start_method: str) -> None:
+def preload_worker_modules(start_method: str, *, training: bool = False) -> None:
     """Under fork, import in the kernel what every rank imports before the user's code runs: the ranks
     inherit the loaded modules instead of each importing them again (`nbaccel.state` and what it pulls in
-    cost 0.3-0.9 s per rank on a loaded 2-core machine; see docs/internals.md "Where the time goes")."""
+    cost 0.3-0.9 s per rank on a loaded 2-core machine; see docs/internals.md "Where the time goes").
+
+    `training`: also what a training function imports: `nbaccel.accelerator` (~50 ms) and torch._dynamo,
+    which every torch optimizer imports when the first one is built (2.3 s of CPU and 69 MiB here). A
+    launch's ranks are new each time, so each launch paid these in every rank; the kernel pays them once.
+    RankPool leaves them out: its ranks live on and pay them once, and its start stays fast.
+    """
     if start_method != "fork":
         return
     from ... import state  # noqa: F401
     from ...utils import collective_trace  # noqa: F401
+
+    if training:
+        from ... import accelerator  # noqa: F401
+
+        if "torch._dynamo" not in sys.modules:
+            with contextlib.suppress(Exception):  # a torch without it, or a broken one: the ranks import it or not
+                import torch._dynamo  # noqa: F401
 
 
 @contextlib.contextmanager

@@ -1,10 +1,15 @@
-"""A rank forked after the kernel ran a multi-threaded torch op must not hang in its own first op.
+"""What forked ranks take from the kernel, and what they must not.
 
-GNU OpenMP keeps its thread pool in the thread that ran a parallel region; a child forked from that thread
-waits forever for pool threads the fork did not copy. Two things keep nbaccel's ranks clear of it: each rank
-applies its own OMP_NUM_THREADS (torch reads the variable only when it starts, so a forked rank kept the
-kernel's count), and ranks are forked from a kernel thread that never ran an op (launch/kernel/fork_thread.py).
-The quickstart notebook hung here (`./run.sh demo`); raw torch and Accelerate's fork launchers still do."""
+- Not a hang: GNU OpenMP keeps its thread pool in the thread that ran a parallel region, and a child forked
+  from that thread waits forever for pool threads the fork did not copy. Each rank applies its own
+  OMP_NUM_THREADS (torch reads the variable only when it starts, so a forked rank kept the kernel's count),
+  and ranks are forked from a kernel thread that never ran an op (launch/kernel/fork_thread.py). The
+  quickstart notebook hung here (`./run.sh demo`); raw torch and Accelerate's fork launchers still do.
+- The kernel thread's torch settings (grad mode, default device), as Accelerate's fork launcher gives them.
+- The modules a training imports (nbaccel.accelerator; torch._dynamo, which every optimizer imports when the
+  first is built: ~2 s of CPU per process here), imported once in the kernel instead of in every rank of
+  every launch.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +24,16 @@ pytestmark = pytest.mark.timeout(150)
 
 KERNEL = textwrap.dedent("""
     import os
+    import sys
     import torch
+    print("kernel holds the training modules:", "torch._dynamo" in sys.modules, flush=True)
     torch.set_num_threads(2)
     (torch.randn(1000, 1000) / 16.0).sum()  # a multi-threaded op: the kernel's OpenMP pool starts
 
     def rank_work():
+        inherited = all(name in sys.modules for name in ("torch._dynamo", "nbaccel.accelerator"))
         y = torch.randn(1000, 1000)
-        return [torch.get_num_threads(), bool((y / 16.0).sum() != 0)]
+        return [torch.get_num_threads(), bool((y / 16.0).sum() != 0), inherited]
 
     def thread_settings():  # written out: Accelerate's debug_launcher returns nothing
         os.write(1, f"settings {torch.is_grad_enabled()} {torch.empty(1).device}\\n".encode())
@@ -44,7 +52,7 @@ KERNEL = textwrap.dedent("""
 """)
 
 
-def test_forked_ranks_run_multi_threaded_ops_after_the_kernels_openmp_and_keep_its_thread_settings(tmp_path):
+def test_forked_ranks_run_multi_threaded_ops_keep_the_thread_settings_and_inherit_the_training_modules(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL)
     # each rank asks for 3 threads: neither the kernel's 2 nor 1 (with 1, torch never enters an OpenMP region)
@@ -52,7 +60,8 @@ def test_forked_ranks_run_multi_threaded_ops_after_the_kernels_openmp_and_keep_i
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("launch", "pool"))]
-    assert lines == ["launch [[3, True], [3, True]]", "pool [[3, True], [3, True]]"], proc.stdout
+    assert "kernel holds the training modules: False" in proc.stdout, proc.stdout
+    assert lines == ["launch [[3, True, True], [3, True, True]]", "pool [[3, True, True], [3, True, True]]"], proc.stdout
     nbaccel = sorted(line.split("] ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[rank"))
     reference = [line for line in proc.stdout.splitlines() if line.startswith("settings")]
     assert nbaccel == reference == ["settings False meta"] * 2, proc.stdout
