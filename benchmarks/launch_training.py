@@ -1,16 +1,18 @@
-"""Launching a small training: the first and the second launch from one kernel, 2 CPU ranks.
+"""Launching a small training: the first three launches from one kernel, 2 CPU ranks.
 
 Each rank builds a Linear model and an SGD optimizer, takes one synchronized step and returns its loss. Every
 torch optimizer imports torch._dynamo when the first one is built (about 2.3 s of CPU here), so a launch
-whose ranks are new processes pays that in each rank unless the kernel already holds the module. A fresh
-"kernel" process per variant and round (so no variant inherits another's imports) times its first and its
-second launch; the variants run in a shuffled order each round.
+whose ranks are new processes pays that in each rank unless the kernel already holds the module (nbaccel's
+kernel imports it before the launch after one whose ranks imported it). A fresh "kernel" process per variant
+and round (so no variant inherits another's imports) times its first three launches; the variants run in a
+shuffled order each round.
 
 Variants:
   nbaccel          nbaccel.notebook_launcher: Accelerator(), prepare, backward, step (dashboard off)
   accelerate       accelerate.notebook_launcher with the same function (Accelerator(cpu=True))
   floor            raw torch.multiprocessing.start_processes(fork): init_process_group, DDP, SGD, one step
-  floor, preload   the same, after the parent imported torch._dynamo once (what nbaccel does at a fork launch)
+  floor, preload   the same, after the parent imported torch._dynamo once, untimed (what nbaccel's kernel holds
+                   from its second launch on)
 Run: python benchmarks/launch_training.py [rounds]
 """
 
@@ -79,7 +81,7 @@ KERNEL = textwrap.dedent("""
             import torch._dynamo
         launch = lambda: torch_mp.start_processes(floor_rank, args=(free_port(),), nprocs=2, start_method="fork")
     times = []
-    for _ in range(2):
+    for _ in range(3):
         start = time.perf_counter()
         launch()
         times.append(time.perf_counter() - start)
@@ -113,19 +115,18 @@ def main() -> None:
         random.shuffle(variants)
         for name in variants:
             times[name].append(run_kernel(name))
-    first = {name: statistics.median(t[0] for t in values) for name, values in times.items()}
-    second = {name: statistics.median(t[1] for t in values) for name, values in times.items()}
+    medians = {name: [statistics.median(t[i] for t in values) for i in range(3)] for name, values in times.items()}
     print(f"launch of a one-step training on 2 CPU ranks, median of {rounds} fresh kernels "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    print(f"  {'':<16} {'1st launch':>12} {'2nd launch':>12}")
+    print(f"  {'':<16} {'1st launch':>12} {'2nd launch':>12} {'3rd launch':>12}")
     for name in VARIANTS:
-        if name in first:
-            print(f"  {name:<16} {first[name]:10.3f} s {second[name]:10.3f} s")
+        if name in medians:
+            print(f"  {name:<16}" + "".join(f" {value:10.3f} s" for value in medians[name]))
+    mine = medians["nbaccel"]
     for other in ("floor", "floor, preload", "accelerate"):
-        if other in first:
-            print(f"nbaccel / {other:<15} 1st {first['nbaccel'] / first[other]:5.2f}x   "
-                  f"2nd {second['nbaccel'] / second[other]:5.2f}x")
-
+        if other in medians:
+            print(f"nbaccel / {other:<15}" + "".join(f"   {label} {a / b:5.2f}x" for label, a, b in
+                                                        zip(("1st", "2nd", "3rd"), mine, medians[other])))
 
 if __name__ == "__main__":
     main()

@@ -115,7 +115,7 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     backend = select_backend(plan)
     result_dir = None
     if plan.mode in (Mode.LOCAL, Mode.ELASTIC):  # both fork from this process (elastic: its agent thread)
-        preload_worker_modules(plan.start_method, training=True)
+        preload_worker_modules(plan.start_method, launch=True)
     if plan.mode is Mode.LOCAL:
         result_dir = make_result_dir()  # large tensors in the results come back through shared memory
         if result_dir:

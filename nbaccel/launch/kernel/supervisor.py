@@ -28,7 +28,7 @@ from ..output import LineForwarder, read_available
 from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
 from .collectives import CHECK_INTERVAL, CollectiveTracker
-from .processes import signal_name
+from .processes import learn_rank_imports, signal_name
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -277,6 +277,7 @@ class Supervisor:
                 worker.result = serialize.loads(message.pop("value"))
                 worker.has_result = True
                 self.collectives.finished(worker.rank)
+                learn_rank_imports(message.pop("imported", ()))
                 message["value"] = worker.result
             except Exception as exc:
                 self._fail(WorkerFailure(worker.rank, type(exc).__name__,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from ..channel import WorkerSink, close_quietly
+from ..messages import PRELOADABLE_MODULES
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
 from .parent_death import die_with_parent
@@ -92,7 +93,8 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             ) from exc
         flush_std()
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
-        sink.queue({"kind": "result", "rank": sink.rank, "time": time.time(), "value": data})
+        sink.queue({"kind": "result", "rank": sink.rank, "time": time.time(), "value": data,
+                    "imported": [name for name in PRELOADABLE_MODULES if name in sys.modules]})
         sink.send("status", state="finished", device=device)  # one write with the result
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
