@@ -9,13 +9,15 @@ checks), (d) accelerate.utils.gather when Accelerate is installed, (e) nbaccel.u
 launcher's telemetry sink attached (what a notebook_launcher worker runs: every collective queues its
 `collective` enter/exit messages for the kernel's deadlock detection). Then gather_object and
 broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
-repetition (so machine load hits them alike); the median time per call is reported, with ratios.
+repetition, in a shuffled order (so machine load and the position after another variant hit them alike);
+the median time per call is reported, with ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import sys
@@ -124,8 +126,11 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for fn in variants.values():  # warm-up
         _time(fn, 5)
-    for _ in range(reps):
-        for name, fn in variants.items():
+    order = list(variants)
+    for rep in range(reps):
+        random.Random(rep).shuffle(order)  # the same order on both ranks: they run each collective together
+        for name in order:
+            fn = variants[name]
             if name == traced:
                 telemetry.attach(sink, rank)
             samples[name].append(_time(fn, iters))

@@ -257,7 +257,9 @@ class PartialState:
         backend = self._check_backend(requested_backend, backend, device_type)
         rank = kwargs.get("rank", -1) if kwargs.get("rank", -1) >= 0 else info.rank
 
-        if kwargs.get("init_method") is None and kwargs.get("store") is None and os.environ.get(constants.INIT_METHOD_ENV):
+        private_rendezvous = (kwargs.get("init_method") is None and kwargs.get("store") is None
+                              and bool(os.environ.get(constants.INIT_METHOD_ENV)))
+        if private_rendezvous:
             # a launcher's private rendezvous (e.g. a FileStore in an owner-only folder: nothing listens on the
             # network); MASTER_ADDR/MASTER_PORT stay set for code that reads them
             kwargs["init_method"] = os.environ[constants.INIT_METHOD_ENV]
@@ -302,6 +304,13 @@ class PartialState:
 
         kwargs.update(rank=rank, world_size=world_size)
         torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        if private_rendezvous and backend == "gloo" and world_size > 1:
+            # notebook_launcher's forked ranks leave with os._exit the moment their function returns. torch
+            # does not wait after building the group, so a rank running `PartialState()` and return could close
+            # its sockets while a peer was still connecting to it ("Gloo connectFullMesh failed ... Connection
+            # closed by peer"): ~1 launch in 60-150 on a loaded 2-core machine. A barrier returns only once
+            # every rank is connected (~0.3 ms; torch's own TORCH_DIST_INIT_BARRIER costs ~10 ms on a FileStore).
+            torch.distributed.barrier()
         destroy_process_group_at_exit()  # a correct script exits 0, not -6 (utils/process_group_exit.py)
         return {
             **base,

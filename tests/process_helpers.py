@@ -10,6 +10,11 @@ import psutil
 SESSION_HELPERS: set[int] = set()
 
 
+def started_children(recursive: bool = False) -> list[psutil.Process]:
+    """This process's children, zombies included, but for SESSION_HELPERS: what a test started."""
+    return [child for child in psutil.Process().children(recursive=recursive) if child.pid not in SESSION_HELPERS]
+
+
 def live_children() -> list[psutil.Process]:
     """Children (recursively) that are alive, but for SESSION_HELPERS (their own children do count); one that
     exits while being looked at is left out."""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import started_children
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -109,13 +110,12 @@ def test_dashboard_mode_strings_build_that_view(monkeypatch, capsys):
 
 @pytest.mark.parametrize("value", ["Plain", "bogus", 3])
 def test_unknown_dashboard_value_is_refused_before_starting(value):
-    import psutil
 
     from nbaccel.launch import notebook_launcher
 
     with pytest.raises(TypeError, match=r"dashboard=.*'widget', 'terminal', 'plain'"):
         notebook_launcher(lambda: 1, num_processes=2, dashboard=value)
-    assert psutil.Process().children() == []
+    assert started_children() == []
 
 
 POOL_CELL = textwrap.dedent('''
@@ -173,6 +173,5 @@ def test_rank_pool_observer_argument_is_checked():
 
     with pytest.raises(TypeError, match="not an observer"):
         RankPool(2, observers=[42])
-    import psutil
 
-    assert psutil.Process().children() == []
+    assert started_children() == []

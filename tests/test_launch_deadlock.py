@@ -13,9 +13,9 @@ import os
 import re
 import time
 
-import psutil
 import pytest
 import torch
+from process_helpers import started_children
 
 from nbaccel import debug_launcher, notebook_launcher
 from nbaccel.launch import LaunchError, LaunchTimeout
@@ -94,7 +94,7 @@ def _launch(function, **kwargs):
     with pytest.raises(LaunchError) as caught:
         notebook_launcher(function, num_processes=2, dashboard=False, **kwargs)
     elapsed = time.monotonic() - started
-    assert not psutil.Process().children(recursive=True)
+    assert not started_children(recursive=True)
     return str(caught.value), elapsed, caught.value
 
 
@@ -149,7 +149,7 @@ def test_timeout_says_where_each_rank_was():
     assert (f"rank 0 waits in reduce(all_reduce, shape [3], float32) at {_line(sleeps_on_rank_1, 'reduce(')} for"
             in message), message
     assert "rank 1 is still running" in message
-    assert not psutil.Process().children(recursive=True)
+    assert not started_children(recursive=True)
 
 
 def test_matching_collectives_that_are_only_slow_complete():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import socket
 
-import psutil
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it)
+from process_helpers import started_children
 
 from nbaccel.launch import notebook_launcher
 from nbaccel.launch.kernel import plan as launcher_module
@@ -74,7 +74,7 @@ def test_broken_config_names_file_and_key_before_anything_starts(config_file):
     config_file.write_text("start_method: thread\n")
     with pytest.raises(ConfigError, match=r"default_config\.yaml: start_method: 'thread'"):
         notebook_launcher(worker_env, num_processes=2, dashboard=False)
-    assert psutil.Process().children() == []
+    assert started_children() == []
 
 
 def test_gpu_config_on_a_cpu_machine_still_launches_on_cpu(config_file, monkeypatch, capsys):

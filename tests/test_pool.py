@@ -10,9 +10,8 @@ import tempfile
 import textwrap
 import time
 
-import psutil
 import pytest
-from process_helpers import all_gone
+from process_helpers import all_gone, started_children
 
 from nbaccel.launch.errors import WorkerFailure
 from nbaccel.launch.pool import (
@@ -251,7 +250,7 @@ def test_bad_arguments_fail_before_any_process_starts():
         RankPool(2, mixed_precision="fp9")
     with pytest.raises(ValueError, match="start_method"):
         RankPool(2, start_method="thread")
-    assert not psutil.Process().children()
+    assert not started_children()
 
 
 def test_diagnose_rules():
