@@ -18,14 +18,7 @@ def started_children(recursive: bool = False) -> list[psutil.Process]:
 def live_children() -> list[psutil.Process]:
     """Children (recursively) that are alive, but for SESSION_HELPERS (their own children do count); one that
     exits while being looked at is left out."""
-    alive = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid not in SESSION_HELPERS and child.status() != psutil.STATUS_ZOMBIE:
-                alive.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [child for child in started_children(recursive=True) if is_alive(child.pid)]
 
 
 def is_alive(pid: int) -> bool:

@@ -7,6 +7,10 @@ each, hung. A child forked from a thread that never ran a parallel region starts
 own. The thread is a daemon that lives as long as the kernel, so PR_SET_PDEATHSIG, which fires when the
 thread that forked exits, still fires only when the kernel dies.
 
+Not a ThreadPoolExecutor: its worker is joined at interpreter exit, before atexit handlers run, so the
+parent-death signal would kill RankPool's ranks before their graceful stop; and a forked child would see
+the parent's worker as its own.
+
 torch keeps grad mode and the default device per thread; the caller's are set in the fork thread around
 each fork, so a rank starts with them as it would when forked from the caller (Accelerate forks from there).
 """

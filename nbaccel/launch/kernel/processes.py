@@ -317,7 +317,7 @@ def preload_worker_modules(start_method: str, *, launch: bool = False) -> None:
     if launch:
         from ... import accelerator  # noqa: F401
 
-        for name in sorted(_learned_imports - set(sys.modules)):
+        for name in sorted(name for name in _learned_imports if name not in sys.modules):
             with contextlib.suppress(Exception):  # a broken module: the ranks import it or fail as before
                 importlib.import_module(name)
 
