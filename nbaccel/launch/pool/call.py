@@ -8,12 +8,12 @@ and hands the picture to `hang_report.diagnose`; a hang ends the wait with `Hang
 from __future__ import annotations
 
 import os
+import pickle
 import select
 import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ..errors import WorkerFailure
@@ -61,8 +61,10 @@ class Call:
 
     def run(self, make: Callable[[int], tuple]) -> RankResults:
         """Send `make(call_id)` to the selected ranks (pickled once for all of them: a pushed value or a
-        function's payload is copied once, not once per rank) and wait for their replies."""
-        command = ForkingPickler.dumps(make(self.call_id))
+        function's payload is copied once, not once per rank) and wait for their replies. Plain `pickle`:
+        commands hold only plain values, and `Connection.send`'s pickler copies copyreg's table at each
+        call (2.3 us of a 3 us message)."""
+        command = pickle.dumps(make(self.call_id), pickle.HIGHEST_PROTOCOL)
         for index in self.selected:
             rank = self.ranks[index]
             rank.take_output()  # what a rank wrote between calls (background threads) is not this call's

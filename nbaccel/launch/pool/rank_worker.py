@@ -321,8 +321,10 @@ def _breaks_process_group(exc: BaseException) -> bool:
 
 
 def _send(conn: Connection, message: dict[str, Any]) -> bool:
+    """Send a reply or a display message (plain values: pickled with `pickle`, not `Connection.send`'s
+    pickler, which copies copyreg's table at each call); False when the kernel is gone."""
     try:
-        conn.send(message)
+        conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         return True
     except (BrokenPipeError, ConnectionError, EOFError, OSError):
         return False
