@@ -285,6 +285,7 @@ class _PreparedLoaderMixin:
         self.iteration = 0
         self._drop_last = drop_last
         self._batches_yielded = 0
+        self._epoch_batches: int | None = None  # the batches of the epoch being iterated (set by begin)
         self._resume_skip = 0  # batches a restored position leaves out of the next pass
         self._resume_pending = False  # load_state_dict set a position no pass has used yet
         self._resume_fork_rng = False  # the next pass continues an interrupted epoch: replay its start's draws
@@ -314,7 +315,16 @@ class _PreparedLoaderMixin:
         """Start of an epoch: reset end-of-data, compute the remainder, register with GradientState."""
         self.reset()
         self.remainder = self._starting_remainder()
+        try:
+            self._epoch_batches = len(self) + self.skip_batches
+        except Exception:  # an unsized dataset (or a __len__ that fails): the dashboard shows no epoch length
+            self._epoch_batches = None
         self.gradient_state._add_dataloader(self)
+
+    def epoch_position(self) -> telemetry.EpochPosition:
+        """Where the pass being iterated is: its epoch, the batches of it yielded so far (those a resumed
+        or `skip_first_batches` pass left out included) and the epoch's batches (None when unsized)."""
+        return telemetry.EpochPosition(self.iteration, self._batches_yielded, self._epoch_batches)
 
     def end(self) -> None:
         self.gradient_state._remove_dataloader(self)
@@ -829,8 +839,6 @@ def prepare_data_loader(
                                    **loader_args, **kwargs)
     if isinstance(sampler, SeedableRandomSampler):
         prepared.set_sampler(sampler)
-    if _has_length(prepared):
-        telemetry.report_total_steps(len(prepared))
     return prepared
 
 

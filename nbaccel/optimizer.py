@@ -108,7 +108,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if not self._is_overflow:
             self._steps_done += 1
-            telemetry.report_step(self._steps_done)
+            if telemetry.is_attached():  # a launch's dashboard: the step, and where the training loader is
+                loader = self.gradient_state.active_dataloader
+                position = loader.epoch_position() if hasattr(loader, "epoch_position") else None
+                telemetry.report_step(self._steps_done, position=position)
         return result
 
     @property

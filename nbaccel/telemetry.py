@@ -13,13 +13,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .utils import collective_trace
 from .utils.xla import runtime_started as xla_runtime_started
 
 Message = dict[str, Any]
 Sink = Callable[[Message], None]
+
+
+class EpochPosition(NamedTuple):
+    """Where a prepared data loader's pass is: the epoch (from 0), the batches of it done, and the batches
+    in the epoch (None for an unsized loader). A step message carries the position of the loader the
+    optimizer stepped in, so the dashboard shows training progress whatever other loaders were prepared."""
+
+    epoch: int
+    batch: int
+    batches: int | None
 
 
 class _Reporter:
@@ -29,7 +39,7 @@ class _Reporter:
         self.sink = sink
         self.rank = rank
         self.sampler: _Sampler | None = None
-        self.pending_step: tuple[int, int | None] | None = None
+        self.pending_step: tuple[int, int | None, EpochPosition | None] | None = None
         self.queue: collections.deque[Message] = collections.deque()
 
 
@@ -100,8 +110,9 @@ def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
         _emit(reporter, "metrics", {"values": numbers, "step": step})
 
 
-def report_step(step: int, total: int | None = None) -> None:
-    """One optimizer step done (`step` counts from 1); `total` when the run length is known.
+def report_step(step: int, total: int | None = None, position: EpochPosition | None = None) -> None:
+    """One optimizer step done (`step` counts from 1); `total`: the run's steps, when known; `position`:
+    where the data loader the step was taken in stands (the prepared optimizer passes it).
 
     While the sampler runs, the step is only recorded here and the sampler sends the latest one a few
     times a second, so a fast training loop pays an attribute write per step, not a message.
@@ -110,13 +121,21 @@ def report_step(step: int, total: int | None = None) -> None:
     if reporter.sink is None:
         return
     if reporter.sampler is not None:
-        reporter.pending_step = (step, total)
+        reporter.pending_step = (step, total, position)
     else:
-        _emit(reporter, "step", {"step": step, "total": total})
+        _emit(reporter, "step", _step_fields(step, total, position))
+
+
+def _step_fields(step: int, total: int | None, position: EpochPosition | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"step": step, "total": total}
+    if position is not None:
+        fields.update(epoch=position.epoch, batch=position.batch, batches=position.batches)
+    return fields
 
 
 def report_total_steps(total: int) -> None:
-    """The number of steps the run will take (e.g. the prepared data loader's length), for progress bars."""
+    """The number of optimizer steps the whole run will take, when the training code knows it: the
+    dashboard then shows `step/total` and the run's progress (otherwise the epoch's, from the data loader)."""
     emit("total", total=total)
 
 
@@ -206,7 +225,7 @@ class _Sampler:
         self.interval = interval
         self.reporter = reporter
         self._stopped = threading.Event()
-        self._last_step: tuple[int, int | None] | None = None
+        self._last_step: tuple[int, int | None, EpochPosition | None] | None = None
         self._rss_peak = 0
         self._xla_device = _xla_device()  # the starting thread's device: the sampler's own thread has none
         self._thread = threading.Thread(target=self._run, name="nbaccel-telemetry-sampler", daemon=True)
@@ -249,7 +268,7 @@ class _Sampler:
         pending = reporter.pending_step
         if pending is not None and pending != self._last_step:
             self._last_step = pending
-            _emit(reporter, "step", {"step": pending[0], "total": pending[1]})
+            _emit(reporter, "step", _step_fields(*pending))
 
     def sample_memory(self) -> None:
         if self.reporter.sink is None:

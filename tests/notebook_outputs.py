@@ -16,6 +16,7 @@ class Cell:
     text: str  # stream text, text/plain of results and displays, and error tracebacks, joined
     mimetypes: set[str]
     error: str | None  # "Name: message" of an error output
+    html: str = ""  # the text/html of results and displays, joined
 
 
 @dataclass
@@ -50,17 +51,18 @@ def read_outputs(nb: nbformat.NotebookNode, seconds: float = 0.0) -> Executed:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        parts, mimetypes, error = [], set(), None
+        parts, html, mimetypes, error = [], [], set(), None
         for output in joined_streams(cell.get("outputs", [])):
             if output.output_type == "stream":
                 parts.append(output.text)
             elif output.output_type in ("execute_result", "display_data"):
                 mimetypes.update(output.data)
                 parts.append(output.data.get("text/plain", ""))
+                html.append(output.data.get("text/html", ""))
             elif output.output_type == "error":
                 error = f"{output.ename}: {output.evalue}"
                 parts.append(ANSI.sub("", "\n".join(output.traceback)))
-        cells.append(Cell(cell.source, "\n".join(parts), mimetypes, error))
+        cells.append(Cell(cell.source, "\n".join(parts), mimetypes, error, "\n".join(html)))
     return Executed(cells, seconds)
 
 

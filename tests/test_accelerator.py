@@ -310,7 +310,7 @@ def test_compile_unwrap_lomo_and_telemetry():
         compiled = isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
         plain = accelerator.unwrap_model(prepared, keep_torch_compile=False) is model
         optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-        loader = accelerator.prepare(torch.utils.data.DataLoader(_data(32), batch_size=8))
+        accelerator.prepare(torch.utils.data.DataLoader(_data(32), batch_size=8))
         model(torch.ones(1, N_FEATURES)).sum().backward()
         optimizer.step()
         optimizer.step()
@@ -321,12 +321,46 @@ def test_compile_unwrap_lomo_and_telemetry():
             lomo = str(error)
         telemetry.detach()
         kinds = [(m["kind"], m.get("step", m.get("total"))) for m in messages if m["kind"] in ("step", "total")]
-        return compiled, plain, lomo, kinds, len(loader)
+        return compiled, plain, lomo, kinds
 
-    compiled, plain, lomo, kinds, length = run_ranks(body, world_size=1)[0]
+    compiled, plain, lomo, kinds = run_ranks(body, world_size=1)[0]
     assert compiled and plain
     assert "lomo-optim" in lomo
-    assert kinds == [("total", length), ("step", 1), ("step", 2)]
+    # Steps outside any data loader: no epoch position. Preparing a loader announces no run length.
+    assert kinds == [("step", 1), ("step", 2)]
+
+
+def test_steps_report_where_the_training_loader_is_whatever_was_prepared_after_it():
+    def body(rank):
+        from nbaccel import Accelerator, telemetry
+
+        messages = []
+        telemetry.attach(messages.append, rank)
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        train = torch.utils.data.DataLoader(_data(64), batch_size=8)  # 4 batches per rank
+        evaluation = torch.utils.data.DataLoader(_data(16), batch_size=8)  # 1 batch per rank, prepared last
+        model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
+
+        def epoch(loader):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+            for x, _ in evaluation:
+                model(x)
+
+        epoch(train)
+        epoch(train)
+        epoch(accelerator.skip_first_batches(train, 2))  # a resumed epoch: the first 2 batches left out
+        telemetry.detach()
+        return [(m["step"], m.get("epoch"), m.get("batch"), m.get("batches")) for m in messages if m["kind"] == "step"]
+
+    for steps in run_ranks(body, world_size=2):
+        # one optimizer step per 2 batches; (step, epoch from 0, batches of the epoch done, the epoch's batches)
+        assert steps == [(1, 0, 2, 4), (2, 0, 4, 4), (3, 1, 2, 4), (4, 1, 4, 4), (5, 2, 4, 4)]
 
 
 def test_join_uneven_inputs_lets_processes_run_out_of_data():

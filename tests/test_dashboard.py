@@ -13,7 +13,7 @@ from nbaccel import telemetry
 from nbaccel.notebook import Dashboard
 from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
 from nbaccel.notebook.dashboard import Throttle, resolve_mode
-from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes
+from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes, format_step
 from nbaccel.notebook.render import summary_html, summary_text
 
 
@@ -166,6 +166,46 @@ def test_rich_renderable_shows_ranks_and_metrics():
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
 
 
+def _epoch_stream(positions: dict[int, tuple[int, int, int, int]], total: int | None = None) -> list[dict]:
+    """Step messages as the prepared optimizer sends them: {rank: (step, epoch, batch, batches)}."""
+    messages = [dict(kind="status", rank=rank, time=T0, state="running", device="cpu") for rank in positions]
+    if total is not None:
+        messages.append(dict(kind="total", rank=0, time=T0, total=total))
+    for rank, (step, epoch, batch, batches) in positions.items():
+        messages.append(dict(kind="step", rank=rank, time=T0 + 1, step=step, total=None, epoch=epoch,
+                             batch=batch, batches=batches))
+    return messages
+
+
+def test_progress_follows_the_training_loaders_epoch_when_the_run_length_is_unknown():
+    # 4 epochs of 22 batches, an evaluation loader of 4 batches prepared last: the dashboard once read
+    # "88/4" (the last prepared loader's length taken for the run's). Now: the epoch of the loader stepped in.
+    model = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)}))
+    assert model.total is None
+    assert format_step(model.ranks[0], model.total) == "61 (epoch 3, batch 17/22)"
+    assert model.progress == pytest.approx(15 / 22)  # the slowest rank
+    assert model.progress_text() == "epoch 3: 68% (15/22 batches)"
+    behind = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (66, 3, 0, 22)}))
+    assert behind.progress_text() == "epoch 3: 77% (17/22 batches)"  # an epoch behind is slower
+    assert "step 61 (epoch 3, batch 17/22)" in PlainView._progress_line(model, model.ranks[0])
+    model.update(dict(kind="status", rank=0, time=T0 + 2, state="finished"))
+    model.update(dict(kind="status", rank=1, time=T0 + 2, state="finished"))
+    model.finish()
+    assert model.progress == 1.0
+
+
+def test_progress_counts_steps_when_the_run_length_is_reported():
+    model = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)}, total=88))
+    assert format_step(model.ranks[1], model.total) == "59/88"
+    assert model.progress == pytest.approx(59 / 88)
+    assert model.progress_text() == "67% (59/88 steps)"
+    unknown = replay(_epoch_stream({0: (3, 0, 3, 22)}) + [dict(kind="step", rank=1, time=T0 + 1, step=2)])
+    assert unknown.progress is None and unknown.progress_text() == ""  # rank 1 stepped outside a loader
+    assert format_step(unknown.ranks[1], unknown.total) == "2"
+    unsized = replay(_epoch_stream({0: (5, 1, 3, None)}), num_processes=1)
+    assert format_step(unsized.ranks[0], None) == "5 (epoch 2, batch 3)" and unsized.progress is None
+
+
 def test_widget_view_builds_table_progress_and_chart():
     pytest.importorskip("bqplot")
     from nbaccel.notebook.widget_view import WidgetView
@@ -206,7 +246,7 @@ def _record_worker(rank: int) -> list[dict]:
     for step in range(1, 41):
         loss = (torch.ones(4, 8) @ weight).pow(2).mean()
         weight -= 0.01 * weight  # a stand-in for an optimizer step (torch.optim's first use is slow)
-        worker_telemetry.report_step(step, 40)
+        worker_telemetry.report_step(step)
         worker_telemetry.log_metrics({"loss": loss.detach(), "note": "text is dropped"}, step=step)
         time.sleep(0.005)
     worker_telemetry.stop_sampler()

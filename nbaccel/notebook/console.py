@@ -73,9 +73,7 @@ def rich_renderable(model: DashboardModel):
     parts = [header, table]
     progress = model.progress
     if progress is not None:
-        steps = min(s.step for s in model.ranks)
-        parts.append(Group(ProgressBar(total=1.0, completed=progress, width=50),
-                           Text(f"{round(progress * 100)}% ({steps}/{model.total} steps)")))
+        parts.append(Group(ProgressBar(total=1.0, completed=progress, width=50), Text(model.progress_text())))
     if model.metrics:
         metrics = Table(show_edge=False, pad_edge=False)
         ranks = sorted({r for series in model.metrics.values() for r in series.last_by_rank()})

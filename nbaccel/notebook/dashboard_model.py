@@ -31,7 +31,10 @@ class RankState:
     device_peak: int | None = None
     device_limit: int | None = None
     step: int = 0
-    total: int | None = None
+    total: int | None = None  # the run's optimizer steps, when the training code reported them
+    epoch: int | None = None  # where the data loader was at the latest step: epoch (from 0),
+    batch: int | None = None  # batches of it done,
+    batches: int | None = None  # and the epoch's batches
     steps_per_second: float | None = None
     last_output: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -209,6 +212,10 @@ class DashboardModel:
                     state.steps_per_second = (s1 - s0) / (t1 - t0)
         if isinstance(message.get("total"), int):
             state.total = message["total"]
+        if isinstance(message.get("epoch"), int) and isinstance(message.get("batch"), int):
+            state.epoch, state.batch = message["epoch"], message["batch"]
+            batches = message.get("batches")
+            state.batches = batches if isinstance(batches, int) and batches > 0 else None
         self._mark_running(state)
 
     def _on_total(self, state: RankState, message: dict) -> None:
@@ -247,7 +254,8 @@ class DashboardModel:
 
     @property
     def total(self) -> int | None:
-        """The run's number of steps: given to the dashboard, or reported by the data loader."""
+        """The run's number of optimizer steps: given to the dashboard, or reported by the training code
+        (`telemetry.report_total_steps`); None when unknown (a data loader knows an epoch, not the run)."""
         if self.total_steps is not None:
             return self.total_steps
         totals = [s.total for s in self.ranks if s.total]
@@ -255,14 +263,38 @@ class DashboardModel:
 
     @property
     def progress(self) -> float | None:
-        """Fraction done (0..1) of the slowest rank still running, None when the total is unknown."""
-        total = self.total
-        if not total:
-            return None
+        """Fraction done (0..1) of the slowest rank still running: of the run when its total is known, else
+        of the current epoch of the data loader the ranks step in; None when neither is known."""
         if self.finished and all(s.state == "finished" for s in self.ranks):
-            return 1.0
-        steps = [s.step for s in self.ranks if s.state != "failed"] or [s.step for s in self.ranks]
-        return max(0.0, min(1.0, min(steps) / total))
+            return 1.0 if self.total or self._slowest_in_epoch() is not None else None
+        total = self.total
+        if total:
+            steps = [s.step for s in self._active()]
+            return max(0.0, min(1.0, min(steps) / total))
+        slowest = self._slowest_in_epoch()
+        return None if slowest is None else min(1.0, slowest.batch / slowest.batches)
+
+    def progress_text(self) -> str:
+        """The words beside the progress bar: `69% (61/88 steps)`, or `epoch 4: 68% (15/22 batches)`."""
+        progress = self.progress
+        if progress is None:
+            return ""
+        if self.total:
+            return f"{round(progress * 100)}% ({min(s.step for s in self._active())}/{self.total} steps)"
+        slowest = self._slowest_in_epoch()
+        if slowest is None:
+            return f"{round(progress * 100)}%"
+        return f"epoch {slowest.epoch + 1}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
+
+    def _active(self) -> list[RankState]:
+        return [s for s in self.ranks if s.state != "failed"] or list(self.ranks)
+
+    def _slowest_in_epoch(self) -> RankState | None:
+        """The rank least far through the training data (latest epoch position), None if one has none."""
+        ranks = self._active()
+        if any(s.batches is None or s.epoch is None for s in ranks):
+            return None
+        return min(ranks, key=lambda s: (s.epoch, s.batch / s.batches))
 
     @property
     def wall_time(self) -> float | None:
@@ -337,8 +369,15 @@ def format_rate(value: float | None) -> str:
 
 
 def format_step(state: RankState, total: int | None) -> str:
+    """`61/88` when the run's steps are known, else `61 (epoch 3, batch 17/22)` from the data loader
+    (`batch 17` for an unsized one)."""
     total = state.total or total
-    return f"{state.step}/{total}" if total else str(state.step)
+    if total:
+        return f"{state.step}/{total}"
+    if state.epoch is not None:
+        of = f"/{state.batches}" if state.batches else ""
+        return f"{state.step} (epoch {state.epoch + 1}, batch {state.batch}{of})"
+    return str(state.step)
 
 
 def format_duration(seconds: float | None) -> str:

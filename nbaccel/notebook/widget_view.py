@@ -91,8 +91,7 @@ class WidgetView:
             self.progress.layout.display = self.progress_text.layout.display = None
             self.progress.value = progress
             self.progress.bar_style = {"failed": "danger", "finished": "success"}.get(model.overall_state, "info")
-            steps = min(s.step for s in model.ranks)
-            self.progress_text.value = f"{round(progress * 100)}% ({steps}/{model.total} steps)"
+            self.progress_text.value = model.progress_text()
         for name in model.metrics:
             if name not in self.panels:
                 self.panels[name] = _MetricPanel(name)
