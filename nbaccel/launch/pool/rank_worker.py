@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import linecache
 import os
 import pickle
@@ -34,10 +33,10 @@ from ..channel import close_quietly
 from ..output import flush_std, redirect_std_fds
 from ..worker import rank_display
 from ..worker.entry import _destroy_process_group, apply_cpu_threads
+from ..worker.parent_death import die_with_parent
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
-_PR_SET_PDEATHSIG = 1
 
 _busy: tuple[int, float] | None = None  # (command id, start time) while the main thread runs a command
 _inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank
@@ -53,7 +52,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     _inherited_exception = sys.exc_info()[1]
     _telemetry_conn = telemetry  # used once an observer attaches to the pool (pool_telemetry.py)
     if parent_death_signal:
-        _die_with_parent()
+        die_with_parent()  # the kernel's death (even SIGKILL) kills this rank too
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
         close_quietly(fd)
     if hasattr(os, "setpgid"):
@@ -328,17 +327,6 @@ def _send(conn: Connection, message: dict[str, Any]) -> bool:
         return True
     except (BrokenPipeError, ConnectionError, EOFError, OSError):
         return False
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel's death (even SIGKILL) kills this rank too (prctl PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:
-        pass
 
 
 # ---------------------------------------------------------------------------------------------- status
