@@ -188,6 +188,11 @@ def test_progress_follows_the_training_loaders_epoch_when_the_run_length_is_unkn
     behind = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (66, 3, 0, 22)}))
     assert behind.progress_text() == "epoch 3: 77% (17/22 batches)"  # an epoch behind is slower
     assert "step 61 (epoch 3, batch 17/22)" in PlainView._progress_line(model, model.ranks[0])
+    from rich.console import Console
+
+    console = Console(record=True, width=200, color_system=None)
+    console.print(rich_renderable(model))
+    assert "epoch 3: 68% (15/22 batches)" in console.export_text()
     model.update(dict(kind="status", rank=0, time=T0 + 2, state="finished"))
     model.update(dict(kind="status", rank=1, time=T0 + 2, state="finished"))
     model.finish()
@@ -217,6 +222,9 @@ def test_widget_view_builds_table_progress_and_chart():
     panel = view.panels["loss"]
     assert list(panel.line.x) == [float(s) for s in range(1, 11)] and len(panel.line.y) == 10
     assert "rank 1" in panel.table.value
+    epochs = WidgetView(replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)})))
+    assert epochs.progress_text.value == "epoch 3: 68% (15/22 batches)" and epochs.progress.value == pytest.approx(15 / 22)
+    assert "59 (epoch 3, batch 15/22)" in epochs.table.value
     bundle = view.mimebundle("<i>fallback</i>")
     assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == "<i>fallback</i>"
 
