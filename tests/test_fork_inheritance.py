@@ -41,6 +41,10 @@ KERNEL = textwrap.dedent("""
 
     def thread_settings():  # written out: Accelerate's debug_launcher returns nothing
         os.write(1, f"settings {torch.is_grad_enabled()} {torch.empty(1).device}\\n".encode())
+        # Accelerate's launcher builds the group with a bare init_process_group: a rank that returned at once
+        # could close its sockets while its peer still connects ("connectFullMesh ... closed by peer")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     import accelerate
     from nbaccel import notebook_launcher
