@@ -811,6 +811,10 @@ class Accelerator:
         """Train on data that gives processes different numbers of batches: DDP's `Join` shadows the
         collectives of processes that ran out. `even_batches` overrides the prepared loaders' setting inside."""
         if not (self.use_distributed and self.distributed_type in _DDP_TYPES):
+            if self.distributed_type != DistributedType.NO:
+                warnings.warn(f"Joining uneven inputs is only supported for multi-GPU (and multi-CPU) DDP training: "
+                              f"with {self.distributed_type.value}, join_uneven_inputs has no effect.",
+                              UserWarning, stacklevel=3)
             yield
             return
         from torch.distributed.algorithms.join import Join
@@ -827,8 +831,10 @@ class Accelerator:
                 if isinstance(sampler, _data_loader.BatchSamplerShard):
                     changed.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
-        try:
-            with Join(joinables, throw_on_early_termination=False):
+        if even_batches is None:
+            even_batches = self.even_batches
+        try:  # with even batches no process runs out early: Join (a collective per forward) stays off
+            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
                 yield
         finally:
             for sampler, sampler_even in changed:
