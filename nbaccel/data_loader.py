@@ -761,11 +761,12 @@ def prepare_data_loader(
     """Wrap `dataloader` so this process gets its share of every batch (Accelerate's function and arguments)."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader expects a torch.utils.data.DataLoader, got {type(dataloader).__name__}.")
-    if use_stateful_dataloader:
-        raise ValueError(
-            "use_stateful_dataloader=True needs torchdata's StatefulDataLoader, which nbaccel does not wrap: "
-            "nbaccel's prepared loaders already have state_dict()/load_state_dict(); leave it False."
-        )
+    if use_stateful_dataloader:  # what Accelerate asks for; the prepared loader keeps its position either way
+        from .utils.imports import is_torchdata_stateful_dataloader_available
+
+        if not is_torchdata_stateful_dataloader_available():
+            raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader: "
+                              "pip install 'torchdata>=0.8.0'.")
     if torch_device_mesh is not None:
         raise ValueError("torch_device_mesh (tensor/context parallel data loading) is not supported by nbaccel.")
     if dispatch_batches is None:

@@ -328,3 +328,46 @@ def test_data_loader_adapter_wraps_and_delegates():
     if not is_torchdata_stateful_dataloader_available():
         with pytest.raises(ImportError, match="torchdata"):
             DataLoaderAdapter(torch.arange(6), use_stateful_dataloader=True)
+    else:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        stateful = DataLoaderAdapter(torch.arange(6), use_stateful_dataloader=True, batch_size=2)
+        assert isinstance(stateful, StatefulDataLoader) and "_sampler_iter_yielded" in stateful.state_dict()
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_stateful_dataloader_resumes_like_accelerates(iterable: bool):
+    """`use_stateful_dataloader=True` on one process, Accelerate and nbaccel side by side: a state_dict taken
+    after 3 batches and loaded after the pass gives the same remaining batches in both."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="use_stateful_dataloader needs torchdata")
+    accelerate = pytest.importorskip("accelerate")
+    import nbaccel
+    from nbaccel.utils import DataLoaderConfiguration as OurConfig
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(20))
+
+    def run(library, config_class):
+        library.state.AcceleratorState._reset_state(True)
+        accelerator = library.Accelerator(cpu=True, dataloader_config=config_class(use_stateful_dataloader=True))
+        torch.manual_seed(0)
+        data = Stream() if iterable else list(range(20))
+        loader = accelerator.prepare(DataLoader(data, batch_size=3, shuffle=not iterable))
+        seen, state = [], None
+        for step, batch in enumerate(loader):
+            if step == 2:
+                state = loader.state_dict()
+            seen.append(batch.tolist())
+        loader.load_state_dict(state)
+        resumed = [batch.tolist() for batch in loader]
+        library.state.AcceleratorState._reset_state(True)
+        return seen, resumed
+
+    theirs = run(accelerate, accelerate.utils.DataLoaderConfiguration)
+    ours = run(nbaccel, OurConfig)
+    assert ours[0] == theirs[0] and ours[1] == ours[0][3:]  # the same pass; nbaccel resumes after batch 3
+    if iterable:
+        assert ours[1] == theirs[1]
+    else:  # Accelerate's resumed pass of a shuffling loader (one process) reads a new order (docs/compat.md)
+        assert len(theirs[1]) == len(ours[1]) and theirs[1] != ours[1]
