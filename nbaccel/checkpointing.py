@@ -258,13 +258,19 @@ def _move_files_into(tmp: Path, target: Path) -> None:
         "%s holds files that are not part of a checkpoint, so the save replaces its files one by one "
         "instead of atomically as a whole; save into a folder of its own for atomic checkpoints.", target,
     )
+    _merge_files_into(tmp, target, durable=True)
+
+
+def _merge_files_into(tmp: Path, target: Path, durable: bool) -> None:
+    """Move each entry of `tmp` into `target` (each one replaced atomically), then remove `tmp`."""
     for entry in sorted(tmp.iterdir()):
         destination = target / entry.name
         if entry.is_dir() and destination.is_dir():
             shutil.rmtree(destination)
         os.replace(entry, destination)
     tmp.rmdir()
-    _fsync_dir(target)
+    if durable:
+        _fsync_dir(target)
 
 
 def _fsync_file(path: Path) -> None:
@@ -661,6 +667,9 @@ def save_accelerator_state(
       2. every process writes its files into the temporary folder (and fsyncs them); all agree;
       3. main: `output_dir` (if present) -> `.{name}.nbaccel-old`, temporary folder -> `output_dir`,
          delete the old one, then apply `total_limit` to the `checkpoint_N` siblings; all agree.
+    A process that does not see the main process's temporary folder (its own `output_dir`, or no shared
+    file system) writes into `.{name}.rank{i}.nbaccel-tmp` and, after step 3, moves its files into its
+    `output_dir` one by one (each atomically); all agree once more.
     A failure on any process fails the save on every process (the temporary folder is removed) and the
     previous checkpoint at `output_dir` is untouched. "Agree" is an all-reduce when torch.distributed is
     initialized and `num_processes > 1`, else nothing.
@@ -703,9 +712,17 @@ def save_accelerator_state(
     if not _all_succeeded(error is None, num_processes):
         _reraise(error, f"Could not prepare the checkpoint folder {tmp}")
 
-    # 2. every process writes its part
+    # 2. every process writes its part. A process that does not see the main process's folder (each process
+    # passed its own folder, as with a per-process tempfile, or nodes without a shared file system) writes
+    # into a temporary folder of its own and merges it into its `output_dir` after the main process's rename.
+    own_tmp = None
+    if not is_main_process and not tmp.is_dir():
+        own_tmp = target.parent / f".{target.name}.rank{process_index}{_TMP_SUFFIX}"
     try:
-        _write_checkpoint_files(tmp, _CheckpointWrite(
+        if own_tmp is not None:
+            shutil.rmtree(own_tmp, ignore_errors=True)
+            own_tmp.mkdir(parents=True)
+        _write_checkpoint_files(own_tmp or tmp, _CheckpointWrite(
             models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders,
             scaler=scaler, custom_objects=custom_objects, process_index=process_index,
             is_main_process=is_main_process, safe_serialization=safe_serialization,
@@ -715,8 +732,8 @@ def save_accelerator_state(
     except BaseException as caught:  # noqa: BLE001
         error = caught
     if not _all_succeeded(error is None, num_processes):
-        if is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if is_main_process or own_tmp is not None:
+            shutil.rmtree(own_tmp or tmp, ignore_errors=True)
         if error is not None:
             raise error
         raise CheckpointError(f"Saving {target} failed on another process; the previous checkpoint is kept.")
@@ -747,7 +764,17 @@ def save_accelerator_state(
         except BaseException as caught:  # noqa: BLE001
             error = caught
     if not _all_succeeded(error is None, num_processes):
+        if own_tmp is not None:
+            shutil.rmtree(own_tmp, ignore_errors=True)
         _reraise(error, f"Could not move the checkpoint into {target}")
+    if own_tmp is not None:  # after the main process's rename, so a shared folder keeps these files too
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            _merge_files_into(own_tmp, target, durable)
+        except BaseException as caught:  # noqa: BLE001
+            error = caught
+    if not _all_succeeded(error is None, num_processes):
+        _reraise(error, f"Could not move every process's checkpoint files into {target}")
     logger.info("Saved state to %s", target)
     return target
 

@@ -67,6 +67,36 @@ def test_save_state_mid_epoch_then_load_state_resumes_identically(tmp_path):
         assert lr == lr2 and iteration == 1 and step == 0
 
 
+def test_each_process_saves_into_a_folder_of_its_own(tmp_path):
+    """Each process passes its own folder (a per-process tempfile, or nodes without a shared filesystem), as
+    Accelerate's CI script test_distributed_data_loop does: every process finds its own files there again."""
+    def body(rank):
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(x, batch_size=4, shuffle=True))
+        folder = tmp_path / f"rank{rank}"
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        accelerator.save_state(str(folder))
+        rest = [batch.clone() for batch in batches]
+        saved = sorted(p.name for p in folder.iterdir())
+        accelerator.load_state(str(folder))
+        resumed = [batch.clone() for batch in loader]
+        return saved, rest, resumed
+
+    (saved0, rest0, resumed0), (saved1, rest1, resumed1) = run_ranks(body)
+    assert saved0 == [".nbaccel-checkpoint.json", ".nbaccel-manifest.json", "dl_state_dict.bin", "random_states_0.pkl"]
+    assert saved1 == ["dl_state_dict.rank1.bin", "random_states_1.pkl"]  # its own files, in its own folder
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    for rest, resumed in ((rest0, resumed0), (rest1, resumed1)):
+        assert len(rest) == len(resumed) == 9
+        for a, b in zip(rest, resumed):
+            torch.testing.assert_close(a, b)
+
+
 def test_log_reaches_the_trackers_and_the_dashboard(tmp_path):
     def body(rank):
         from nbaccel import Accelerator, telemetry
