@@ -35,12 +35,10 @@ EXCLUDED_MODULES: dict[str, str] = {
     "accelerate.test_utils.scripts.test_cli": "Accelerate's own CI script (its CLI on its hardware matrix)",
     "accelerate.test_utils.scripts.test_notebook": "Accelerate's own CI script; nbaccel's launcher is tested in "
                                                    "tests/test_launcher*.py",
-    "accelerate.test_utils.scripts.test_ddp_comm_hook": "Accelerate's own CI script for GPU comm hooks",
-    "accelerate.test_utils.scripts.test_distributed_data_loop": "Accelerate's own CI script; nbaccel's data "
-                                                                "loaders are tested in tests/test_data_loader.py",
-    "accelerate.test_utils.scripts.test_merge_weights": "Accelerate's own CI script; nbaccel's merge-weights is tested "
-                                                        "in tests/test_fsdp1_commands.py",
 }
+_RUN_FROM_ACCELERATE = "Accelerate's own CI script: tests/test_accelerate_ci_scripts.py runs Accelerate's copy, renamed"
+for _script in ("test_ddp_comm_hook", "test_distributed_data_loop", "test_merge_weights"):
+    EXCLUDED_MODULES[f"accelerate.test_utils.scripts.{_script}"] = _RUN_FROM_ACCELERATE
 
 PLUMBING = "a module's own logger or help text, not API"
 SCRIPT_CHECKS = "the bundled test script's internal checks; its entry point main() is what get_launch_command runs"
