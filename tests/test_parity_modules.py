@@ -33,11 +33,9 @@ EXCLUDED_MODULES: dict[str, str] = {
     "accelerate.test_utils.scripts.external_deps": "Accelerate's CI scripts needing transformers, datasets, "
                                                    "evaluate or DeepSpeed",
     "accelerate.test_utils.scripts.test_cli": "Accelerate's own CI script (its CLI on its hardware matrix)",
-    "accelerate.test_utils.scripts.test_notebook": "Accelerate's own CI script; nbaccel's launcher is tested in "
-                                                   "tests/test_launcher*.py",
 }
 _RUN_FROM_ACCELERATE = "Accelerate's own CI script: tests/test_accelerate_ci_scripts.py runs Accelerate's copy, renamed"
-for _script in ("test_ddp_comm_hook", "test_distributed_data_loop", "test_merge_weights"):
+for _script in ("test_ddp_comm_hook", "test_distributed_data_loop", "test_merge_weights", "test_notebook"):
     EXCLUDED_MODULES[f"accelerate.test_utils.scripts.{_script}"] = _RUN_FROM_ACCELERATE
 
 PLUMBING = "a module's own logger or help text, not API"
