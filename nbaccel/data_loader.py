@@ -337,8 +337,14 @@ class _PreparedLoaderMixin:
                 return loader
         return self
 
+    def _pass_done(self) -> bool:
+        """The pass being iterated has yielded its last batch (it ends when the loop asks for one more)."""
+        return self.end_of_dataloader and self._batches_yielded > 0
+
     def _state(self) -> dict[str, Any]:
         holder = self._position_holder()
+        if holder._pass_done():  # saved during the epoch's last step: resume where the finished pass leaves it
+            return {"epoch": holder.iteration + 1, "batches_yielded": 0}
         state = {"epoch": holder.iteration, "batches_yielded": holder._batches_yielded}
         if holder._batches_yielded and holder._epoch_rng_state is not None:
             state["epoch_rng_state"] = holder._epoch_rng_state.clone()
@@ -545,7 +551,10 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
         """Where this loader is: epoch, batches yielded in it, the shuffling generator at the epoch's start
         (after a complete pass: at the next epoch's start), torch's RNG when an unfinished epoch began."""
         state = self._state()
-        generator_state = self._position_holder()._epoch_generator_state
+        holder = self._position_holder()
+        generator_state = holder._epoch_generator_state
+        if holder._pass_done() and self.synchronized_generator is not None:  # the next epoch's start
+            generator_state = self.synchronized_generator.get_state()
         if generator_state is not None:
             state["generator_state"] = generator_state.clone()
         return state

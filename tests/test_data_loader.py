@@ -371,3 +371,30 @@ def test_stateful_dataloader_resumes_like_accelerates(iterable: bool):
         assert ours[1] == theirs[1]
     else:  # Accelerate's resumed pass of a shuffling loader (one process) reads a new order (docs/compat.md)
         assert len(theirs[1]) == len(ours[1]) and theirs[1] != ours[1]
+
+
+def test_state_saved_at_an_epochs_last_batch_resumes_at_the_next_epoch():
+    """A checkpoint taken while the epoch's last batch is used (the usual "save every N steps" landing on the
+    epoch's end) resumes with the whole next epoch, in the uninterrupted run's order; it once resumed with an
+    empty pass (the finished epoch's remaining zero batches), losing an epoch. Accelerate's order as reference."""
+    accelerate = pytest.importorskip("accelerate")
+    import nbaccel
+
+    def run(library, resume: bool):
+        library.state.AcceleratorState._reset_state(True)
+        accelerator = library.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        loader = accelerator.prepare(DataLoader(list(range(12)), batch_size=4, shuffle=True))
+        state = rng = None
+        for step, _ in enumerate(loader):
+            if step == len(loader) - 1 and resume:
+                state, rng = loader.state_dict(), torch.get_rng_state()
+        uninterrupted = [batch.tolist() for batch in loader]
+        if resume:
+            torch.set_rng_state(rng)
+            loader.load_state_dict(state)
+            assert [batch.tolist() for batch in loader] == uninterrupted
+        library.state.AcceleratorState._reset_state(True)
+        return uninterrupted
+
+    assert run(nbaccel, resume=True) == run(accelerate, resume=False)
