@@ -108,6 +108,27 @@ def test_purge_accelerate_environment(monkeypatch):
     assert os.environ["ACCELERATE_KEEP"] == "a"
 
 
+def test_purge_accelerate_environment_covers_derived_test_classes(monkeypatch):
+    """Decorating a base test class purges its derived classes' tests too, each test method wrapped once,
+    as with Accelerate's decorator (its own test_utils checks it on unittest and pytest classes)."""
+    import accelerate.utils
+
+    monkeypatch.delenv("ACCELERATE_SET", raising=False)
+    for decorate in (accelerate.utils.purge_accelerate_environment, env.purge_accelerate_environment):
+        @decorate
+        class Base:
+            def test_one(self):
+                os.environ["ACCELERATE_SET"] = "1"
+
+        class Derived(Base):
+            def test_two(self):
+                os.environ["ACCELERATE_SET"] = "2"
+
+        for method in (Derived().test_one, Derived().test_two, Base().test_one):
+            method()
+            assert "ACCELERATE_SET" not in os.environ, decorate.__module__
+
+
 def test_rank_info_plain_process(no_rank_env):
     info = env.get_cpu_distributed_information()
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (0, 1, 0, 1, "none")

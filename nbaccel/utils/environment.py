@@ -70,9 +70,13 @@ _PURGED_PREFIXES = ("ACCELERATE_", "NBACCEL_")
 
 def purge_accelerate_environment(func_or_cls: T) -> T:
     """Decorator: environment variables starting with ACCELERATE_ or NBACCEL_ that the decorated function (or
-    each test method of the decorated class) sets are removed afterwards; changed ones are restored."""
+    each test method of the decorated class, and of the classes derived from it) sets are removed afterwards;
+    changed ones are restored."""
 
     def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(func, "_nbaccel_purges_environment", False):
+            return func
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             before = {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIXES)}
@@ -84,14 +88,25 @@ def purge_accelerate_environment(func_or_cls: T) -> T:
                         del os.environ[key]
                 os.environ.update(before)
 
+        wrapper._nbaccel_purges_environment = True  # type: ignore[attr-defined]
         return wrapper
 
-    if isinstance(func_or_cls, type):
-        for name in dir(func_or_cls):
-            if name.startswith("test") and callable(getattr(func_or_cls, name)):
-                setattr(func_or_cls, name, wrap(getattr(func_or_cls, name)))
-        return func_or_cls
-    return wrap(func_or_cls)  # type: ignore[return-value]
+    def wrap_tests(cls: type) -> None:
+        for name in dir(cls):
+            if name.startswith("test") and callable(getattr(cls, name)):
+                setattr(cls, name, wrap(getattr(cls, name)))
+
+    if not isinstance(func_or_cls, type):
+        return wrap(func_or_cls)  # type: ignore[return-value]
+    wrap_tests(func_or_cls)
+    decorated = func_or_cls
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:  # a derived class's tests are wrapped too
+        super(decorated, cls).__init_subclass__(**kwargs)
+        wrap_tests(cls)
+
+    func_or_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+    return func_or_cls
 
 
 # --- the launcher's rank variables ---------------------------------------------------------------------
