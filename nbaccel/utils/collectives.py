@@ -427,8 +427,8 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     """Pad every tensor of a nested structure along `dim` to the largest size any process has.
 
     Padding uses `pad_index` and goes at the end (`pad_first=True`: at the start), so the result can be
-    gathered. All sizes move in one communication. Tensors with fewer than `dim + 1` dims are left as they
-    are (as in Accelerate), but a `dim` that fits no tensor at all is an error.
+    gathered. All sizes move in one communication. Tensors that `dim` does not fit (too few dims) are left
+    as they are, as in Accelerate, even when it fits none of them.
     """
     world = _world_size()
     if world == 1:
@@ -450,7 +450,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
 
 
 def _pad_eligible(data: Any, dim: int) -> list[torch.Tensor]:
-    """The tensors `pad_across_processes` pads; ValueError if `dim` fits none of them."""
+    """The tensors `pad_across_processes` pads: those `dim` fits (a nested tensor is left, with a warning)."""
     tensors: list[torch.Tensor] = []
     flatten_tensors(data, tensors)
     eligible = []
@@ -464,13 +464,6 @@ def _pad_eligible(data: Any, dim: int) -> list[torch.Tensor]:
             )
         elif -t.ndim <= dim < t.ndim:
             eligible.append(t)
-    plain = [t for t in tensors if not getattr(t, "is_nested", False)]
-    if plain and not eligible:
-        ndims = sorted({t.ndim for t in plain})
-        raise ValueError(
-            f"pad_across_processes: dim={dim} is out of range for every tensor (their numbers of dims: "
-            f"{ndims}); pass a dim in [-{max(ndims)}, {max(ndims) - 1}]."
-        )
     return eligible
 
 
