@@ -76,7 +76,7 @@ def test_bad_arguments_fail_in_one_process_too():
     assert ops.pad_across_processes(lone, dim=3) is lone and ops.pad_across_processes(lone, dim=-4) is lone
     data = {"a": torch.ones(2, 2), "b": torch.ones(2)}
     assert ops.pad_across_processes(data, dim=1) is data
-    with pytest.raises(TypeError, match=r"data\['x'\]\[1\] is a str, which `.*` cannot handle"):
+    with pytest.raises(TypeError, match=r"Unsupported types \(<class 'str'>\) passed to `.*`: data\['x'\]\[1\] is a str"):
         ops.reduce({"x": [torch.ones(1), "oops"]})
     with pytest.raises(ValueError, match="no process passed a tensor"):
         ops.copy_tensor_to_devices(None)

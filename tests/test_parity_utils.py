@@ -4,8 +4,12 @@ results; and the integrations nbaccel does not drive, which import and raise on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import warnings
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +22,23 @@ def both(module: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(f"accelerate.{module}"), importlib.import_module(f"nbaccel.{module}")
+
+
+@contextlib.contextmanager
+def _log_records(level: int = logging.INFO) -> Iterator[list[logging.LogRecord]]:
+    """The records that reach the root logger at `level` or above inside the block."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = logging.getLogger()
+    previous = root.level
+    root.addHandler(handler)
+    root.setLevel(min(previous or logging.WARNING, level))
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
 
 
 class Tied(torch.nn.Module):
@@ -44,13 +65,20 @@ def test_environment_and_other_helpers_agree():
     model = Tied()
     for path in ("blocks.1", "blocks.1.weight", "head"):
         assert ours.recursive_getattr(model, path) is theirs.recursive_getattr(model, path)
-    with warnings.catch_warnings(record=True) as ours_warned:
-        warnings.simplefilter("always")
-        ours.check_os_kernel()
-    with warnings.catch_warnings(record=True) as theirs_warned:
-        warnings.simplefilter("always")
-        theirs.check_os_kernel()
-    assert len(ours_warned) == len(theirs_warned)
+    for release in ("5.4.0-35-generic", "6.1.0"):  # an old kernel gets one WARNING log record, no warning
+        records = {}  # (Accelerate logs it through its process-aware logger: it needs a state to exist)
+        for name, module in (("ours", ours), ("theirs", theirs)):
+            state = importlib.import_module(f"{module.__name__.split('.')[0]}.state")
+            state.PartialState(cpu=True)
+            with mock.patch("platform.uname", return_value=mock.Mock(release=release, system="Linux")), \
+                    warnings.catch_warnings(record=True) as warned, _log_records() as logged:
+                warnings.simplefilter("always")
+                module.check_os_kernel()
+            state.PartialState._reset_state()
+            records[name] = ([r.levelname for r in logged], len(warned))
+            if logged:
+                assert "5.4.0" in logged[0].getMessage() and "5.5.0" in logged[0].getMessage()
+        assert records["ours"] == records["theirs"], (release, records)
     other_theirs, other_ours = both("utils.other")
     for module in (model, model.blocks, model.head):
         assert other_ours.is_repeated_blocks(module) == other_theirs.is_repeated_blocks(module)

@@ -6,16 +6,18 @@ environment variables.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 from .config_file import LaunchConfig, default_config_file, display_path
 from .constants import DEFAULT_MAIN_PROCESS_PORT, MIXED_PRECISION_CHOICES
 from .operations import wait_for_everyone as wait_for_everyone  # Accelerate exposes it from this module too
+
+logger = logging.getLogger(__name__)  # these two notices are log records, as in Accelerate, not warnings
 
 
 def _count_devices(use_xpu: bool) -> tuple[str, int]:
@@ -181,11 +183,9 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
         seen.add(key)
         cleaned[name] = value.contiguous()
     if dropped:
-        warnings.warn(
-            f"Removed shared tensor(s) {', '.join(dropped)} while saving with safetensors; tie them again after "
-            "loading (e.g. with `model.tie_weights()`).",
-            stacklevel=3,
-        )
+        logger.warning(
+            "Removed shared tensor(s) %s while saving with safetensors; tie them again after loading (e.g. with "
+            "`model.tie_weights()`).", ", ".join(dropped))
     return cleaned
 
 
@@ -399,10 +399,9 @@ def check_os_kernel() -> None:
         return
     version = tuple(int(part) for part in found.groups())
     if version < (5, 5, 0):
-        warnings.warn(
-            f"Detected kernel version {'.'.join(map(str, version))}, which is below the recommended minimum of "
-            "5.5.0; this can cause the process to hang. It is recommended to upgrade the kernel to the minimum "
-            "version or higher.", stacklevel=2)
+        logger.warning(
+            f"Linux kernel {'.'.join(map(str, version))} is older than 5.5.0: processes can hang on it. Upgrade the "
+            "kernel to 5.5.0 or newer.")
 
 
 def compile_regions_deepspeed(module: Any, **compile_kwargs: Any) -> None:

@@ -99,9 +99,9 @@ def _apply(func, data, args, kwargs, test_type, error_on_other_type, path):
         return func(data, *args, **kwargs)
     if error_on_other_type:
         name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"{path} is a {type(data).__name__}, which `{name}` cannot handle: pass nested lists, tuples "
-            f"and dicts of objects accepted by `{getattr(test_type, '__name__', test_type)}`."
+        raise TypeError(  # starts with the phrase Accelerate's message starts with (code may match on it)
+            f"Unsupported types ({type(data)}) passed to `{name}`: {path} is a {type(data).__name__}; pass nested "
+            f"lists, tuples and dicts of objects accepted by `{getattr(test_type, '__name__', test_type)}`."
         )
     return data
 
