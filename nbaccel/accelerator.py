@@ -911,7 +911,7 @@ class Accelerator:
     # ------------------------------------------------------------------------------------------- checkpoints
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load `objects` (anything with state_dict/load_state_dict) with save_state/load_state."""
-        invalid = [f"position {i}: {type(obj).__name__}" for i, obj in enumerate(objects)
+        invalid = [f"Item at index {i} ({type(obj).__name__})" for i, obj in enumerate(objects)
                    if not (callable(getattr(obj, "state_dict", None))
                            and callable(getattr(obj, "load_state_dict", None)))]
         if invalid:

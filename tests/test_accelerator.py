@@ -483,3 +483,21 @@ def test_no_sync_then_trigger_sync_in_backward():
     (local0, synced0), (local1, synced1) = run_ranks(body)
     assert not torch.allclose(local0, local1)  # no all-reduce in the first backward
     torch.testing.assert_close(synced0, synced1)  # the triggered one averaged everything
+
+
+def test_register_for_checkpointing_names_the_items_without_state_dict_like_accelerate():
+    """The ValueError names each object that lacks state_dict/load_state_dict by its index, in the words
+    Accelerate's own test_state_checkpointing matches ("Item at index 0")."""
+    accelerate = pytest.importorskip("accelerate")
+    import nbaccel
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for library in (accelerate, nbaccel):
+        library.state.AcceleratorState._reset_state(True)
+        accelerator = library.Accelerator(cpu=True)
+        with pytest.raises(ValueError) as info:
+            accelerator.register_for_checkpointing(torch.ones(1), torch.zeros(1), model, optimizer)
+        message = str(info.value)
+        assert "Item at index 0" in message and "Item at index 1" in message and "index 2" not in message
+        library.state.AcceleratorState._reset_state(True)

@@ -99,8 +99,21 @@ def test_reaching_zero_raises_clear_error():
     def train(batch_size):
         raise RuntimeError(CUDA_OOM)
 
-    with pytest.raises(RuntimeError, match="No executable batch size found for `train`, reached zero"):
+    with pytest.raises(RuntimeError, match=r"No executable batch size found, reached zero: `train` ran out of memory "
+                                           r"with each of \[4, 3, 2, 1\]"):
         train()
+
+
+def test_starting_at_zero_fails_when_called_as_in_accelerate():
+    import accelerate.utils
+
+    for decorate in (accelerate.utils.find_executable_batch_size, find_executable_batch_size):
+        @decorate(starting_batch_size=0)
+        def train(batch_size):
+            return batch_size
+
+        with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
+            train()
 
 
 def test_other_exceptions_propagate_without_retry():
@@ -138,7 +151,7 @@ def test_bare_decorator_uses_default_start():
 
 def test_bad_starting_batch_size():
     with pytest.raises(ValueError, match="starting_batch_size"):
-        find_executable_batch_size(lambda b: b, starting_batch_size=0)
+        find_executable_batch_size(lambda b: b, starting_batch_size=-1)
 
 
 def test_release_memory_returns_nones_and_frees():
