@@ -184,3 +184,18 @@ def test_integrations_import_and_raise_on_use_naming_what_to_install(call, insta
         call()
     theirs, ours = both("utils.bnb")
     assert ours.has_4bit_bnb_layers(Tied()) is False
+
+
+def test_get_model_tp_size_reads_where_each_transformers_version_keeps_it():
+    """`model.tp_size` (transformers < 5), else `model.config.distributed_config` (>= 5: an object, or a dict
+    after a JSON round trip): the same answers as Accelerate's."""
+    from types import SimpleNamespace
+
+    theirs, ours = both("utils")
+    model = torch.nn.Linear(2, 2)
+    answers = []
+    for tp_size, config in ((None, None), (2, None), (None, SimpleNamespace(distributed_config=SimpleNamespace(tp_size=4))),
+                            (None, SimpleNamespace(distributed_config={"tp_size": 8}))):
+        model.tp_size, model.config = tp_size, config
+        answers.append((ours.get_model_tp_size(model), theirs.get_model_tp_size(model)))
+    assert answers == [(None, None), (2, 2), (4, 4), (8, 8)]

@@ -354,9 +354,13 @@ def model_has_dtensor(model: Any) -> bool:
 
 
 def get_model_tp_size(model: Any) -> int | None:
-    """The tensor-parallel degree a `transformers` model was sharded with (its `tp_size`, else the size of its
-    device mesh's "tp" dimension); None when it was not sharded."""
+    """The tensor-parallel degree a `transformers` model was sharded with: its `tp_size` (transformers < 5), its
+    `config.distributed_config`'s (transformers >= 5; an object, or a dict after a JSON round trip), else the
+    size of its device mesh's "tp" dimension; None when it was not sharded."""
     size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None)
+    if not size:
+        distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+        size = distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
     if size:
         return int(size)
     mesh = getattr(model, "device_mesh", None) or getattr(model, "_device_mesh", None)
