@@ -46,6 +46,7 @@ from .utils.dataclasses import (
     RNGType,
     TorchDynamoPlugin,
 )
+from .utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from .utils.operations import gather, gather_object, pad_across_processes, recursively_apply, reduce
 
 _UNSET = object()  # `split_batches` given explicitly or not
@@ -71,9 +72,12 @@ def _refuse_offloaded_quantized_model(model: torch.nn.Module, distributed_type: 
     if len(devices) > 1 and distributed_type != DistributedType.NO:
         raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
                          "devices in any distributed mode: load it on one device per process, or run one process.")
-    if "cpu" in devices or "disk" in devices:
+    # bitsandbytes' multi-backend build trains 8-bit/4-bit layers on the CPU (not next to an XPU)
+    cpu_trains = is_bitsandbytes_multi_backend_available() and not is_xpu_available()
+    if "disk" in devices or ("cpu" in devices and not cpu_trains):
         raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
-                         "offload: load it entirely on the accelerator (device_map={'': device}).")
+                         "offload: load it entirely on the accelerator (device_map={'': device}), or, to train it "
+                         "on the CPU, install bitsandbytes with its multi-backend support.")
 
 
 class Accelerator:

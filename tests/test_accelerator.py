@@ -501,3 +501,30 @@ def test_register_for_checkpointing_names_the_items_without_state_dict_like_acce
         message = str(info.value)
         assert "Item at index 0" in message and "Item at index 1" in message and "index 2" not in message
         library.state.AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("multi_backend,xpu", [(False, False), (True, False), (True, True)])
+def test_8bit_model_on_cpu_is_refused_unless_bitsandbytes_trains_on_cpu(multi_backend: bool, xpu: bool):
+    """An 8-bit model placed on the CPU: refused with "CPU or disk offload", unless bitsandbytes' multi-backend
+    build is there (and no XPU), exactly when Accelerate refuses it (its test_accelerator patches these names)."""
+    from unittest import mock
+
+    accelerate = pytest.importorskip("accelerate")
+    import nbaccel
+
+    outcomes = []
+    for library in (accelerate, nbaccel):
+        library.state.AcceleratorState._reset_state(True)
+        accelerator = library.Accelerator(cpu=True)
+        model = torch.nn.Linear(2, 2)
+        model.is_loaded_in_8bit, model.hf_device_map = True, {"": "cpu"}
+        name = library.__name__
+        with mock.patch(f"{name}.accelerator.is_bitsandbytes_multi_backend_available", return_value=multi_backend), \
+                mock.patch(f"{name}.accelerator.is_xpu_available", return_value=xpu):
+            try:
+                accelerator.prepare_model(model)
+                outcomes.append("prepared")
+            except ValueError as error:
+                outcomes.append("refused" if "CPU or disk offload" in str(error) else str(error))
+        library.state.AcceleratorState._reset_state(True)
+    assert outcomes[0] == outcomes[1] == ("prepared" if multi_backend and not xpu else "refused")
