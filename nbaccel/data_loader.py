@@ -272,8 +272,37 @@ class IterableDatasetShard(IterableDataset):
 _END = object()  # marks the end of the wrapped iterator
 
 
+class _InstanceOnly:
+    """`loader.base_dataloader`: the DataLoader a prepared loader reads through, itself (on the class: no such
+    attribute, as in Accelerate)."""
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is None:
+            raise AttributeError("base_dataloader is an attribute of a loader, not of its class")
+        return instance
+
+
+def _new_loader(cls: type, use_stateful_dataloader: bool, reads_through_base: bool = False) -> Any:
+    """A new, uninitialised `cls`, or its `StatefulDataLoader` variant (stateful_loaders.py)."""
+    if use_stateful_dataloader and not getattr(cls, "use_stateful_dataloader", False):
+        from .stateful_loaders import stateful_variant
+
+        cls = stateful_variant(cls, reads_through_base)
+    return object.__new__(cls)
+
+
 class _PreparedLoaderMixin:
     """What both prepared loaders share: end-of-data, GradientState registration, positions for resume."""
+
+    _base: type = DataLoader  # the DataLoader class it is (torchdata's StatefulDataLoader in the variants)
+    use_stateful_dataloader = False
+    base_dataloader = _InstanceOnly()
+
+    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Any:
+        return _new_loader(cls, use_stateful_dataloader)
+
+    def _note_position(self) -> None:
+        """The stateful variants record torchdata's position here, once the batch in use was read."""
 
     def _init_prepared(self, device, non_blocking: bool, drop_last: bool) -> None:
         self.device = device
@@ -412,13 +441,13 @@ class _PreparedLoaderMixin:
     def _skipping_iterator(self, skip: int) -> Iterator[Any]:
         batch_sampler = self.__dict__.get("batch_sampler")
         if not skip:
-            return DataLoader.__iter__(self)
+            return self._base.__iter__(self)
         if batch_sampler is None or not _has_length(batch_sampler):
-            return itertools.islice(DataLoader.__iter__(self), skip, None)
+            return itertools.islice(self._base.__iter__(self), skip, None)
         # The DataLoader reads its batch sampler when the iterator is made: skip by index for this pass only.
         self.__dict__["batch_sampler"] = SkipBatchSampler(batch_sampler, skip)
         try:
-            return DataLoader.__iter__(self)
+            return self._base.__iter__(self)
         finally:
             self.__dict__["batch_sampler"] = batch_sampler
 
@@ -429,9 +458,15 @@ class SkipDataLoader(DataLoader):
     `base_dataloader` (a plain DataLoader built from the same arguments) and registers with `GradientState`
     while iterated."""
 
-    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+    use_stateful_dataloader = False
+
+    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Any:
+        return _new_loader(cls, use_stateful_dataloader, reads_through_base=True)
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
-        self.base_dataloader = DataLoader(dataset, **kwargs)
+        self.base_dataloader = (self._base if self.use_stateful_dataloader else DataLoader)(dataset, **kwargs)
         self.skip_batches = skip_batches
         self.gradient_state = GradientState()
         self.end_of_dataloader = False
@@ -454,8 +489,9 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
 
     def __init__(self, dataset: Any, device: torch.device | None = None, rng_types: list | None = None,
                  synchronized_generator: torch.Generator | None = None, skip_batches: int = 0,
-                 non_blocking: bool = False, drop_last_of_source: bool = False, **kwargs: Any) -> None:
-        DataLoader.__init__(self, dataset, **kwargs)
+                 non_blocking: bool = False, drop_last_of_source: bool = False,
+                 use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+        self._base.__init__(self, dataset, **kwargs)
         self._init_prepared(device, non_blocking, drop_last_of_source)
         # At each epoch's start every process takes process 0's state of these RNGs ("generator": the
         # sampler's generator when the user gave it; one nbaccel created is agreed once, at prepare).
@@ -505,6 +541,7 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
             # Look one batch ahead, so end_of_dataloader is already True while the last batch is used.
             current = next(batches, _END)
             while current is not _END:
+                self._note_position()
                 if move:
                     current = send_to_device(current, device, non_blocking=non_blocking)
                 upcoming = next(batches, _END)
@@ -579,8 +616,8 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
 
     def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
                  device: torch.device | None = None, non_blocking: bool = False, drop_last_of_source: bool = False,
-                 slice_fn: Any = None, **kwargs: Any) -> None:
-        DataLoader.__init__(self, dataset, **kwargs)
+                 slice_fn: Any = None, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+        self._base.__init__(self, dataset, **kwargs)
         self._init_prepared(device, non_blocking, drop_last_of_source)
         state = PartialState()
         self.num_processes = state.num_processes
@@ -629,6 +666,7 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
             current = self._fetch(iterator)
             index = 0
             while current is not None:
+                self._note_position()
                 upcoming = self._fetch(iterator)
                 if start is None and not self._drop_last:
                     start = self.slice_fn(current, slice(0, n), process_index=me, num_processes=n)
@@ -770,12 +808,10 @@ def prepare_data_loader(
     """Wrap `dataloader` so this process gets its share of every batch (Accelerate's function and arguments)."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader expects a torch.utils.data.DataLoader, got {type(dataloader).__name__}.")
-    if use_stateful_dataloader:  # what Accelerate asks for; the prepared loader keeps its position either way
-        from .utils.imports import is_torchdata_stateful_dataloader_available
+    if use_stateful_dataloader:  # the prepared loader is a torchdata StatefulDataLoader (stateful_loaders.py)
+        from .stateful_loaders import require_torchdata
 
-        if not is_torchdata_stateful_dataloader_available():
-            raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader: "
-                              "pip install 'torchdata>=0.8.0'.")
+        require_torchdata()
     if torch_device_mesh is not None:
         raise ValueError("torch_device_mesh (tensor/context parallel data loading) is not supported by nbaccel.")
     if dispatch_batches is None:
@@ -815,7 +851,8 @@ def prepare_data_loader(
             kwargs.update(batch_sampler=dataloader.batch_sampler)
         prepared: DataLoader = DataLoaderDispatcher(
             dataset, split_batches=split_batches, device=place, slice_fn=slice_fn_for_dispatch,
-            non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last, **kwargs)
+            non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
+            use_stateful_dataloader=use_stateful_dataloader, **kwargs)
     elif iterable:
         if num_processes > 1:
             dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
@@ -825,7 +862,8 @@ def prepare_data_loader(
         generator = getattr(dataloader.dataset, "generator", None) if num_processes > 1 else None
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
                                    batch_size=per_process, drop_last=dataloader.drop_last,
-                                   non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last, **kwargs)
+                                   non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
+                                   use_stateful_dataloader=use_stateful_dataloader, **kwargs)
     else:
         batch_sampler = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
         generator = None
@@ -846,7 +884,7 @@ def prepare_data_loader(
             loader_args = dict(batch_sampler=batch_sampler)
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
                                    non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
-                                   **loader_args, **kwargs)
+                                   use_stateful_dataloader=use_stateful_dataloader, **loader_args, **kwargs)
     if isinstance(sampler, SeedableRandomSampler):
         prepared.set_sampler(sampler)
     return prepared
@@ -895,7 +933,8 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     kwargs = _loader_kwargs(dataloader)
     if isinstance(dataloader.dataset, IterableDataset):
         return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
-                              drop_last=dataloader.drop_last, **kwargs)
+                              drop_last=dataloader.drop_last,
+                              use_stateful_dataloader=getattr(dataloader, "use_stateful_dataloader", False), **kwargs)
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
                       **kwargs)
 

@@ -338,7 +338,7 @@ def test_data_loader_adapter_wraps_and_delegates():
 @pytest.mark.parametrize("iterable", [False, True])
 def test_stateful_dataloader_resumes_like_accelerates(iterable: bool):
     """`use_stateful_dataloader=True` on one process, Accelerate and nbaccel side by side: a state_dict taken
-    after 3 batches and loaded after the pass gives the same remaining batches in both."""
+    after 3 batches and loaded after the pass gives the same batches in both (torchdata's StatefulDataLoader)."""
     pytest.importorskip("torchdata.stateful_dataloader", reason="use_stateful_dataloader needs torchdata")
     accelerate = pytest.importorskip("accelerate")
     import nbaccel
@@ -366,11 +366,11 @@ def test_stateful_dataloader_resumes_like_accelerates(iterable: bool):
 
     theirs = run(accelerate, accelerate.utils.DataLoaderConfiguration)
     ours = run(nbaccel, OurConfig)
-    assert ours[0] == theirs[0] and ours[1] == ours[0][3:]  # the same pass; nbaccel resumes after batch 3
+    assert ours == theirs and len(ours[1]) == 4
     if iterable:
-        assert ours[1] == theirs[1]
-    else:  # Accelerate's resumed pass of a shuffling loader (one process) reads a new order (docs/compat.md)
-        assert len(theirs[1]) == len(ours[1]) and theirs[1] != ours[1]
+        assert ours[1] == ours[0][3:]
+    # (a shuffling map-style loader whose sampler has no generator draws a new order when restored, in both:
+    # torchdata cannot restore a RandomSampler that seeds itself from torch's global RNG at each pass)
 
 
 def test_state_saved_at_an_epochs_last_batch_resumes_at_the_next_epoch():
@@ -398,3 +398,30 @@ def test_state_saved_at_an_epochs_last_batch_resumes_at_the_next_epoch():
         return uninterrupted
 
     assert run(nbaccel, resume=True) == run(accelerate, resume=False)
+
+
+@pytest.mark.parametrize("kind", ["shard", "dispatcher", "skip"])
+def test_stateful_loaders_are_torchdatas_and_report_the_batch_in_use(kind: str):
+    """With use_stateful_dataloader=True a prepared loader is a torchdata StatefulDataLoader: after 3 batches
+    its state is the one a plain StatefulDataLoader reports after 3 batches (not after the batch it read ahead),
+    and a loader given that state continues with the 4th batch."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from nbaccel import PartialState
+    from nbaccel.data_loader import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader
+
+    PartialState(cpu=True)
+    build = {"shard": DataLoaderShard, "dispatcher": DataLoaderDispatcher, "skip": SkipDataLoader}[kind]
+    loader = build(list(range(20)), batch_size=2, use_stateful_dataloader=True)
+    reference = stateful.StatefulDataLoader(list(range(20)), batch_size=2)
+    assert isinstance(loader, stateful.StatefulDataLoader) and isinstance(loader, build)
+    assert loader.use_stateful_dataloader and isinstance(loader.base_dataloader, stateful.StatefulDataLoader)
+    for batches in (iter(loader), iter(reference)):
+        for _ in range(3):
+            next(batches)
+    assert loader.state_dict() == reference.state_dict()
+    resumed = build(list(range(20)), batch_size=2, use_stateful_dataloader=True)
+    resumed.load_state_dict(loader.state_dict())
+    assert resumed.state_dict() == reference.state_dict()
+    assert [batch.tolist() for batch in resumed][0] == [6, 7]
+    with pytest.raises(AttributeError):
+        build.base_dataloader  # noqa: B018  (Accelerate's: an attribute of a loader, not of the class)
