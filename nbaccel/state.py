@@ -740,6 +740,9 @@ class AcceleratorState:
         if mixed_precision is not None:
             mixed_precision = _check_mixed_precision(mixed_precision)
         if self.initialized:
+            if not PartialState._shared_state:  # reset alone (PartialState._reset_state()): set up again, as
+                PartialState(cpu, **kwargs)      # Accelerate does
+                self.__dict__.update(PartialState._shared_state)
             self._check_initialized(mixed_precision, cpu)
             return
         if not _from_accelerator:

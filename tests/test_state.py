@@ -603,3 +603,19 @@ def test_the_configuration_classes_drive_the_states(fresh):
     assert (gradient_state.num_steps, gradient_state.adjust_scheduler, gradient_state.sync_with_dataloader) == (
         4, False, True,
     )
+
+
+def test_accelerator_after_partial_state_reset_alone_sets_the_partial_state_up_again():
+    """`PartialState._reset_state()` leaves the AcceleratorState; the next `Accelerator()` builds the
+    PartialState again in both libraries (Accelerate's test_tracking relies on it)."""
+    accelerate = pytest.importorskip("accelerate")
+    import nbaccel
+
+    for library in (accelerate, nbaccel):
+        library.state.AcceleratorState._reset_state(True)
+        library.Accelerator(cpu=True)
+        library.state.PartialState._reset_state()
+        assert library.state.PartialState._shared_state == {}
+        library.Accelerator(cpu=True)
+        assert library.state.PartialState._shared_state != {}, library.__name__
+        library.state.AcceleratorState._reset_state(True)
