@@ -745,7 +745,7 @@ def filter_trackers(
             )
         if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
             raise ValueError(
-                f"Logging with {name!r} needs a logging directory: pass Accelerator(project_dir=...) or "
+                f"Logging with `{name}` requires a `logging_dir`: pass Accelerator(project_dir=...) or "
                 "ProjectConfiguration(logging_dir=...)."
             )
         add(name)

@@ -136,8 +136,12 @@ def test_filter_trackers_validates_and_deduplicates(tmp_path):
         "jsonl", "tensorboard", custom]
     with pytest.raises(ValueError, match="Unsupported tracker 'neptune'.*'all'.*'jsonl'"):
         filter_trackers("neptune")
-    with pytest.raises(ValueError, match="'jsonl' needs a logging directory"):
+    with pytest.raises(ValueError, match="Logging with `jsonl` requires a `logging_dir`"):
         filter_trackers("jsonl")
+    accelerate_tracking = pytest.importorskip("accelerate.tracking")
+    for check in (accelerate_tracking.filter_trackers, filter_trackers):  # the phrase Accelerate's tests match
+        with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
+            check("tensorboard")
     with pytest.raises(TypeError, match="pass an instance"):
         filter_trackers([Recorder])
 
