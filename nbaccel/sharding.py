@@ -555,6 +555,11 @@ def check_parallelism_config(parallelism_config: Any) -> None:
     if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a nbaccel.ParallelismConfig, got "
                         f"{type(parallelism_config).__name__}.")
+    if parallelism_config is not None and (parallelism_config.cp_size > 1 or parallelism_config.sp_size > 1):
+        raise NotImplementedError(  # the config itself may be built (and its mesh), as with Accelerate
+            "context/sequence parallelism (cp_size/sp_size > 1) is not implemented by nbaccel; use "
+            "dp_replicate_size, dp_shard_size (FSDP) and tp_size."
+        )
 
 
 def fsdp_mesh(device_mesh: Any, parallelism_config: Any) -> Any:

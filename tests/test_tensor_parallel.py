@@ -110,8 +110,20 @@ def test_parallelism_config_validation():
         ParallelismConfig(tp_size=0)
     with pytest.raises(ValueError, match="pure data parallelism"):
         ParallelismConfig(dp_replicate_size=2, tp_size=2)
+    # a context-parallel config can be built and inspected (as with Accelerate); an Accelerator refuses it
+    config = ParallelismConfig(cp_size=2)
+    assert config.cp_enabled and config.total_size == 2 and config.active_mesh_dims == ["cp"]
+    accelerate = pytest.importorskip("accelerate")
+    theirs = accelerate.ParallelismConfig(cp_size=2)
+    assert (type(config.cp_handler).__name__, config.cp_handler.cp_comm_strategy) == (
+        type(theirs.cp_handler).__name__, theirs.cp_handler.cp_comm_strategy)
+    for library in (accelerate.utils, __import__("nbaccel").utils):
+        with pytest.raises(ValueError, match="Invalid cp_comm_strategy: ring"):
+            library.TorchContextParallelConfig(cp_comm_strategy="ring")
+    from nbaccel import Accelerator
+
     with pytest.raises(NotImplementedError, match="context/sequence parallelism"):
-        ParallelismConfig(cp_size=2)
+        Accelerator(cpu=True, parallelism_config=config)
 
 
 def test_tensor_parallel_needs_process_group():

@@ -49,11 +49,16 @@ class ParallelismConfig:
         self.sp_size = _size("sp_size", self.sp_size)
         self.cp_backend = self.cp_backend or os.environ.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
         self.sp_backend = self.sp_backend or os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
-        if self.cp_size > 1 or self.sp_size > 1:
-            raise NotImplementedError(
-                "context/sequence parallelism (cp_size/sp_size > 1) is not implemented by nbaccel; use "
-                "dp_replicate_size, dp_shard_size (FSDP) and tp_size."
-            )
+        # each dimension in use gets its settings object (defaults, or read from the environment)
+        if self.tp_size > 1 and self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+        if self.cp_size > 1 and self.cp_handler is None:
+            self.cp_handler = TorchContextParallelConfig()
+        elif self.cp_size > 1 and not isinstance(self.cp_handler, TorchContextParallelConfig):
+            raise ValueError(f"cp_backend={self.cp_backend!r} takes a TorchContextParallelConfig as cp_handler, "
+                             f"got {type(self.cp_handler).__name__}.")
+        if self.sp_size > 1 and self.sp_handler is None:
+            self.sp_handler = DeepSpeedSequenceParallelConfig()
         if self.tp_size > 1 and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
             raise ValueError(
                 "Tensor parallelism (tp_size > 1) cannot be combined with pure data parallelism (dp_replicate_size > "
@@ -132,17 +137,20 @@ class ParallelismConfig:
         names, shape = self._get_mesh()
         if not names:
             return None
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.total_size != world:
+        try:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        except (RuntimeError, ValueError) as error:  # say why, when it is the usual mistake
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.total_size == world:
+                raise
             raise ValueError(
                 f"ParallelismConfig sizes multiply to {self.total_size} ({dict(zip(names, shape))}) but there are "
                 f"{world} processes: make the product equal the number of processes."
-            )
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            ) from error
         for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                            ("dp_cp", self.dp_cp_dim_names)):
             if dims:
-                mesh[tuple(dims)]._flatten(flat)
+                mesh[list(dims)]._flatten(flat)
         return mesh
 
     def get_device_mesh(self, device_type: str | None = None):
@@ -180,7 +188,7 @@ class TorchContextParallelConfig:
         if self.cp_comm_strategy is None:
             self.cp_comm_strategy = os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
-            raise ValueError(f"cp_comm_strategy must be 'allgather' or 'alltoall', got {self.cp_comm_strategy!r}")
+            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy} (use 'allgather' or 'alltoall').")
 
 
 _SP_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa")
