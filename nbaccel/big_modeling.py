@@ -39,6 +39,7 @@ __all__ = [
 ]
 from .utils.modeling import (
     check_device_map,
+    check_devices_exist,
     find_tied_parameters,
     get_balanced_memory,
     infer_auto_device_map,
@@ -190,6 +191,7 @@ def dispatch_model(
     CPU) just for their forward. The map is checked first: every tensor needs a device, every device must
     exist here. Sets `model.hf_device_map`."""
     check_device_map(model, device_map)
+    check_devices_exist(device_map)
     devices = {d if not isinstance(d, torch.device) else str(d) for d in device_map.values()}
     if len(devices) > 1 or "disk" in devices or force_hooks:
         if main_device is None:

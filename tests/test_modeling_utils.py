@@ -34,6 +34,7 @@ from nbaccel.utils import (
     set_module_tensor_to_device,
 )
 from nbaccel.utils.dataclasses import CustomDtype
+from nbaccel.utils.modeling import check_devices_exist
 
 
 class Block(nn.Module):
@@ -150,13 +151,20 @@ def test_check_device_map_errors():
     check_device_map(model, {"": "cpu"})
     with pytest.raises(ValueError, match="does not give any device.*head.weight"):
         check_device_map(model, {"emb": "cpu", "blocks": "cpu"})
+    # as in Accelerate, check_device_map checks coverage only; dispatching checks that the devices exist
     missing_gpu = torch.cuda.device_count()
+    check_device_map(model, {"emb": "cpu", "blocks": missing_gpu, "head": "disk"})
     with pytest.raises(ValueError, match=f"accelerator {missing_gpu}"):
-        check_device_map(model, {"emb": "cpu", "blocks": missing_gpu, "head": "disk"})
+        check_devices_exist({"emb": "cpu", "blocks": missing_gpu, "head": "disk"})
     with pytest.raises(ValueError, match="not a device"):
-        check_device_map(model, {"": "gpu-7"})
+        check_devices_exist({"": "gpu-7"})
     with pytest.warns(UserWarning, match="do not match any submodules"):
         check_device_map(model, {"": "cpu", "decoder": "cpu"})
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    for check in (accelerate_modeling.check_device_map, check_device_map):
+        check(model, {"": missing_gpu})
+        with pytest.warns(UserWarning, match="device_map keys do not match any submodules"):
+            check(model, {"": "cpu", "decoder": 0})
 
 
 def test_infer_auto_device_map_spills_to_disk_and_respects_no_split():

@@ -206,6 +206,12 @@ def _accelerator_count() -> int:
     return 0
 
 
+def check_devices_exist(device_map: Mapping[str, Device]) -> None:
+    """Raise a ValueError naming the first entry of `device_map` whose device this machine does not have."""
+    for key, device in device_map.items():
+        _check_device_exists(device, f"device_map[{key!r}]")
+
+
 def _check_device_exists(device: Device, where: str) -> None:
     """Raise a ValueError naming `where` when `device` is not a device of this machine (or "disk")."""
     if isinstance(device, str) and device in ("cpu", "disk", "meta"):
@@ -419,15 +425,13 @@ def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> di
 
 
 def check_device_map(model: nn.Module, device_map: dict[str, Device]) -> None:
-    """Raise a ValueError when `device_map` leaves a tensor of `model` without a device or names a device this
-    machine does not have; warn about keys that match no submodule."""
+    """Raise a ValueError when `device_map` leaves a tensor of `model` without a device; warn about keys that
+    match no submodule. (Whether its devices exist is checked where they are used: `check_devices_exist`.)"""
     if not isinstance(device_map, Mapping):
         raise TypeError(
             f"`device_map` must be a dict {{module name: device}}, got {type(device_map).__name__}; for an "
             "automatic map use load_checkpoint_and_dispatch(..., device_map='auto') or infer_auto_device_map."
         )
-    for key, device in device_map.items():
-        _check_device_exists(device, f"device_map[{key!r}]")
     modules = dict(model.named_modules())
     tensor_names = set(model.state_dict().keys()) | {n for n, _ in model.named_parameters()}
     unknown = [k for k in device_map if k and k not in modules and k not in tensor_names]
@@ -721,6 +725,7 @@ def load_checkpoint_in_model(
     tied = find_tied_parameters(model)
     if device_map is not None:
         check_device_map(model, device_map)
+        check_devices_exist(device_map)
         check_tied_parameters_on_same_device(tied, device_map)
     uses_disk = device_map is not None and "disk" in device_map.values()
     if uses_disk:
