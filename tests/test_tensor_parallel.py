@@ -131,3 +131,15 @@ def test_tensor_parallel_needs_process_group():
 
     with pytest.raises(RuntimeError, match="torch.distributed to be initialized"):
         sharding.prepare_tensor_parallel(Stack(), tp_size=2)
+
+
+def test_parallelism_config_smaller_than_the_world_is_refused_before_torch_builds_a_partial_mesh(monkeypatch):
+    """torch builds a mesh over fewer processes than exist without a word; the config refuses that first."""
+    import torch.distributed as dist
+
+    from nbaccel import ParallelismConfig
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 4)
+    with pytest.raises(ValueError, match=r"multiply to 2 .* but there are 4 processes"):
+        ParallelismConfig(tp_size=2).build_device_mesh("cpu")

@@ -103,7 +103,7 @@ def find_executable_batch_size(
     if not callable(function):
         raise TypeError(f"find_executable_batch_size wraps a function; got {type(function).__name__}.")
     if not isinstance(starting_batch_size, int) or starting_batch_size < 0:  # 0: the call says so (Accelerate)
-        raise ValueError(f"starting_batch_size must be a positive int, got {starting_batch_size!r}.")
+        raise ValueError(f"starting_batch_size must be an int >= 0, got {starting_batch_size!r}.")
 
     batch_size = starting_batch_size
 
@@ -121,9 +121,11 @@ def find_executable_batch_size(
         tried: list[int] = []
         while True:
             if batch_size <= 0:
+                why = (f"`{name}` ran out of memory with each of {tried}" if tried
+                       else "starting_batch_size was 0")
                 raise RuntimeError(
-                    f"No executable batch size found, reached zero: `{name}` ran out of memory with each of "
-                    f"{tried}. Reduce the model or sequence size, or use gradient accumulation / mixed precision."
+                    f"No executable batch size found, reached zero: {why}. Reduce the model or sequence size, or "
+                    "use gradient accumulation / mixed precision."
                 )
             try:
                 return function(batch_size, *args, **kwargs)

@@ -137,16 +137,19 @@ class ParallelismConfig:
         names, shape = self._get_mesh()
         if not names:
             return None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mismatch = ValueError(
+            f"ParallelismConfig sizes multiply to {self.total_size} ({dict(zip(names, shape))}) but there are "
+            f"{world} processes: make the product equal the number of processes."
+        )
+        if self.total_size < world:  # torch would build a mesh that leaves processes out
+            raise mismatch
         try:
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        except (RuntimeError, ValueError) as error:  # say why, when it is the usual mistake
-            world = dist.get_world_size() if dist.is_initialized() else 1
+        except (RuntimeError, ValueError) as error:  # a larger product: torch refuses it; say why
             if self.total_size == world:
                 raise
-            raise ValueError(
-                f"ParallelismConfig sizes multiply to {self.total_size} ({dict(zip(names, shape))}) but there are "
-                f"{world} processes: make the product equal the number of processes."
-            ) from error
+            raise mismatch from error
         for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                            ("dp_cp", self.dp_cp_dim_names)):
             if dims:
