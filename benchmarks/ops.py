@@ -1,6 +1,6 @@
 """Benchmark: nbaccel's collectives against the raw torch floor and Accelerate, on 2 gloo processes.
 
-    python benchmarks/ops.py [--reps 15] [--iters 50]
+    python benchmarks/ops.py [--reps 40] [--iters 20]
 
 Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
@@ -10,7 +10,9 @@ launcher's telemetry sink attached (what a notebook_launcher worker runs: every 
 `collective` enter/exit messages for the kernel's deadlock detection). Then gather_object and
 broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
 repetition, in a shuffled order (so machine load and the position after another variant hit them alike);
-the median time per call is reported, with ratios.
+the median time per call is reported, with ratios; for nbaccel's gather against the floor, also the ratio
+within each repetition (the two ran back to back there), whose spread shows how much the machine's noise
+moves the answer.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
             if name == traced:
                 telemetry.detach()
     if rank == 0:
+        queue.put({name: [wall for wall, _ in values] for name, values in samples.items()})
         queue.put({
             name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
             for name, values in samples.items()
@@ -147,8 +150,8 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     world = 2
     ctx = mp.get_context("spawn")
@@ -158,7 +161,8 @@ def main() -> None:
     for proc in procs:
         proc.start()
     try:
-        medians = queue.get(timeout=600)
+        walls = queue.get(timeout=600)
+        medians = queue.get(timeout=60)
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -179,6 +183,11 @@ def main() -> None:
           f"{ratio(traced, 'gather: nbaccel', 1):5.2f}x CPU  (the collective trace under a launch; goal ~1.0x)")
     print(f"gather, nbaccel / floor:        {ratio('gather: nbaccel', floor):5.2f}x wall, "
           f"{ratio('gather: nbaccel', floor, 1):5.2f}x CPU  (goal <= 1.5x)")
+    paired = sorted(a / b for a, b in zip(walls["gather: nbaccel"], walls[floor]))
+    quartiles = statistics.quantiles(paired, n=4)
+    print(f"gather, nbaccel / floor, paired by repetition: median {statistics.median(paired):.2f}x, quartiles "
+          f"{quartiles[0]:.2f}-{quartiles[2]:.2f}x over {len(paired)} repetitions "
+          f"({sum(r <= 1.5 for r in paired)} of them <= 1.5x)")
     print(f"gather, nbaccel / by hand:      {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)'):5.2f}x "
           f"wall, {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)', 1):5.2f}x CPU")
     if "gather: accelerate" in medians:

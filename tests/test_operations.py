@@ -253,3 +253,18 @@ def test_gathered_parameters_is_a_no_op_without_zero3_partitioning():
     with ops.GatheredParameters(layer.weight, enabled=False):
         pass
     assert not ops.is_torch_xpu_tensor(torch.ones(1)) and not ops.is_torch_xpu_tensor([1])
+
+
+def test_flat_tensors_takes_only_plain_containers_of_tensors():
+    from collections import OrderedDict
+
+    from nbaccel.utils.structures import flat_tensors, rebuild_flat
+
+    a, b = torch.ones(1), torch.nn.Parameter(torch.zeros(2))
+    assert flat_tensors({"a": a, "b": b}) == [a, b] and flat_tensors((a, b)) == [a, b] and flat_tensors([a]) == [a]
+    assert flat_tensors({}) == [] and flat_tensors(a) is None
+    assert flat_tensors({"a": a, "n": [b]}) is None and flat_tensors([a, 1]) is None
+    assert flat_tensors(OrderedDict(a=a)) is None  # other container types keep their own rebuild
+    x, y = torch.full((1,), 7.0), torch.full((2,), 8.0)
+    assert rebuild_flat({"a": a, "b": b}, [x, y]) == {"a": x, "b": y}
+    assert type(rebuild_flat((a, b), [x, y])) is tuple and type(rebuild_flat([a, b], [x, y])) is list

@@ -95,6 +95,26 @@ def _check_values_and_types(rank: int):
     assert single.tolist() == [0.0, 1.0]
     assert len(counter.take()) == 1
 
+    # flat containers (every item a tensor): same shapes (reordered with one copy), mixed shapes, a Parameter
+    rows = {f"t{i}": torch.arange(3.0) + 10 * i + 100 * rank for i in range(4)}
+    flat = gather(rows)
+    assert type(flat) is dict and list(flat) == list(rows)
+    assert all(torch.equal(flat[k], torch.cat([rows[k] - 100 * rank, rows[k] + 100 - 100 * rank])) for k in rows)
+    kept = flat["t0"].clone()
+    gather({f"t{i}": torch.zeros(3) for i in range(4)})  # same layout again: earlier results stay as they were
+    assert torch.equal(flat["t0"], kept)
+    param = torch.nn.Parameter(torch.full((2,), float(rank)))
+    pair = gather((torch.full((2, 2), rank), torch.full((1,), rank), param))
+    assert type(pair) is tuple and not pair[2].requires_grad
+    assert pair[0].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]] and pair[1].tolist() == [0, 1]
+    assert pair[2].tolist() == [0.0, 0.0, 1.0, 1.0]
+    listed = gather([torch.tensor([rank]), torch.tensor([rank + 2])])
+    assert type(listed) is list and [t.tolist() for t in listed] == [[0, 1], [2, 3]]
+    empty = gather({"a": torch.empty(0, 2), "b": torch.empty(0, 2)})
+    assert empty["a"].shape == (0, 2) and empty["b"].shape == (0, 2) and gather(torch.empty(0, 3)).shape == (0, 3)
+    assert gather({}) == {} and gather([]) == []
+    assert len(counter.take()) == 6
+
     # reduce: one all_reduce per dtype (float32, int64, float16, bool not for mean -> sum on ints)
     floats = {"a": [data["outer"][0][0], data["outer"][1].left], "b": torch.tensor(2.0 + rank)}
     mean = reduce(floats)

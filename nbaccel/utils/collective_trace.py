@@ -11,12 +11,11 @@ attribute writes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,31 +94,40 @@ def _caller_site() -> str:
     return ""
 
 
-@contextlib.contextmanager
-def in_collective(op: str, call: str = "", tensors: Any = ()) -> Iterator[CollectiveRecord]:
-    """Mark the body as collective `op` (torch call `call`) over `tensors` (a tensor or a list of them)."""
-    global _current, _count
-    _count += 1
-    items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-    record = CollectiveRecord(
-        op=op,
-        call=call,
-        shapes=[list(getattr(t, "shape", ())) for t in items],
-        dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
-        site=_caller_site() if _listeners else "",
-        started=time.time(),
-        seq=_count,
-    )
-    previous, _current = _current, record
-    for listener in list(_listeners):
-        listener("enter", record)
-    event = "exit"
-    try:
-        yield record
-    except BaseException:
-        event = "error"
-        raise
-    finally:
-        _current = previous
+class in_collective:  # noqa: N801 - used as a function: `with in_collective("gather", ...):`
+    """Mark the body as collective `op` (torch call `call`) over `tensors` (a tensor or a list of them).
+
+    A class rather than a generator-based context manager: it runs around every collective, and entering
+    and leaving a generator costs several times more."""
+
+    __slots__ = ("_record", "_previous")
+
+    def __init__(self, op: str, call: str = "", tensors: Any = ()) -> None:
+        global _count
+        _count += 1
+        items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        self._record = CollectiveRecord(
+            op=op,
+            call=call,
+            shapes=[list(getattr(t, "shape", ())) for t in items],
+            dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
+            site=_caller_site() if _listeners else "",
+            started=time.time(),
+            seq=_count,
+        )
+        self._previous: CollectiveRecord | None = None
+
+    def __enter__(self) -> CollectiveRecord:
+        global _current
+        record = self._record
+        self._previous, _current = _current, record
         for listener in list(_listeners):
-            listener(event, record)
+            listener("enter", record)
+        return record
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        global _current
+        _current = self._previous
+        event = "exit" if kind is None else "error"
+        for listener in list(_listeners):
+            listener(event, self._record)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import packing, xla
 from .collective_trace import in_collective
-from .structures import flatten_tensors, iter_leaves, rebuild, recursively_apply
+from .structures import flat_tensors, flatten_tensors, iter_leaves, rebuild, rebuild_flat, recursively_apply
 
 try:  # the environment helpers land in utils.environment; fall back to reading os.environ directly
     from .environment import parse_flag_from_env as _parse_flag_from_env
@@ -124,11 +124,12 @@ def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = (), out: torch.Te
 
     `out`: a 1-D receive buffer of world * size elements to reuse (else a new one)."""
     all_gather, call = _all_gather_fn()
+    world = _world_size()
     if out is None:
-        out = flat.new_empty(_world_size() * flat.numel())  # the flat form: gloo has no stacked output
+        out = flat.new_empty(world * flat.numel())  # the flat form: gloo has no stacked output
     with in_collective(op, call, traced if traced != () else [flat]):
         _call_checked(op, all_gather, out, flat)
-    return out.view(-1, flat.numel())
+    return out.view(world, flat.numel())
 
 
 def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -150,10 +151,11 @@ def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _collect(op: str, data: Any) -> list[torch.Tensor]:
-    """The tensors of `data` in traversal order; TypeError/ValueError naming the first offending leaf."""
-    tensors: list[torch.Tensor] = []
-    if not flatten_tensors(data, tensors):
+def _collect(op: str, data: Any, leaves: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors of `data` in traversal order (`leaves` when the caller found them already);
+    TypeError/ValueError naming the first offending leaf."""
+    tensors: list[torch.Tensor] = [] if leaves is None else leaves
+    if leaves is None and not flatten_tensors(data, tensors):
         path, leaf = next((p, v) for p, v in iter_leaves(data) if not isinstance(v, torch.Tensor))
         hint = " Use gather_object for Python objects." if op == "gather" else ""
         raise TypeError(
@@ -224,13 +226,16 @@ def _debug_check(op: str, data: Any, error: Exception | None, pad_dim: int | Non
 
 
 def _prepare(
-    op: str, data: Any, pad_dim: int | None = None, check: Callable[[], None] | None = None
+    op: str, data: Any, pad_dim: int | None = None, check: Callable[[], None] | None = None,
+    leaves: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Validate `data` for collective `op` (plus `check()`); in debug mode, also check every rank matches."""
+    """Validate `data` for collective `op` (plus `check()`); in debug mode, also check every rank matches.
+
+    `leaves`: the tensors of `data` in order, when the caller already has them (`flat_tensors`)."""
     error: Exception | None = None
     tensors: list[torch.Tensor] = []
     try:
-        tensors = _collect(op, data)
+        tensors = _collect(op, data, leaves)
         if check is not None:
             check()
     except (TypeError, ValueError) as exc:
@@ -290,31 +295,39 @@ def gather(tensor: Any) -> Any:
     world = _world_size()
     if world == 1:
         return tensor
-    tensors = _prepare("gather", tensor)
+    flat = None if isinstance(tensor, torch.Tensor) else flat_tensors(tensor)
+    tensors = _prepare("gather", tensor, leaves=flat)
     if not tensors:
         return tensor
     if len(tensors) == 1 and _native(tensors[0].dtype):
         results = [_gather_one(tensors[0], world)]
-    else:
+    elif tensors[0].device.type != "xla":
+        results = _gather_packed(tensors, world)
+    else:  # no byte views on XLA: one buffer per dtype
         results = [None] * len(tensors)
-        for group in _communication_groups(tensors):
-            members = [tensors[i] for i in group]
-            plan = packing.plan_for(members, world, as_bytes=not _native(members[0].dtype))
-            buffer = packing.pack(plan, members)
-            # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when free
-            reuse = plan.lock.acquire(blocking=False)
-            try:
-                rows = all_gather_rows("gather", buffer, _traced(members, buffer), plan.receive if reuse else None)
-                if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
-                    plan.receive = rows.view(-1)
-                for i, out in zip(group, packing.unpack_gathered(plan, rows, members)):
-                    results[i] = out
-            finally:
-                if reuse:
-                    plan.lock.release()
+        for group in _dtype_groups(tensors):
+            for i, out in zip(group, _gather_packed([tensors[i] for i in group], world)):
+                results[i] = out
     if isinstance(tensor, torch.Tensor):
         return results[0]
-    return rebuild(tensor, iter(results))
+    return rebuild(tensor, iter(results)) if flat is None else rebuild_flat(tensor, results)
+
+
+def _gather_packed(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Gather `tensors` packed into one buffer (as bytes when their dtypes differ) with one all-gather."""
+    plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
+    buffer = packing.pack(plan, tensors)
+    # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when no other
+    # thread is using it
+    reuse = plan.lock.acquire(blocking=False)
+    try:
+        rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), plan.receive if reuse else None)
+        if reuse and plan.receive is None and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+            plan.receive = rows.view(-1)
+        return packing.unpack_gathered(plan, rows, tensors)
+    finally:
+        if reuse:
+            plan.lock.release()
 
 
 def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:

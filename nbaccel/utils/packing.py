@@ -54,6 +54,7 @@ class Plan:
     world: int
     flat_inputs: bool = False  # every input is 1-D
     receive: torch.Tensor | None = None  # a gather's receive buffer, kept for the next gather of this layout
+    stacked: tuple[int, ...] | None = None  # one dtype, several tensors of one shape: (count, *gathered shape)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -99,6 +100,8 @@ def _make_plan(tensors: Sequence[torch.Tensor], world: int, as_bytes: bool = Fal
             group.same_shape = all(g.shape == group.gathered[0].shape for g in group.gathered)
         elif world * group.length <= _INDEX_LIMIT:
             group.index = _reorder_index(plan, group, tensors).to(tensors[0].device)
+    if not mixed and len(tensors) > 1 and groups[0].same_shape:
+        plan.stacked = (len(tensors), *groups[0].gathered[0].shape)
     return plan
 
 
@@ -148,6 +151,9 @@ def unpack_gathered(plan: Plan, rows: torch.Tensor, tensors: Sequence[torch.Tens
     members have one size, a cached `index_select` otherwise (per-tensor slices for very large groups).
     The results never share memory with `rows`, so a caller may reuse it.
     """
+    if plan.stacked is not None:  # one dtype, several tensors of one shape: one copy, one split
+        rows = rows.view(plan.world, len(tensors), plan.groups[0].block).transpose(0, 1)
+        return list(rows.reshape(plan.stacked).unbind(0))
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for group in plan.groups:
         if group.block:

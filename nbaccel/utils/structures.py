@@ -138,6 +138,32 @@ def flatten_tensors(data: Any, out: list[torch.Tensor]) -> bool:
     return ok
 
 
+def flat_tensors(data: Any) -> list[torch.Tensor] | None:
+    """The items of a plain dict, list or tuple when every one is a tensor, else None.
+
+    The common shape of what is gathered (a dict of outputs, a tuple of predictions and labels): such a
+    container needs neither a walk to find its tensors nor one to rebuild it (see `rebuild_flat`)."""
+    kind = type(data)
+    if kind is dict:
+        items = list(data.values())
+    elif kind is list or kind is tuple:
+        items = list(data)
+    else:
+        return None
+    tensor = torch.Tensor
+    for item in items:
+        if not isinstance(item, tensor):
+            return None
+    return items
+
+
+def rebuild_flat(data: Any, leaves: list[Any]) -> Any:
+    """`data` (for which `flat_tensors` returned a list) with its items replaced by `leaves`, in order."""
+    if type(data) is dict:
+        return dict(zip(data, leaves))
+    return leaves if type(data) is list else tuple(leaves)
+
+
 def rebuild(data: Any, leaves: Iterator[Any]) -> Any:
     """The structure of `data` with each tensor leaf replaced by the next item of `leaves`."""
     if isinstance(data, torch.Tensor):
