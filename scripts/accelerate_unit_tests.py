@@ -29,19 +29,11 @@ DEFAULT_FILES = (
     "test_hooks.py", "test_offload.py", "test_compile.py", "test_launch.py", "test_modeling_utils.py",
 )
 # Tests that fail on nbaccel on purpose, with the reason (docs/compat.md).
-_DEVICE_MAP = "not done yet: infer_auto_device_map places tied weights, and warns or logs about buffers and " \
-              "devices that fit nothing, in its own way (the maps of untied models match)"
 KNOWN_DIFFERENCES = {
     "test_utils.py::UtilsTester::test_honor_type": "compares recursively_apply's whole TypeError text: nbaccel's "
                                                   "message keeps Accelerate's first phrase, in its own words after",
     "test_modeling_utils.py::ModelingUtilsTester::test_set_module_tensor_checks_shape": "compares a whole error "
                                                                                         "message word for word",
-    "test_modeling_utils.py::ModelingUtilsTester::test_infer_auto_device_map_with_tied_weights": _DEVICE_MAP,
-    "test_modeling_utils.py::ModelingUtilsTester::test_infer_auto_device_map_with_buffer_check_and_multi_devices":
-        _DEVICE_MAP,
-    "test_modeling_utils.py::ModelingUtilsTester::test_infer_auto_device_map_with_fallback_allocation": _DEVICE_MAP,
-    "test_modeling_utils.py::ModelingUtilsTester::test_infer_auto_device_map_with_fallback_allocation_and_buffers":
-        _DEVICE_MAP,
 }
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 

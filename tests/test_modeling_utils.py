@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -309,23 +310,81 @@ def test_estimate_memory_command(tmp_path, capsys):
     assert "has no attribute 'Nope'" in capsys.readouterr().err
 
 
-def test_infer_auto_device_map_fallback_allocation():
-    class Wide(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.big = nn.Linear(64, 64)            # does not fit the first device
-            self.small = nn.Linear(4, 4)            # fits
-            self.blocks = nn.ModuleList([Block(4), Block(4)])
+def _placement_outcome(infer, model, **kwargs):
+    """What infer_auto_device_map gives and says: the map, the warnings' texts, and whether it logged devices
+    that could take no module (the INFO record code looks for: "insufficient memory")."""
+    import logging
+    import warnings
 
+    records = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            device_map = infer(model, **kwargs)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    logged = any("insufficient memory" in record.getMessage() for record in records)
+    return dict(device_map), [type(w.message) for w in caught], logged
+
+
+def _tied_trio():
+    """Three sub-models in a row, as Accelerate's own tied-weights test builds them."""
+    from collections import OrderedDict
+
+    return nn.Sequential(OrderedDict((f"layer{i}", Net(d=4, n=1)) for i in (1, 2, 3)))
+
+
+def test_infer_auto_device_map_matches_accelerate_with_ties_fallback_and_buffers():
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    from collections import OrderedDict
+
+    cases = []
+    trio = _tied_trio()
+    sizes = compute_module_sizes(trio)
+    one = sizes["layer1"]
+    trio.layer3.head.weight = trio.layer1.head.weight  # tied across sub-models: the tied part comes along
+    cases.append(("tied across", trio, {"max_memory": {0: int(1.6 * one), 1: 2 * one}}))
+    three = _tied_trio()
+    three.layer3.head.weight = three.layer1.head.weight
+    three.layer2.head.weight = three.layer1.head.weight
+    three.layer2.emb.weight = three.layer1.emb.weight
+    cases.append(("two tie groups", three, {"max_memory": {0: int(1.6 * one), 1: 2 * one}}))
     with init_empty_weights():
-        model = Wide()
-    sizes = compute_module_sizes(model)
-    plain = infer_auto_device_map(model, max_memory={"cpu": sizes["big"] + sizes["small"] - 1})
-    fallback = infer_auto_device_map(model, max_memory={"cpu": sizes["big"] + sizes["small"] - 1},
-                                     fallback_allocation=True)
-    assert "cpu" not in plain.values()  # the reserve for the largest layer leaves no room for `big` first
-    assert fallback["small"] == "cpu" and fallback["big"] == "disk"
-    check_device_map(model, fallback)
+        tied_net = Net(d=16, n=6, tie=True)
+    net_sizes = compute_module_sizes(tied_net)
+    for budget in (net_sizes[""] // 2, net_sizes[""] // 3, net_sizes["blocks.0"] * 3):
+        cases.append((f"tied net {budget}", tied_net, {"max_memory": {0: budget, "cpu": budget},
+                                                       "no_split_module_classes": ["Block"]}))
+    inner = nn.Sequential(OrderedDict([("a", nn.Linear(10, 4)), ("b", nn.Linear(4, 4)), ("c", nn.Linear(4, 8))]))
+    nested = nn.Sequential(OrderedDict([("module", inner)]))
+    for fallback in (False, True):  # only the small middle layer fits next to the reserve for the largest
+        cases.append((f"fallback {fallback}", nested, {"max_memory": {0: 256}, "fallback_allocation": fallback}))
+    # layers with buffers of their own: offloaded layers' buffers stay on the execution device
+    with_buffers = nn.Sequential(OrderedDict([("a", nn.Linear(3, 4)), ("norm", nn.BatchNorm1d(4)),
+                                              ("b", nn.Linear(4, 5)), ("c", nn.Linear(4, 5))]))
+    for i, module in enumerate(with_buffers):
+        module.register_buffer(f"extra{i}", torch.zeros(10, 2 + i % 2))
+    for budgets in ({0: 400, 1: 400, "cpu": "1GB"}, {0: 400, 1: 200, "cpu": "1GB"}, {0: 400, "cpu": "1GB"}):
+        for offload_buffers in (False, True):
+            cases.append((f"buffers {budgets} {offload_buffers}", with_buffers,
+                          {"max_memory": budgets, "offload_buffers": offload_buffers}))
+    cases.append(("fallback and buffers", with_buffers, {"max_memory": {0: 500}, "fallback_allocation": True}))
+    outcomes = set()
+    for label, model, kwargs in cases:
+        ours = _placement_outcome(infer_auto_device_map, model, **copy.deepcopy(kwargs))
+        theirs = _placement_outcome(accelerate_modeling.infer_auto_device_map, model, **copy.deepcopy(kwargs))
+        assert ours == theirs, label
+        outcomes.add((bool(ours[1]), ours[2], len(set(ours[0].values()))))
+    # the cases reach a warning, the INFO record, and maps over one and several devices
+    assert any(warned for warned, _, _ in outcomes) and any(logged for _, logged, _ in outcomes)
+    assert {1, 2} <= {devices for _, _, devices in outcomes} or max(d for _, _, d in outcomes) > 2
 
 
 # --- Accelerate 1.15 names: tied-weights checks, precision helpers, peft ---------------------------------

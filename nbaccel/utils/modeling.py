@@ -15,6 +15,7 @@ import re
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -464,7 +465,10 @@ def infer_auto_device_map(
 
     Devices that execute offloaded layers (the first accelerator, or the CPU when there is none) keep room for
     the largest layer, so a layer brought back from CPU/disk always fits. Modules that do not fit are split into
-    their children unless their class is in `no_split_module_classes`. Tied parameters stay on one device.
+    their children unless their class is in `no_split_module_classes`. A module goes with the modules holding
+    the weights tied to it (one of those is split when only the module itself fits). The decisions are
+    Accelerate's, so the maps are the same (docs/compat.md); so are the warning about offloaded layers'
+    buffers and the INFO record naming devices that could take no module.
     """
     budgets = get_max_memory(max_memory)
     no_split = _as_class_list(no_split_module_classes)
@@ -479,116 +483,179 @@ def infer_auto_device_map(
     if "disk" not in devices:
         devices.append("disk")
     accelerators = [d for d in devices if d not in ("cpu", "disk")]
+    # the devices that run offloaded layers keep room for the largest one
     main_devices = ["mps"] if "mps" in accelerators else ([accelerators[0], "cpu"] if accelerators else ["cpu"])
 
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     tied_groups = find_tied_parameters(model)
+    if not tied_groups and check_tied_parameters_in_config(model):
+        logger.warning("The model's config asks for tied weights but none are tied: call `model.tie_weights()` "
+                       "before infer_auto_device_map.")
     queue: list[tuple[str, Any]] = _top_level_entries(model)
-    device_map: dict[str, Device] = OrderedDict()
-    used = dict.fromkeys(devices, 0)
-    position = 0
+    placement = _Placement(devices, budgets)
     largest, largest_names = get_max_layer_size(queue, sizes, no_split)
 
     def say(message: str) -> None:
         if verbose:
             print(message)
 
-    def inside(param: str, module_name: str) -> bool:
-        return param == module_name or param.startswith(module_name + ".")
+    def largest_left() -> tuple[int, list[str]]:
+        return get_max_layer_size([(n, m) for n, m in queue if isinstance(m, nn.Module)], sizes, no_split)
 
     while queue:
         name, obj = queue.pop(0)
-        largest_names = [n for n in largest_names if not inside(n, name)]
+        largest_names = [n for n in largest_names if n != name and not n.startswith(name + ".")]
         if not largest_names:
-            largest, largest_names = get_max_layer_size(
-                [(n, m) for n, m in queue if isinstance(m, nn.Module)], sizes, no_split)
-        # Tied parameters outside this entry: their (still unplaced) queue entries must come along.
-        outside = {
-            p for group in tied_groups if any(inside(p, name) for p in group)
-            for p in group if not inside(p, name)
-        }
-        companions = [
-            (n, m) for n, m in queue if any(inside(p, n) for p in outside)
-        ]
-        size = sizes[name] + sum(sizes[n] for n, _ in companions)
-        if companions:
-            size -= sum(sizes.get(p, 0) for p in outside if any(inside(p, n) for n, _ in companions))
-        device = devices[position]
-        if device == "disk":
-            limit = None
-        else:
-            limit = budgets[device] - (largest if device in main_devices else 0)
-        if limit is None or used[device] + size <= limit:
-            say(f"Putting {name} (size={size}) on {device}.")
-            used[device] += size
-            device_map[name] = device
-            for companion, _ in companions:
-                device_map[companion] = device
-                queue = [(n, m) for n, m in queue if n != companion]
+            largest, largest_names = largest_left()
+        size = sizes[name]
+        tied = _tied_elsewhere(name, tied_groups)
+        device = placement.device
+        reserved = largest if device in main_devices else 0
+        limit = None if device == "disk" else budgets[device] - reserved
+        size_with_ties, tied_names, tied_modules = get_module_size_with_ties(tied, size, sizes, queue)
+        used = placement.used[device]
+
+        if limit is None or used + size_with_ties <= limit:  # it fits, with the modules it shares weights with
+            say(f"{name} (size {size_with_ties}{' with ' + str(tied_names) if tied_names else ''}) goes on {device}.")
+            placement.put(name, device, size_with_ties)
+            for tied_name in tied_names:
+                queue = [(n, m) for n, m in queue if n != tied_name]
+                placement.put(tied_name, device, 0)
+            if not offload_buffers and isinstance(obj, nn.Module):
+                placement.add_buffers(device, compute_module_total_buffer_size(obj, dtype, special_dtypes))
             continue
-        children = list(obj.named_children()) if isinstance(obj, nn.Module) else []
-        if children and obj.__class__.__name__ not in no_split:
-            say(f"Splitting {name}: it does not fit in what is left on {device}.")
-            direct = list(obj.named_parameters(recurse=False)) + children + list(obj.named_buffers(recurse=False))
-            queue = [(f"{name}.{n}", m) for n, m in direct] + queue
-            largest, largest_names = get_max_layer_size(
-                [(n, m) for n, m in queue if isinstance(m, nn.Module)], sizes, no_split)
-            continue
-        if fallback_allocation and used[device] == 0 and limit is not None:
-            # Nothing landed on this device yet: rather than leave it empty, take the first later module (or
-            # part of one) that fits, breadth first, as Accelerate's fallback_allocation does.
-            rest = [(name, obj)] + queue
-            found = _first_fitting(rest, sizes, limit, no_split)
-            if found is not None:
-                index, split_path = found
-                if split_path:  # split the entry holding it, then try again
-                    entry_name, entry = rest[index]
-                    direct = (list(entry.named_parameters(recurse=False)) + list(entry.named_children())
-                              + list(entry.named_buffers(recurse=False)))
-                    rest[index:index + 1] = [(f"{entry_name}.{n}", m) for n, m in direct]
-                else:
-                    rest.insert(0, rest.pop(index))
-                say(f"fallback_allocation: looking at {rest[0][0]} for {device}.")
-                queue = rest
+
+        if tied and used + size <= limit:  # it fits alone: split a module it shares weights with, then retry
+            splittable = [(n, m) for n, m in zip(tied_names, tied_modules)
+                          if list(m.named_children()) and type(m).__name__ not in no_split]
+            if splittable:
+                tied_name, tied_module = splittable[0]
+                say(f"{name} fits on {device} but not with {tied_names}: splitting {tied_name}.")
+                index = next(i for i, (n, _) in enumerate(queue) if n == tied_name)
+                queue = [(name, obj)] + queue[:index] + _parts(tied_name, tied_module) + queue[index + 1:]
+                largest, largest_names = largest_left()
                 continue
-        say(f"{name} (size={size}) does not fit on {device}; moving on to the next device.")
-        position += 1
+            say(f"None of {tied_names} can be split.")
+
+        if used + size >= limit:  # it does not fit: split it when it may be split
+            children = [] if isinstance(obj, torch.Tensor) else list(obj.named_children())
+            if children and type(obj).__name__ not in no_split:
+                say(f"Splitting {name}: {size} bytes, {limit - used} left on {device}.")
+                queue = _parts(name, obj) + queue
+                largest, largest_names = largest_left()
+                continue
+
+        if used == 0 and fallback_allocation and device != "disk":
+            # nothing is on this device yet: rather than leave it empty, bring forward a later module (or part
+            # of one) that fits
+            room = budgets[device] - max(largest, size_with_ties)
+            found, module, rest = fallback_allocate(queue, sizes, room, no_split, tied_groups)
+            if module is not None:
+                say(f"fallback_allocation: {found} goes first, to fill {device}.")
+                queue = [(found, module), (name, obj)] + rest
+                continue
+
+        say(f"{name} does not fit on {device}: moving on to the next device.")
+        placement.move_on(needed=size_with_ties + reserved, reserved=reserved)
         queue.insert(0, (name, obj))
 
+    device_map = placement.device_map
+    _cover_split_buffers(model, device_map)
     if clean_result:
         device_map = clean_device_map(device_map)
-    if not offload_buffers and accelerators:
-        offloaded_buffers = sum(
-            compute_module_total_buffer_size(_get_attr_path(model, n) if n else model, dtype=dtype)
-            for n, d in device_map.items() if d in ("cpu", "disk") and isinstance(
-                _get_attr_path(model, n) if n else model, nn.Module)
-        )
-        if offloaded_buffers and all(budgets[a] < used.get(a, 0) + offloaded_buffers for a in accelerators):
-            warnings.warn(
-                f"The offloaded layers have {offloaded_buffers} bytes of buffers that stay on the execution "
-                "device and do not fit any accelerator's remaining memory; consider offload_buffers=True.",
-                stacklevel=2,
-            )
+    placement.warn_about_buffers(offload_buffers, accelerators)
+    placement.log_empty_devices()
     return device_map
 
 
-def _first_fitting(entries: list[tuple[str, Any]], sizes: dict[str, int], limit: int, no_split: list[str]
-                   ) -> tuple[int, bool] | None:
-    """(index of the queue entry holding the first module that fits in `limit`, whether that entry must be
-    split to reach it), searching breadth first; None when nothing fits."""
-    level = [(index, name, obj) for index, (name, obj) in enumerate(entries)]
-    depth = 0
-    while level:
-        for index, name, _ in level:
-            if sizes.get(name, 0) <= limit:
-                return index, depth > 0
-        deeper = []
-        for index, name, obj in level:
-            if isinstance(obj, nn.Module) and obj.__class__.__name__ not in no_split:
-                deeper += [(index, f"{name}.{n}", m) for n, m in
-                           list(obj.named_parameters(recurse=False)) + list(obj.named_children())]
-        level, depth = deeper, depth + 1
-    return None
+def _tied_elsewhere(name: str, tied_groups: list[list[str]]) -> list[str]:
+    """The parameters tied to one inside `name` (the module or tensor of that name) that are outside it."""
+    def inside(param: str) -> bool:
+        return (param + ".").startswith(name + ".")
+
+    return [p for group in tied_groups if any(map(inside, group)) and not all(map(inside, group))
+            for p in group if not inside(p)]
+
+
+def _parts(name: str, module: nn.Module) -> list[tuple[str, Any]]:
+    """What a module is split into, as in Accelerate: its own parameters, then its children. Its own buffers
+    are not placed as parts (see `_cover_split_buffers`)."""
+    return [(f"{name}.{n}", part) for n, part in
+            list(module.named_parameters(recurse=False)) + list(module.named_children())]
+
+
+def _cover_split_buffers(model: nn.Module, device_map: dict[str, Device]) -> None:
+    """Give the direct buffers of split modules the device of their module's first placed part.
+
+    Placement leaves them out (Accelerate's maps give them no device, and dispatching such a map fails);
+    adding them afterwards changes no other entry, and `clean_device_map` folds them into their module's
+    entry when its parts share a device."""
+    for name, _ in model.named_buffers():
+        if _device_for(name, device_map) is not None:
+            continue
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        device = next((d for key, d in device_map.items() if key.startswith(owner + ".") or not owner), None)
+        if device is not None:
+            device_map[name] = device
+
+
+@dataclass
+class _Placement:
+    """infer_auto_device_map's running state: the map so far and, per device, the bytes placed there, the
+    buffers of the modules placed there, and, for a device left empty, what the first module needed."""
+
+    devices: list[int | str]
+    budgets: dict[int | str, int]
+    device_map: dict[str, Device] = field(default_factory=OrderedDict)
+    position: int = 0
+    used: dict[int | str, int] = field(default_factory=dict)
+    buffers: dict[int | str, int] = field(default_factory=dict)
+    left_empty: dict[int | str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.used = dict.fromkeys(self.devices, 0)
+
+    @property
+    def device(self) -> int | str:
+        return self.devices[self.position]
+
+    def put(self, name: str, device: int | str, size: int) -> None:
+        self.used[device] += size
+        self.device_map[name] = device
+
+    def add_buffers(self, device: int | str, size: int) -> None:
+        self.buffers[device] = self.buffers.get(device, 0) + size
+
+    def move_on(self, needed: int, reserved: int) -> None:
+        """Close the current device (its reserve for offloaded layers counts as used) and go to the next."""
+        if self.used[self.device] == 0:
+            self.left_empty[self.device] = needed
+        self.used[self.device] += reserved
+        self.position += 1
+
+    def warn_about_buffers(self, offload_buffers: bool, accelerators: list[int | str]) -> None:
+        """Offloaded layers' buffers stay on the execution device: warn when no accelerator has room for them."""
+        offloaded = self.buffers.get("cpu", 0) + self.buffers.get("disk", 0)
+        if offload_buffers or not offloaded or not accelerators:
+            return
+        if any(self.budgets[d] >= offloaded + self.used.get(d, 0) for d in self.budgets if d not in ("cpu", "disk")):
+            return
+        warnings.warn(
+            f"Current model requires {offloaded} bytes of buffers for its offloaded layers, which stay on the "
+            "accelerator and do not fit in what is left on any of them. If you run out of memory later, pass "
+            "offload_buffers=True.",
+            stacklevel=3,
+        )
+
+    def log_empty_devices(self) -> None:
+        if not self.left_empty:
+            return
+        lines = "\n".join(f"  - {device}: {size} bytes needed" for device, size in self.left_empty.items())
+        logger.info(
+            "No module could be placed on these devices (insufficient memory for the first module that was "
+            f"tried, with the room kept for offloaded layers):\n{lines}\nThese numbers belong to this "
+            "allocation; give those devices at least that much memory, or change the model's configuration."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
