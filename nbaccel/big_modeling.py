@@ -160,6 +160,25 @@ def disk_offload(
     return model
 
 
+def _refuse_recurrent_layers_under_sequence_parallelism(model: Any) -> None:
+    """Raise ValueError when `model`'s config lists linear-attention layers (`config.layer_types`).
+
+    Accelerate calls this before sharding the sequence: such layers keep a state that runs along the
+    sequence, computed in the model's own code, so each rank would restart it from zero and the gradients
+    would be silently wrong. nbaccel refuses sequence parallelism as a whole (`sp_size > 1`); the check is
+    here for code that calls it, with the same outcome."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    kinds = sorted({kind for kind in getattr(config, "layer_types", None) or [] if "linear_attention" in kind})
+    if kinds:
+        raise ValueError(
+            f"{type(model).__name__} has attention layers of type {kinds}, which carry a state along the "
+            "sequence; sequence parallelism would restart that state on every rank and give wrong gradients "
+            "without an error. Use a model with full attention only, or turn sequence parallelism off."
+        )
+
+
 def _warn_on_move(method: Any, model: nn.Module) -> Any:
     """Wrap `model.to`/`model.cuda`: moving a dispatched model breaks its placement (refused when offloaded)."""
 

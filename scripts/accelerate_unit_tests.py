@@ -21,12 +21,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# The files that run on a CPU machine without transformers, datasets or DeepSpeed.
+# The files that run on a CPU machine without transformers, datasets or DeepSpeed (test_big_modeling.py also
+# runs once transformers is installed: name it on the command line).
 DEFAULT_FILES = (
     "test_accelerator.py", "test_data_loader.py", "test_state_checkpointing.py", "test_utils.py",
     "test_kwargs_handlers.py", "test_optimizer.py", "test_scheduler.py", "test_memory_utils.py",
     "test_grad_sync.py", "test_logging.py", "test_cpu.py", "test_dataclasses.py", "test_tracking.py",
     "test_hooks.py", "test_offload.py", "test_compile.py", "test_launch.py", "test_modeling_utils.py",
+    "test_cli.py", "test_sagemaker.py", "test_quantization.py",
 )
 # Tests that fail on nbaccel on purpose, with the reason (docs/compat.md).
 KNOWN_DIFFERENCES = {
@@ -60,19 +62,20 @@ def download_tests(work: Path) -> Path:
 
 
 def prepare(tests: Path, work: Path, library: str) -> Path:
-    """A copy of the tests for `library` ("accelerate" as they are, "nbaccel" renamed)."""
+    """A copy of the tests for `library` ("accelerate" as they are, "nbaccel" renamed), as `<folder>/tests`:
+    the tests run from `<folder>`, as from Accelerate's source root (they read `tests/test_configs`)."""
     target = work / library
-    shutil.copytree(tests, target, dirs_exist_ok=True)
+    shutil.copytree(tests, target / "tests", dirs_exist_ok=True)
     if library != "accelerate":
-        for path in target.rglob("*.py"):
+        for path in (target / "tests").rglob("*.py"):
             path.write_text(re.sub(r"\baccelerate\b", library, path.read_text()))
     return target
 
 
 def run_file(folder: Path, name: str, library: str) -> FileRun:
-    result = subprocess.run([sys.executable, "-m", "pytest", name, "-q", "-rA", "-p", "no:cacheprovider",
+    result = subprocess.run([sys.executable, "-m", "pytest", f"tests/{name}", "-q", "-rA", "-p", "no:cacheprovider",
                              "--timeout", "120"], cwd=folder, capture_output=True, text=True, timeout=1200)
-    outcomes = {test_id: outcome for outcome, test_id in OUTCOME.findall(result.stdout)}
+    outcomes = {test_id.removeprefix("tests/"): outcome for outcome, test_id in OUTCOME.findall(result.stdout)}
     return FileRun(library, outcomes)
 
 

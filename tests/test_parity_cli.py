@@ -269,3 +269,152 @@ def test_options_given_that_change_nothing_are_named(capsys):
     assert "--zero_stage (they need --use_deepspeed)" in err
     resolve_settings(build_parser().parse_args(["launch", "--cpu", SCRIPT]), None)
     assert "not used" not in capsys.readouterr().err
+
+
+# --- Accelerate's test_cli.py / test_sagemaker.py, side by side (the commands' Python API) ---------------------
+
+
+def test_env_command_returns_its_report_with_the_command_location(monkeypatch, capsys):
+    """`env_command(args)` returns the report as a dict, as Accelerate's does, with where the command lives
+    ("Not found" when it is not on PATH); the `nbaccel env` command still exits 0."""
+    import accelerate.commands.env as theirs
+
+    import nbaccel.commands.env as ours
+    from nbaccel.commands.main import main as nbaccel_main
+
+    for module, command in ((theirs, "accelerate"), (ours, "nbaccel")):
+        monkeypatch.setattr(module, "which", lambda name: None)
+        info = module.env_command(module.env_command_parser().parse_args([]))
+        assert info[f"`{command}` bash location"] == "Not found"
+        monkeypatch.setattr(module, "which", lambda name, command=command: f"/opt/bin/{name}")
+        assert module.env_command(module.env_command_parser().parse_args([]))[f"`{command}` bash location"] == \
+            f"/opt/bin/{command}"
+    assert "- `nbaccel` bash location: /opt/bin/nbaccel" in capsys.readouterr().out
+    assert nbaccel_main(["env"]) == 0
+
+
+def test_a_one_process_cpu_launch_sets_intel_openmp_variables_as_accelerate(monkeypatch):
+    """`accelerate launch --cpu` sets KMP_AFFINITY/KMP_BLOCKTIME; without --cpu neither is set."""
+    from accelerate.commands.launch import _validate_launch_command as their_validate
+    from accelerate.commands.launch import launch_command_parser as their_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env as their_env
+
+    from nbaccel.utils.launch import prepare_simple_launcher_cmd_env as our_env
+
+    monkeypatch.delenv("KMP_AFFINITY", raising=False)
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    for argv in (["--cpu", SCRIPT], [SCRIPT]):
+        theirs = their_env(their_validate(their_parser().parse_args(argv))[0])[1]
+        ours = our_env(_validate_launch_command(launch_command_parser().parse_args(argv))[0])[1]
+        workers = worker_environment(resolve_settings(launch_command_parser().parse_args(argv), None))
+        for name in ("KMP_AFFINITY", "KMP_BLOCKTIME"):
+            assert theirs.get(name) == ours.get(name) == workers.get(name), (argv, name)
+        assert ("KMP_AFFINITY" in theirs) == ("--cpu" in argv)
+    # several CPU processes go through Accelerate's torchrun path, which does not set them either
+    assert "KMP_AFFINITY" not in worker_environment(
+        resolve_settings(launch_command_parser().parse_args(["--cpu", "--num_processes", "2", SCRIPT]), None))
+
+
+def test_launch_help_lists_each_option_once_as_accelerate(capsys):
+    """Options are accepted with hyphens or underscores but listed once, with underscores (Accelerate's
+    test_duplicate_entities); both spellings still parse."""
+    from accelerate.commands.launch import launch_command_parser as their_parser
+
+    for parser in (launch_command_parser(), their_parser()):
+        help_text = parser.format_help()
+        for dest in vars(parser.parse_args([SCRIPT])):
+            hyphenated = f"--{dest.replace('_', '-')}"
+            if "_" in dest:
+                assert help_text.count(hyphenated) == (1 if dest == "num_processes" else 0), (parser.prog, dest)
+    parsed = launch_command_parser().parse_args(["--num-processes", "3", "--main_process_port", "0", SCRIPT])
+    assert parsed.num_processes == 3 and parsed.main_process_port == 0
+
+
+def test_estimate_command_raises_for_a_gated_model_and_the_command_reports_it(monkeypatch, capsys):
+    """`estimate_command(args)` raises (OSError) for a gated Hub model, as Accelerate's does; `nbaccel
+    estimate-memory` turns it into one line and exit status 2. `gather_data(args)` takes the parsed
+    arguments, as Accelerate's does."""
+    import accelerate.commands.estimate as theirs
+
+    import nbaccel.commands.estimate as ours
+    from nbaccel.commands.main import main as nbaccel_main
+
+    for module in (theirs, ours):
+        monkeypatch.setattr(module, "verify_on_hub", lambda *a, **k: "gated")
+        monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+        with pytest.raises(OSError):
+            module.estimate_command(module.estimate_command_parser().parse_args(["meta-llama/Llama-2-7b-hf"]))
+    capsys.readouterr()
+    assert nbaccel_main(["estimate-memory", "meta-llama/Llama-2-7b-hf"]) == 2
+    assert "gated" in capsys.readouterr().err
+    args = ours.estimate_command_parser().parse_args(["torch.nn:Linear", "--model_kwargs", '{"in_features": 4, '
+                                                      '"out_features": 2}', "--dtypes", "float32", "int8"])
+    rows = ours.gather_data(args)
+    assert [row[0] for row in rows] == ["float32", "int8"] and rows[0][2] == (4 * 2 + 2) * 4
+
+
+def test_sagemaker_config_reads_and_writes_but_does_not_launch(tmp_path, capsys):
+    """SageMakerConfig is built and read as in Accelerate (its test_sagemaker_config); `nbaccel launch`
+    refuses it, saying why, before anything starts."""
+    from accelerate.commands.config.config_args import SageMakerConfig as TheirConfig
+    from accelerate.commands.config.config_args import load_config_from_file as their_load
+
+    from nbaccel.commands.config.config_args import SageMakerConfig, load_config_from_file
+    from nbaccel.commands.main import main as nbaccel_main
+
+    # DATA_PARALLEL: Accelerate cannot read back a SageMaker file with distributed_type NO (its reader adds
+    # num_processes, which its SageMakerConfig then rejects)
+    fields = dict(compute_environment="AMAZON_SAGEMAKER", distributed_type="DATA_PARALLEL", mixed_precision="fp16",
+                  debug=False, use_cpu=False, ec2_instance_type="MY_TYPE", iam_role_name="MY_ROLE")
+    ours, theirs = SageMakerConfig(**fields), TheirConfig(**fields)
+    for name in ("compute_environment", "ec2_instance_type", "iam_role_name", "region", "base_job_name",
+                 "pytorch_version", "transformers_version", "py_version", "image_uri", "profile"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    path = ours.save(tmp_path / "sagemaker.yaml")
+    read, their_read = load_config_from_file(str(path)), their_load(str(path))
+    assert type(read).__name__ == type(their_read).__name__ == "SageMakerConfig"
+    assert read.ec2_instance_type == their_read.ec2_instance_type == "MY_TYPE"
+    (tmp_path / "partial.yaml").write_text("compute_environment: AMAZON_SAGEMAKER\nec2_instance_type: x\n")
+    with pytest.raises(ValueError, match="iam_role_name"):
+        load_config_from_file(str(tmp_path / "partial.yaml"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        nbaccel_main(["launch", "--config_file", str(path), SCRIPT])
+    assert exited.value.code == 2 and "AMAZON_SAGEMAKER: nbaccel launch runs on this machine only" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nargs", [
+    ["--model_name_or_path", "bert", "--do_train", "False", "--epochs", "3", "--learning_rate", "5e-5",
+     "--max_steps", "50.5"],
+    ["--warm-up", "1e3", "--name", "x", "--flag", "True"],
+    [],
+    ["--model_name_or_path", "bert", "--do_train", "--epochs", "3"],
+    ["--epochs", "3", "--do_predict"],
+])
+def test_sagemaker_hyperparameters_convert_as_accelerate(nargs):
+    from accelerate.utils.launch import _convert_nargs_to_dict as theirs
+
+    from nbaccel.utils.launch import _convert_nargs_to_dict as ours
+
+    try:
+        expected = theirs(nargs)
+    except ValueError:
+        with pytest.raises(ValueError, match="no value"):
+            ours(nargs)
+        return
+    converted = ours(nargs)
+    assert converted == expected and [type(v) for v in converted.values()] == [type(v) for v in expected.values()]
+
+
+def test_the_launch_check_script_runs_without_a_config(tmp_path):
+    """Accelerate's test_no_config: `launch test_utils/scripts/test_cli.py` with no config file anywhere."""
+    from nbaccel.test_utils.testing import path_in_accelerate_package
+
+    script = path_in_accelerate_package("test_utils", "scripts", "test_cli.py")
+    env = {**os.environ, "HF_HOME": str(tmp_path), "NBACCEL_CONFIG_FILE": str(tmp_path / "none.yaml"),
+           "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "nbaccel.commands.main", "launch", "--monitor_interval", "0.1",
+                           str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "Successfully ran on 0 GPUs" in done.stdout

@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import os
 import platform
+from shutil import which
 
 import yaml
 
@@ -30,6 +31,7 @@ def environment_report(config_file: str | None = None) -> dict[str, object]:
         "nbaccel version": nbaccel.__version__,
         "Platform": platform.platform(),
         "Python version": platform.python_version(),
+        "`nbaccel` bash location": which("nbaccel") or "Not found",
         "PyTorch version": torch.__version__,
         "PyTorch accelerator": "CUDA" if torch.cuda.is_available() else "none (CPU only)",
         "torch.distributed backends": ", ".join(
@@ -62,7 +64,8 @@ def environment_report(config_file: str | None = None) -> dict[str, object]:
     return info
 
 
-def env_command(args: argparse.Namespace) -> int:
+def env_command(args: argparse.Namespace) -> dict[str, object]:
+    """Print the report for a bug report and return it (a dict, as Accelerate's `env_command` does)."""
     info = environment_report(args.config_file)
     print("\nCopy-and-paste the text below in your GitHub issue\n")
     for key, value in info.items():
@@ -72,7 +75,7 @@ def env_command(args: argparse.Namespace) -> int:
                 print(f"\t{line}")
         else:
             print(f"- {key}: {value}")
-    return 0
+    return info
 
 
 def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
@@ -87,7 +90,8 @@ def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
 
 def main() -> int:
     """`python -m nbaccel.commands.env`."""
-    return env_command(env_command_parser().parse_args())
+    env_command(env_command_parser().parse_args())
+    return 0
 
 
 def register(subparsers) -> None:

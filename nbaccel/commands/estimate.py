@@ -169,11 +169,23 @@ def estimate_training_usage(bytes: int, mixed_precision: str) -> dict[str, int]:
     return {"model": -1, "optimizer": -1, "gradients": -1, "step": -1}
 
 
+def _model_from_args(args: argparse.Namespace):
+    """The empty model that parsed `estimate-memory` arguments name (errors propagate)."""
+    kwargs = json.loads(args.model_kwargs) if getattr(args, "model_kwargs", None) else {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("--model_kwargs must be a JSON object, e.g. '{\"hidden\": 1024}'.")
+    return create_empty_model(args.model_name, library_name=args.library_name,
+                              trust_remote_code=args.trust_remote_code, model_kwargs=kwargs)
+
+
 def gather_data(model, dtypes=DTYPES) -> list[list[Any]]:
     """Rows [dtype, largest layer bytes, total bytes, training-usage dict] for `model` (sizes from parameter
-    counts: a float32 model is the reference)."""
+    counts: a float32 model is the reference). As in Accelerate, `model` may also be the parsed
+    `estimate-memory` arguments: the model they name is built empty, and their `dtypes` are used."""
     from ..utils.modeling import calculate_maximum_sizes
 
+    if isinstance(model, argparse.Namespace):
+        model, dtypes = _model_from_args(model), model.dtypes
     model = model.float()  # meta tensors: free; every floating tensor now counts 4 bytes
     total, (largest, _) = calculate_maximum_sizes(model)
     rows = []
@@ -209,18 +221,12 @@ def _human(size: float) -> str:
 
 
 def estimate_command(args: argparse.Namespace) -> int:
+    """Print the table for the model `args` name. A model that cannot be built raises (as in Accelerate);
+    the `nbaccel estimate-memory` command turns that into a message and exit status 2."""
     from rich.console import Console
     from rich.table import Table
 
-    try:
-        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
-        if not isinstance(kwargs, dict):
-            raise ValueError("--model_kwargs must be a JSON object, e.g. '{\"hidden\": 1024}'.")
-        model = create_empty_model(args.model_name, library_name=args.library_name,
-                                   trust_remote_code=args.trust_remote_code, model_kwargs=kwargs)
-    except (ValueError, TypeError, OSError, ImportError, json.JSONDecodeError) as error:
-        print(f"nbaccel estimate-memory: error: {error}", file=sys.stderr)
-        return 2
+    model = _model_from_args(args)
     rows = gather_data(model, args.dtypes)
     params = sum(p.numel() for p in model.parameters())
     table = Table(title=f"Memory Usage for loading `{args.model_name}` ({params:,} parameters)")
@@ -254,14 +260,22 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
     return parser
 
 
+def _estimate_from_command_line(args: argparse.Namespace) -> int:
+    """estimate_command, with a model that cannot be built reported in one line (exit status 2)."""
+    try:
+        return estimate_command(args)
+    except (ValueError, TypeError, OSError, ImportError) as error:  # JSONDecodeError is a ValueError
+        print(f"nbaccel estimate-memory: error: {error}", file=sys.stderr)
+        return 2
+
+
 def register(subparsers) -> None:
     """Join the `nbaccel` command line (discovered by nbaccel.commands.main)."""
-    estimate_command_parser(subparsers)
+    estimate_command_parser(subparsers).set_defaults(func=_estimate_from_command_line)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = estimate_command_parser().parse_args(argv)
-    return estimate_command(args)
+    return _estimate_from_command_line(estimate_command_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

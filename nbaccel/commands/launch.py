@@ -10,6 +10,7 @@ docs/internals.md for the list.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import os
 import sys
@@ -500,7 +501,8 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
 
 
 # --- Accelerate's names in this module ------------------------------------------------------------------------
-description = "Run a script on every process (torch.distributed.run underneath)."
+description = ("Run a script on every process (torch.distributed.run underneath). Options take hyphens "
+               "(`--num-processes 2`) or underscores (`--num_processes 2`); the help lists the underscore form.")
 
 # The option that shows each group of options in Accelerate's help.
 options_to_group = {"multi_gpu": "Distributed GPUs", "tpu": "TPU", "use_deepspeed": "DeepSpeed Arguments",
@@ -514,7 +516,18 @@ def clean_option(option: str) -> str:
 
 
 class CustomHelpFormatter(argparse.HelpFormatter):
-    """Help text with the options listed under their groups (the format `nbaccel launch --help` uses)."""
+    """Help text with the options listed under their groups (the format `nbaccel launch --help` uses). An
+    option accepted with hyphens and with underscores is listed once, with underscores, as Accelerate lists
+    it (`--num_processes`, not also `--num-processes`)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        strings = action.option_strings
+        shown = [o for o in strings if not (o.startswith("--") and "-" in o[2:] and "--" + clean_option(o) in strings)]
+        if len(shown) == len(strings):
+            return super()._format_action_invocation(action)
+        trimmed = copy.copy(action)
+        trimmed.option_strings = shown
+        return super()._format_action_invocation(trimmed)
 
 
 def launch_command_parser(subparsers=None) -> argparse.ArgumentParser:

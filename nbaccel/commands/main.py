@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 1
-    return int(func(args) or 0)
+    status = func(args)  # an exit status; Accelerate's commands may return something else (env: its report)
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
     if config.use_cpu and config.loopback and sys.platform.startswith("linux") \
             and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: hostname-based interface lookup is flaky on VMs
+    if config.explicit_flags and config.use_cpu and config.nproc_per_node == 1 and config.num_nodes == 1:
+        # the one-process CPU launch (`accelerate launch --cpu`): Intel OpenMP's settings, as Accelerate sets them
+        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
+        env["KMP_BLOCKTIME"] = "1"
     if config.debug:
         both("DEBUG_MODE", "true")
     if config.gradient_accumulation_steps is not None:

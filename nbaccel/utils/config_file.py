@@ -142,7 +142,7 @@ class LaunchConfig:
             data.setdefault("dynamo_config", {} if str(backend).upper() == "NO" else {"dynamo_backend": backend})
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
         unknown = {k: v for k, v in data.items() if k not in known}
-        if unknown:
+        if unknown and str(data.get("compute_environment", "")) != "AMAZON_SAGEMAKER":  # SageMaker's keys: refused later
             warnings.warn(
                 f"{where}: ignoring unknown key(s) {', '.join(map(str, sorted(unknown, key=str)))} "
                 "(kept in the file, not used by nbaccel)",
@@ -237,7 +237,8 @@ class LaunchConfig:
                 errors[name] = f"{value!r} is not an integer {bound}"
 
         one_of("compute_environment", ComputeEnvironment.list())
-        one_of("distributed_type", DistributedType.list())
+        sagemaker = str(getattr(self.compute_environment, "value", self.compute_environment)) == "AMAZON_SAGEMAKER"
+        one_of("distributed_type", DistributedType.list() + (["DATA_PARALLEL", "MODEL_PARALLEL"] if sagemaker else []))
         one_of("mixed_precision", MIXED_PRECISION_CHOICES)
         one_of("rdzv_backend", RDZV_BACKENDS)
         one_of("downcast_bf16", ("no", "yes"))

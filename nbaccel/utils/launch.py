@@ -116,6 +116,9 @@ def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str]
     cmd += [args.training_script, *args.training_script_args]
     env = _common_env(args)
     env["ACCELERATE_USE_CPU"] = str(bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False)))
+    if env["ACCELERATE_USE_CPU"] == "True":  # Intel's OpenMP: pin threads, and let idle ones sleep at once
+        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
+        env["KMP_BLOCKTIME"] = "1"
     if getattr(args, "num_machines", 1) and args.num_machines > 1:
         env["MASTER_ADDR"] = str(args.main_process_ip)
         env["MASTER_PORT"] = str(args.main_process_port)
@@ -190,3 +193,28 @@ def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict
 @refuses(SAGEMAKER)
 def prepare_sagemager_args_inputs(sagemaker_config: Any, args: argparse.Namespace) -> tuple[dict, dict | None]:
     """Accelerate's SageMaker job arguments: refused (SageMaker is not supported)."""
+
+
+def _convert_nargs_to_dict(nargs: list[str]) -> dict[str, Any]:
+    """A script's `--name value` arguments as SageMaker hyperparameters: {name: value}, with numbers as int
+    or float and "True"/"False" as bools (other values stay strings). Every option needs a value: a bare
+    flag (an argparse `store_true`) raises ValueError, since SageMaker passes each hyperparameter with one."""
+    def typed(text: str) -> Any:
+        if text in ("True", "False"):
+            return text == "True"
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        return int(number) if number.is_integer() else number
+
+    result: dict[str, Any] = {}
+    for index, item in enumerate(nargs):
+        if not item.startswith("-"):
+            continue
+        following = nargs[index + 1] if index + 1 < len(nargs) else None
+        if following is None or following.startswith("-"):
+            raise ValueError(f"{item} has no value: SageMaker cannot pass flags without one (argparse's "
+                             "store_true/store_false); give the option an explicit type and value.")
+        result[item.lstrip("-").replace("-", "_")] = typed(following)
+    return result
