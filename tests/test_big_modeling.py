@@ -374,3 +374,28 @@ def test_layerwise_casting_hooks():
         reference[0].bias.copy_(reference[0].bias.to(torch.bfloat16).float())
         assert out.dtype == torch.float32 and torch.allclose(out, reference(x), atol=1e-6)
     assert model[0].weight.dtype == torch.bfloat16  # back to storage after the forward
+
+
+def test_recurrent_layers_are_refused_under_sequence_parallelism_as_accelerate():
+    """The private check Accelerate runs before sharding a sequence: the same outcome on both libraries."""
+    from types import SimpleNamespace
+
+    accelerate_big_modeling = pytest.importorskip("accelerate.big_modeling")
+    from nbaccel.big_modeling import _refuse_recurrent_layers_under_sequence_parallelism as ours
+
+    theirs = accelerate_big_modeling._refuse_recurrent_layers_under_sequence_parallelism
+
+    def model(layer_types):
+        config = SimpleNamespace(layer_types=layer_types, get_text_config=lambda: config)
+        return SimpleNamespace(config=config)
+
+    for case in (model(["full_attention", "linear_attention"]), model(["full_attention"]), model(None),
+                 SimpleNamespace(config=None), SimpleNamespace()):
+        outcomes = []
+        for check in (theirs, ours):
+            try:
+                check(case)
+                outcomes.append(None)
+            except ValueError as error:
+                outcomes.append("linear_attention" in str(error))
+        assert outcomes[0] == outcomes[1], case
