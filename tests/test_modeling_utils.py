@@ -362,6 +362,14 @@ def test_infer_auto_device_map_matches_accelerate_with_ties_fallback_and_buffers
     for budget in (net_sizes[""] // 2, net_sizes[""] // 3, net_sizes["blocks.0"] * 3):
         cases.append((f"tied net {budget}", tied_net, {"max_memory": {0: budget, "cpu": budget},
                                                        "no_split_module_classes": ["Block"]}))
+    # numbered children (1 and 11): Accelerate's "inside" test is a substring test; the maps must still agree
+    numbered = nn.Sequential(*(Net(d=4, n=1) for _ in range(12)))
+    numbered[11].head.weight = numbered[1].head.weight
+    numbered[2].emb.weight = numbered[11].emb.weight
+    numbered_size = compute_module_sizes(numbered)[""]
+    for share in (3, 5):
+        cases.append((f"numbered {share}", numbered, {"max_memory": {0: numbered_size // share,
+                                                                     1: numbered_size // share, "cpu": "1GB"}}))
     inner = nn.Sequential(OrderedDict([("a", nn.Linear(10, 4)), ("b", nn.Linear(4, 4)), ("c", nn.Linear(4, 8))]))
     nested = nn.Sequential(OrderedDict([("module", inner)]))
     for fallback in (False, True):  # only the small middle layer fits next to the reserve for the largest
@@ -379,7 +387,12 @@ def test_infer_auto_device_map_matches_accelerate_with_ties_fallback_and_buffers
     outcomes = set()
     for label, model, kwargs in cases:
         ours = _placement_outcome(infer_auto_device_map, model, **copy.deepcopy(kwargs))
-        theirs = _placement_outcome(accelerate_modeling.infer_auto_device_map, model, **copy.deepcopy(kwargs))
+        try:
+            theirs = _placement_outcome(accelerate_modeling.infer_auto_device_map, model, **copy.deepcopy(kwargs))
+        except IndexError:  # Accelerate fails on a tied weight whose module is already placed; nbaccel maps it
+            assert label.startswith("numbered")
+            check_device_map(model, ours[0])
+            continue
         assert ours == theirs, label
         outcomes.add((bool(ours[1]), ours[2], len(set(ours[0].values()))))
     # the cases reach a warning, the INFO record, and maps over one and several devices

@@ -508,7 +508,9 @@ def infer_auto_device_map(
         if not largest_names:
             largest, largest_names = largest_left()
         size = sizes[name]
-        tied = _tied_elsewhere(name, tied_groups)
+        # tied parameters whose module is already placed cannot come along (Accelerate fails on them with an
+        # IndexError; they stay where they were placed)
+        tied = [p for p in _tied_elsewhere(name, tied_groups) if any(p.startswith(n + ".") for n, _ in queue)]
         device = placement.device
         reserved = largest if device in main_devices else 0
         limit = None if device == "disk" else budgets[device] - reserved
@@ -569,9 +571,12 @@ def infer_auto_device_map(
 
 
 def _tied_elsewhere(name: str, tied_groups: list[list[str]]) -> list[str]:
-    """The parameters tied to one inside `name` (the module or tensor of that name) that are outside it."""
+    """The parameters tied to one inside `name` (the module or tensor of that name) that are outside it.
+
+    "Inside" is Accelerate's test, kept so that the maps stay the same: the dotted name occurs in the
+    parameter's dotted name (as `fallback_allocate` also tests)."""
     def inside(param: str) -> bool:
-        return (param + ".").startswith(name + ".")
+        return name + "." in param + "."
 
     return [p for group in tied_groups if any(map(inside, group)) and not all(map(inside, group))
             for p in group if not inside(p)]
@@ -1084,7 +1089,10 @@ def get_module_size_with_ties(tied_params: list[str], module_size: int, module_s
     modules: list[nn.Module] = []
     size = module_size
     for tied in tied_params:
-        name, module = next((n, m) for n, m in modules_to_treat if tied.startswith(n + "."))
+        holders = [(n, m) for n, m in modules_to_treat if tied.startswith(n + ".")]
+        if not holders:  # an IndexError, as Accelerate's
+            raise IndexError(f"no module left to place holds the tied parameter {tied!r}")
+        name, module = holders[0]
         names.append(name)
         modules.append(module)
         size += module_sizes[name] - module_sizes[tied]
