@@ -76,8 +76,10 @@ default_config_file = default_yaml_config_file
 
 
 def load_config_from_file(config_file: str | os.PathLike | None) -> LaunchConfig:
-    """The config in `config_file`, else the one in use (a `SageMakerConfig` for a SageMaker file). Raises FileNotFoundError naming the path when the
-    given file (or, without one, any config file) does not exist; ConfigError for a value that cannot work."""
+    """The config in `config_file`, else the one in use (a `SageMakerConfig` for a SageMaker file).
+
+    Raises FileNotFoundError naming the path when the given file (or, without one, any config file) does not
+    exist; ConfigError for a value that cannot work."""
     if config_file is not None and not os.path.isfile(config_file):
         raise FileNotFoundError(f"The config file {config_file} does not exist: pass an existing file, or write "
                                 "one with `nbaccel config`.")
