@@ -121,14 +121,19 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
         if result_dir:
             plan = dataclasses.replace(plan, environ=MappingProxyType({**plan.environ, RESULT_DIR_ENV: result_dir}))
     try:
-        with resource_tracker_scope(), gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
-            handles = backend.start(plan, payload)
-            return supervise(plan, handles, backend, reporting)
+        with resource_tracker_scope():
+            try:
+                with gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
+                    handles = backend.start(plan, payload)
+                    return supervise(plan, handles, backend, reporting)
+            finally:
+                # before a resource tracker this launch started stops: it would unlink the semaphores of the
+                # queues the backend still holds (torch elastic's, under spawn)
+                backend.close()
     except LaunchError as exc:
         exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
         raise
     finally:
-        backend.close()
         remove_result_dir(result_dir)
 
 

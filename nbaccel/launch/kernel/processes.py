@@ -337,9 +337,15 @@ def resource_tracker_scope() -> Iterator[None]:
     try:
         yield
     finally:
-        for (helper, attr), was_running in zip(reversed(helpers), reversed(running)):
-            if helper is not None and not was_running and getattr(helper, attr, None) is not None:
-                try:
-                    helper._stop()
-                except Exception:
-                    pass
+        started = [helper for (helper, attr), was_running in zip(reversed(helpers), reversed(running))
+                   if helper is not None and not was_running and getattr(helper, attr, None) is not None]
+        if started:
+            # The tracker unlinks, as leaked, every semaphore still registered when it stops: collect what the
+            # launch left unreferenced first (torch elastic's spawn-context queues and event), or their
+            # finalizers fail later on names already gone ("Exception ignored ... sem_unlink ...").
+            gc.collect()
+        for helper in started:
+            try:
+                helper._stop()
+            except Exception:
+                pass
