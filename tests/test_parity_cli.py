@@ -377,6 +377,9 @@ def test_sagemaker_config_reads_and_writes_but_does_not_launch(tmp_path, capsys)
     (tmp_path / "partial.yaml").write_text("compute_environment: AMAZON_SAGEMAKER\nec2_instance_type: x\n")
     with pytest.raises(ValueError, match="iam_role_name"):
         load_config_from_file(str(tmp_path / "partial.yaml"))
+    (tmp_path / "broken.yaml").write_text("compute_environment: [AMAZON_SAGEMAKER\n")
+    with pytest.raises(ValueError, match="not valid YAML"):  # ConfigError, as for any config file
+        load_config_from_file(str(tmp_path / "broken.yaml"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         nbaccel_main(["launch", "--config_file", str(path), SCRIPT])

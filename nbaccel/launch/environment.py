@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..utils.constants import LAUNCH_DEVICE_ENV, RICH_DISPLAY_ENV
+from ..utils.constants import INTEL_OPENMP_CPU_ENV, LAUNCH_DEVICE_ENV, RICH_DISPLAY_ENV
 
 # fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
 FSDP_ENV = {
@@ -137,9 +137,7 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
             and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: hostname-based interface lookup is flaky on VMs
     if config.explicit_flags and config.use_cpu and config.nproc_per_node == 1 and config.num_nodes == 1:
-        # the one-process CPU launch (`accelerate launch --cpu`): Intel OpenMP's settings, as Accelerate sets them
-        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        env["KMP_BLOCKTIME"] = "1"
+        env.update(INTEL_OPENMP_CPU_ENV)  # the one-process CPU launch (`accelerate launch --cpu`)
     if config.debug:
         both("DEBUG_MODE", "true")
     if config.gradient_accumulation_steps is not None:

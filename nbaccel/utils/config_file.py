@@ -63,6 +63,15 @@ def find_config_file(path: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
+def read_config_data(path: str | os.PathLike) -> Any:
+    """The content of config file `path` (YAML; JSON is YAML too); ConfigError when it is not valid YAML."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{display_path(path)}: not valid YAML: {exc}") from exc
+
+
 def display_path(path: str | os.PathLike) -> str:
     """`path` with the home directory written as ~ (shorter error messages)."""
     text = str(path)
@@ -181,12 +190,7 @@ class LaunchConfig:
             if path is not None:
                 raise ConfigError(f"{display_path(found)}: no such config file")
             return None
-        try:
-            with open(found, encoding="utf-8") as handle:
-                data = yaml.safe_load(handle)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{display_path(found)}: not valid YAML: {exc}") from exc
-        return cls.from_dict(data, source=found)
+        return cls.from_dict(read_config_data(found), source=found)
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping written to YAML: Accelerate's keys (empty sub-configs and None left out) plus `extra`."""

@@ -82,3 +82,7 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | _TORCH_VALUED)
+
+# Intel OpenMP's settings for a one-process CPU launch (`accelerate launch --cpu` sets them): pin the threads,
+# and let idle ones sleep at once
+INTEL_OPENMP_CPU_ENV = {"KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}

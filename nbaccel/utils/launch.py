@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .constants import INTEL_OPENMP_CPU_ENV
 from .dataclasses import DistributedType
 from .integration import DEEPSPEED, SAGEMAKER, refuses
 from .other import get_free_port, is_port_in_use
@@ -116,9 +117,8 @@ def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str]
     cmd += [args.training_script, *args.training_script_args]
     env = _common_env(args)
     env["ACCELERATE_USE_CPU"] = str(bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False)))
-    if env["ACCELERATE_USE_CPU"] == "True":  # Intel's OpenMP: pin threads, and let idle ones sleep at once
-        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        env["KMP_BLOCKTIME"] = "1"
+    if env["ACCELERATE_USE_CPU"] == "True":
+        env.update(INTEL_OPENMP_CPU_ENV)
     if getattr(args, "num_machines", 1) and args.num_machines > 1:
         env["MASTER_ADDR"] = str(args.main_process_ip)
         env["MASTER_PORT"] = str(args.main_process_port)

@@ -574,7 +574,7 @@ def _tied_elsewhere(name: str, tied_groups: list[list[str]]) -> list[str]:
     """The parameters tied to one inside `name` (the module or tensor of that name) that are outside it.
 
     "Inside" is Accelerate's test, kept so that the maps stay the same: the dotted name occurs in the
-    parameter's dotted name (as `fallback_allocate` also tests)."""
+    parameter's dotted name. Used by infer_auto_device_map and fallback_allocate."""
     def inside(param: str) -> bool:
         return name + "." in param + "."
 
@@ -1115,9 +1115,7 @@ def fallback_allocate(modules: list[tuple[str, nn.Module]], module_sizes: Mappin
     queue = list(modules)
     while queue:
         name, module = queue.pop(0)
-        outside = [p for group in tied_groups
-                   if any(name + "." in k + "." for k in group) and not all(name + "." in k + "." for k in group)
-                   for p in group if name + "." not in p + "."]
+        outside = _tied_elsewhere(name, tied_groups)
         size, _, _ = get_module_size_with_ties(outside, module_sizes[name], module_sizes, queue)
         if size <= limit:
             break

@@ -11,15 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import yaml
-
 from ...utils.config_file import (
     ConfigError,
     LaunchConfig,
     accelerate_config_file,
     display_path,
     find_config_file,
-    load_config,
+    read_config_data,
 )
 from ...utils.config_file import default_config_file as _default_path
 from ...utils.constants import (
@@ -87,12 +85,11 @@ def load_config_from_file(config_file: str | os.PathLike | None) -> LaunchConfig
     if path is None:
         raise FileNotFoundError(f"No config file at {default_config_file}: write one with `nbaccel config` or "
                                 "`nbaccel config default`.")
-    with open(path, encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)  # JSON is YAML too
-    if isinstance(data, dict) and str(data.get("compute_environment", "")) == "AMAZON_SAGEMAKER":
-        try:
-            return SageMakerConfig.from_dict(data, source=path)
-        except TypeError as error:  # a required SageMaker key is missing
-            raise ConfigError(f"{display_path(path)}: a SageMaker config needs ec2_instance_type and "
-                              f"iam_role_name ({error})") from error
-    return load_config(path)
+    data = read_config_data(path)
+    if not (isinstance(data, dict) and str(data.get("compute_environment", "")) == "AMAZON_SAGEMAKER"):
+        return LaunchConfig.from_dict(data, source=path)
+    try:
+        return SageMakerConfig.from_dict(data, source=path)
+    except TypeError as error:  # a required SageMaker key is missing
+        raise ConfigError(f"{display_path(path)}: a SageMaker config needs ec2_instance_type and "
+                          f"iam_role_name ({error})") from error
