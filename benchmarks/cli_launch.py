@@ -5,6 +5,8 @@
 
 Each variant runs the same 2-process CPU script (join the gloo group, one all_reduce, exit); the variants are
 interleaved round by round so machine load hits them alike. Prints median wall times and ratios to torchrun.
+`nbaccel, unwatched` runs the ranks with `--no_python python script` (no script entry, no collective watch):
+what `nbaccel launch`'s deadlock detection costs at start-up.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def variants(script: str) -> dict[str, list[str]]:
     return {
         "torchrun": [py, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", script],
         "nbaccel launch": [py, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", script],
+        # the ranks run `python script` directly: no entry, no collective watch (what the watch costs)
+        "nbaccel, unwatched": [py, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "--no_python", py,
+                               script],
     }
 
 

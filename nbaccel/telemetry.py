@@ -149,13 +149,16 @@ def _is_number(value: Any) -> bool:
     return getattr(value, "numel", lambda: 0)() == 1  # a one-element tensor or numpy scalar
 
 
-def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> None:
-    """`enter` carries the whole record; `exit`/`error` only what identifies it (op, seq): the kernel already
-    has the rest, and a training step should not pay for it twice."""
+def collective_fields(event: str, record: collective_trace.CollectiveRecord) -> dict[str, Any]:
+    """The fields of a `collective` message: `enter` carries the whole record; `exit`/`error` only what
+    identifies it (op, seq): the receiver already has the rest, and a training step should not pay twice."""
     if event == "enter":
-        emit("collective", event=event, **record.to_dict())
-    else:
-        emit("collective", event=event, op=record.op, seq=record.seq)
+        return {"event": event, **record.to_dict()}
+    return {"event": event, "op": record.op, "seq": record.seq}
+
+
+def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> None:
+    _emit(_current(), "collective", collective_fields(event, record))
 
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------

@@ -208,3 +208,14 @@ def test_tracker_rules():
     tracker.failed(1, "ValueError: bad")
     assert tracker.root_cause([0, 1], 0) == 1
     assert tracker.at_failure([0, 1], now) is None  # rank 1 failed on its own: its error is the story
+    # a rank that finished had entered the collective another still shows: they met, and the other's `exit`
+    # (batched telemetry) has not arrived yet; not a deadlock. One that never entered it: a deadlock.
+    tracker = CollectiveTracker(grace=2)
+    tracker.on_message(0, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(1, _enter("reduce", [[3]], 90.0))
+    tracker.on_message(1, {"event": "exit", "op": "reduce"})
+    tracker.finished(1)
+    assert tracker.check([0, 1], now) is None
+    tracker.on_message(0, {"event": "exit", "op": "reduce"})
+    tracker.on_message(0, _enter("reduce", [[3]], 95.0))
+    assert "rank 1 finished the function" in tracker.check([0, 1], now).summary

@@ -10,24 +10,31 @@ docs/internals.md for the list.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
+import logging
 import os
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
-from ..utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ..utils.constants import COLLECTIVE_WATCH_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..utils.dataclasses import DynamoBackend
 from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
+    from ..launch.kernel.collective_watch import CollectiveWatch
     from ..launch.kernel.loopback_store import LoopbackStore
+    from ..launch.pool.hang_report import Diagnosis
 
 
 class LaunchOptionError(ValueError):
@@ -412,8 +419,11 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
     return build(worker_config(s))
 
 
-def torchrun_arguments(s: LaunchSettings) -> list[str]:
-    """The torch.distributed.run command line for these settings (this machine's part of the run)."""
+def torchrun_arguments(s: LaunchSettings, watched: bool = False) -> list[str]:
+    """The torch.distributed.run command line for these settings (this machine's part of the run).
+
+    `watched`: each rank runs the script through nbaccel's entry, which reports its collectives to the
+    launch's collective watch (not with --no_python: there is no Python to enter)."""
     argv = [f"--nnodes={s.num_machines}", f"--nproc-per-node={s.nproc_per_node}",
             f"--max-restarts={s.max_restarts}", f"--monitor-interval={s.monitor_interval}"]
     if s.num_machines > 1:  # as Accelerate: the rendezvous endpoint, or with same_network torchrun's master
@@ -431,19 +441,28 @@ def torchrun_arguments(s: LaunchSettings) -> list[str]:
         argv.append(f"--role={s.role}")
     if s.no_python:
         argv.append("--no-python")
+    if watched and not s.no_python:  # torchrun runs nbaccel's entry as a module; the entry runs the script
+        argv.append("--module")
+        program = [SCRIPT_ENTRY, *(["--module"] if s.module else []), s.script]
+    else:
+        if s.module:
+            argv.append("--module")
+        program = [s.script]
     if s.rdzv_conf:
         argv.append(f"--rdzv-conf={s.rdzv_conf}")
     if s.log_dir:
         argv.append(f"--log-dir={s.log_dir}")
     if s.tee is not None:
         argv.append(f"--tee={s.tee}")
-    if s.module:
-        argv.append("--module")
-    return argv + [s.script, *s.script_args]
+    return argv + [*program, *s.script_args]
+
+
+SCRIPT_ENTRY = "nbaccel.launch.worker.script_entry"  # runs each rank's script, reporting its collectives
 
 
 def run_settings(s: LaunchSettings) -> int:
-    """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed."""
+    """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed or the ranks
+    deadlocked in collectives (named within seconds: launch/kernel/collective_watch.py)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -454,26 +473,95 @@ def run_settings(s: LaunchSettings) -> int:
         s = replace(s, main_process_port=store.port)
     os.environ.update(worker_environment(s))
     if s.quiet:  # -q: only the workers' output and errors, not the agent's progress messages
-        import logging
-
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
-    args = torchrun.get_args_parser().parse_args(torchrun_arguments(s))
+    agent = _AgentStopper()
+    watch = None if s.no_python else _start_collective_watch(agent)
+    args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
     try:
-        torchrun.run(args)
+        with agent.running():
+            torchrun.run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        reason = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
-        print(f"nbaccel launch: rank {rank} failed ({reason}); {len(exc.failures)} process(es) failed in all",
-              file=sys.stderr)
+        print(f"nbaccel launch: rank {rank} failed ({_exit_reason(failure.exitcode)}); {len(exc.failures)} "
+              "process(es) failed in all", file=sys.stderr)
+        if watch is not None:
+            watch.close()
+            diagnosis = watch.after_failure({r: _exit_reason(f.exitcode) for r, f in exc.failures.items()})
+            if diagnosis is not None:
+                print(f"nbaccel launch: {_deadlock_report(diagnosis)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("nbaccel launch: interrupted; workers stopped", file=sys.stderr)
         return 130
     except SignalException as exc:  # the agent turns SIGTERM/SIGINT/... into this after stopping the workers
+        if agent.stopped_for is not None:
+            print(f"nbaccel launch: {_deadlock_report(agent.stopped_for)}", file=sys.stderr)
+            return 1
         print(f"nbaccel launch: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        if watch is not None:
+            watch.close()
+            os.environ.pop(COLLECTIVE_WATCH_ENV, None)
     return 0
+
+
+def _exit_reason(exitcode: int) -> str:
+    return f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
+
+
+class _AgentStopper:
+    """Stops torchrun's agent from another thread, the way a SIGTERM does (the agent stops every worker and
+    raises SignalException in the main thread), and remembers why."""
+
+    def __init__(self) -> None:
+        self.stopped_for: Diagnosis | None = None
+        self._lock = threading.Lock()
+        self._running = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._lock:
+            self._running = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running = False
+
+    def stop(self, diagnosis: Diagnosis) -> None:
+        with self._lock:
+            if not self._running or self.stopped_for is not None:
+                return
+            # the agent's signal handler (torch elastic installs it while the workers run) turns this into its
+            # shutdown; its "Received SIGTERM death signal" warning would blame a signal nobody sent
+            if not callable(signal.getsignal(signal.SIGTERM)):
+                return
+            self.stopped_for = diagnosis
+            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _start_collective_watch(agent: _AgentStopper) -> CollectiveWatch | None:
+    """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
+    detection) where no Unix socket can be opened."""
+    from ..launch.kernel.collective_watch import CollectiveWatch
+
+    try:
+        watch = CollectiveWatch(on_deadlock=agent.stop)
+    except OSError as exc:
+        warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
+                      stacklevel=3)
+        return None
+    os.environ[COLLECTIVE_WATCH_ENV] = watch.address
+    return watch
+
+
+def _deadlock_report(diagnosis: Diagnosis) -> str:
+    from ..launch.kernel.collective_watch import report
+
+    return report(diagnosis)
 
 
 def _open_loopback_store(port: int | None) -> LoopbackStore:

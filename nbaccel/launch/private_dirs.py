@@ -14,6 +14,7 @@ import stat
 import tempfile
 
 STORE_PREFIX = "store-"
+WATCH_PREFIX = "watch-"  # `nbaccel launch`'s collective watch (its Unix socket)
 
 
 def make_private_dir(prefix: str, root: str) -> str:
@@ -52,10 +53,16 @@ def pid_alive(pid: int) -> bool:
 
 def make_store_dir() -> str:
     """The folder of a local launch's or a pool's FileStore (0700)."""
+    return make_user_dir(STORE_PREFIX)
+
+
+def make_user_dir(prefix: str) -> str:
+    """A new 0700 folder `<tmp>/nbaccel-<uid>/<prefix><pid>-<random>` (`<tmp>/nbaccel-<prefix>...` where the
+    per-user parent cannot be had), after removing the orphans of dead processes."""
     root = _user_root()
     if root is None:
-        return tempfile.mkdtemp(prefix="nbaccel-store-")
-    return make_private_dir(STORE_PREFIX, root)
+        return tempfile.mkdtemp(prefix=f"nbaccel-{prefix}")
+    return make_private_dir(prefix, root)
 
 
 def _user_root() -> str | None:

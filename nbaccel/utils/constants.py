@@ -30,6 +30,7 @@ LAUNCH_DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"  # the device string a worker shows 
 MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"  # seconds between memory messages (0: none)
 RICH_DISPLAY_ENV = "NBACCEL_RICH_DISPLAY"  # a notebook launched the ranks: send display() output to the cell
 INIT_METHOD_ENV = "NBACCEL_INIT_METHOD"  # the process group's rendezvous, when a launcher gives a private one
+COLLECTIVE_WATCH_ENV = "NBACCEL_COLLECTIVE_WATCH"  # `nbaccel launch`: the socket its ranks report collectives to
 
 # --- Accelerate's other constants (same names and values, so code reading them works unchanged) ------------
 SAGEMAKER_PYTORCH_VERSION = "1.10.2"

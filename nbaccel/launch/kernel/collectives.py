@@ -31,7 +31,11 @@ GRACE = 2.0  # seconds every rank must be stuck before differing collectives cou
 CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective
 RECORD_FIELDS = ("op", "call", "shapes", "dtypes", "site", "started")
 HISTORY = 256  # collectives remembered per rank for the comparison (ranks never drift far apart: they sync)
-WORK = "the function"
+DEADLOCK_HEAD = "not every rank entered the same collective"  # the report's first line (notebook_launcher, nbaccel launch)
+DEADLOCK_EXPLANATION = (
+    "A collective returns only when every rank of the process group calls it, with the same operation and "
+    "matching shapes; the ranks above could never meet, so every worker was stopped."
+)
 
 
 @dataclass
@@ -49,8 +53,9 @@ class RankCollectives:
 class CollectiveTracker:
     """Where every local rank is, collective-wise; see the module docstring."""
 
-    def __init__(self, grace: float = GRACE) -> None:
+    def __init__(self, grace: float = GRACE, work: str = "the function") -> None:
         self.grace = grace
+        self.work = work  # what the ranks run, for the report: "rank 1 finished the function"
         self.ranks: dict[int, RankCollectives] = {}
         self._open = 0  # collectives entered and not left, over all ranks: 0 means nothing to check
         self.divergence: Diagnosis | None = None  # the first n-th collectives that differ between ranks
@@ -87,12 +92,12 @@ class CollectiveTracker:
     def _compare(self, rank: int, record: dict[str, Any]) -> None:
         """Compare `rank`'s newest collective with the other ranks' collective of the same number."""
         seq = record["seq"]
-        mine = RankState(rank, "running", snapshot={"collective": record}, work=WORK)
+        mine = RankState(rank, "running", snapshot={"collective": record}, work=self.work)
         for other, state in self.ranks.items():
             theirs = state.history.get(seq) if other != rank else None
             if theirs is None:
                 continue
-            pair = sorted([mine, RankState(other, "running", snapshot={"collective": theirs}, work=WORK)],
+            pair = sorted([mine, RankState(other, "running", snapshot={"collective": theirs}, work=self.work)],
                           key=lambda s: s.rank)
             reason = difference(pair)
             if reason:
@@ -137,16 +142,28 @@ class CollectiveTracker:
             if failure_view and record is None and state.phase == "failed":
                 record = state.failed_in
             if state.phase == "running" or (failure_view and record is not None):
-                states.append(RankState(rank, "running", snapshot={"collective": record}, work=WORK))
+                states.append(RankState(rank, "running", snapshot={"collective": record}, work=self.work))
             else:
-                states.append(RankState(rank, state.phase, state.error, work=WORK))
+                states.append(RankState(rank, state.phase, state.error, work=self.work))
         return states
 
     def check(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """A deadlock to report now, or None (also for matching collectives that are only slow)."""
         if not self.active():
             return None
+        ranks = list(ranks)
+        if self._exit_on_its_way(ranks):
+            return None
         return diagnose(self.states(ranks), now, math.inf, self.grace, all_blocked=True)
+
+    def _exit_on_its_way(self, ranks: list[int]) -> bool:
+        """A rank that finished had entered the collective another rank still shows it is in: they met, and
+        the other's `exit` is still on its way (telemetry is batched, a rank's end is not), so this is no
+        deadlock. A finished rank that never entered that collective is one."""
+        states = [self._rank(rank) for rank in ranks]
+        went_through = max((state.entered for state in states if state.phase == "finished"), default=0)
+        return any(state.phase == "running" and state.inside and state.inside[-1]["seq"] <= went_through
+                   for state in states)
 
     def at_failure(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """After a failure: the deadlock behind it, when every failed rank's error came out of a collective

@@ -27,7 +27,7 @@ from ..messages import MessageKind, RankState
 from ..output import LineForwarder, read_available
 from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
-from .collectives import CHECK_INTERVAL, CollectiveTracker
+from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
 from .processes import learn_rank_imports, signal_name
 
 if TYPE_CHECKING:
@@ -429,9 +429,7 @@ class Supervisor:
             if waiting is not None and state.rank not in failures:
                 failures[state.rank] = WorkerFailure(state.rank, None, f"stopped while waiting in {waiting[0]}",
                                                      exitcode=exitcodes.get(state.rank))
-        lines = report_lines(diagnosis, "not every rank entered the same collective", (
-            "A collective returns only when every rank of the process group calls it, with the same operation "
-            "and matching shapes; the ranks above could never meet, so every worker was stopped."))
+        lines = report_lines(diagnosis, DEADLOCK_HEAD, DEADLOCK_EXPLANATION)
         if self.failures and self.deadlock is None:  # errors raised because a peer went away; else none
             lines += ["", "What the ranks reported:", format_failures(self.failures, self.first_failure)]
         return LaunchError("\n".join(lines), failures, first_rank=self.first_failure, attempts=self.attempts)

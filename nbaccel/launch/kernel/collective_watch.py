@@ -1,0 +1,159 @@
+"""`nbaccel launch`'s deadlock detection: the launching process hears which collective each rank is in.
+
+torchrun's agent starts the ranks; each runs through worker/script_entry.py, which connects to this watch's
+Unix socket (NBACCEL_COLLECTIVE_WATCH; in an owner-only folder, so only this user's processes can reach it)
+and sends the rank's collectives (batched, as a notebook_launcher worker does) and how its script ended. A
+thread here feeds them to a `CollectiveTracker` (collectives.py: notebook_launcher's rules and wording) and
+checks a few times a second. When the ranks' n-th collectives differ, or every running rank has waited
+GRACE seconds in collectives that cannot meet (or that a finished rank never entered), it keeps the
+diagnosis and calls `on_deadlock` (`nbaccel launch` then has the agent stop every worker and prints the
+report). After a failure, `after_failure` tells whether a deadlock was behind the ranks' errors.
+
+The watch never fails a launch by itself: an error inside it ends the watching, not the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..channel import recv_all
+from ..messages import MessageKind, RankState
+from ..pool.hang_report import Diagnosis, report_lines
+from ..private_dirs import WATCH_PREFIX, make_user_dir
+from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
+
+logger = logging.getLogger(__name__)
+CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
+
+
+class CollectiveWatch:
+    """The listening end: start it before the ranks, `close` it after them (see the module docstring)."""
+
+    def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE) -> None:
+        self._folder = make_user_dir(WATCH_PREFIX)
+        self.address = os.path.join(self._folder, "collectives.sock")
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.address)
+        self._server.listen(64)
+        self.tracker = CollectiveTracker(grace, work="the script")
+        self.deadlock: Diagnosis | None = None
+        self._on_deadlock = on_deadlock
+        self._ranks: dict[Connection, int | None] = {}  # each rank's connection, and its rank once it said
+        self._restarts: dict[int, int] = {}  # the latest attempt (TORCHELASTIC_RESTART_COUNT) heard per rank
+        self._ended: set[int] = set()  # ranks that reported how their script ended
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # `close` writes to _waker: the thread stops waiting at once
+        self._thread = threading.Thread(target=self._watch, name="nbaccel-collective-watch", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the watching thread
+    def _watch(self) -> None:
+        try:
+            while not self._stop.is_set():
+                ready = wait([self._server, self._wake, *self._ranks], timeout=CHECK_INTERVAL)
+                with self._lock:
+                    self._take(ready)
+                    found = self._check() if self.deadlock is None else None
+                if found is not None:
+                    self._on_deadlock(found)
+        except Exception:  # never fail the launch: stop watching, the process group's timeout still holds
+            logger.debug("nbaccel launch: the collective watch stopped", exc_info=True)
+
+    def _take(self, ready: Iterable[Any]) -> None:
+        for item in ready:
+            if item is self._wake:
+                continue
+            if item is self._server:
+                with contextlib.suppress(OSError):
+                    client, _ = self._server.accept()
+                    self._ranks[Connection(client.detach())] = None
+            else:
+                self._read(item)
+
+    def _check(self) -> Diagnosis | None:
+        # a rank that failed is torch elastic's to handle (it restarts the ranks or ends the launch): the others
+        # waiting for it are no deadlock, and `after_failure` says if one was behind the failure
+        alive = [rank for rank, state in self.tracker.ranks.items() if state.phase != "failed"]
+        found = self.tracker.divergence or self.tracker.check(alive, time.time())
+        if found is not None:
+            self.deadlock = found
+        return found
+
+    def _read(self, conn: Connection) -> None:
+        messages, closed = recv_all(conn)
+        for message in messages:
+            self._handle(conn, message)
+        if closed:
+            rank = self._ranks.pop(conn)
+            conn.close()
+            if rank is not None and rank not in self._ended:  # the process ended without a word (a signal)
+                self.tracker.failed(rank, "the process ended")
+
+    def _handle(self, conn: Connection, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == MessageKind.BATCH:
+            for inner in message.get("messages", ()):
+                self._handle(conn, inner)
+            return
+        rank = int(message.get("rank", 0))
+        if kind == MessageKind.COLLECTIVE:
+            self.tracker.on_message(rank, message)
+            return
+        if kind != MessageKind.STATUS:
+            return
+        state = message.get("state")
+        if state == RankState.RUNNING:  # the first word of a rank's process
+            self._ranks[conn] = rank
+            restart = int(message.get("restart") or 0)
+            if restart > self._restarts.get(rank, 0):  # torch elastic started the ranks again
+                self.tracker.restarted(rank)
+                self._ended.discard(rank)
+            self._restarts[rank] = restart
+        elif state == RankState.FINISHED:
+            self._ended.add(rank)
+            self.tracker.finished(rank)
+        elif state == RankState.FAILED:
+            self._ended.add(rank)
+            self.tracker.failed(rank, str(message.get("error", "")))
+
+    # ------------------------------------------------------------------ what the launching process asks
+    def close(self) -> None:
+        """Stop watching (after reading what the ranks sent last) and remove the socket."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._waker.send(b"x")
+        self._thread.join(timeout=5)
+        with self._lock:
+            deadline = time.monotonic() + CLOSE_WAIT
+            with contextlib.suppress(Exception):  # the ranks have exited: what they sent waits, then end of file
+                while self._ranks and (left := deadline - time.monotonic()) > 0:
+                    self._take(wait([self._server, *self._ranks], timeout=left))
+            for conn in self._ranks:
+                conn.close()
+            self._ranks.clear()
+        for end in (self._server, self._wake, self._waker):
+            end.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def after_failure(self, failed: dict[int, str]) -> Diagnosis | None:
+        """The deadlock behind a failed launch, if any (call after `close`): `failed` maps each failed rank to
+        what torch elastic says of it, for ranks that could not report themselves."""
+        for rank, reason in failed.items():
+            self.tracker.failed(rank, reason)
+        return self.deadlock or self.tracker.divergence or self.tracker.at_failure(list(self.tracker.ranks),
+                                                                                  time.time())
+
+
+def report(diagnosis: Diagnosis) -> str:
+    """The deadlock report `nbaccel launch` prints: notebook_launcher's words."""
+    return "\n".join(report_lines(diagnosis, DEADLOCK_HEAD, DEADLOCK_EXPLANATION))

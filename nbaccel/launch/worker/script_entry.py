@@ -1,0 +1,129 @@
+"""`nbaccel launch`'s worker entry: run the user's script as Python would, reporting the rank's collectives.
+
+torchrun starts each rank as `python -u -m nbaccel.launch.worker.script_entry [--module] TARGET ARGS...`.
+When NBACCEL_COLLECTIVE_WATCH names the launching process's socket (kernel/collective_watch.py), the entry
+connects to it and reports every nbaccel collective the rank enters and leaves (batched: a deque append
+per collective, one socket write per 50 ms), then how the script ended. Then it runs TARGET as `__main__`
+with the `sys.argv`, `__file__` and `sys.path[0]` that `python TARGET ARGS` (or `python -m TARGET ARGS`) gives, and
+prints an uncaught exception's traceback without this entry's frames. If the socket cannot be reached the
+script runs all the same, unwatched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib.machinery
+import os
+import runpy
+import sys
+import types
+import zipfile
+from multiprocessing.connection import Client
+from typing import NoReturn
+
+from ... import telemetry
+from ...utils import collective_trace
+from ...utils.constants import COLLECTIVE_WATCH_ENV
+from ..channel import WorkerSink
+from ..messages import MessageKind, RankState
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run `[--module] TARGET ARGS...` (the command line torchrun passes) as the rank's `__main__`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_module = argv[:1] == ["--module"]
+    if as_module:
+        argv = argv[1:]
+    sink = _connect()
+    try:
+        _run(argv[0], argv[1:], as_module)
+    except SystemExit as exc:
+        _report_end(sink, exc.code in (None, 0), f"SystemExit: {exc.code}")
+        raise
+    except Exception as exc:
+        _report_end(sink, False, _describe(exc))
+        _print_uncaught(exc)
+    except BaseException as exc:  # KeyboardInterrupt: Python's own ending (exit by the signal)
+        _report_end(sink, False, type(exc).__name__)
+        raise
+    else:
+        _report_end(sink, True)
+
+
+def _connect() -> WorkerSink | None:
+    """A sink to the launch's collective watch, with the collective trace reporting into it; None when the
+    launch watches nothing (no variable) or the socket cannot be reached."""
+    address = os.environ.pop(COLLECTIVE_WATCH_ENV, "")  # the rank's own children are not ranks
+    if not address:
+        return None
+    try:
+        conn = Client(address, family="AF_UNIX")
+    except OSError:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    sink = WorkerSink(conn, rank, int(os.environ.get("LOCAL_RANK", str(rank))))
+    sink.send(MessageKind.STATUS.value, state=RankState.RUNNING.value, pid=os.getpid(),
+              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    def report(event: str, record: collective_trace.CollectiveRecord) -> None:
+        sink.send(MessageKind.COLLECTIVE.value, **telemetry.collective_fields(event, record))
+
+    collective_trace.add_listener(report)
+    # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
+    os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
+    return sink
+
+
+def _report_end(sink: WorkerSink | None, ok: bool, error: str = "") -> None:
+    if sink is None:
+        return
+    if ok:
+        sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)
+    else:
+        sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
+    sink.close()
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose own __str__ raises
+        return type(exc).__name__
+
+
+def _run(target: str, args: list[str], as_module: bool) -> None:
+    if as_module:  # `python -m TARGET`: sys.path[0] is the working directory already (this entry ran with -m)
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    if not os.path.isfile(target) or zipfile.is_zipfile(target):  # a folder or zip with __main__.py
+        runpy.run_path(target, run_name="__main__")
+        return
+    # `python TARGET`: sys.path[0] is the script's folder (symbolic links resolved), `__file__` the absolute
+    # path, sys.argv[0] the path as given (runpy.run_path would put its own argument there)
+    sys.path[0] = os.path.dirname(os.path.realpath(target))
+    path = os.path.abspath(target)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    with open(path, "rb") as file:
+        code = compile(file.read(), path, "exec", dont_inherit=True)  # bytes: the coding cookie is honoured
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _print_uncaught(exc: Exception) -> NoReturn:
+    """What Python does with an uncaught exception (sys.excepthook, exit status 1), without the frames of this
+    entry and of runpy, so the traceback starts in the user's script as under `python TARGET`."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_globals.get("__name__") == "runpy"):
+        tb = tb.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # Python's own hook prints exc.__traceback__
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""`nbaccel launch` names ranks deadlocked in nbaccel collectives within seconds, and runs scripts as Python does.
+
+Each script runs on 2 gloo ranks under `nbaccel launch`; the process group keeps its 600 s default timeout, so
+a launch that ends in well under BOUND seconds was stopped by the collective watch
+(nbaccel/launch/kernel/collective_watch.py). Before the watch these launches waited for that timeout, or
+ended with gloo's "Connection reset by peer" blamed on the rank that waited.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nbaccel.commands.launch import SCRIPT_ENTRY, resolve_settings, torchrun_arguments
+from nbaccel.commands.main import build_parser
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parent.parent
+BOUND = 40.0  # seconds: far below the process group's 600 s, far above the few the detection takes
+
+PREAMBLE = """
+    import os, sys, time
+    import torch
+    from nbaccel import PartialState
+    from nbaccel.utils import broadcast, reduce
+
+    state = PartialState()
+    rank = state.process_index
+    reduce(torch.ones(2))  # one collective both ranks go through
+"""
+
+
+def launch(tmp_path: Path, body: str, *options: str, processes: int = 2) -> tuple[int, str, str, float]:
+    """Run PREAMBLE + `body` as tmp_path/job.py under `nbaccel launch`: (exit status, stdout, stderr, seconds)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(PREAMBLE) + textwrap.dedent(body))
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nbaccel", "launch", "--num_processes", str(processes), "--cpu", *options,
+         str(script)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        out, err = proc.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"nbaccel launch did not end within {BOUND} s\n{out}\n{err}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def line_of(tmp_path: Path, text: str) -> str:
+    """`<tmp_path>/job.py:N`: where `text` is in the script (what the report names)."""
+    lines = (tmp_path / "job.py").read_text().splitlines()
+    return f"{tmp_path / 'job.py'}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
+def test_different_operations_are_named_and_every_rank_stopped(tmp_path):
+    code, out, err, _ = launch(tmp_path, """
+        if rank == 0:
+            reduce(torch.ones(3))
+        else:
+            broadcast(torch.ones(3))
+        print("unreachable", flush=True)
+    """)
+    assert code == 1, err
+    assert "unreachable" not in out
+    assert "nbaccel launch: not every rank entered the same collective:" in err
+    assert f"rank 0 waits in reduce(all_reduce, shape [3], float32) at {line_of(tmp_path, 'reduce(torch.ones(3))')}" in err
+    assert f"rank 1 waits in broadcast(broadcast, shape [3], float32) at {line_of(tmp_path, 'broadcast(torch')}" in err
+    assert "The operations differ: reduce (all_reduce) on rank 0, broadcast (broadcast) on rank 1." in err
+    assert "stopped by SIGTERM" not in err and "death signal" not in err  # nobody sent a signal
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"nbaccel-{os.getuid()}", "watch-*"))  # socket gone
+
+
+def test_different_shapes_are_named(tmp_path):
+    code, out, err, _ = launch(tmp_path, """
+        reduce(torch.ones(3 + rank))
+    """)
+    assert code == 1, err
+    assert "The shapes differ: [3] on rank 0, [4] on rank 1." in err
+
+
+def test_a_rank_that_finished_while_another_waits_is_named(tmp_path):
+    code, out, err, _ = launch(tmp_path, """
+        if rank == 0:
+            reduce(torch.ones(3))
+    """)
+    assert code == 1, err
+    assert "nbaccel launch: rank 0 failed (exit code 1)" in err  # gloo's error, as before
+    assert "not every rank entered the same collective:" in err  # and why it happened
+    assert re.search(r"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at \S+job\.py:\d+ for [\d.]+ s; "
+                     r"rank 1 finished the script", err), err
+
+
+def test_a_rank_that_is_only_late_is_waited_for(tmp_path):
+    code, out, err, seconds = launch(tmp_path, """
+        if rank == 1:
+            time.sleep(4)  # longer than the watch's 2 s grace
+        total = reduce(torch.ones(3), reduction="sum")
+        print(f"rank {rank} total {total.tolist()}", flush=True)
+    """)
+    assert code == 0, err
+    assert "rank 0 total [2.0, 2.0, 2.0]" in out and "rank 1 total [2.0, 2.0, 2.0]" in out
+    assert "not every rank" not in err
+    assert seconds > 4
+
+
+def test_a_rank_that_fails_on_its_own_is_restarted_not_called_a_deadlock(tmp_path):
+    """Rank 0 waits in a collective longer than the grace while rank 1 fails outside any: torch elastic's
+    restart handles that failure; the watch stays out of it."""
+    code, out, err, _ = launch(tmp_path, """
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if rank == 1 and attempt == 0:
+            time.sleep(4)
+            raise ValueError("rank 1 fails on its own")
+        reduce(torch.ones(3))
+        print(f"rank {rank} attempt {attempt} done", flush=True)
+    """, "--max_restarts", "1")
+    assert code == 0, err
+    assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out
+    assert "ValueError: rank 1 fails on its own" in err and "not every rank" not in err
+
+
+def test_the_script_runs_as_python_runs_it(tmp_path):
+    """sys.argv, __file__, __name__, sys.path[0] as under `python job.py`, and an uncaught exception's traceback
+    starts in the script (no frames of nbaccel's entry); an exit status passes through."""
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    code, out, err, _ = launch(tmp_path, """
+        import os, helper, __main__
+        print(f"ARGV {sys.argv} FILE {__file__} NAME {__name__} PATH0 {sys.path[0]} MAIN {__main__.__file__} "
+              f"VALUE {helper.VALUE}", flush=True)
+        if rank == 0:
+            raise ValueError("from the script")
+        sys.exit(3)
+    """, processes=1)
+    script = tmp_path / "job.py"
+    assert f"ARGV ['{script}'] FILE {script} NAME __main__ PATH0 {tmp_path} MAIN {script} VALUE 7" in out
+    assert code == 1
+    traceback = err[err.index("Traceback"):]
+    assert f'File "{script}", line' in traceback and "ValueError: from the script" in traceback
+    assert "script_entry" not in traceback and "runpy" not in traceback
+
+
+def test_the_watch_is_one_more_torchrun_option(tmp_path):
+    parser = build_parser()
+    job = tmp_path / "job.py"
+    job.write_text("")
+
+    def argv(*args: str, watched: bool = True) -> list[str]:
+        return torchrun_arguments(resolve_settings(parser.parse_args(["launch", *args]), None), watched=watched)
+
+    assert argv(str(job), "--x")[-4:] == ["--module", SCRIPT_ENTRY, str(job), "--x"]
+    assert argv("-m", "json.tool", "--x")[-5:] == ["--module", SCRIPT_ENTRY, "--module", "json.tool", "--x"]
+    assert argv("--no_python", "hostname")[-2:] == ["--no-python", "hostname"]  # no Python: not watched
+    assert argv(str(job), "--x", watched=False)[-2:] == [str(job), "--x"]
