@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nbaccel.commands.launch import SCRIPT_ENTRY, resolve_settings, torchrun_arguments
@@ -54,7 +54,8 @@ def launch(tmp_path: Path, body: str, *options: str, processes: int = 2) -> tupl
     try:
         out, err = proc.communicate(timeout=BOUND)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            process.kill()  # the ranks too: torch elastic starts each in a session of its own
         out, err = proc.communicate()
         pytest.fail(f"nbaccel launch did not end within {BOUND} s\n{out}\n{err}")
     return proc.returncode, out, err, time.monotonic() - start
@@ -117,6 +118,34 @@ def test_a_rank_that_is_only_late_is_waited_for(tmp_path):
     assert seconds > 4
 
 
+def test_a_thread_the_script_leaves_running_may_still_meet_its_peer(tmp_path):
+    """A rank's script has ended only when Python is done with its threads: rank 0's thread waits 4 s in a
+    collective for rank 1's, after both scripts' main code returned."""
+    code, out, err, _ = launch(tmp_path, """
+        import threading
+
+        def late():
+            time.sleep(4 if rank == 1 else 0)
+            print(f"rank {rank} late {reduce(torch.ones(2), reduction='sum').tolist()}", flush=True)
+
+        threading.Thread(target=late).start()
+        time.sleep(1)  # rank 0's thread is in its collective when the main code ends
+    """)
+    assert code == 0, err
+    assert "rank 0 late [2.0, 2.0]" in out and "rank 1 late [2.0, 2.0]" in out
+
+
+def test_threads_the_script_leaves_running_are_still_watched(tmp_path):
+    """After both scripts' main code returned, their threads enter collectives that cannot meet."""
+    code, out, err, _ = launch(tmp_path, """
+        import threading
+
+        threading.Thread(target=lambda: reduce(torch.ones(3)) if rank == 0 else broadcast(torch.ones(3))).start()
+    """)
+    assert code == 1, err
+    assert "The operations differ: reduce (all_reduce) on rank 0, broadcast (broadcast) on rank 1." in err
+
+
 def test_a_rank_that_fails_on_its_own_is_restarted_not_called_a_deadlock(tmp_path):
     """Rank 0 waits in a collective longer than the grace while rank 1 fails outside any: torch elastic's
     restart handles that failure; the watch stays out of it."""
@@ -131,6 +160,30 @@ def test_a_rank_that_fails_on_its_own_is_restarted_not_called_a_deadlock(tmp_pat
     assert code == 0, err
     assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out
     assert "ValueError: rank 1 fails on its own" in err and "not every rank" not in err
+
+
+def test_ranks_die_with_a_sigkilled_launch(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        print(f"PID {os.getpid()}", flush=True)
+        time.sleep(120)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdin=subprocess.DEVNULL)
+    pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()  # (a rank that outlived the launch would hold the pipe open)
+    deadline = time.monotonic() + 10
+    left = pids
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    for pid in left:  # no longer this test's children: the process fixture would not see them
+        psutil.Process(pid).kill()
+    assert not left, f"ranks {left} outlived their SIGKILLed launch"
 
 
 def test_the_script_runs_as_python_runs_it(tmp_path):

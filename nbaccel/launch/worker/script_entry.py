@@ -6,11 +6,13 @@ connects to it and reports every nbaccel collective the rank enters and leaves (
 per collective, one socket write per 50 ms), then how the script ended. Then it runs TARGET as `__main__`
 with the `sys.argv`, `__file__` and `sys.path[0]` that `python TARGET ARGS` (or `python -m TARGET ARGS`) gives, and
 prints an uncaught exception's traceback without this entry's frames. If the socket cannot be reached the
-script runs all the same, unwatched.
+script runs all the same, unwatched. The rank dies with the launching process, even a SIGKILLed one (torch
+elastic starts each rank in a session of its own, out of reach of a signal to the launch's group).
 """
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import functools
 import importlib.machinery
@@ -27,10 +29,12 @@ from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState
+from .parent_death import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run `[--module] TARGET ARGS...` (the command line torchrun passes) as the rank's `__main__`."""
+    die_with_parent()  # torch elastic starts each rank in its own session: a SIGKILLed launch would leave it running
     argv = list(sys.argv[1:] if argv is None else argv)
     as_module = argv[:1] == ["--module"]
     if as_module:
@@ -49,6 +53,23 @@ def main(argv: list[str] | None = None) -> None:
         raise
     else:
         _report_end(sink, True)
+
+
+def _report_end(sink: WorkerSink | None, ok: bool, error: str = "") -> None:
+    """Tell the watch how the script ended: a failure at once; a success at exit, after the threads the script
+    left running (Python joins them before running atexit functions), which may still enter collectives."""
+    if sink is None:
+        return
+    if not ok:
+        sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
+        sink.close()
+        return
+
+    def finished() -> None:
+        sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)
+        sink.close()
+
+    atexit.register(finished)
 
 
 def _connect() -> WorkerSink | None:
@@ -73,16 +94,6 @@ def _connect() -> WorkerSink | None:
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
     return sink
-
-
-def _report_end(sink: WorkerSink | None, ok: bool, error: str = "") -> None:
-    if sink is None:
-        return
-    if ok:
-        sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)
-    else:
-        sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
-    sink.close()
 
 
 def _describe(exc: BaseException) -> str:
