@@ -67,14 +67,16 @@ def line_of(tmp_path: Path, text: str) -> str:
     return f"{tmp_path / 'job.py'}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
-def test_different_operations_are_named_and_every_rank_stopped(tmp_path):
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_different_operations_are_named_and_every_rank_stopped(tmp_path, restarts):
+    """With restarts too: a deadlock is the program's, another attempt would replay it."""
     code, out, err, _ = launch(tmp_path, """
         if rank == 0:
             reduce(torch.ones(3))
         else:
             broadcast(torch.ones(3))
         print("unreachable", flush=True)
-    """)
+    """, "--max_restarts", restarts)
     assert code == 1, err
     assert "unreachable" not in out
     assert "nbaccel launch: not every rank entered the same collective:" in err
