@@ -220,3 +220,16 @@ def test_the_watch_is_one_more_torchrun_option(tmp_path):
     assert argv("-m", "json.tool", "--x")[-5:] == ["--module", SCRIPT_ENTRY, "--module", "json.tool", "--x"]
     assert argv("--no_python", "hostname")[-2:] == ["--no-python", "hostname"]  # no Python: not watched
     assert argv(str(job), "--x", watched=False)[-2:] == [str(job), "--x"]
+
+
+def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypatch):
+    """A Unix socket path has ~100 bytes at most: a temporary folder too deep for one costs the deadlock
+    detection (with a warning), not the launch, and leaves nothing behind."""
+    from nbaccel.commands import launch as command
+    from nbaccel.launch.kernel import collective_watch
+
+    deep = tmp_path / ("d" * 120)
+    monkeypatch.setattr(collective_watch, "make_user_dir", lambda prefix: str(deep.mkdir() or deep))
+    with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
+        assert command._start_collective_watch(command._AgentStopper()) is None
+    assert not deep.exists()

@@ -40,10 +40,15 @@ class CollectiveWatch:
 
     def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE) -> None:
         self._folder = make_user_dir(WATCH_PREFIX)
-        self.address = os.path.join(self._folder, "collectives.sock")
+        self.address = os.path.join(self._folder, "sock")  # short: a Unix socket's path has ~100 bytes at most
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.address)
-        self._server.listen(64)
+        try:
+            self._server.bind(self.address)
+            self._server.listen(64)
+        except OSError:
+            self._server.close()
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise
         self.tracker = CollectiveTracker(grace, work="the script")
         self.deadlock: Diagnosis | None = None
         self._on_deadlock = on_deadlock
@@ -94,7 +99,7 @@ class CollectiveWatch:
         for message in messages:
             self._handle(conn, message)
         if closed:
-            rank = self._ranks.pop(conn)
+            rank = self._ranks.pop(conn, None)
             conn.close()
             if rank is not None and rank not in self._ended:  # the process ended without a word (a signal)
                 self.tracker.failed(rank, "the process ended")
