@@ -109,6 +109,26 @@ def test_launch_restarts_then_reports_a_failed_worker(tmp_path):
     assert "nbaccel launch: rank 1 failed (exit code 3)" in err
 
 
+def test_restarted_ranks_meet_in_a_store_of_their_own(tmp_path):
+    """torchrun hands every attempt the same store, where the dead ranks' gloo addresses wait: the restarted
+    group then failed with "Gloo connectFullMesh failed ... Connection refused" in 2 of 3 launches here. On one
+    machine `nbaccel launch` gives each attempt a new store (as notebook_launcher does), so all 3 restart."""
+    script = write(tmp_path / "restart.py", """
+        import os, sys, torch
+        from nbaccel import PartialState
+        from nbaccel.utils import reduce
+        state = PartialState()
+        total = reduce(torch.ones(1), reduction="sum").item()
+        if state.process_index == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            sys.exit(3)  # after its process group met: its gloo address is in the store
+        os.write(1, f"rank {state.process_index} total {total} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n".encode())
+    """)
+    for _ in range(3):
+        code, out, err = nbaccel("launch", "--num_processes", "2", "--cpu", "--max_restarts", "1", str(script))
+        assert code == 0 and "connectFullMesh" not in err, err
+        assert "rank 0 total 2.0 attempt 1" in out and "rank 1 total 2.0 attempt 1" in out, out
+
+
 LISTENING_SCRIPT = """
     import os, psutil
     from nbaccel import PartialState

@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
-from ..utils.constants import COLLECTIVE_WATCH_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ..utils.constants import (
+    COLLECTIVE_WATCH_ENV,
+    LOOPBACK_RDZV_BACKEND,
+    MIXED_PRECISION_CHOICES,
+    RDZV_BACKENDS,
+)
 from ..utils.dataclasses import DynamoBackend
 from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
@@ -419,6 +424,9 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
     return build(worker_config(s))
 
 
+SCRIPT_ENTRY = "nbaccel.launch.worker.script_entry"  # runs each rank's script, reporting its collectives
+
+
 def torchrun_arguments(s: LaunchSettings, watched: bool = False) -> list[str]:
     """The torch.distributed.run command line for these settings (this machine's part of the run).
 
@@ -433,10 +441,8 @@ def torchrun_arguments(s: LaunchSettings, watched: bool = False) -> list[str]:
             argv += [f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
         else:
             argv += [f"--rdzv-endpoint={s.main_process_ip}:{port}", f"--rdzv-id=nbaccel-{port}"]
-    else:  # one machine, one agent: the static rendezvous on the loopback store run_settings opens
-        argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1"]
-        if s.main_process_port is not None:
-            argv.append(f"--master-port={s.main_process_port}")
+    else:  # one machine, one agent: a rendezvous on the loopback store run_settings opens, a new store per attempt
+        argv += [f"--rdzv-backend={LOOPBACK_RDZV_BACKEND}", f"--rdzv-endpoint=127.0.0.1:{s.main_process_port or 0}"]
     if s.role != "default":
         argv.append(f"--role={s.role}")
     if s.no_python:
@@ -457,9 +463,6 @@ def torchrun_arguments(s: LaunchSettings, watched: bool = False) -> list[str]:
     return argv + [*program, *s.script_args]
 
 
-SCRIPT_ENTRY = "nbaccel.launch.worker.script_entry"  # runs each rank's script, reporting its collectives
-
-
 def run_settings(s: LaunchSettings) -> int:
     """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed or the ranks
     deadlocked in collectives (named within seconds: launch/kernel/collective_watch.py)."""
@@ -467,10 +470,13 @@ def run_settings(s: LaunchSettings) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    store = None  # referenced until this function returns: the store serves the whole launch
+    rendezvous: contextlib.AbstractContextManager = contextlib.nullcontext()
     if s.num_machines == 1:  # keep the rendezvous off the network (launch/kernel/loopback_store.py)
+        from ..launch.kernel.elastic import loopback_rendezvous
+
         store = _open_loopback_store(s.main_process_port)
         s = replace(s, main_process_port=store.port)
+        rendezvous = loopback_rendezvous(store)  # and each attempt's ranks meet in a store of their own
     os.environ.update(worker_environment(s))
     if s.quiet:  # -q: only the workers' output and errors, not the agent's progress messages
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
@@ -479,7 +485,7 @@ def run_settings(s: LaunchSettings) -> int:
     watch = None if s.no_python else _start_collective_watch(agent)
     args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
     try:
-        with agent.running():
+        with rendezvous, agent.running():
             torchrun.run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()

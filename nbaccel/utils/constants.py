@@ -22,6 +22,7 @@ CHECKPOINT_DIR_PREFIX = "checkpoint_"  # automatic_checkpoint_naming: <project_d
 # Launcher defaults
 DEFAULT_MAIN_PROCESS_PORT = 29500
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+LOOPBACK_RDZV_BACKEND = "nbaccel-loopback"  # torch elastic's name for nbaccel's one-machine rendezvous
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("fork", "spawn", "forkserver")  # multiprocessing start methods a launch may use
 

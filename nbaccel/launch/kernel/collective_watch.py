@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -33,6 +34,15 @@ from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GR
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
+
+
+@dataclass
+class _Peer:
+    """One connected rank process: its rank and attempt once it said, and whether it reported its end."""
+
+    rank: int | None = None
+    attempt: int = 0
+    ended: bool = False
 
 
 class CollectiveWatch:
@@ -52,9 +62,8 @@ class CollectiveWatch:
         self.tracker = CollectiveTracker(grace, work="the script")
         self.deadlock: Diagnosis | None = None
         self._on_deadlock = on_deadlock
-        self._ranks: dict[Connection, int | None] = {}  # each rank's connection, and its rank once it said
-        self._restarts: dict[int, int] = {}  # the latest attempt (TORCHELASTIC_RESTART_COUNT) heard per rank
-        self._ended: set[int] = set()  # ranks that reported how their script ended
+        self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
+        self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake, self._waker = socket.socketpair()  # `close` writes to _waker: the thread stops waiting at once
@@ -65,7 +74,7 @@ class CollectiveWatch:
     def _watch(self) -> None:
         try:
             while not self._stop.is_set():
-                ready = wait([self._server, self._wake, *self._ranks], timeout=CHECK_INTERVAL)
+                ready = wait([self._server, self._wake, *self._peers], timeout=CHECK_INTERVAL)
                 with self._lock:
                     self._take(ready)
                     found = self._check() if self.deadlock is None else None
@@ -81,7 +90,7 @@ class CollectiveWatch:
             if item is self._server:
                 with contextlib.suppress(OSError):
                     client, _ = self._server.accept()
-                    self._ranks[Connection(client.detach())] = None
+                    self._peers[Connection(client.detach())] = _Peer()
             else:
                 self._read(item)
 
@@ -95,41 +104,41 @@ class CollectiveWatch:
         return found
 
     def _read(self, conn: Connection) -> None:
+        peer = self._peers.get(conn)
+        if peer is None:
+            return
         messages, closed = recv_all(conn)
         for message in messages:
-            self._handle(conn, message)
+            self._handle(peer, message)
         if closed:
-            rank = self._ranks.pop(conn, None)
+            self._peers.pop(conn, None)
             conn.close()
-            if rank is not None and rank not in self._ended:  # the process ended without a word (a signal)
-                self.tracker.failed(rank, "the process ended")
+            if peer.rank is not None and not peer.ended and peer.attempt == self._attempt:
+                self.tracker.failed(peer.rank, "the process ended")  # without a word: killed by a signal
 
-    def _handle(self, conn: Connection, message: dict[str, Any]) -> None:
+    def _handle(self, peer: _Peer, message: dict[str, Any]) -> None:
         kind = message.get("kind")
         if kind == MessageKind.BATCH:
             for inner in message.get("messages", ()):
-                self._handle(conn, inner)
+                self._handle(peer, inner)
             return
-        rank = int(message.get("rank", 0))
+        if kind == MessageKind.STATUS and message.get("state") == RankState.RUNNING:  # a rank's first word
+            peer.rank, peer.attempt = int(message.get("rank", 0)), int(message.get("restart") or 0)
+            if peer.attempt > self._attempt:  # torch elastic started the ranks again: the old attempt is over
+                for rank in list(self.tracker.ranks):
+                    self.tracker.restarted(rank)
+                self._attempt = peer.attempt
+            return
+        if peer.rank is None or peer.attempt != self._attempt:  # a rank of an earlier attempt, on its way out
+            return
         if kind == MessageKind.COLLECTIVE:
-            self.tracker.on_message(rank, message)
-            return
-        if kind != MessageKind.STATUS:
-            return
-        state = message.get("state")
-        if state == RankState.RUNNING:  # the first word of a rank's process
-            self._ranks[conn] = rank
-            restart = int(message.get("restart") or 0)
-            if restart > self._restarts.get(rank, 0):  # torch elastic started the ranks again
-                self.tracker.restarted(rank)
-                self._ended.discard(rank)
-            self._restarts[rank] = restart
-        elif state == RankState.FINISHED:
-            self._ended.add(rank)
-            self.tracker.finished(rank)
-        elif state == RankState.FAILED:
-            self._ended.add(rank)
-            self.tracker.failed(rank, str(message.get("error", "")))
+            self.tracker.on_message(peer.rank, message)
+        elif kind == MessageKind.STATUS and message.get("state") == RankState.FINISHED:
+            peer.ended = True
+            self.tracker.finished(peer.rank)
+        elif kind == MessageKind.STATUS and message.get("state") == RankState.FAILED:
+            peer.ended = True
+            self.tracker.failed(peer.rank, str(message.get("error", "")))
 
     # ------------------------------------------------------------------ what the launching process asks
     def close(self) -> None:
@@ -141,11 +150,11 @@ class CollectiveWatch:
         with self._lock:
             deadline = time.monotonic() + CLOSE_WAIT
             with contextlib.suppress(Exception):  # the ranks have exited: what they sent waits, then end of file
-                while self._ranks and (left := deadline - time.monotonic()) > 0:
-                    self._take(wait([self._server, *self._ranks], timeout=left))
-            for conn in self._ranks:
+                while self._peers and (left := deadline - time.monotonic()) > 0:
+                    self._take(wait([self._server, *self._peers], timeout=left))
+            for conn in self._peers:
                 conn.close()
-            self._ranks.clear()
+            self._peers.clear()
         for end in (self._server, self._wake, self._waker):
             end.close()
         shutil.rmtree(self._folder, ignore_errors=True)

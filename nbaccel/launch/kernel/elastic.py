@@ -9,17 +9,20 @@ loopback only (loopback_store.py): nothing of a restartable launch is open to th
 `rdzv_backend` says (with one agent the backends behave alike). Every attempt's workers meet in a store of
 their own: torch elastic would hand each attempt the same store, where the previous attempt's keys (the dead
 ranks' gloo addresses) make a restarted process group fail with "Gloo connectFullMesh failed ... Connection
-refused" instead of running.
+refused" instead of running. `nbaccel launch` on one machine has torchrun's agent meet the same way
+(`loopback_rendezvous`).
 Under fork the payload (nbaccel.launch.serialize.Payload) is inherited by every attempt's workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import LAUNCH_DEVICE_ENV
+from ...utils.constants import LAUNCH_DEVICE_ENV, LOOPBACK_RDZV_BACKEND
 from ..errors import LaunchError, WorkerFailure
 from ..worker.entry import elastic_entry
 from .loopback_store import LOOPBACK, LoopbackStore, open_loopback_store
@@ -132,6 +135,34 @@ class ElasticBackend(ThreadedBackend):
         return failures
 
 
+_agent_stores: dict[int, LoopbackStore] = {}  # the loopback stores of the `nbaccel launch` runs in progress
+
+
+@contextlib.contextmanager
+def loopback_rendezvous(agent_store: LoopbackStore) -> Iterator[str]:
+    """Let torchrun's agent meet as notebook_launcher's does (`AttemptStores` on `agent_store`): inside the
+    block, `--rdzv-backend=<the name yielded> --rdzv-endpoint=127.0.0.1:<agent_store.port>` builds it."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RDZV_BACKEND, _attempt_stores_for)  # the same creator: idempotent
+    _agent_stores[agent_store.port] = agent_store
+    try:
+        yield LOOPBACK_RDZV_BACKEND
+    finally:
+        _agent_stores.pop(agent_store.port, None)
+
+
+def _attempt_stores_for(params: Any) -> AttemptStores:
+    """torch elastic's handler creator for LOOPBACK_RDZV_BACKEND (`params`: its RendezvousParameters)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    _, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    store = _agent_stores.get(port)
+    if store is None:
+        raise ValueError(f"{LOOPBACK_RDZV_BACKEND}: no nbaccel launch serves a store on 127.0.0.1:{port}")
+    return AttemptStores(store, params.run_id, params.get_as_int("timeout", 900))
+
+
 class AttemptStores:
     """A rendezvous handler (torch elastic's interface) for one node: torch's static rendezvous on the
     launch's loopback store, and for each attempt's workers a new, empty loopback store on a port the OS
@@ -153,6 +184,9 @@ class AttemptStores:
         self.attempt_store = open_loopback_store(0)
         return RendezvousInfo(info.store, info.rank, info.world_size,
                               RendezvousStoreInfo(LOOPBACK, self.attempt_store.port))
+
+    def get_backend(self) -> str:
+        return LOOPBACK_RDZV_BACKEND  # torch elastic checks that a registered backend's handler says its name
 
     @property
     def use_agent_store(self) -> bool:
