@@ -104,11 +104,10 @@ def _describe(exc: BaseException) -> str:
 
 
 def _run(target: str, args: list[str], as_module: bool) -> None:
+    sys.argv = [target, *args]
     if as_module:  # `python -m TARGET`: sys.path[0] is the working directory already (this entry ran with -m)
-        sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
-    sys.argv = [target, *args]
     if not os.path.isfile(target) or zipfile.is_zipfile(target):  # a folder or zip with __main__.py
         runpy.run_path(target, run_name="__main__")
         return
