@@ -82,8 +82,10 @@ def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProce
 
 def sections(output: str) -> list[str]:
     """The section headers a script prints ("Test ...", "**Test ...**", "testing ..."), each once, in order."""
-    # two ranks that print the same header at once can share a line: break before each header
+    # two ranks that print at once can share a line (an unbuffered print writes its text and its newline
+    # apart): break before each header, and after a "**...**" header that another rank's text follows
     output = re.sub(r"(?<=[^\s*])(?=\*\*Test |Test |testing )", "\n", output)
+    output = re.sub(r"(\*\*(?:Test|testing) [^*\n]*\*\*)(?=\S)", "\\1\n", output)
     found: list[str] = []
     for line in output.splitlines():
         line = line.strip()
