@@ -4,8 +4,11 @@ Each script is read from the installed Accelerate 1.15, `accelerate` is replaced
 user does), and `python -m nbaccel launch --num_processes 2 --cpu` runs it: the script's own assertions are the
 test. In the same test, Accelerate runs its original copy on 2 CPU processes the only way it can here:
 `accelerate launch --cpu` starts one process (its multi-CPU launch needs mpirun), so torchrun starts them with
-`ACCELERATE_USE_CPU=true`. Both must print the same sections in the same order; where Accelerate's run ends
-differently on CPU, the test checks that it does, and docs/compat.md gives the reason.
+`ACCELERATE_USE_CPU=true`; Accelerate's `PartialState()` does not read that variable, so the scripts that build
+one themselves get `PartialState(cpu=True)` in both copies (else each Accelerate process ran alone). Each rank of
+both must print the same sections in the same order (read from the rank's own log: on the shared pipe two
+ranks' unbuffered prints interleave); where Accelerate's run ends differently on CPU, the test checks that it
+does, and docs/compat.md gives the reason.
 
 `test_notebook.py` calls `notebook_launcher` itself: it runs as a plain script, with its own
 `ACCELERATE_NUM_PROCESSES=2`, minus its fault-tolerance case, which races two processes on one queue (the rank
@@ -39,7 +42,10 @@ CPU_EDITS = {
          '            continue\n'
          '        print(f"Test DDP comm hook:'),
     ],
-    "test_notebook.py": [("    test_fault_tolerant()\n", "")],
+    # Accelerate's PartialState() ignores ACCELERATE_USE_CPU: without cpu=True its 2 processes each ran alone
+    # ("Num processes: 1"), and the comparison compared nothing distributed
+    "test_notebook.py": [("    test_fault_tolerant()\n", ""), ("PartialState()", "PartialState(cpu=True)")],
+    "test_ops.py": [("    state = PartialState()\n", "    state = PartialState(cpu=True)\n")],
 }
 RUN_AS_SCRIPT = {"test_notebook.py"}
 
@@ -65,27 +71,38 @@ def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comple
 
 
 def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProcess:
+    """Run the script on 2 processes; `.ranks` holds what each rank printed, apart (torchrun's ranks write
+    unbuffered to one pipe, where a print's text and its newline go out separately and another rank's text can
+    land between them): under torchrun each rank's stdout is also teed to its own file."""
     script = tmp_path / package / name
     script.parent.mkdir(exist_ok=True)
     script.write_text(script_source(name, package))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    logs = tmp_path / f"logs-{package}"
     if name in RUN_AS_SCRIPT:
         env["ACCELERATE_NUM_PROCESSES"] = "2"
         command = [sys.executable, str(script)]
     elif package == "nbaccel":
-        command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script)]
+        command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "--tee", "1",
+                   "--log_dir", str(logs), str(script)]
     else:
         env["ACCELERATE_USE_CPU"] = "true"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
-    return run(command, env, script.parent)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "1",
+                   "--log-dir", str(logs), str(script)]
+    result = run(command, env, script.parent)
+    result.ranks = [path.read_text() for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))]
+    return result
+
+
+def rank_sections(result: subprocess.CompletedProcess) -> list[list[str]]:
+    """The sections each rank printed (torchrun launches), else those of the whole output."""
+    return [sections(text) for text in result.ranks] or [sections(result.stdout)]
 
 
 def sections(output: str) -> list[str]:
     """The section headers a script prints ("Test ...", "**Test ...**", "testing ..."), each once, in order."""
-    # two ranks that print at once can share a line (an unbuffered print writes its text and its newline
-    # apart): break before each header, and after a "**...**" header that another rank's text follows
+    # two processes that print at once can share a line: break before each header
     output = re.sub(r"(?<=[^\s*])(?=\*\*Test |Test |testing )", "\n", output)
-    output = re.sub(r"(\*\*(?:Test|testing) [^*\n]*\*\*)(?=\S)", "\\1\n", output)
     found: list[str] = []
     for line in output.splitlines():
         line = line.strip()
@@ -94,12 +111,13 @@ def sections(output: str) -> list[str]:
     return found
 
 
-def nbaccel_passes(tmp_path: Path, name: str) -> list[str]:
+def nbaccel_passes(tmp_path: Path, name: str) -> list[list[str]]:
     ours = launch(tmp_path, name, "nbaccel")
     assert ours.returncode == 0, f"{name} renamed to nbaccel failed (exit {ours.returncode}):\n{ours.stdout[-6000:]}"
     if name not in RUN_AS_SCRIPT:  # (test_notebook's monitoring case shows the failure it provokes)
         assert "Traceback" not in ours.stdout, ours.stdout[-6000:]
-    return sections(ours.stdout)
+        assert len(ours.ranks) == 2 and "Num processes: 1" not in ours.stdout, ours.stdout[-6000:]
+    return rank_sections(ours)
 
 
 @pytest.mark.parametrize("name", ["test_ops.py", "test_script.py", "test_sync.py", "test_ddp_comm_hook.py",
@@ -108,7 +126,8 @@ def test_script_passes_on_both(tmp_path: Path, name: str):
     ours = nbaccel_passes(tmp_path, name)
     theirs = launch(tmp_path, name, "accelerate")
     assert accelerate_passed(theirs), theirs.stdout[-6000:]
-    assert ours == sections(theirs.stdout) and len(ours) >= 4
+    assert "Num processes: 1" not in theirs.stdout, theirs.stdout[-6000:]  # each of 2 processes ran alone
+    assert ours == rank_sections(theirs) and len(ours[0]) >= 4
 
 
 def accelerate_passed(result: subprocess.CompletedProcess) -> bool:
@@ -132,6 +151,6 @@ def test_merge_weights_passes_on_nbaccel_where_accelerate_trains_without_fsdp(tm
 def test_distributed_data_loop_passes_on_nbaccel(tmp_path: Path):
     """Accelerate is not run: on CPU processes its `join_uneven_inputs` does not join (docs/compat.md), so the
     script's uneven-input case waits forever in a collective (tried: killed after 300 s)."""
-    found = nbaccel_passes(tmp_path, "test_distributed_data_loop.py")
+    found = nbaccel_passes(tmp_path, "test_distributed_data_loop.py")[0]
     assert "Test join with non DDP distributed raises warning" in found
     assert "Test DataLoader with sampler as an instance of `BatchSampler`" in found
