@@ -168,7 +168,7 @@ def test_ranks_die_with_a_sigkilled_launch(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import os, time
-        print(f"PID {os.getpid()}", flush=True)
+        os.write(1, f"PID {os.getpid()}\\n".encode())  # one write: the two ranks share the pipe
         time.sleep(120)
     """))
     proc = subprocess.Popen([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script)],
@@ -233,3 +233,32 @@ def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypa
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
         assert command._start_collective_watch(command._AgentStopper()) is None
     assert not deep.exists()
+
+
+def test_a_rank_stopped_in_its_teardown_still_finished():
+    """Rank 1 finished its script; rank 0's collective then failed (its peer was gone), and torch elastic
+    stopped rank 1 while it was still exiting ("signal 15"). The report still says rank 1 finished: rank 0
+    waited for a rank that would never come. (Rank 1 is stopped in its teardown in about 1 launch of 7 here.)"""
+    from multiprocessing.connection import Client
+
+    from nbaccel.launch.kernel.collective_watch import CollectiveWatch
+
+    def enter(op: str) -> dict:
+        return {"kind": "collective", "event": "enter", "op": op, "call": "all_reduce", "shapes": [[3]],
+                "dtypes": ["float32"], "site": "job.py:9", "started": time.time()}
+
+    watch = CollectiveWatch(on_deadlock=lambda diagnosis: None)
+    ranks = [Client(watch.address, family="AF_UNIX") for _ in range(2)]
+    for rank, conn in enumerate(ranks):
+        conn.send({"kind": "status", "state": "running", "rank": rank, "restart": 0})
+        conn.send({**enter("reduce"), "rank": rank})
+        conn.send({"kind": "collective", "event": "exit", "op": "reduce", "rank": rank})
+    ranks[1].send({"kind": "status", "state": "finished", "rank": 1})
+    ranks[0].send({**enter("reduce"), "rank": 0})
+    ranks[0].send({"kind": "collective", "event": "error", "op": "reduce", "rank": 0})
+    ranks[0].send({"kind": "status", "state": "failed", "rank": 0, "error": "RuntimeError: Connection reset"})
+    for conn in ranks:
+        conn.close()
+    watch.close()
+    diagnosis = watch.after_failure({0: "exit code 1", 1: "signal 15"})
+    assert diagnosis is not None and "rank 1 finished the script" in diagnosis.summary, diagnosis

@@ -161,9 +161,13 @@ class CollectiveWatch:
 
     def after_failure(self, failed: dict[int, str]) -> Diagnosis | None:
         """The deadlock behind a failed launch, if any (call after `close`): `failed` maps each failed rank to
-        what torch elastic says of it, for ranks that could not report themselves."""
+        what torch elastic says of it, for ranks that could not report themselves. A rank that reported its
+        end keeps it: one that finished its script and was stopped in its teardown (the agent stops every
+        rank once one failed) did finish."""
         for rank, reason in failed.items():
-            self.tracker.failed(rank, reason)
+            state = self.tracker.ranks.get(rank)
+            if state is None or state.phase == "running":
+                self.tracker.failed(rank, reason)
         return self.deadlock or self.tracker.divergence or self.tracker.at_failure(list(self.tracker.ranks),
                                                                                   time.time())
 
