@@ -38,11 +38,10 @@ CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting 
 
 @dataclass
 class _Peer:
-    """One connected rank process: its rank and attempt once it said, and whether it reported its end."""
+    """One connected rank process: its rank and attempt, once it said."""
 
     rank: int | None = None
     attempt: int = 0
-    ended: bool = False
 
 
 class CollectiveWatch:
@@ -113,7 +112,7 @@ class CollectiveWatch:
         if closed:
             self._peers.pop(conn, None)
             conn.close()
-            if peer.rank is not None and not peer.ended and peer.attempt == self._attempt:
+            if peer.rank is not None and peer.attempt == self._attempt:  # (a rank that reported its end keeps it)
                 self.tracker.failed(peer.rank, "the process ended")  # without a word: killed by a signal
 
     def _handle(self, peer: _Peer, message: dict[str, Any]) -> None:
@@ -134,10 +133,8 @@ class CollectiveWatch:
         if kind == MessageKind.COLLECTIVE:
             self.tracker.on_message(peer.rank, message)
         elif kind == MessageKind.STATUS and message.get("state") == RankState.FINISHED:
-            peer.ended = True
             self.tracker.finished(peer.rank)
         elif kind == MessageKind.STATUS and message.get("state") == RankState.FAILED:
-            peer.ended = True
             self.tracker.failed(peer.rank, str(message.get("error", "")))
 
     # ------------------------------------------------------------------ what the launching process asks
@@ -161,13 +158,10 @@ class CollectiveWatch:
 
     def after_failure(self, failed: dict[int, str]) -> Diagnosis | None:
         """The deadlock behind a failed launch, if any (call after `close`): `failed` maps each failed rank to
-        what torch elastic says of it, for ranks that could not report themselves. A rank that reported its
-        end keeps it: one that finished its script and was stopped in its teardown (the agent stops every
-        rank once one failed) did finish."""
+        what torch elastic says of it, for ranks that could not report themselves (a rank that reported its
+        end keeps it: `CollectiveTracker.failed`)."""
         for rank, reason in failed.items():
-            state = self.tracker.ranks.get(rank)
-            if state is None or state.phase == "running":
-                self.tracker.failed(rank, reason)
+            self.tracker.failed(rank, reason)
         return self.deadlock or self.tracker.divergence or self.tracker.at_failure(list(self.tracker.ranks),
                                                                                   time.time())
 

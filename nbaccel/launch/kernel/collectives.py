@@ -117,8 +117,10 @@ class CollectiveTracker:
         self._rank(rank).phase = "finished"
 
     def failed(self, rank: int, error: str) -> None:
+        """`rank` failed. A rank that finished keeps that: stopped in its teardown (torch elastic stops every
+        rank once one failed), it had still gone through all its collectives."""
         state = self._rank(rank)
-        if state.phase != "failed":
+        if state.phase == "running":
             state.phase, state.error = "failed", error.splitlines()[0] if error else ""
 
     def restarted(self, rank: int) -> None:

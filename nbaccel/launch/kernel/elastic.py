@@ -139,15 +139,15 @@ _agent_stores: dict[int, LoopbackStore] = {}  # the loopback stores of the `nbac
 
 
 @contextlib.contextmanager
-def loopback_rendezvous(agent_store: LoopbackStore) -> Iterator[str]:
+def loopback_rendezvous(agent_store: LoopbackStore) -> Iterator[None]:
     """Let torchrun's agent meet as notebook_launcher's does (`AttemptStores` on `agent_store`): inside the
-    block, `--rdzv-backend=<the name yielded> --rdzv-endpoint=127.0.0.1:<agent_store.port>` builds it."""
+    block, `--rdzv-backend=nbaccel-loopback --rdzv-endpoint=127.0.0.1:<agent_store.port>` builds it."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(LOOPBACK_RDZV_BACKEND, _attempt_stores_for)  # the same creator: idempotent
     _agent_stores[agent_store.port] = agent_store
     try:
-        yield LOOPBACK_RDZV_BACKEND
+        yield
     finally:
         _agent_stores.pop(agent_store.port, None)
 
