@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "skip_first_batches": ".data_loader",
     "find_executable_batch_size": ".utils",
     "ParallelismConfig": ".parallelism_config",
+    "prepare_pippy": ".inference",
     "release_memory": ".utils",
     "infer_auto_device_map": ".utils",
     "load_checkpoint_in_model": ".utils",

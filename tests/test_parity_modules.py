@@ -28,7 +28,6 @@ EXCLUDED_MODULES: dict[str, str] = {
     "accelerate.commands.menu": "the arrow-key menus of Accelerate's questionnaire; `nbaccel config` asks with "
                                 "plain prompts that also work in a notebook terminal",
     "accelerate.commands.config.sagemaker": "SageMaker is not supported: `nbaccel launch` runs on this machine",
-    "accelerate.inference": "pipeline parallelism (prepare_pippy) is not supported",
     "accelerate.test_utils.examples": "checks Accelerate's own examples folder against its tests",
     "accelerate.test_utils.scripts.external_deps": "Accelerate's CI scripts needing transformers, datasets, "
                                                    "evaluate or DeepSpeed",
@@ -54,7 +53,6 @@ EXCLUDED_NAMES: dict[tuple[str, str], str] = {
     ("accelerate.data_loader", "MpDeviceLoaderWrapper"): "XLA's device loader; data_loader.py is the "
                                                          "parity-data branch's area",
     ("accelerate.commands.config.config_args", "SageMakerConfig"): "SageMaker is not supported",
-    ("accelerate", "prepare_pippy"): "pipeline parallelism is not supported",
     ("accelerate", "rich"): "bound only when ACCELERATE_ENABLE_RICH is set; `nbaccel.utils.rich` imports (and turns on "
                             "rich tracebacks) when asked for",
 }

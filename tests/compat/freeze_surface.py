@@ -20,8 +20,8 @@ import accelerate.utils
 import accelerate.utils.dataclasses as acc_dataclasses
 
 # name pattern -> reason. Accelerate-internal helpers, or helpers of backends nbaccel declares unsupported
-# (docs/accelerator.md "Not supported": DeepSpeed, Megatron-LM, transformer_engine, MS-AMP, tensor/context/
-# pipeline parallelism, SageMaker).
+# (docs/accelerator.md "Not supported": DeepSpeed, Megatron-LM, transformer_engine, MS-AMP, context/sequence
+# parallelism, SageMaker).
 EXCLUDED: dict[str, str] = {
     r"^(Megatron|BertTrainStep|GPTTrainStep|T5TrainStep|AbstractTrainStep|add_model_config_to_megatron_parser"
     r"|avg_losses_across_data_parallel_group)": "Megatron-LM: not supported by nbaccel",
@@ -30,8 +30,6 @@ EXCLUDED: dict[str, str] = {
         "DeepSpeed internals: DeepSpeed is not supported",
     r"^(apply_fp8_autowrap|contextual_fp8_autocast|convert_model$|has_transformer_engine_layers"
     r"|is_transformer_engine_mxfp8_available)": "transformer_engine fp8 internals: not driven by nbaccel",
-    r"^(TorchContextParallelConfig|TorchTensorParallelConfig|get_model_tp_size|prepare_pippy)":
-        "tensor/context/pipeline parallelism: not supported",
     r"^(SageMakerDistributedType|prepare_sagemager_args_inputs)": "SageMaker: nbaccel launch runs on this machine",
     r"^(PrepareForLaunch|prepare_multi_gpu_env|prepare_simple_launcher_cmd_env|prepare_tpu|TORCH_LAUNCH_PARAMS"
     r"|convert_dict_to_env_variables|install_xla)": "Accelerate's launcher internals (nbaccel has its own launcher)",
