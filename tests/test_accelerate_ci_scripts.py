@@ -13,8 +13,12 @@ does, and docs/compat.md gives the reason.
 `test_notebook.py` calls `notebook_launcher` itself: it runs as a plain script, with its own
 `ACCELERATE_NUM_PROCESSES=2`, minus its fault-tolerance case, which races two processes on one queue (the rank
 that finds it empty returns while the other waits for it in `PartialState()`: Accelerate hangs there too).
-Not run: `test_cli.py` (Accelerate's CLI on its hardware matrix) and `external_deps/` (transformers, datasets,
-evaluate, DeepSpeed).
+`external_deps/test_metrics.py` runs its CPU path (gather_for_metrics over every split/dispatch setting) in
+both copies without its imports of datasets, evaluate and transformers, which only its GPU-only MRPC case uses.
+Not run: `test_cli.py` (Accelerate's CLI on its hardware matrix) and the other `external_deps/` scripts: they
+download a model or GLUE from the Hub (no network here), need DeepSpeed, or (`test_pippy.py`) build full-size
+BERT and GPT-2 from transformers and run on several GPUs only; tests/test_inference.py runs prepare_pippy
+side by side on a small model instead.
 """
 
 from __future__ import annotations
@@ -46,6 +50,21 @@ CPU_EDITS = {
     # ("Num processes: 1"), and the comparison compared nothing distributed
     "test_notebook.py": [("    test_fault_tolerant()\n", ""), ("PartialState()", "PartialState(cpu=True)")],
     "test_ops.py": [("    state = PartialState()\n", "    state = PartialState(cpu=True)\n")],
+    # its CPU path (gather_for_metrics on a regression model, every split/dispatch setting) needs none of the
+    # Hub libraries it imports for its GPU-only MRPC case: both copies run without those imports
+    "external_deps/test_metrics.py": [
+        ("import datasets\nimport evaluate\n", ""),
+        ("import transformers\nfrom datasets import load_dataset\n", ""),
+        ("from transformers import AutoModelForSequenceClassification, AutoTokenizer\n", ""),
+        ("    if accelerator.is_local_main_process:\n"
+         "        datasets.utils.logging.set_verbosity_warning()\n"
+         "        transformers.utils.logging.set_verbosity_warning()\n"
+         "    else:\n"
+         "        datasets.utils.logging.set_verbosity_error()\n"
+         "        transformers.utils.logging.set_verbosity_error()\n",
+         # its checks pass in one process too: make each rank say how many processes it ran with
+         '    print(f"Test metrics on {accelerator.num_processes} processes")\n'),
+    ],
 }
 RUN_AS_SCRIPT = {"test_notebook.py"}
 
@@ -75,7 +94,7 @@ def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProce
     unbuffered to one pipe, where a print's text and its newline go out separately and another rank's text can
     land between them): under torchrun each rank's stdout is also teed to its own file."""
     script = tmp_path / package / name
-    script.parent.mkdir(exist_ok=True)
+    script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(script_source(name, package))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
     logs = tmp_path / f"logs-{package}"
@@ -121,13 +140,15 @@ def nbaccel_passes(tmp_path: Path, name: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name", ["test_ops.py", "test_script.py", "test_sync.py", "test_ddp_comm_hook.py",
-                                  "test_notebook.py"])
+                                  "test_notebook.py", "external_deps/test_metrics.py"])
 def test_script_passes_on_both(tmp_path: Path, name: str):
     ours = nbaccel_passes(tmp_path, name)
     theirs = launch(tmp_path, name, "accelerate")
     assert accelerate_passed(theirs), theirs.stdout[-6000:]
     assert "Num processes: 1" not in theirs.stdout, theirs.stdout[-6000:]  # each of 2 processes ran alone
     assert ours == rank_sections(theirs) and len(ours[0]) >= 4
+    if name == "external_deps/test_metrics.py":
+        assert all(sections[0] == "Test metrics on 2 processes" for sections in ours)
 
 
 def accelerate_passed(result: subprocess.CompletedProcess) -> bool:
