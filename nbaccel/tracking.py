@@ -136,10 +136,19 @@ def _plain(value: Any) -> Any:
 
 
 def _as_number(value: Any) -> float | int | None:
-    plain = _plain(value)
-    if isinstance(plain, bool):
-        return None
-    return plain if isinstance(plain, int | float) else None
+    """The scalar a tracker records for `value`, or None. As in Accelerate, bools count as ints and NaN or
+    infinite floats are recorded as they are; a one-element tensor or array gives its number."""
+    if isinstance(value, int | float):
+        return value
+    item, numel = getattr(value, "item", None), getattr(value, "numel", None) or getattr(value, "size", None)
+    if callable(item):
+        try:
+            if (numel() if callable(numel) else numel) == 1:
+                number = item()
+                return number if isinstance(number, int | float) else None
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return None
 
 
 # ------------------------------------------------------------------------------------------ jsonl
