@@ -575,17 +575,39 @@ class ClearMLTracker(GeneralTracker):
             if step is None:
                 report.report_single_value(name=key, value=number, **kwargs)
                 continue
-            title, series = key, "train"
-            for prefix in ("eval", "test", "train"):
-                if key.startswith(prefix + "_"):
-                    title, series = key[len(prefix) + 1:], prefix
-                    break
+            title, series = self._get_title_series(key)
             report.report_scalar(title=title, series=series, value=number, iteration=step, **kwargs)
+
+    @on_main_process
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """`values`: name -> image (array or PIL image), each through `Logger.report_image`."""
+        report = self.task.get_logger()
+        for key, image in values.items():
+            title, series = self._get_title_series(key)
+            report.report_image(title=title, series=series, iteration=step, image=image, **kwargs)
+
+    @on_main_process
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """A table through `Logger.report_table`: a pandas `dataframe`, or `data` rows (headed by `columns`)."""
+        if dataframe is None and data is None:
+            raise ValueError("ClearMLTracker.log_table needs `data` (rows) when no `dataframe` is given.")
+        table = dataframe if dataframe is not None else ([columns, *data] if columns else data)
+        title, series = self._get_title_series(table_name)
+        self.task.get_logger().report_table(title=title, series=series, table_plot=table, iteration=step, **kwargs)
 
     @on_main_process
     def finish(self) -> None:
         if self.task is not None and not self._initialized_externally:
             self.task.close()
+
+    @staticmethod
+    def _get_title_series(name: str) -> tuple[str, str]:
+        """ClearML's (title, series) for a value name: an `eval_`/`test_`/`train_` prefix is the series."""
+        for prefix in ("eval", "test", "train"):
+            if name.startswith(prefix + "_"):
+                return name[len(prefix) + 1:], prefix
+        return name, "train"
 
 
 class DVCLiveTracker(GeneralTracker):

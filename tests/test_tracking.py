@@ -253,6 +253,26 @@ def test_wandb_adapter_uses_public_api(monkeypatch):
     assert log[0][2] == {"columns": ["x"], "data": [[1]], "dataframe": None} and log[1][2] == {"step": 5}
 
 
+def test_clearml_images_and_tables(monkeypatch):
+    """Accelerate's ClearMLTest (run against nbaccel with clearml installed: scripts/accelerate_unit_tests.py)
+    checks the offline session; here, without clearml, the calls it makes."""
+    log = []
+    fake_module(monkeypatch, "clearml", log)
+    [tracker] = init_trackers(filter_trackers("clearml"), "proj")
+    log.clear()
+    tracker.log_images({"eval_sample": "IMAGE"}, step=2)
+    tracker.log_table("test_preds", columns=["a", "b"], data=[[1, 2]], step=3)
+    tracker.log_table("rows", data=[["h"], [1]])
+    reports = [(entry[0].rsplit(".", 1)[1], entry[2]) for entry in log if ".report_" in entry[0]]
+    assert reports == [
+        ("report_image", {"title": "sample", "series": "eval", "iteration": 2, "image": "IMAGE"}),
+        ("report_table", {"title": "preds", "series": "test", "table_plot": [["a", "b"], [1, 2]], "iteration": 3}),
+        ("report_table", {"title": "rows", "series": "train", "table_plot": [["h"], [1]], "iteration": None}),
+    ]
+    with pytest.raises(ValueError, match="needs `data`"):
+        tracker.log_table("empty")
+
+
 def test_trackio_and_swanlab_adapters_open_a_project_run(monkeypatch):
     log = []
     fake_module(monkeypatch, "trackio", log)
