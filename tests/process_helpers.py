@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 
 # Helpers meant to live as long as the test session (parity_harness's zygotes): not a test's leftovers.
 SESSION_HELPERS: set[int] = set()
@@ -37,3 +42,17 @@ def all_gone(pids: list[int], within: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def run_in_session(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run `command` in a session of its own, stdout and stderr together; past `timeout` seconds its whole
+    process group is killed (a launcher's ranks included) and the test fails with the end of the output."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"{command} ran past {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out)

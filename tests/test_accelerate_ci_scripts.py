@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_helpers import run_in_session
 
 accelerate_scripts = pytest.importorskip("accelerate.test_utils.scripts", reason="runs Accelerate 1.15's CI scripts")
 
@@ -77,18 +78,6 @@ def script_source(name: str, package: str) -> str:
     return re.sub(r"\baccelerate\b", package, text)
 
 
-def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        out, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        out, _ = process.communicate()
-        pytest.fail(f"{command} ran past {TIMEOUT} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, out)
-
-
 def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProcess:
     """Run the script on 2 processes; `.ranks` holds what each rank printed, apart (torchrun's ranks write
     unbuffered to one pipe, where a print's text and its newline go out separately and another rank's text can
@@ -108,7 +97,7 @@ def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProce
         env["ACCELERATE_USE_CPU"] = "true"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "1",
                    "--log-dir", str(logs), str(script)]
-    result = run(command, env, script.parent)
+    result = run_in_session(command, env, script.parent, TIMEOUT)
     result.ranks = [path.read_text() for path in sorted(logs.glob("*/attempt_0/*/stdout.log"))]
     return result
 

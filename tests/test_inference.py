@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_helpers import run_in_session
 
 pytest.importorskip("accelerate.inference", reason="compares with Accelerate 1.15's prepare_pippy")
 
@@ -50,15 +51,7 @@ def launch(tmp_path: Path, package: str, *cases: str, stop_on_error: bool = Fals
         env["ACCELERATE_USE_CPU"] = "true"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += [str(script), str(folder), *(["--stop-on-error"] if stop_on_error else []), *cases]
-    process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        stdout, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        stdout, _ = process.communicate()
-        pytest.fail(f"{package} ran past {TIMEOUT} s:\n{stdout[-4000:]}")
-    return Run(subprocess.CompletedProcess(command, process.returncode, stdout), folder)
+    return Run(run_in_session(command, env, folder, TIMEOUT), folder)
 
 
 @pytest.fixture(scope="module")
