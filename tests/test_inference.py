@@ -144,6 +144,35 @@ def test_batch_the_stages_cannot_take_is_refused_by_the_first_process(tmp_path: 
     assert theirs.returncode != 0 and "Received data size doesn't match expected size" in theirs.stdout
 
 
+def test_stages_follow_the_process_index_across_machines(tmp_path: Path) -> None:
+    """Two machines of one process each (two `nbaccel launch --num_machines 2` on this host): each builds the
+    stage of its global process index. Accelerate numbers stages by local index, so both of its processes
+    build stage 0 and the pipeline breaks in gloo (tried by hand, docs/compat.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ranks_helper import free_port
+
+    script = tmp_path / SCRIPT.name
+    script.write_text(re.sub(r"\baccelerate\b", "nbaccel", SCRIPT.read_text()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    port = str(free_port())
+
+    def machine(rank: int) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "nbaccel", "launch", "--num_machines", "2", "--machine_rank", str(rank),
+                   "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--cpu",
+                   str(script), str(tmp_path), "--stop-on-error", "auto", "gather_output"]
+        return run_in_session(command, env, tmp_path, TIMEOUT)
+
+    with ThreadPoolExecutor(2) as pool:
+        machines = list(pool.map(machine, [0, 1]))
+    for result in machines:
+        assert result.returncode == 0, result.stdout[-4000:]
+    first, last = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert first["auto"][1]["output"] is None and last["auto"][1]["split_points"] == ["blocks.1"]
+    assert torch.allclose(last["auto"][1]["output"], last["auto"][1]["expected"], atol=1e-6)
+    assert same(first["gather_output"][1]["output"], last["gather_output"][1]["output"])
+
+
 def test_prepare_pippy_in_notebook_launcher(both: dict[str, Run]) -> None:
     """The same cells the notebook way: forked ranks, `PartialState()` without cpu=True."""
     from nbaccel import notebook_launcher
