@@ -163,6 +163,14 @@ def _accelerator_type(cpu: bool, multi_process: bool) -> str:
     return "cpu"
 
 
+def _launched_alone(cpu: bool) -> bool:
+    """Whether a launcher started this process as the only one (LOCAL_RANK set: torchrun, `accelerate launch
+    --use_fsdp`), without cpu=True. Accelerate then builds a process group of one: on an accelerator a
+    distributed one (MULTI_GPU, so FSDP applies), elsewhere a gloo group while it reports one plain process.
+    nbaccel's one-process launches that Accelerate runs without a launcher set ONE_PROCESS_ENV: no group."""
+    return not cpu and os.environ.get("LOCAL_RANK") is not None and not os.environ.get(constants.ONE_PROCESS_ENV)
+
+
 class PartialState:
     """Where this process runs and how to coordinate with the others; no training configuration.
 
@@ -243,8 +251,12 @@ class PartialState:
             "machine_rank": info.node_rank,
             "local_num_processes": info.local_world_size,
         }
-        if world_size == 1:
-            if requested_backend is not None:
+        alone = world_size == 1 and _launched_alone(cpu)
+        if world_size == 1 and not (alone and device_type in _DEVICE_BACKENDS and device_type != "cpu"):
+            if alone and not torch.distributed.is_initialized():
+                torch.distributed.init_process_group("gloo", timeout=timeout, rank=0, world_size=1)
+                destroy_process_group_at_exit()
+            elif requested_backend is not None:
                 logger.info("one process: no process group, so backend=%r is not used", requested_backend)
             return {
                 **base, "backend": None, "distributed_type": DistributedType.NO, "num_processes": 1,

@@ -285,6 +285,11 @@ def test_config_values_used_unless_overridden(tmp_path):
     assert env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] == env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "8"
     plain = worker_environment(resolve_settings(launch_args("--use_fsdp", "examples/hello_ranks.py"), None))
     assert plain["FSDP_VERSION"] == "1" and plain["NBACCEL_USE_FSDP"] == "true"  # Accelerate's default version
+    # one process: Accelerate's simple launcher starts it without a process group, unless FSDP (its torchrun)
+    assert overridden.num_processes == 1 and env.get("NBACCEL_ONE_PROCESS") is None  # (config: FSDP)
+    assert worker_environment(resolve_settings(launch_args("--num_processes", "1", "examples/hello_ranks.py"),
+                                               None))["NBACCEL_ONE_PROCESS"] == "1"
+    assert "NBACCEL_ONE_PROCESS" not in plain and "NBACCEL_ONE_PROCESS" not in worker_environment(settings)
 
 
 def test_torchrun_arguments():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from ranks_helper import run_ranks
+from ranks_helper import free_port, run_ranks
 
 from nbaccel.state import (
     DEFAULT_PG_TIMEOUT_SECONDS,
@@ -518,6 +518,64 @@ def test_a_launcher_world_of_one_is_a_single_process(fresh):
     state = PartialState(cpu=True)
     assert (state.distributed_type, state.num_processes, state.backend) == (DistributedType.NO, 1, None)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_launcher_world_of_one_on_the_cpu_has_a_group_of_one_as_in_accelerate(fresh):
+    """torchrun with one process, no accelerator, no cpu=True: Accelerate builds a group of one (raw
+    torch.distributed calls work) and reports one plain process; with cpu=True, or from nbaccel's own
+    one-process launches, there is no group."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        fresh.setenv(key, value)
+    try:
+        state = PartialState()
+        assert (state.distributed_type, state.num_processes, state.backend) == (DistributedType.NO, 1, None)
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+        torch.distributed.barrier()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    for variables in ({"NBACCEL_ONE_PROCESS": "1"}, {"NBACCEL_USE_CPU": "1"}):
+        PartialState._reset_state()
+        with fresh.context() as patched:
+            for key, value in variables.items():
+                patched.setenv(key, value)
+            assert PartialState().distributed_type == DistributedType.NO and not torch.distributed.is_initialized()
+
+
+def test_a_launcher_world_of_one_on_an_accelerator_builds_a_group_as_accelerate_does(fresh, tmp_path):
+    """Accelerate: torchrun (LOCAL_RANK set) with one process on a GPU gives MULTI_GPU and a one-process NCCL
+    group, so FSDP applies (seen on an H200, scripts/gpu_checks.py `fsdp2`). Here the GPU is simulated: the
+    device type says cuda, and the group is built with gloo in place of nccl."""
+    import nbaccel.state as state_module
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():  # what torchrun sets
+        fresh.setenv(key, value)
+    built = []
+    real_init = torch.distributed.init_process_group
+
+    def init(backend, **kwargs):
+        built.append((backend, kwargs["world_size"], kwargs["rank"]))
+        real_init("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+    fresh.setattr(state_module, "_accelerator_type", lambda cpu, multi_process: "cpu" if cpu else "cuda")
+    fresh.setattr(state_module, "check_cuda_p2p_ib_support", lambda: True)
+    fresh.setattr(torch.cuda, "device_count", lambda: 1)
+    fresh.setattr(torch.cuda, "set_device", lambda index: None)
+    fresh.setattr(torch.distributed, "init_process_group", init)
+    try:
+        state = PartialState()
+        assert built == [("nccl", 1, 0)]
+        assert (state.distributed_type, state.num_processes, state.backend) == (DistributedType.MULTI_GPU, 1, "nccl")
+        assert state.device == torch.device("cuda", 0)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    # nbaccel's own one-process launches (Accelerate runs those without a launcher) stay single processes
+    PartialState._reset_state()
+    fresh.setenv("NBACCEL_ONE_PROCESS", "1")
+    assert PartialState().distributed_type == DistributedType.NO and len(built) == 1
 
 
 def _describe(rank: int) -> tuple:

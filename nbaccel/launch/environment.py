@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..utils.constants import INTEL_OPENMP_CPU_ENV, LAUNCH_DEVICE_ENV, RICH_DISPLAY_ENV
+from ..utils.constants import INTEL_OPENMP_CPU_ENV, LAUNCH_DEVICE_ENV, ONE_PROCESS_ENV, RICH_DISPLAY_ENV
 
 # fsdp_config keys (Accelerate's config file) -> FSDP_* variables read by FullyShardedDataParallelPlugin.
 FSDP_ENV = {
@@ -155,6 +155,8 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
                 env[name] = _flag(value)
     if config.use_deepspeed:
         both("USE_DEEPSPEED", "true")
+    if config.nproc_per_node == 1 and config.num_nodes == 1 and not config.use_fsdp:
+        env[ONE_PROCESS_ENV] = "1"
     if config.gpu_ids not in (None, "all") and not config.use_cpu:
         env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
     if config.num_cpu_threads_per_process is not None:
