@@ -167,8 +167,10 @@ def _launched_alone(cpu: bool) -> bool:
     """Whether a launcher started this process as the only one (LOCAL_RANK set: torchrun, `accelerate launch
     --use_fsdp`), without cpu=True. Accelerate then builds a process group of one: on an accelerator a
     distributed one (MULTI_GPU, so FSDP applies), elsewhere a gloo group while it reports one plain process.
-    nbaccel's one-process launches that Accelerate runs without a launcher set ONE_PROCESS_ENV: no group."""
-    return not cpu and os.environ.get("LOCAL_RANK") is not None and not os.environ.get(constants.ONE_PROCESS_ENV)
+    nbaccel's one-process launches that Accelerate runs without a launcher set ONE_PROCESS_ENV: no group. So
+    does a LOCAL_RANK without the rendezvous address a launcher sets (Accelerate's group would fail there)."""
+    return (not cpu and os.environ.get("LOCAL_RANK") is not None and not os.environ.get(constants.ONE_PROCESS_ENV)
+            and bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT")))
 
 
 class PartialState:
