@@ -111,6 +111,22 @@ def _require(tracker: str) -> Any:
         ) from error
 
 
+_NO_ITEM = object()
+
+
+def _single_item(value: Any) -> Any:
+    """The Python value of a one-element tensor or array (`.item()`), else `_NO_ITEM`."""
+    item = getattr(value, "item", None)
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    if callable(item):
+        try:
+            if (numel() if callable(numel) else numel) == 1:
+                return item()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return _NO_ITEM
+
+
 def _plain(value: Any) -> Any:
     """A JSON-friendly copy: one-element tensors/arrays become numbers, containers are walked, the rest str."""
     if value is None or isinstance(value, bool | int | str):
@@ -121,15 +137,9 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
-    item = getattr(value, "item", None)
-    numel = getattr(value, "numel", None) or getattr(value, "size", None)
-    if callable(item):
-        try:
-            count = numel() if callable(numel) else numel
-            if count == 1:
-                return _plain(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
+    item = _single_item(value)
+    if item is not _NO_ITEM:
+        return _plain(item)
     if callable(getattr(value, "tolist", None)):
         return _plain(value.tolist())
     return str(value)
@@ -137,18 +147,10 @@ def _plain(value: Any) -> Any:
 
 def _as_number(value: Any) -> float | int | None:
     """The scalar a tracker records for `value`, or None. As in Accelerate, bools count as ints and NaN or
-    infinite floats are recorded as they are; a one-element tensor or array gives its number."""
-    if isinstance(value, int | float):
-        return value
-    item, numel = getattr(value, "item", None), getattr(value, "numel", None) or getattr(value, "size", None)
-    if callable(item):
-        try:
-            if (numel() if callable(numel) else numel) == 1:
-                number = item()
-                return number if isinstance(number, int | float) else None
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    return None
+    infinite floats are recorded as they are (`_plain` turns those into text for JSON); a one-element tensor
+    or array gives its number."""
+    number = value if isinstance(value, int | float) else _single_item(value)
+    return number if isinstance(number, int | float) else None
 
 
 # ------------------------------------------------------------------------------------------ jsonl
