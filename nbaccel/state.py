@@ -254,8 +254,9 @@ class PartialState:
             "local_num_processes": info.local_world_size,
         }
         alone = world_size == 1 and _launched_alone(cpu)
-        if world_size == 1 and not (alone and device_type in _DEVICE_BACKENDS and device_type != "cpu"):
-            if alone and not torch.distributed.is_initialized():
+        distributed_alone = alone and device_type in _DEVICE_BACKENDS and device_type != "cpu"  # e.g. MULTI_GPU
+        if world_size == 1 and not distributed_alone:
+            if alone and not torch.distributed.is_initialized():  # a gloo group of one, reported as one process
                 torch.distributed.init_process_group("gloo", timeout=timeout, rank=0, world_size=1)
                 destroy_process_group_at_exit()
             elif requested_backend is not None:

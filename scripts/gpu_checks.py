@@ -9,8 +9,9 @@ and numbers) and OUT_DIR/gpu_checks.log (everything the checks printed).
 
 Checks: `environment`; `bf16` and `fp16` (the same training on Accelerate and on nbaccel: losses, final
 weights, GradScaler state, a step skipped on an inf gradient); `memory` (the CUDA memory the dashboard
-reports); `launcher` (notebook_launcher in a process that initialized CUDA); `fsdp2` (FSDP2 + bf16 under torchrun,
-one process, nccl: operations and final weights); `bench`
+reports); `launcher` (notebook_launcher in a process that initialized CUDA); `fsdp2` (one process started three ways:
+torchrun with an FSDP2 plugin, the library's launcher, its launcher with --use_fsdp; distributed type, backend,
+operations, model class, losses and weights); `bench`
 (a bf16 train step: raw torch, nbaccel, Accelerate, interleaved in one process, medians and ratios).
 With one GPU, nothing here runs 2 NCCL ranks: NCCL refuses two ranks on one device.
 """
@@ -154,7 +155,7 @@ def check_launcher() -> dict:
     return result
 
 
-FSDP_SCRIPT = """
+ONE_GPU_SCRIPT = """
 import sys, torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import set_seed, gather, reduce, broadcast, pad_across_processes
@@ -187,14 +188,14 @@ torch.save({"type": accelerator.distributed_type.value, "backend": backend, "ops
 
 
 def _one_gpu_run(library: str, how: str, work: Path) -> dict:
-    """FSDP_SCRIPT with `library`, started `how`: "torchrun" (FSDP2 plugin in the code), "launch" (the
+    """ONE_GPU_SCRIPT with `library`, started `how`: "torchrun" (FSDP2 plugin in the code), "launch" (the
     library's launcher, one process) or "launch-fsdp" (its launcher with --use_fsdp --fsdp_version 2)."""
     import re
 
     import torch
 
     script = work / f"one_gpu_{library}.py"
-    script.write_text(re.sub(r"\baccelerate\b", library, FSDP_SCRIPT))
+    script.write_text(re.sub(r"\baccelerate\b", library, ONE_GPU_SCRIPT))
     out = work / f"{how}-{library}.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
     launcher = [sys.executable, "-m", "accelerate.commands.launch" if library == "accelerate" else "nbaccel", *(
