@@ -189,6 +189,18 @@ def test_prepare_pippy_in_notebook_launcher(both: dict[str, Run]) -> None:
     assert same(results[0][1]["output"], results[1][1]["output"])
 
 
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    """docs/big_models.md's prepare_pippy example, as printed, under the command in its first line."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "big_models.md").read_text()
+    example = re.search(r"```python\n(# pipeline\.py: .*?)```", docs, re.DOTALL).group(1)
+    (tmp_path / "pipeline.py").write_text(example)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "pipeline.py"]
+    assert example.startswith("# pipeline.py: nbaccel launch --num_processes 2 --cpu pipeline.py\n")
+    result = run_in_session(command, env, tmp_path, TIMEOUT)
+    assert result.returncode == 0 and "['1'] torch.Size([2, 3])" in result.stdout, result.stdout[-3000:]
+
+
 def test_one_process_is_refused_as_in_accelerate() -> None:
     import accelerate.inference
     import accelerate.state
