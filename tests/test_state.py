@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import io
 import os
+import re
+import sys
 import time
 from contextlib import redirect_stdout
 from datetime import timedelta
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from process_helpers import run_in_session
 from ranks_helper import free_port, run_ranks
 
 from nbaccel.state import (
@@ -677,3 +680,35 @@ def test_accelerator_after_partial_state_reset_alone_sets_the_partial_state_up_a
         library.Accelerator(cpu=True)
         assert library.state.PartialState._shared_state != {}, library.__name__
         library.state.AcceleratorState._reset_state(True)
+
+
+ONE_PROCESS_SCRIPT = """
+import torch
+from accelerate import PartialState
+state = PartialState()
+print("STATE", state.distributed_type.value, state.num_processes, torch.distributed.is_initialized())
+"""
+
+
+@pytest.mark.parametrize("how", [["-m", "torch.distributed.run", "--nproc_per_node", "1"],
+                                 ["-m", "accelerate.commands.launch", "--num_processes", "1"],
+                                 ["-m", "accelerate.commands.launch", "--use_fsdp", "--num_processes", "1"]],
+                         ids=["torchrun", "launch", "launch-fsdp"])
+def test_one_launched_process_has_accelerates_group(tmp_path, how):
+    """One process on the CPU, started by torchrun, by the library's launcher, by its launcher with --use_fsdp
+    (torchrun underneath in both libraries): Accelerate and nbaccel agree on a process group of one."""
+    pytest.importorskip("accelerate")
+    seen = {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    for package in ("accelerate", "nbaccel"):
+        script = tmp_path / f"{package}_one.py"
+        script.write_text(re.sub(r"\baccelerate\b", package, ONE_PROCESS_SCRIPT))
+        launcher = [part.replace("accelerate.commands.launch", "nbaccel") for part in how]
+        if package == "nbaccel" and "nbaccel" in launcher:
+            launcher.insert(launcher.index("nbaccel") + 1, "launch")
+        result = run_in_session([sys.executable, *(how if package == "accelerate" else launcher), str(script)],
+                                env, tmp_path, 90)
+        [line] = [line for line in result.stdout.splitlines() if line.startswith("STATE ")]
+        seen[package] = line
+    assert seen["nbaccel"] == seen["accelerate"]
+    assert seen["nbaccel"] == f"STATE NO 1 {how[1] == 'torch.distributed.run' or '--use_fsdp' in how}"
