@@ -173,6 +173,17 @@ def _launched_alone(cpu: bool) -> bool:
             and bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT")))
 
 
+def _init_process_group(backend: str, timeout: timedelta, kwargs: dict[str, Any], barrier: bool = False) -> None:
+    """`torch.distributed.init_process_group`, traced as a collective: every rank must arrive, so a launcher
+    that sees one rank finish (or wait in another collective) while a peer waits here reports the deadlock
+    within seconds instead of letting the peer wait out the process-group timeout. `barrier`: also wait until
+    every rank is connected."""
+    with collective_trace.in_collective("PartialState", "init_process_group"):
+        torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        if barrier:
+            torch.distributed.barrier()
+
+
 class PartialState:
     """Where this process runs and how to coordinate with the others; no training configuration.
 
@@ -257,7 +268,9 @@ class PartialState:
         distributed_alone = alone and device_type in _DEVICE_BACKENDS and device_type != "cpu"  # e.g. MULTI_GPU
         if world_size == 1 and not distributed_alone:
             if alone and not torch.distributed.is_initialized():  # a gloo group of one, reported as one process
-                torch.distributed.init_process_group("gloo", timeout=timeout, rank=0, world_size=1)
+                # the caller's arguments as they are (as in Accelerate): env:// reads RANK and WORLD_SIZE, and
+                # an init_method URL may name them itself (torch refuses them twice)
+                _init_process_group("gloo", timeout, kwargs)
                 destroy_process_group_at_exit()
             elif requested_backend is not None:
                 logger.info("one process: no process group, so backend=%r is not used", requested_backend)
@@ -318,14 +331,13 @@ class PartialState:
             module.set_device(info.local_rank % max(1, count))
 
         kwargs.update(rank=rank, world_size=world_size)
-        torch.distributed.init_process_group(backend=backend, timeout=timeout, **kwargs)
-        if private_rendezvous and backend == "gloo" and world_size > 1:
-            # notebook_launcher's forked ranks leave with os._exit the moment their function returns. torch
-            # does not wait after building the group, so a rank running `PartialState()` and return could close
-            # its sockets while a peer was still connecting to it ("Gloo connectFullMesh failed ... Connection
-            # closed by peer"): ~1 launch in 60-150 on a loaded 2-core machine. A barrier returns only once
-            # every rank is connected (~0.3 ms; torch's own TORCH_DIST_INIT_BARRIER costs ~10 ms on a FileStore).
-            torch.distributed.barrier()
+        # notebook_launcher's forked ranks leave with os._exit the moment their function returns. torch does
+        # not wait after building the group, so a rank running `PartialState()` and return could close its
+        # sockets while a peer was still connecting to it ("Gloo connectFullMesh failed ... Connection closed
+        # by peer"): ~1 launch in 60-150 on a loaded 2-core machine. A barrier returns only once every rank is
+        # connected (~0.3 ms; torch's own TORCH_DIST_INIT_BARRIER costs ~10 ms on a FileStore).
+        _init_process_group(backend, timeout, kwargs,
+                            barrier=private_rendezvous and backend == "gloo" and world_size > 1)
         destroy_process_group_at_exit()  # a correct script exits 0, not -6 (utils/process_group_exit.py)
         return {
             **base,
@@ -390,7 +402,7 @@ class PartialState:
             import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
 
             kwargs.setdefault("init_method", "xla://")
-            torch.distributed.init_process_group("xla", timeout=timeout, **kwargs)
+            _init_process_group("xla", timeout, kwargs)
             destroy_process_group_at_exit()
         local_count = max(1, xr.local_device_count()) if hasattr(xr, "local_device_count") else world_size
         return {

@@ -12,7 +12,8 @@ does, and docs/compat.md gives the reason.
 
 `test_notebook.py` calls `notebook_launcher` itself: it runs as a plain script, with its own
 `ACCELERATE_NUM_PROCESSES=2`, minus its fault-tolerance case, which races two processes on one queue (the rank
-that finds it empty returns while the other waits for it in `PartialState()`: Accelerate hangs there too).
+that finds it empty returns while the other waits for it in `PartialState()`: Accelerate hangs there;
+nbaccel reports it within seconds, tests/test_launch_deadlock.py).
 `external_deps/test_metrics.py` runs its CPU path (gather_for_metrics over every split/dispatch setting) in
 both copies without its imports of datasets, evaluate and transformers, which only its GPU-only MRPC case uses.
 Not run: `test_cli.py` (Accelerate's CLI on its hardware matrix) and the other `external_deps/` scripts: they

@@ -51,6 +51,20 @@ def test_model_failure_shows_exception_line():
     assert model.ranks[0].state == "finished"
 
 
+def test_a_launch_failure_shows_its_one_line_and_a_restart_clears_the_earlier_error():
+    from nbaccel.launch.errors import WorkerFailure
+
+    model = replay(scripted_stream(fail_rank=1))
+    # torch elastic restarts the ranks: the error shown was the earlier attempt's
+    model.update(dict(kind="status", rank=1, time=T0 + 5, state="starting", device="cpu:1", restart=1))
+    assert model.ranks[1].state == "starting" and model.ranks[1].error == ""
+    # the launcher finishes the board with its failure records (not their dataclass repr)
+    model.finish(failures={1: WorkerFailure(1, "ValueError", "boom", "Traceback (most recent call last):\n"),
+                           0: WorkerFailure(0, None, "stopped while waiting in reduce(all_reduce)", exitcode=-15)})
+    assert model.ranks[1].error == "ValueError: boom"
+    assert model.ranks[0].error == "stopped while waiting in reduce(all_reduce) (exit code -15)"
+
+
 def test_finish_marks_unfinished_ranks():
     model = replay(scripted_stream()[:20])  # cut mid-run
     assert {s.state for s in model.ranks} == {"running"}

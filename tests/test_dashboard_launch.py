@@ -108,6 +108,23 @@ def test_dashboard_mode_strings_build_that_view(monkeypatch, capsys):
     assert built[-1] == (1, "terminal", "terminal")
 
 
+def _fails_on_rank_1():
+    from nbaccel import PartialState
+
+    if PartialState().process_index == 1:
+        raise ValueError("boom")
+
+
+def test_the_summary_names_a_failed_ranks_error_in_one_line(capsys):
+    from nbaccel.launch import LaunchError, notebook_launcher
+
+    with pytest.raises(LaunchError, match="rank 1: ValueError: boom"):
+        notebook_launcher(_fails_on_rank_1, num_processes=2, dashboard="plain", timeout=60)
+    out = capsys.readouterr().out
+    assert "rank 1 [cpu] failed: ValueError: boom;" in out, out
+    assert "WorkerFailure(" not in out, out
+
+
 @pytest.mark.parametrize("value", ["Plain", "bogus", 3])
 def test_unknown_dashboard_value_is_refused_before_starting(value):
 

@@ -40,10 +40,11 @@ PREAMBLE = """
 """
 
 
-def launch(tmp_path: Path, body: str, *options: str, processes: int = 2) -> tuple[int, str, str, float]:
-    """Run PREAMBLE + `body` as tmp_path/job.py under `nbaccel launch`: (exit status, stdout, stderr, seconds)."""
+def launch(tmp_path: Path, body: str, *options: str, processes: int = 2,
+           preamble: str = PREAMBLE) -> tuple[int, str, str, float]:
+    """Run `preamble` + `body` as tmp_path/job.py under `nbaccel launch`: (exit status, stdout, stderr, seconds)."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(PREAMBLE) + textwrap.dedent(body))
+    script.write_text(textwrap.dedent(preamble) + textwrap.dedent(body))
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nbaccel", "launch", "--num_processes", str(processes), "--cpu", *options,
@@ -105,6 +106,20 @@ def test_a_rank_that_finished_while_another_waits_is_named(tmp_path):
     assert "not every rank entered the same collective:" in err  # and why it happened
     assert re.search(r"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at \S+job\.py:\d+ for [\d.]+ s; "
                      r"rank 1 finished the script", err), err
+
+
+def test_a_rank_that_ends_before_partial_state_is_named(tmp_path):
+    code, out, err, seconds = launch(tmp_path, """
+        import os
+        from nbaccel import PartialState
+
+        if os.environ["RANK"] == "0":
+            PartialState()
+    """, preamble="")
+    assert code == 1, err
+    assert seconds < BOUND
+    assert re.search(rf"rank 0 waits in PartialState\(init_process_group\) at {re.escape(line_of(tmp_path, 'PartialState()'))} "
+                     r"for [\d.]+ s; rank 1 finished the script", err), err
 
 
 def test_a_rank_that_is_only_late_is_waited_for(tmp_path):

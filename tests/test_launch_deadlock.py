@@ -61,6 +61,18 @@ def returns_early():
     return state.process_index
 
 
+def returns_before_joining():
+    if os.environ["RANK"] == "1":
+        return "left before PartialState()"
+    return _state().process_index
+
+
+def joins_late():
+    if os.environ["RANK"] == "1":
+        time.sleep(3)  # longer than the 2 s grace: rank 0 waits alone in PartialState() meanwhile
+    return _state().process_index
+
+
 def sleeps_on_rank_1():
     state = _state()
     if state.process_index == 0:
@@ -137,6 +149,23 @@ def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
     assert re.fullmatch(
         rf"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at {re.escape(_line(returns_early, 'reduce('))} "
         r"for [\d.]+ s; rank 1 finished the function", first[1]), message
+
+
+def test_a_rank_that_returned_before_partial_state_is_named_instead_of_a_ten_minute_wait():
+    # Accelerate's own test_notebook.py races two ranks on one queue into this (its test_fault_tolerant):
+    # without the rendezvous traced, rank 0 waited out the process-group timeout in init_process_group
+    message, elapsed, error = _launch(returns_before_joining)
+    assert elapsed < BOUND, message
+    first = message.splitlines()[:2]
+    assert first[0] == "not every rank entered the same collective:", message
+    site = _line(_state, "PartialState()")
+    assert re.fullmatch(rf"rank 0 waits in PartialState\(init_process_group\) at {re.escape(site)} for [\d.]+ s; "
+                        r"rank 1 finished the function", first[1]), message
+    assert str(error.failures[0]).startswith(f"stopped while waiting in PartialState(init_process_group) at {site}")
+
+
+def test_a_rank_that_only_joins_late_is_waited_for():
+    assert notebook_launcher(joins_late, num_processes=2, dashboard=False) == [0, 1]
 
 
 def test_timeout_says_where_each_rank_was():

@@ -683,23 +683,31 @@ def test_accelerator_after_partial_state_reset_alone_sets_the_partial_state_up_a
 
 
 ONE_PROCESS_SCRIPT = """
+import os
 import torch
 from accelerate import PartialState
-state = PartialState()
-print("STATE", state.distributed_type.value, state.num_processes, torch.distributed.is_initialized())
+store = os.environ.get("STORE_FILE")  # set: the group's rendezvous is this file (init_method), not torchrun's
+state = PartialState(**({"init_method": f"file://{store}?rank=0&world_size=1"} if store else {}))
+print("STATE", state.distributed_type.value, state.num_processes, torch.distributed.is_initialized(),
+      bool(store) and os.path.exists(store))
 """
+TORCHRUN_ONE = ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
 
 
-@pytest.mark.parametrize("how", [["-m", "torch.distributed.run", "--nproc_per_node", "1"],
-                                 ["-m", "accelerate.commands.launch", "--num_processes", "1"],
-                                 ["-m", "accelerate.commands.launch", "--use_fsdp", "--num_processes", "1"]],
-                         ids=["torchrun", "launch", "launch-fsdp"])
-def test_one_launched_process_has_accelerates_group(tmp_path, how):
+@pytest.mark.parametrize(("how", "init_method"),
+                         [(TORCHRUN_ONE, False), (TORCHRUN_ONE, True),
+                          (["-m", "accelerate.commands.launch", "--num_processes", "1"], False),
+                          (["-m", "accelerate.commands.launch", "--use_fsdp", "--num_processes", "1"], False)],
+                         ids=["torchrun", "torchrun-init_method", "launch", "launch-fsdp"])
+def test_one_launched_process_has_accelerates_group(tmp_path, how, init_method):
     """One process on the CPU, started by torchrun, by the library's launcher, by its launcher with --use_fsdp
-    (torchrun underneath in both libraries): Accelerate and nbaccel agree on a process group of one."""
+    (torchrun underneath in both libraries): Accelerate and nbaccel agree on a process group of one, and
+    both build it with the caller's init_process_group arguments (here `init_method`)."""
     pytest.importorskip("accelerate")
     seen = {}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    if init_method:
+        env["STORE_FILE"] = str(tmp_path / "store")
     for package in ("accelerate", "nbaccel"):
         script = tmp_path / f"{package}_one.py"
         script.write_text(re.sub(r"\baccelerate\b", package, ONE_PROCESS_SCRIPT))
@@ -711,4 +719,4 @@ def test_one_launched_process_has_accelerates_group(tmp_path, how):
         [line] = [line for line in result.stdout.splitlines() if line.startswith("STATE ")]
         seen[package] = line
     assert seen["nbaccel"] == seen["accelerate"]
-    assert seen["nbaccel"] == f"STATE NO 1 {how[1] == 'torch.distributed.run' or '--use_fsdp' in how}"
+    assert seen["nbaccel"] == f"STATE NO 1 {how[1] == 'torch.distributed.run' or '--use_fsdp' in how} {init_method}"

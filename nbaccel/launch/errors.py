@@ -39,13 +39,18 @@ class WorkerFailure:
     timestamp: int = field(default_factory=lambda: int(time.time()))
     error_file: str = NOT_AVAILABLE  # nbaccel's workers report over their channel, not through a file
 
+    def __str__(self) -> str:
+        """What went wrong, without the rank: `ValueError: boom` or `killed by SIGKILL (exit code -9)` (the
+        dashboard's summary shows it next to the rank; a dataclass's repr would show every field)."""
+        if self.exc_type:
+            return f"{self.exc_type}: {self.message}".rstrip(": ")
+        if self.signal:
+            return f"killed by {self.signal} (exit code {self.exitcode})"
+        return f"{self.message or 'exited'} (exit code {self.exitcode})"
+
     def summary(self) -> str:
         """One line: `rank 1: ValueError: boom` or `rank 0: killed by SIGKILL (exit code -9)`."""
-        if self.exc_type:
-            return f"rank {self.rank}: {self.exc_type}: {self.message}".rstrip(": ")
-        if self.signal:
-            return f"rank {self.rank}: killed by {self.signal} (exit code {self.exitcode})"
-        return f"rank {self.rank}: {self.message or 'exited'} (exit code {self.exitcode})"
+        return f"rank {self.rank}: {self}"
 
     @property
     def error_file_data(self) -> dict[str, Any]:

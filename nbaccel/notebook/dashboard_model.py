@@ -157,6 +157,8 @@ class DashboardModel:
         new = message.get("state")
         if new in STATES:
             state.state = new
+        if new == "starting":  # a restarted rank: the error shown was its earlier attempt's
+            state.error = ""
         if message.get("device"):
             state.device = str(message["device"])
         if new == "failed":

@@ -156,6 +156,7 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
         handle.start()
     supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.num_processes, **info))
     results: list[Any] | None = None
+    failures: dict[int, Any] = {}
     state = LaunchState.FAILED
     try:
         results = supervisor.run()
@@ -164,7 +165,8 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
     except LaunchTimeout:
         state = LaunchState.TIMEOUT
         raise
-    except LaunchError:
+    except LaunchError as error:
+        failures = error.failures  # a deadlock's also names the ranks stopped while they waited
         raise
     except KeyboardInterrupt:
         state = LaunchState.INTERRUPTED
@@ -172,4 +174,4 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
     finally:
         supervisor.notify(messages.launch(state))
         if handle:
-            handle.close(results=results, failures=supervisor.failures or None)
+            handle.close(results=results, failures=failures or supervisor.failures or None)
