@@ -33,7 +33,7 @@ class LocalSGD:
         distributed_type = accelerator.distributed_type
         if enabled and distributed_type not in _SUPPORTED:
             raise NotImplementedError(
-                f"LocalSGD supports multi-CPU and multi-GPU (DDP) training, not {distributed_type}; "
+                f"LocalSGD supports multi-CPU and multi-GPU (DDP) training, not {distributed_type.value}; "
                 "pass enabled=False or train without it."
             )
         self.accelerator = accelerator

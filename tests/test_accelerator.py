@@ -278,7 +278,7 @@ def test_properties_processes_and_triggers():
     r0, r1 = run_ranks(body)
     assert (r0["index"], r1["index"], r0["n"]) == (0, 1, 2)
     assert r0["main"] and not r1["main"] and r1["last"]
-    assert r0["device"] == "cpu" and r0["type"] == "MULTI_CPU"
+    assert r0["device"] == "cpu" and r0["type"] == "DistributedType.MULTI_CPU"
     assert r0["seen"] == ["main"] and r1["seen"] == ["last"]
     assert r0["triggered"] and r1["triggered"] and not r0["again"]
     assert r0["mine"] + r1["mine"] == [0, 1, 2, 3, 4]

@@ -66,7 +66,7 @@ def test_single_process_properties(fresh):
     assert state.mixed_precision == "no"
     assert state.debug is False and state.fork_launched is False
     assert state.pg_timeout == timedelta(seconds=DEFAULT_PG_TIMEOUT_SECONDS)
-    assert "Distributed environment: NO" in repr(state) and "Num processes: 1" in repr(state)
+    assert "Distributed environment: DistributedType.NO\n" in repr(state) and "Num processes: 1" in repr(state)
     assert not torch.distributed.is_initialized()
     state.wait_for_everyone()  # a no-op alone
     with state.main_process_first(), state.local_main_process_first():

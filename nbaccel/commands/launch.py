@@ -31,7 +31,7 @@ from ..utils.constants import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKENDS,
 )
-from ..utils.dataclasses import DynamoBackend
+from ..utils.dataclasses import DynamoBackend, enum_value
 from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
@@ -113,7 +113,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         from_config = getattr(cfg, name, None) if config is not None else None
         return default if from_config is None else from_config
 
-    use_cpu = True if args.cpu else bool(cfg.use_cpu) or str(cfg.distributed_type) == "MULTI_CPU"
+    use_cpu = True if args.cpu else bool(cfg.use_cpu) or enum_value(cfg.distributed_type) == "MULTI_CPU"
     num_machines = pick("num_machines", 1)
     settings = LaunchSettings(
         script=args.training_script,
@@ -145,7 +145,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         no_python=bool(getattr(args, "no_python", False)),
         role=getattr(args, "role", "default") or "default",
         quiet=bool(getattr(args, "quiet", False)),
-        multi_gpu=bool(getattr(args, "multi_gpu", False)) or str(cfg.distributed_type) == "MULTI_GPU",
+        multi_gpu=bool(getattr(args, "multi_gpu", False)) or enum_value(cfg.distributed_type) == "MULTI_GPU",
         enable_cpu_affinity=bool(pick("enable_cpu_affinity", False)),
     )
     _apply_option_groups(args, settings)
@@ -333,15 +333,16 @@ def _report_inert_options(args: argparse.Namespace, s: LaunchSettings) -> None:
 def _check_supported(cfg: LaunchConfig) -> None:
     """Configurations `nbaccel launch` cannot run, said before anything starts."""
     where = f"{cfg.path}: " if cfg.path is not None else ""
-    if str(cfg.compute_environment) == "AMAZON_SAGEMAKER":
+    if enum_value(cfg.compute_environment) == "AMAZON_SAGEMAKER":
         raise LaunchOptionError(f"{where}compute_environment AMAZON_SAGEMAKER: nbaccel launch runs on this machine "
                                 "only; use `accelerate launch` for SageMaker jobs")
     unsupported = {
         "XLA": "TPU processes are started by notebook_launcher (torch_xla) in a TPU notebook, not by nbaccel launch",
         "MEGATRON_LM": "Megatron-LM is not supported by nbaccel",
     }
-    if str(cfg.distributed_type) in unsupported:
-        raise LaunchOptionError(f"{where}distributed_type {cfg.distributed_type}: {unsupported[str(cfg.distributed_type)]}")
+    distributed_type = enum_value(cfg.distributed_type)
+    if distributed_type in unsupported:
+        raise LaunchOptionError(f"{where}distributed_type {distributed_type}: {unsupported[distributed_type]}")
 
 
 def _check(s: LaunchSettings, given_processes: bool = True) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from ..utils import constants
+from ..utils.dataclasses import enum_value
 
 START_METHODS = ("auto", *constants.START_METHODS)
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
@@ -196,7 +197,7 @@ _PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")  # what the form's fields decide
 def _follow_process_count(config: Any) -> None:
     """distributed_type as `nbaccel config` would write it for the form's process count and use_cpu: NO for
     one process on one machine, MULTI_CPU with use_cpu or without CUDA, else MULTI_GPU."""
-    if str(config.distributed_type) not in _PLAIN_TYPES or config.num_processes is None:
+    if enum_value(config.distributed_type) not in _PLAIN_TYPES or config.num_processes is None:
         return
     if config.num_processes <= 1 and (config.num_machines or 1) <= 1:
         config.distributed_type = "NO"

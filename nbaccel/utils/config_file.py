@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS, START_METHODS
-from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend
+from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend, enum_value
 
 CONFIG_FILE_ENV = "NBACCEL_CONFIG_FILE"
 CONFIG_FILE_NAME = "default_config.yaml"
@@ -151,7 +151,7 @@ class LaunchConfig:
             data.setdefault("dynamo_config", {} if str(backend).upper() == "NO" else {"dynamo_backend": backend})
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
         unknown = {k: v for k, v in data.items() if k not in known}
-        if unknown and str(data.get("compute_environment", "")) != "AMAZON_SAGEMAKER":  # SageMaker's keys: refused later
+        if unknown and enum_value(data.get("compute_environment", "")) != "AMAZON_SAGEMAKER":  # SageMaker's keys: refused later
             warnings.warn(
                 f"{where}: ignoring unknown key(s) {', '.join(map(str, sorted(unknown, key=str)))} "
                 "(kept in the file, not used by nbaccel)",
@@ -241,7 +241,7 @@ class LaunchConfig:
                 errors[name] = f"{value!r} is not an integer {bound}"
 
         one_of("compute_environment", ComputeEnvironment.list())
-        sagemaker = str(getattr(self.compute_environment, "value", self.compute_environment)) == "AMAZON_SAGEMAKER"
+        sagemaker = enum_value(self.compute_environment) == "AMAZON_SAGEMAKER"
         one_of("distributed_type", DistributedType.list() + (["DATA_PARALLEL", "MODEL_PARALLEL"] if sagemaker else []))
         one_of("mixed_precision", MIXED_PRECISION_CHOICES)
         one_of("rdzv_backend", RDZV_BACKENDS)
@@ -288,11 +288,11 @@ class LaunchConfig:
     # ---------------------------------------------------------------- derived
     @property
     def uses_fsdp(self) -> bool:
-        return str(self.distributed_type) == DistributedType.FSDP.value
+        return enum_value(self.distributed_type) == DistributedType.FSDP.value
 
     @property
     def uses_deepspeed(self) -> bool:
-        return str(self.distributed_type) == DistributedType.DEEPSPEED.value
+        return enum_value(self.distributed_type) == DistributedType.DEEPSPEED.value
 
 
 _FSDP_CHOICES = {

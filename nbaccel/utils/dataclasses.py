@@ -30,18 +30,29 @@ class _ContainsValues(enum.EnumMeta):
         return True
 
 
-class _ValueEnum(str, enum.Enum, metaclass=_ContainsValues):
-    """A string enum whose str() is its value and which lists its values with `.list()`."""
-
-    def __str__(self) -> str:
-        return self.value
+class _NamedEnum(str, enum.Enum, metaclass=_ContainsValues):
+    """A string enum that lists its values with `.list()`; str() and f-strings follow Python's enum rules
+    (`DistributedType.MULTI_CPU` on Python 3.11+), as Accelerate's plain `(str, enum.Enum)` types do."""
 
     @classmethod
     def list(cls) -> list[str]:
         return [member.value for member in cls]
 
 
-class DistributedType(_ValueEnum):
+class _ValueEnum(_NamedEnum):
+    """A string enum whose str() is its value (Accelerate's `BaseEnum` types)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def enum_value(item: Any) -> str:
+    """The string an enum member or a plain string stands for: `MULTI_CPU` for `DistributedType.MULTI_CPU`
+    (whose str() names the class) and for `"MULTI_CPU"` read from a config file alike."""
+    return str(getattr(item, "value", item))
+
+
+class DistributedType(_NamedEnum):
     """How the processes of a run are spread: one process, several CPU processes, GPUs, sharded, TPU..."""
 
     NO = "NO"
@@ -100,7 +111,7 @@ class RNGType(_ValueEnum):
     GENERATOR = "generator"
 
 
-class ComputeEnvironment(_ValueEnum):
+class ComputeEnvironment(_NamedEnum):
     """Where the run happens (the `compute_environment` key of the config file)."""
 
     LOCAL_MACHINE = "LOCAL_MACHINE"

@@ -49,7 +49,7 @@ class PrepareForLaunch:
             world_size = int(os.environ["WORLD_SIZE"])
             store = dist.FileStore(os.environ["ACCELERATE_DEBUG_RDV_FILE"], world_size)
             dist.init_process_group("gloo", rank=index, store=store, world_size=world_size)
-        elif str(self.distributed_type) in _MULTI_PROCESS:
+        elif self.distributed_type.value in _MULTI_PROCESS:
             os.environ["LOCAL_RANK"] = str(index)
             per_node = int(os.environ.get("NPROC", 1))
             os.environ["RANK"] = str(per_node * int(os.environ.get("NODE_RANK", 0)) + index)

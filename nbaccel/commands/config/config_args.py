@@ -25,6 +25,7 @@ from ...utils.constants import (
     SAGEMAKER_PYTORCH_VERSION,
     SAGEMAKER_TRANSFORMERS_VERSION,
 )
+from ...utils.dataclasses import enum_value
 
 __all__ = ["BaseConfig", "ClusterConfig", "SageMakerConfig", "cache_dir", "default_config_file",
            "default_json_config_file", "default_yaml_config_file", "hf_cache_home", "load_config_from_file"]
@@ -86,7 +87,7 @@ def load_config_from_file(config_file: str | os.PathLike | None) -> LaunchConfig
         raise FileNotFoundError(f"No config file at {default_config_file}: write one with `nbaccel config` or "
                                 "`nbaccel config default`.")
     data = read_config_data(path)
-    if not (isinstance(data, dict) and str(data.get("compute_environment", "")) == "AMAZON_SAGEMAKER"):
+    if not (isinstance(data, dict) and enum_value(data.get("compute_environment", "")) == "AMAZON_SAGEMAKER"):
         return LaunchConfig.from_dict(data, source=path)
     try:
         return SageMakerConfig.from_dict(data, source=path)

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...utils.dataclasses import enum_value
+
 
 class _Default:
     """Marks a signature default: the caller did not pass this argument."""
@@ -94,7 +96,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
     result.config = config
     given = dataclasses.replace(result)
     result.use_cpu = bool(config.use_cpu)
-    distributed_type = str(getattr(config.distributed_type, "value", config.distributed_type))
+    distributed_type = enum_value(config.distributed_type)
     for_accelerator = distributed_type in _ACCELERATOR_TYPES and not config.use_cpu
     multi_node = is_default(num_nodes) and config.num_machines > 1
     if multi_node:

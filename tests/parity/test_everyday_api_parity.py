@@ -1,0 +1,233 @@
+"""Everyday Accelerate calls, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared exactly.
+
+Each scenario is code written for Accelerate (`lib` is the library's top-level module): gradient accumulation
+over a loader whose length is not a multiple of the steps with `adjust_scheduler`, every iterable-loader
+setting (split, dispatch, even batches) with `gather_for_metrics`, `split_between_processes` with and without
+padding, the tensor operations and gradient clipping, bf16 autocast on the CPU, and the state's text and
+properties. Results, losses and final weights must be equal bit for bit. Where nbaccel deliberately differs
+(docs/compat.md) the test shows both sides: `join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the
+CPU device's index.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from parity_harness import assert_same, run_both
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(600)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+def accumulation_with_scheduler(lib):
+    """Accumulation over a loader whose length is not a multiple of the steps, with a LambdaLR."""
+    plugin = lib.utils.GradientAccumulationPlugin(num_steps=3, adjust_scheduler=True)
+    accelerator = lib.Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+    x = torch.arange(44, dtype=torch.float32).reshape(22, 2)
+    x = torch.cat([x, x[:, :1]], dim=1) / 40
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    trace = []
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        trace.append((accelerator.sync_gradients, accelerator.gradient_state.end_of_dataloader,
+                      scheduler.get_last_lr()[0], optimizer.step_was_skipped, round(loss.item(), 6)))
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"trace": trace, "weights": weights, "step": accelerator.step}
+
+
+class Counting(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.tensor([float(i)])
+
+
+def iterable_loaders(lib):
+    out = {}
+    for split_batches in (False, True):
+        for dispatch in (False, True):
+            for even in (True, False):
+                config = lib.utils.DataLoaderConfiguration(split_batches=split_batches, dispatch_batches=dispatch,
+                                                           even_batches=even)
+                accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+                loader = accelerator.prepare(DataLoader(Counting(11), batch_size=4))
+                seen = [b.flatten().tolist() for b in loader]
+                gathered = []
+                for b in loader:
+                    gathered.append(accelerator.gather_for_metrics(b).flatten().tolist())
+                out[f"{split_batches}-{dispatch}-{even}"] = (seen, gathered, len(seen))
+                lib.state.AcceleratorState._reset_state(True)
+    return out
+
+
+def split_between(lib):
+    state = lib.PartialState(cpu=True)
+    out = []
+    for data, pad in (([1, 2, 3], False), ([1, 2, 3], True), ({"a": [1, 2, 3], "b": [4, 5, 6]}, False),
+                      (torch.arange(5), True), (["x"], True), ([], False)):
+        with state.split_between_processes(data, apply_padding=pad) as part:
+            out.append(part if not isinstance(part, torch.Tensor) else part.tolist())
+    return out
+
+
+def ops(lib):
+    accelerator = lib.Accelerator(cpu=True)
+    rank = accelerator.process_index
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + rank
+    out = {
+        "reduce_mean": accelerator.reduce(t, "mean"),
+        "reduce_sum": accelerator.reduce(t, "sum"),
+        "pad": accelerator.pad_across_processes(torch.ones(rank + 1, 2 + rank), dim=1, pad_index=-1),
+        "pad_first": accelerator.pad_across_processes(torch.ones(rank + 1, 2), dim=0, pad_first=True),
+        "gather_scalar": accelerator.gather(torch.tensor(float(rank))),
+        "gather_objects": accelerator.gather_for_metrics([{"r": rank}, "s"], use_gather_object=True),
+        "gather_int": accelerator.gather(torch.tensor([rank], dtype=torch.int32)),
+        "gather_bool": accelerator.gather(torch.tensor([rank == 0])),
+        "nested": accelerator.gather({"a": (t, [t[0]]), "b": torch.zeros(1, dtype=torch.int64)}),
+    }
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loss = model(torch.ones(4, 3) * (rank + 1)).pow(2).sum()
+    accelerator.backward(loss)
+    out["clip_norm"] = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+    out["clip_norm_inf"] = accelerator.clip_grad_norm_(model.parameters(), 0.5, norm_type=math.inf)
+    accelerator.clip_grad_value_(model.parameters(), 0.01)
+    out["grads"] = [p.grad.clone() for p in model.parameters()]
+    out["state_dict_keys"] = list(accelerator.get_state_dict(model).keys())
+    out["unwrapped"] = type(accelerator.unwrap_model(model)).__name__
+    return out
+
+
+def bf16_cpu(lib):
+    accelerator = lib.Accelerator(cpu=True, mixed_precision="bf16")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for step in range(5):
+        x = torch.linspace(-1, 1, 12).reshape(4, 3) * (step + 1)
+        out = model(x)
+        loss = out.float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append((loss.item(), str(out.dtype)))
+    with accelerator.autocast():
+        inside = model(torch.ones(2, 3)).dtype
+    return {"losses": losses, "inside": str(inside),
+            "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+            "unwrapped_fp32": str(accelerator.unwrap_model(model, keep_fp32_wrapper=False)(torch.ones(1, 3)).dtype)}
+
+
+def state_text(lib):
+    accelerator = lib.Accelerator(cpu=True)
+    text = repr(accelerator.state)
+    return {"repr": re.sub(r"Device: \S+", "Device: -", text), "device_line": re.search(r"Device: \S+", text)[0],
+            "device": str(accelerator.device), "tensor_on_device": torch.ones(1).to(accelerator.device).device
+            == accelerator.device, "type": str(accelerator.distributed_type),
+            "mp": accelerator.mixed_precision, "num": accelerator.num_processes,
+            "use_distributed": accelerator.use_distributed, "is_last": accelerator.is_last_process,
+            "project_dir": accelerator.project_dir, "logging_dir": accelerator.logging_dir,
+            "save_iteration": accelerator.save_iteration, "optimizer_step_was_skipped":
+            accelerator.optimizer_step_was_skipped, "split_batches": accelerator.split_batches,
+            "even_batches": accelerator.even_batches, "dispatch": accelerator.dispatch_batches,
+            "grad_steps": accelerator.gradient_accumulation_steps}
+
+
+def join_uneven(lib):
+    """`join_uneven_inputs(even_batches=False)` over 7 samples in batches of 2 on 2 ranks."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.linspace(0, 1, 21).reshape(7, 3)
+    loader = DataLoader(TensorDataset(x), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = []
+    with accelerator.join_uneven_inputs([model], even_batches=False):
+        for (inputs,) in loader:
+            batches.append(inputs.shape[0])
+            accelerator.backward(model(inputs).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"batches": batches, "after": [b[0].shape[0] for b in loader],
+            "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}}
+
+
+def dtypes_gloo_lacks(lib):
+    """int16 tensors through gather, reduce and broadcast: gloo has no int16."""
+    accelerator = lib.Accelerator(cpu=True)
+    short = torch.tensor([accelerator.process_index, 7], dtype=torch.int16)
+    results = {}
+    for name, call in (("gather", lambda: accelerator.gather(short)),
+                       ("reduce", lambda: accelerator.reduce(short, "sum")),
+                       ("broadcast", lambda: lib.utils.broadcast(short.clone()))):
+        try:
+            value = call()
+            results[name] = (value.tolist(), str(value.dtype))
+        except RuntimeError as exc:
+            results[name] = ("RuntimeError", str(exc).splitlines()[0])
+    return results
+
+
+SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text]
+
+
+def _compare(results: dict, name: str, num_processes: int) -> None:
+    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+        assert_same(theirs, ours, f"{name}[{num_processes} processes][rank {rank}]")
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+@pytest.mark.parametrize("scenario", SAME, ids=[f.__name__ for f in SAME])
+def test_the_same_on_both(scenario, num_processes):
+    results = run_both(scenario, num_processes)
+    if scenario is state_text and num_processes == 2:
+        # docs/compat.md: Accelerate's CPU ranks all say cpu:0, which no CPU tensor's device equals
+        for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
+            assert (theirs.pop("device"), theirs.pop("device_line"), theirs.pop("tensor_on_device")) == (
+                "cpu:0", "Device: cpu:0", False)
+            assert (ours.pop("device"), ours.pop("device_line"), ours.pop("tensor_on_device")) == (
+                "cpu", "Device: cpu", True)
+    _compare(results, scenario.__name__, num_processes)
+
+
+def test_join_uneven_inputs_joins_cpu_ranks_where_accelerate_does_nothing():
+    """docs/compat.md: Accelerate joins on multi-GPU types only; on CPU ranks it keeps even batches (rank 1
+    trains on a repeated sample) while nbaccel's rank 1 gets its last, short batch and DDP's Join covers it."""
+    results = run_both(join_uneven, 2)
+    assert [r["batches"] for r in results["accelerate"]] == [[2, 2], [2, 2]]
+    assert [r["batches"] for r in results["nbaccel"]] == [[2, 2], [2, 1]]
+    for library in results.values():  # the override ends with the block; the ranks agree on the weights
+        assert [r["after"] for r in library] == [[2, 2], [2, 2]]
+        assert_same(library[0]["weights"], library[1]["weights"])
+
+
+def test_dtypes_gloo_lacks_move_on_nbaccel_and_fail_on_accelerate():
+    """docs/compat.md: gloo has no int16; nbaccel moves it as bytes (gather, broadcast) or reduces it in a
+    wider dtype, and gives int16 back. Accelerate passes it to gloo, which raises."""
+    results = run_both(dtypes_gloo_lacks, 2)
+    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+        assert theirs == {name: ("RuntimeError", "Invalid scalar type") for name in ("gather", "reduce", "broadcast")}
+        assert ours == {"gather": ([0, 7, 1, 7], "torch.int16"), "reduce": ([1, 14], "torch.int16"),
+                        "broadcast": ([0, 7], "torch.int16")}, rank
