@@ -1077,22 +1077,60 @@ def _parse_size(size: int | str) -> int:
     return value
 
 
-def _tensor_bytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+def _storage_bytes(value: torch.Tensor) -> int:
+    """Bytes of the storage under `value`: what the Hub's sharding counts (a view counts its whole storage)."""
+    try:
+        return value.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # e.g. tensor subclasses without a plain storage
+        return value.numel() * value.element_size()
 
 
-def _shard(state_dict: Mapping[str, Any], max_bytes: int) -> list[dict[str, Any]]:
-    """Split in order into shards of at most `max_bytes` (a tensor larger than that gets its own shard)."""
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
+def _storage_key(value: torch.Tensor) -> tuple | None:
+    """Tensors with the same key share their storage (None on the meta device, which has none)."""
+    if value.device.type == "meta":
+        return None
+    try:
+        pointer = value.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return value.device, pointer, _storage_bytes(value)
+
+
+def _shard(state_dict: Mapping[str, Any], max_bytes: int) -> tuple[list[dict[str, Any]], int]:
+    """Shards as huggingface_hub's `split_torch_state_dict_into_shards` (Accelerate's save_model) makes them,
+    so both write the same files: in order, a tensor over `max_bytes` gets a shard of its own at once, the
+    others fill the current shard until the next one would tip it over; a tensor sharing storage with an
+    earlier one joins that one's shard and counts once. Returns the shards and their total size in bytes."""
+    shards: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    current_size = total = 0
+    sharing: dict[tuple, list[str]] = {}
     for name, value in state_dict.items():
-        nbytes = _tensor_bytes(value)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += nbytes
-    return shards
+        is_tensor = isinstance(value, torch.Tensor)
+        key = _storage_key(value) if is_tensor else None
+        if key is not None:
+            if key in sharing:
+                sharing[key].append(name)
+                continue
+            sharing[key] = [name]
+        size = _storage_bytes(value) if is_tensor else 0
+        total += size
+        if size > max_bytes:
+            shards.append({name: value})
+            continue
+        if current_size + size > max_bytes:
+            shards.append(current)
+            current, current_size = {}, 0
+        current[name] = value
+        current_size += size
+    if current or not shards:
+        shards.append(current)
+    for names in sharing.values():
+        if len(names) > 1:
+            home = next(shard for shard in shards if names[0] in shard)
+            for name in names[1:]:
+                home[name] = state_dict[name]
+    return shards, total
 
 
 def save_model(
@@ -1119,7 +1157,7 @@ def save_model(
     directory.mkdir(parents=True, exist_ok=True)
     max_bytes = _parse_size(max_shard_size)
     prepared = _prepare_for_safetensors(state_dict) if safe_serialization else _prepare_for_torch_save(state_dict)
-    shards = _shard(prepared, max_bytes)
+    shards, total_size = _shard(prepared, max_bytes)
     stem, suffix = (SAFE_MODEL_NAME, ".safetensors") if safe_serialization else (MODEL_NAME, ".bin")
     index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
     count = len(shards)
@@ -1143,7 +1181,7 @@ def save_model(
     keep = set(names)
     if count > 1:
         index = {
-            "metadata": {"total_size": sum(_tensor_bytes(v) for v in prepared.values())},
+            "metadata": {"total_size": total_size},
             "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
         }
         partial = directory / f".{index_name}.partial"

@@ -12,7 +12,9 @@ CPU device's index.
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -190,6 +192,54 @@ def dtypes_gloo_lacks(lib):
     return results
 
 
+def sharded_save_model(lib, root):
+    """save_model in shards (an int and a decimal string size), both serializations, with tied weights: the
+    files, the index file's text and every tensor in every file."""
+    accelerator = lib.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 40), torch.nn.ReLU(), torch.nn.Linear(40, 2), torch.nn.Linear(40, 2))
+    model[3].weight = model[2].weight  # tied: stored once, in the first one's shard
+    model = accelerator.prepare(model)
+    root = os.path.join(root, lib.__name__)
+    os.makedirs(root, exist_ok=True)
+    out = {}
+    for size in (200, "0.5KB"):
+        for safe in (True, False):
+            target = tempfile.mkdtemp(dir=root) if accelerator.is_main_process else None
+            target = lib.utils.broadcast_object_list([target])[0]
+            accelerator.save_model(model, target, max_shard_size=size, safe_serialization=safe)
+            accelerator.wait_for_everyone()
+            files = sorted(os.listdir(target))
+            index = [name for name in files if name.endswith(".index.json")]
+            tensors = {}
+            for name in files:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
+
+                    tensors[name] = load_file(os.path.join(target, name))
+                elif name.endswith(".bin"):
+                    tensors[name] = torch.load(os.path.join(target, name), weights_only=True)
+            index_text = open(os.path.join(target, index[0])).read() if index else None
+            out[f"{size}-{safe}"] = {"files": files, "index": index_text, "tensors": tensors}
+            accelerator.wait_for_everyone()
+    return out
+
+
+def shard_size_strings(lib, root):
+    """max_shard_size values the libraries read differently (docs/compat.md)."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(3, 40))
+    outcomes = {}
+    for size in ("300B", "1KiB", "2000", 0):
+        target = tempfile.mkdtemp(dir=root)
+        try:
+            accelerator.save_model(model, target, max_shard_size=size)
+            outcomes[repr(size)] = len([name for name in os.listdir(target) if name.endswith(".safetensors")])
+        except ValueError as exc:
+            outcomes[repr(size)] = "ValueError: " + str(exc)
+    return outcomes
+
+
 SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text]
 
 
@@ -231,3 +281,18 @@ def test_dtypes_gloo_lacks_move_on_nbaccel_and_fail_on_accelerate():
         assert theirs == {name: ("RuntimeError", "Invalid scalar type") for name in ("gather", "reduce", "broadcast")}
         assert ours == {"gather": ([0, 7, 1, 7], "torch.int16"), "reduce": ([1, 14], "torch.int16"),
                         "broadcast": ([0, 7], "torch.int16")}, rank
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_save_model_in_shards_writes_the_same_files(num_processes, tmp_path):
+    _compare(run_both(sharded_save_model, num_processes, args=(str(tmp_path),)), "sharded_save_model", num_processes)
+
+
+def test_shard_sizes_accelerate_refuses_or_reads_differently(tmp_path):
+    """docs/compat.md: nbaccel reads bytes ("300B", "2000") and binary units ("1KiB"), which Accelerate's
+    parser (huggingface_hub's) refuses; a size of 0 is an error in nbaccel, one tensor per shard in Accelerate."""
+    [theirs], [ours] = run_both(shard_size_strings, 1, args=(str(tmp_path),)).values()
+    assert {size: str(outcome).split(".")[0] for size, outcome in theirs.items()} == {
+        "'300B'": "ValueError: Unit '0B' not supported", "'1KiB'": "ValueError: Unit 'IB' not supported",
+        "'2000'": "ValueError: Unit '00' not supported", "0": "2"}
+    assert ours == {"'300B'": 2, "'1KiB'": 1, "'2000'": 1, "0": "ValueError: max_shard_size must be positive, got 0."}
