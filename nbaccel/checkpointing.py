@@ -85,6 +85,10 @@ class CheckpointFileMissingError(CheckpointError, FileNotFoundError):
     """A file the checkpoint should contain is not there (the message names it)."""
 
 
+class CheckpointDirectoryMissingError(CheckpointFileMissingError, ValueError):
+    """The checkpoint folder itself is not there; also a `ValueError`, which is what Accelerate raises then."""
+
+
 class CheckpointFileCorruptError(CheckpointError, RuntimeError):
     """A checkpoint file exists but cannot be read (truncated or not what its name says)."""
 
@@ -223,7 +227,7 @@ def _resolve_readable_dir(path: Path) -> Path:
         chosen = tmp if tmp.is_dir() else old
         logger.warning("Checkpoint %s was being replaced when a save was interrupted; reading %s", path, chosen)
         return chosen
-    raise CheckpointFileMissingError(
+    raise CheckpointDirectoryMissingError(
         f"Checkpoint directory {path} does not exist (or is not a directory). Check the path; "
         "save_state() writes it."
     )

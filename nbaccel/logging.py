@@ -2,7 +2,7 @@
 
 Accelerate scripts start with `from accelerate.logging import get_logger`; after the rename they import this.
 Records go to the main process only unless the call passes `main_process_only=False`; `in_order=True` makes every
-process log in turn (rank 0 first), separated by barriers. The log level defaults to `NBACCEL_LOG_LEVEL`, then
+process log in turn (rank 0 first), separated by barriers. Each message starts with `[RANK n] `, as in Accelerate. The log level defaults to `NBACCEL_LOG_LEVEL`, then
 Accelerate's `ACCELERATE_LOG_LEVEL`.
 """
 
@@ -55,7 +55,9 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             state.wait_for_everyone()
 
     def process(self, msg: object, kwargs: MutableMapping[str, Any]) -> tuple[object, MutableMapping[str, Any]]:
-        return msg, kwargs
+        """Prefix the message with the process index, `[RANK 0] ...`, as Accelerate's adapter does (so a log
+        read from several processes, or compared with Accelerate's, says who wrote each line)."""
+        return f"[RANK {PartialState().process_index}] {msg}", kwargs
 
     @functools.lru_cache(None)  # noqa: B019 - one warning per (adapter, message) for the life of the process
     def warning_once(self, *args: Any, **kwargs: Any) -> None:

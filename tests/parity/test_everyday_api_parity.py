@@ -240,7 +240,76 @@ def shard_size_strings(lib, root):
     return outcomes
 
 
-SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text]
+def _outcome(call):
+    try:
+        value = call()
+        return ("ok", type(value).__name__)
+    except Exception as exc:  # noqa: BLE001
+        return tuple(base.__name__ for base in (ValueError, TypeError, FileNotFoundError, AssertionError)
+                     if isinstance(exc, base)) or (type(exc).__name__,)
+
+
+def bad_inputs(lib):
+    results = {}
+    reset = lambda: lib.state.AcceleratorState._reset_state(True)  # noqa: E731
+    cases = {
+        "mp_bad": lambda: lib.Accelerator(cpu=True, mixed_precision="fp17"),
+        "gas_zero": lambda: lib.Accelerator(cpu=True, gradient_accumulation_steps=0),
+        "gas_neg": lambda: lib.Accelerator(cpu=True, gradient_accumulation_steps=-1),
+        "gas_and_plugin": lambda: lib.Accelerator(cpu=True, gradient_accumulation_steps=2,
+                                                  gradient_accumulation_plugin=lib.utils.GradientAccumulationPlugin(num_steps=2)),
+        "log_with_bad": lambda: lib.Accelerator(cpu=True, log_with="nope"),
+        "dynamo_bad": lambda: lib.Accelerator(cpu=True, dynamo_backend="nope"),
+        "rng_bad": lambda: lib.Accelerator(cpu=True, rng_types=["nope"]),
+        "kwargs_dup": lambda: lib.Accelerator(cpu=True, kwargs_handlers=[lib.utils.DistributedDataParallelKwargs(),
+                                                                         lib.utils.DistributedDataParallelKwargs()]),
+        "kwargs_bad": lambda: lib.Accelerator(cpu=True, kwargs_handlers=[object()]),
+        "project_limit": lambda: lib.utils.ProjectConfiguration(total_limit=-2),
+        "dl_config_bad": lambda: lib.utils.DataLoaderConfiguration(split_batches="yes"),
+        "load_state_missing": lambda: lib.Accelerator(cpu=True).load_state("/nonexistent/dir/xyz"),
+        "reduce_bad": lambda: lib.Accelerator(cpu=True).reduce(torch.ones(2), reduction="avg"),
+        "gather_non_tensor": lambda: lib.Accelerator(cpu=True).gather([1, 2]),
+        "pad_bad_dim": lambda: lib.Accelerator(cpu=True).pad_across_processes(torch.ones(2), dim=3),
+        "unwrap_plain": lambda: lib.Accelerator(cpu=True).unwrap_model(torch.nn.Linear(1, 1)),
+        "skip_bad": lambda: lib.Accelerator(cpu=True).skip_first_batches(DataLoader(TensorDataset(torch.ones(4)), batch_size=2), -1),
+        "get_tracker_none": lambda: lib.Accelerator(cpu=True).get_tracker("tensorboard"),
+        "save_state_no_dir": lambda: lib.Accelerator(cpu=True).save_state(),
+        "clip_no_model": lambda: lib.Accelerator(cpu=True).clip_grad_norm_([], 1.0),
+        "prepare_bad": lambda: lib.Accelerator(cpu=True).prepare(42),
+        "prepare_none": lambda: lib.Accelerator(cpu=True).prepare(None),
+        "free_memory": lambda: lib.Accelerator(cpu=True).free_memory(),
+    }
+    for name, call in cases.items():
+        results[name] = _outcome(call)
+        reset()
+    return results
+
+
+def logging_records(lib):
+    import logging
+
+    accelerator = lib.Accelerator(cpu=True)
+    logger = lib.logging.get_logger("probe.logger", log_level="INFO")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelname, record.getMessage()))
+
+    handler = Keep()
+    logger.logger.addHandler(handler)
+    logger.info("all %d", 1)
+    logger.info("main only")
+    logger.info("everyone", main_process_only=False)
+    logger.info("in order", main_process_only=False, in_order=True)
+    logger.warning_once("once")
+    logger.warning_once("once")
+    logger.debug("debug hidden")
+    logger.logger.removeHandler(handler)
+    return {"records": records, "level": logger.getEffectiveLevel(), "rank": accelerator.process_index}
+
+
+SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records]
 
 
 def _compare(results: dict, name: str, num_processes: int) -> None:
@@ -296,3 +365,28 @@ def test_shard_sizes_accelerate_refuses_or_reads_differently(tmp_path):
         "'300B'": "ValueError: Unit '0B' not supported", "'1KiB'": "ValueError: Unit 'IB' not supported",
         "'2000'": "ValueError: Unit '00' not supported", "0": "2"}
     assert ours == {"'300B'": 2, "'1KiB'": 1, "'2000'": 1, "0": "ValueError: max_shard_size must be positive, got 0."}
+
+
+# Where Accelerate accepts a value and fails later (or never), nbaccel refuses it at once; where both refuse
+# with different types (docs/compat.md, "Bad input fails early").
+REFUSED_EARLY = {
+    "gas_zero": (("ok", "Accelerator"), ("ValueError",)),
+    "gas_neg": (("ok", "Accelerator"), ("ValueError",)),
+    "rng_bad": (("ok", "Accelerator"), ("ValueError",)),
+    "project_limit": (("ok", "ProjectConfiguration"), ("ValueError",)),
+    "reduce_bad": (("ok", "Tensor"), ("ValueError",)),
+    "skip_bad": (("ok", "DataLoader"), ("ValueError",)),
+    "kwargs_bad": (("AssertionError",), ("TypeError",)),
+    "save_state_no_dir": (("TypeError",), ("ValueError",)),
+    # the same ValueError, and a FileNotFoundError too
+    "load_state_missing": (("ValueError",), ("ValueError", "FileNotFoundError")),
+}
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_bad_input_fails_as_in_accelerate_or_earlier(num_processes):
+    results = run_both(bad_inputs, num_processes)
+    for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
+        for name, (accelerate_outcome, nbaccel_outcome) in REFUSED_EARLY.items():
+            assert (theirs.pop(name), ours.pop(name)) == (accelerate_outcome, nbaccel_outcome), name
+        assert ours == theirs
