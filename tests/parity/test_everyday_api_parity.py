@@ -309,6 +309,28 @@ def logging_records(lib):
     return {"records": records, "level": logger.getEffectiveLevel(), "rank": accelerator.process_index}
 
 
+def stateful_loader_resume(lib, root):
+    """use_stateful_dataloader=True: torchdata's state mid-epoch, save_state there, the rest of the epoch,
+    then load_state and the epoch again from the saved position."""
+    root = os.path.join(root, lib.__name__)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=lib.utils.DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    lib.utils.set_seed(0)
+    x = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    loader = accelerator.prepare(DataLoader(TensorDataset(x), batch_size=2, shuffle=True))
+    batches = iter(loader)
+    seen = [next(batches)[0][:, 0].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    accelerator.save_state(os.path.join(root, "checkpoint"))
+    rest = [batch[0][:, 0].tolist() for batch in batches]
+    accelerator.load_state(os.path.join(root, "checkpoint"))
+    resumed = [batch[0][:, 0].tolist() for batch in loader]
+    return {"seen": seen, "state": state, "rest": rest, "resumed": resumed,
+            "next_epoch": [batch[0][:, 0].tolist() for batch in loader],
+            "is_stateful": isinstance(loader, __import__("torchdata.stateful_dataloader").stateful_dataloader
+                                      .StatefulDataLoader), "is_shard": isinstance(loader, lib.data_loader.DataLoaderShard)}
+
+
 SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records]
 
 
@@ -390,3 +412,10 @@ def test_bad_input_fails_as_in_accelerate_or_earlier(num_processes):
         for name, (accelerate_outcome, nbaccel_outcome) in REFUSED_EARLY.items():
             assert (theirs.pop(name), ours.pop(name)) == (accelerate_outcome, nbaccel_outcome), name
         assert ours == theirs
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_stateful_loader_resumes_as_in_accelerate(num_processes, tmp_path):
+    pytest.importorskip("torchdata")
+    _compare(run_both(stateful_loader_resume, num_processes, args=(str(tmp_path),)), "stateful_loader_resume",
+             num_processes)
