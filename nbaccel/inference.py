@@ -84,14 +84,17 @@ def build_pipeline(
     return ScheduleGPipe(pipe.build_stage(state.process_index, device=state.device), num_chunks)
 
 
-def pippy_forward(
-    forward: Callable[..., Any], num_chunks: int, gather_output: bool, *args: Any,
-    micro_batch_size: int | None = None, **kwargs: Any,
-) -> Any:
+def pippy_forward(forward: Callable[..., Any], num_chunks: int, gather_output: bool, *args: Any, **kwargs: Any) -> Any:
     """One pipelined call: the first process pads the batch to a multiple of `num_chunks` and feeds it, the
-    last returns the output (every process when `gather_output`), the others None.
+    last returns the output (every process when `gather_output`), the others None. Every keyword argument
+    goes to the model."""
+    return _pipelined_call(forward, num_chunks, gather_output, None, args, kwargs)
 
-    `micro_batch_size`: the batch size the model was traced with, which every micro-batch must have."""
+
+def _pipelined_call(forward: Callable[..., Any], num_chunks: int, gather_output: bool, micro_batch_size: int | None,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`pippy_forward`, checking the batch against `micro_batch_size` (the batch size the model was traced
+    with, which every micro-batch must have) when it is known."""
     state = PartialState()
     if state.num_processes == 1:
         return forward(*args, **kwargs)
@@ -171,9 +174,7 @@ def prepare_pippy(
     model.pippy_stage = schedule
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return pippy_forward(
-            schedule.step, num_chunks, bool(gather_output), *args, micro_batch_size=micro_batch_size, **kwargs
-        )
+        return _pipelined_call(schedule.step, num_chunks, bool(gather_output), micro_batch_size, args, kwargs)
 
     forward.__wrapped__ = MethodType(forward, model)
     model.forward = forward

@@ -221,3 +221,29 @@ def test_one_process_is_refused_as_in_accelerate() -> None:
         PartialState(cpu=True)
         with pytest.raises(ValueError, match="one stage per process and only 1 process runs"):
             prepare_pippy(model, example_args=example)
+
+
+def test_pippy_forward_passes_every_keyword_to_the_model_as_in_accelerate() -> None:
+    """In one process pippy_forward is the model's call; a keyword nbaccel uses inside (the traced batch
+    size) must not be taken from the caller's."""
+    import accelerate.inference
+    import accelerate.state
+
+    from nbaccel import PartialState
+    from nbaccel.inference import pippy_forward
+    from nbaccel.state import isolated_states
+
+    def model(x, micro_batch_size=None, scale=1):
+        return (x * scale, micro_batch_size)
+
+    x = torch.ones(2)
+    accelerate.state.PartialState._reset_state()
+    try:
+        accelerate.state.PartialState(cpu=True)
+        theirs = accelerate.inference.pippy_forward(model, 1, False, x, micro_batch_size=3, scale=2)
+    finally:
+        accelerate.state.PartialState._reset_state()
+    with isolated_states():
+        PartialState(cpu=True)
+        ours = pippy_forward(model, 1, False, x, micro_batch_size=3, scale=2)
+    assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1] == 3
