@@ -44,6 +44,16 @@ def all_gone(pids: list[int], within: float = 10.0) -> bool:
     return False
 
 
+LIBRARY_PREFIXES = ("ACCELERATE_", "NBACCEL_")
+
+
+def environment_without(*prefixes: str) -> dict[str, str]:
+    """This process's environment without the variables that start with `prefixes` (default: Accelerate's and
+    nbaccel's own), for a child that must see neither library's settings from the test run."""
+    prefixes = prefixes or LIBRARY_PREFIXES
+    return {key: value for key, value in os.environ.items() if not key.startswith(prefixes)}
+
+
 def run_in_session(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run `command` in a session of its own, stdout and stderr together; past `timeout` seconds its whole
     process group is killed (a launcher's ranks included) and the test fails with the end of the output."""

@@ -24,14 +24,13 @@ side by side on a small model instead.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from process_helpers import run_in_session
+from process_helpers import environment_without, run_in_session
 
 accelerate_scripts = pytest.importorskip("accelerate.test_utils.scripts", reason="runs Accelerate 1.15's CI scripts")
 
@@ -86,7 +85,7 @@ def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProce
     script = tmp_path / package / name
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(script_source(name, package))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    env = environment_without()
     logs = tmp_path / f"logs-{package}"
     if name in RUN_AS_SCRIPT:
         env["ACCELERATE_NUM_PROCESSES"] = "2"

@@ -153,7 +153,7 @@ def _scenario(rank: int, folder: str):
     from nbaccel.state import AcceleratorState
 
     state = AcceleratorState(fsdp_plugin=make_plugin(), _from_accelerator=True)  # what Accelerator() does
-    return {"light_diff": light_diff, "light_buffer": light_buffer, "distributed_type": str(state.distributed_type), "is_fsdp2": state.is_fsdp2, "diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
+    return {"light_diff": light_diff, "light_buffer": light_buffer, "distributed_type": state.distributed_type.value, "is_fsdp2": state.is_fsdp2, "diff": diff, "norms": norms, "ddp_norms": ddp_norms, "resume_exact": resume_exact, "path": path,
             "out": out, "errors": errors}
 
 
@@ -239,7 +239,7 @@ def _accelerator_run(rank: int, folder: str, mode: str):
             accelerator.prepare(torch.optim.SGD(Tiny().parameters(), lr=0.1))
         except ValueError as error:
             extra = str(error)
-    return {"norms": norms, "distributed_type": str(accelerator.distributed_type), "extra": extra}
+    return {"norms": norms, "distributed_type": accelerator.distributed_type.value, "extra": extra}
 
 
 def test_accelerator_fsdp_and_tensor_parallel(tmp_path):

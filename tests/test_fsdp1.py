@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from process_helpers import LIBRARY_PREFIXES, environment_without
 from ranks_helper import run_ranks
 from torch import nn
 
@@ -99,7 +100,7 @@ def _train(rank: int, settings: dict | None, steps: int = 4, optimizer_first: bo
     weights = accelerator.get_state_dict(model)
     kinds = sorted({type(m).__name__ for m in model.modules()})
     return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms, "kinds": kinds,
-            "distributed_type": str(accelerator.distributed_type)}
+            "distributed_type": accelerator.distributed_type.value}
 
 
 def _all_settings(rank: int):
@@ -331,7 +332,7 @@ accelerator.save_model(model, sys.argv[1])
 
 
 def _launch(launcher: list[str], config: str, script: str, output: str, **extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "NBACCEL_"))}
+    env = environment_without("FSDP_", *LIBRARY_PREFIXES)
     env.update(extra)
     return subprocess.run([sys.executable, *launcher, "--config_file", config, script, output], env=env,
                           capture_output=True, text=True, timeout=240, cwd=os.path.dirname(config))
@@ -356,14 +357,14 @@ def test_accelerate_fsdp_config_without_version_runs_under_nbaccel_launch(tmp_pa
     ours = _launch(["-m", "nbaccel", "launch"], str(fsdp_config), str(tmp_path / "train_nbaccel.py"),
                    str(tmp_path / "nbaccel"))
     assert ours.returncode == 0, ours.stdout + ours.stderr
-    assert "RESULT FSDP FullyShardedDataParallel 1 BackwardPrefetch.BACKWARD_PRE" in ours.stdout, ours.stdout
+    assert "RESULT DistributedType.FSDP FullyShardedDataParallel 1 BackwardPrefetch.BACKWARD_PRE" in ours.stdout, ours.stdout
     refused = _launch(["-m", "accelerate.commands.launch"], str(fsdp_config), str(tmp_path / "train_accelerate.py"),
                       str(tmp_path / "refused"))
     assert refused.returncode != 0 and "no available devices" in refused.stderr, refused.stderr[-2000:]
     ddp = _launch(["-m", "accelerate.commands.launch"], str(cpu_config), str(tmp_path / "train_accelerate.py"),
                   str(tmp_path / "accelerate"), ACCELERATE_USE_CPU="true")
     assert ddp.returncode == 0, ddp.stdout + ddp.stderr
-    assert "RESULT MULTI_CPU DistributedDataParallel" in ddp.stdout.replace("DistributedType.", ""), ddp.stdout
+    assert "RESULT DistributedType.MULTI_CPU DistributedDataParallel" in ddp.stdout, ddp.stdout
     mine = load_file(tmp_path / "nbaccel" / "model.safetensors")
     theirs = load_file(tmp_path / "accelerate" / "model.safetensors")
     assert mine.keys() == theirs.keys()

@@ -9,7 +9,6 @@ docs/compat.md says, and what nbaccel does instead.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from process_helpers import run_in_session
+from process_helpers import environment_without, run_in_session
 
 pytest.importorskip("accelerate.inference", reason="compares with Accelerate 1.15's prepare_pippy")
 
@@ -44,7 +43,7 @@ def launch(tmp_path: Path, package: str, *cases: str, stop_on_error: bool = Fals
     folder.mkdir()
     script = folder / SCRIPT.name
     script.write_text(re.sub(r"\baccelerate\b", package, SCRIPT.read_text()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    env = environment_without()
     if package == "nbaccel":
         command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu"]
     else:
@@ -154,7 +153,7 @@ def test_stages_follow_the_process_index_across_machines(tmp_path: Path) -> None
 
     script = tmp_path / SCRIPT.name
     script.write_text(re.sub(r"\baccelerate\b", "nbaccel", SCRIPT.read_text()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    env = environment_without()
     port = str(free_port())
 
     def machine(rank: int) -> subprocess.CompletedProcess:
@@ -194,7 +193,7 @@ def test_the_docs_example_runs(tmp_path: Path) -> None:
     docs = (Path(__file__).resolve().parent.parent / "docs" / "big_models.md").read_text()
     example = re.search(r"```python\n(# pipeline\.py: .*?)```", docs, re.DOTALL).group(1)
     (tmp_path / "pipeline.py").write_text(example)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    env = environment_without()
     command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "pipeline.py"]
     assert example.startswith("# pipeline.py: nbaccel launch --num_processes 2 --cpu pipeline.py\n")
     result = run_in_session(command, env, tmp_path, TIMEOUT)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from process_helpers import run_in_session
+from process_helpers import environment_without, run_in_session
 from ranks_helper import free_port, run_ranks
 
 from nbaccel.state import (
@@ -705,7 +705,7 @@ def test_one_launched_process_has_accelerates_group(tmp_path, how, init_method):
     both build it with the caller's init_process_group arguments (here `init_method`)."""
     pytest.importorskip("accelerate")
     seen = {}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    env = environment_without()
     if init_method:
         env["STORE_FILE"] = str(tmp_path / "store")
     for package in ("accelerate", "nbaccel"):

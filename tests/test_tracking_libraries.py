@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from process_helpers import LIBRARY_PREFIXES, environment_without
 
 pytest.importorskip("accelerate.tracking", reason="compares with Accelerate 1.15's trackers")
 
@@ -30,7 +30,7 @@ def record(tmp_path: Path, package: str, tracker: str, *args: str, ok: bool = Tr
     folder.mkdir()
     script = folder / SCRIPT.name
     script.write_text(re.sub(r"\baccelerate\b", package, SCRIPT.read_text()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_", "WANDB_", "MLFLOW_"))}
+    env = environment_without(*LIBRARY_PREFIXES, "WANDB_", "MLFLOW_")
     result = subprocess.run([sys.executable, str(script), tracker, str(folder / "out"), *args], cwd=folder, env=env,
                             capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
