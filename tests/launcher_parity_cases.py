@@ -48,7 +48,8 @@ def tough_nut_function(queues: Any) -> None:
     """Accelerate's fault-tolerance test function, with one queue per rank: fail until this rank's counter
     reaches 0, then build the state. Accelerate's version shares one queue between the ranks, which races:
     a rank that looks while the other holds the item sees it empty and returns, and in a later attempt one
-    rank builds PartialState alone and waits for its peer forever (on both libraries)."""
+    rank builds PartialState alone and waits for its peer: forever on Accelerate; nbaccel names it within
+    seconds (tests/test_launch_deadlock.py)."""
     queue = queues[int(os.environ["LOCAL_RANK"])]
     if queue.empty():
         return
@@ -144,6 +145,18 @@ def case_fork_objects(max_restarts: int = 0) -> dict[str, Any]:
     return outcome
 
 
+def case_mixed_precision() -> list:
+    """notebook_launcher(mixed_precision="bf16"): the precision each rank's Accelerator trains with."""
+    queue = multiprocessing.get_context("fork").Queue()
+
+    def work(queue: Any) -> None:
+        accelerator = lib.Accelerator(cpu=True)
+        queue.put((accelerator.process_index, accelerator.mixed_precision))
+
+    launch(work, (queue,), mixed_precision="bf16")
+    return sorted(queue.get(timeout=10) for _ in range(2))
+
+
 CASES = {
     "child_failed_error": case_child_failed_error,
     "static": case_static,
@@ -153,6 +166,7 @@ CASES = {
     "monitoring": case_monitoring,
     "fork_objects": case_fork_objects,
     "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
+    "mixed_precision": case_mixed_precision,
 }
 
 
