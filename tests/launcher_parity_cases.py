@@ -157,6 +157,23 @@ def case_mixed_precision() -> list:
     return sorted(queue.get(timeout=10) for _ in range(2))
 
 
+def case_accelerator_in_the_kernel() -> Any:
+    """An Accelerator built in the launching process first (a notebook cell run before the launch). Last: it
+    leaves the launching process's state reset."""
+    lib.Accelerator(cpu=True)
+    queue = multiprocessing.get_context("fork").Queue()
+
+    def work(queue: Any) -> None:
+        accelerator = lib.Accelerator(cpu=True)
+        queue.put((accelerator.process_index, accelerator.num_processes))
+
+    try:
+        launch(work, (queue,))
+        return sorted(queue.get(timeout=10) for _ in range(2))
+    finally:
+        lib.state.AcceleratorState._reset_state(True)
+
+
 CASES = {
     "child_failed_error": case_child_failed_error,
     "static": case_static,
@@ -167,6 +184,7 @@ CASES = {
     "fork_objects": case_fork_objects,
     "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
     "mixed_precision": case_mixed_precision,
+    "accelerator_in_the_kernel": case_accelerator_in_the_kernel,
 }
 
 

@@ -5,7 +5,7 @@ and once on nbaccel, each in its own subprocess (Accelerate keeps global state),
 equal: a failing rank raises a torch ChildFailedError with the same failure fields; fork-context Queue, Lock,
 Event, Value, Manager proxies and open files reach the ranks, with and without restarts; static and c10d
 rendezvous work; a function that fails on its first attempts returns under max_restarts; a raising rank ends
-a run whose other rank sleeps 100 s within seconds. `mixed_precision=` is the one case that differs on purpose.
+a run whose other rank sleeps 100 s within seconds. `mixed_precision=` and an Accelerator built before the launch are the cases that differ on purpose.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def test_launcher_cases_behave_as_on_accelerate():
     # docs/compat.md: Accelerate's launcher exports MIXED_PRECISION, which its Accelerator never reads
     assert accelerate.pop("mixed_precision") == [[0, "no"], [1, "no"]]
     assert nbaccel.pop("mixed_precision") == [[0, "bf16"], [1, "bf16"]]
+    # docs/compat.md: Accelerate refuses to launch after an Accelerator was built in the notebook
+    refused = accelerate.pop("accelerator_in_the_kernel")
+    assert refused["exception"] == "ValueError" and "should only be initialized inside" in refused["text"]
+    assert nbaccel.pop("accelerator_in_the_kernel") == [[0, 2], [1, 2]]
     assert nbaccel == accelerate
     # and what they agree on is what Accelerate's tests require
     failure = nbaccel["child_failed_error"]
