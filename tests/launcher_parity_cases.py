@@ -157,6 +157,30 @@ def case_mixed_precision() -> list:
     return sorted(queue.get(timeout=10) for _ in range(2))
 
 
+def double(x: int = 1) -> int:
+    return 2 * x
+
+
+def case_arguments() -> dict[str, Any]:
+    """What each library does with arguments it may refuse (no worker may start for a refused one)."""
+    calls = {
+        "one_process": lambda: lib.notebook_launcher(double, (3,), num_processes=1),
+        "zero": lambda: lib.notebook_launcher(double, num_processes=0),
+        "negative": lambda: lib.notebook_launcher(double, num_processes=-1),
+        "unknown_precision": lambda: launch(double, mixed_precision="fp17"),
+        "args_not_a_tuple": lambda: lib.notebook_launcher(double, 3, num_processes=1),
+        "not_callable": lambda: launch(42),
+        "no_num_processes": lambda: lib.notebook_launcher(double, (5,)),
+    }
+    outcomes: dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            outcomes[name] = ["returned", call()]
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is compared
+            outcomes[name] = [type(exc).__name__]
+    return outcomes
+
+
 def case_accelerator_in_the_kernel() -> Any:
     """An Accelerator built in the launching process first (a notebook cell run before the launch). Last: it
     leaves the launching process's state reset."""
@@ -184,6 +208,7 @@ CASES = {
     "fork_objects": case_fork_objects,
     "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
     "mixed_precision": case_mixed_precision,
+    "arguments": case_arguments,
     "accelerator_in_the_kernel": case_accelerator_in_the_kernel,
 }
 

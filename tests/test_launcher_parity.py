@@ -42,6 +42,17 @@ def test_launcher_cases_behave_as_on_accelerate():
     # docs/compat.md: Accelerate's launcher exports MIXED_PRECISION, which its Accelerator never reads
     assert accelerate.pop("mixed_precision") == [[0, "no"], [1, "no"]]
     assert nbaccel.pop("mixed_precision") == [[0, "bf16"], [1, "bf16"]]
+    # docs/compat.md: nbaccel returns the results, checks its arguments before starting anything, and runs one
+    # process per device when num_processes is left out; Accelerate runs 0 or -1 processes as one, in the
+    # calling process, and two of its checks fail with an AttributeError of their own
+    assert accelerate.pop("arguments") == {
+        "one_process": ["returned", None], "zero": ["returned", None], "negative": ["returned", None],
+        "unknown_precision": ["AttributeError"], "args_not_a_tuple": ["TypeError"], "not_callable": ["AttributeError"],
+        "no_num_processes": ["ValueError"]}
+    assert nbaccel.pop("arguments") == {
+        "one_process": ["returned", [6]], "zero": ["ValueError"], "negative": ["ValueError"],
+        "unknown_precision": ["ValueError"], "args_not_a_tuple": ["TypeError"], "not_callable": ["TypeError"],
+        "no_num_processes": ["returned", [10]]}
     # docs/compat.md: Accelerate refuses to launch after an Accelerator was built in the notebook
     refused = accelerate.pop("accelerator_in_the_kernel")
     assert refused["exception"] == "ValueError" and "should only be initialized inside" in refused["text"]
