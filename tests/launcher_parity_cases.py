@@ -181,6 +181,21 @@ def case_arguments() -> dict[str, Any]:
     return outcomes
 
 
+def case_debug_launcher() -> dict[str, Any]:
+    """debug_launcher on 2 CPU processes: what each rank sees and computes, and what the call returns."""
+    queue = multiprocessing.get_context("fork").Queue()
+
+    def work(queue: Any) -> int:
+        accelerator = lib.Accelerator()
+        total = accelerator.reduce(torch.tensor([accelerator.process_index + 1.0]), reduction="sum").item()
+        queue.put([accelerator.process_index, accelerator.num_processes, str(accelerator.distributed_type), total,
+                   os.environ.get("RANK"), os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")])
+        return accelerator.process_index
+
+    returned = lib.debug_launcher(work, (queue,), num_processes=2)
+    return {"ranks": sorted(queue.get(timeout=10) for _ in range(2)), "returned": returned}
+
+
 def case_accelerator_in_the_kernel() -> Any:
     """An Accelerator built in the launching process first (a notebook cell run before the launch). Last: it
     leaves the launching process's state reset."""
@@ -209,6 +224,7 @@ CASES = {
     "fork_objects_restarts": lambda: case_fork_objects(max_restarts=1),
     "mixed_precision": case_mixed_precision,
     "arguments": case_arguments,
+    "debug_launcher": case_debug_launcher,
     "accelerator_in_the_kernel": case_accelerator_in_the_kernel,
 }
 

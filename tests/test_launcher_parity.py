@@ -53,6 +53,13 @@ def test_launcher_cases_behave_as_on_accelerate():
         "one_process": ["returned", [6]], "zero": ["ValueError"], "negative": ["ValueError"],
         "unknown_precision": ["ValueError"], "args_not_a_tuple": ["TypeError"], "not_callable": ["TypeError"],
         "no_num_processes": ["returned", [10]]}
+    # docs/compat.md: debug_launcher's ranks compute the same; Accelerate's all read RANK=0 from the environment
+    theirs, ours = accelerate.pop("debug_launcher"), nbaccel.pop("debug_launcher")
+    assert [rank[:4] for rank in theirs["ranks"]] == [rank[:4] for rank in ours["ranks"]] == [
+        [0, 2, "DistributedType.MULTI_CPU", 3.0], [1, 2, "DistributedType.MULTI_CPU", 3.0]]
+    assert [rank[4:] for rank in theirs["ranks"]] == [["0", "0", "1"], ["0", "0", "1"]]
+    assert [rank[4:] for rank in ours["ranks"]] == [["0", "0", "2"], ["1", "1", "2"]]
+    assert (theirs["returned"], ours["returned"]) == (None, [0, 1])
     # docs/compat.md: Accelerate refuses to launch after an Accelerator was built in the notebook
     refused = accelerate.pop("accelerator_in_the_kernel")
     assert refused["exception"] == "ValueError" and "should only be initialized inside" in refused["text"]
