@@ -161,7 +161,8 @@ def test_get_logger_logs_on_main_process(caplog: pytest.LogCaptureFixture) -> No
             logger.info("ordered", in_order=True)
             logger.warning_once("once")
             logger.warning_once("once")
-        assert [r.getMessage() for r in caplog.records] == ["one arg", "everywhere", "ordered", "once"]
+        assert [r.getMessage() for r in caplog.records] == [
+            "[RANK 0] one arg", "[RANK 0] everywhere", "[RANK 0] ordered", "[RANK 0] once"]
 
 
 def test_get_logger_reads_accelerate_log_level_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,8 +178,8 @@ def test_multi_process_adapter_quiet_off_main_process() -> None:
     from ranks_helper import run_ranks
 
     results = run_ranks(_log_on_each_rank, world_size=2)
-    assert results[0] == ["main only", "all ranks", "in order"]
-    assert results[1] == ["all ranks", "in order"]
+    assert results[0] == ["[RANK 0] main only", "[RANK 0] all ranks", "[RANK 0] in order"]
+    assert results[1] == ["[RANK 1] all ranks", "[RANK 1] in order"]
 
 
 def _log_on_each_rank(rank: int) -> list[str]:

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both
+from parity_harness import assert_same, run_both, run_ranks
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 pytest.importorskip("accelerate")
@@ -309,12 +309,12 @@ def logging_records(lib):
     return {"records": records, "level": logger.getEffectiveLevel(), "rank": accelerator.process_index}
 
 
-def stateful_loader_resume(lib, root):
+def stateful_loader_resume(lib, root, seedable):
     """use_stateful_dataloader=True: torchdata's state mid-epoch, save_state there, the rest of the epoch,
     then load_state and the epoch again from the saved position."""
-    root = os.path.join(root, lib.__name__)
+    root = os.path.join(root, lib.__name__, str(seedable))
     accelerator = lib.Accelerator(cpu=True, dataloader_config=lib.utils.DataLoaderConfiguration(
-        use_stateful_dataloader=True))
+        use_stateful_dataloader=True, use_seedable_sampler=seedable))
     lib.utils.set_seed(0)
     x = torch.arange(40, dtype=torch.float32).reshape(20, 2)
     loader = accelerator.prepare(DataLoader(TensorDataset(x), batch_size=2, shuffle=True))
@@ -414,8 +414,21 @@ def test_bad_input_fails_as_in_accelerate_or_earlier(num_processes):
         assert ours == theirs
 
 
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_a_stateful_loader_resumes_as_in_accelerate(num_processes, tmp_path):
+@pytest.mark.parametrize("seedable", [False, True])
+def test_a_stateful_loader_resumes_as_in_accelerate(tmp_path, seedable):
     pytest.importorskip("torchdata")
-    _compare(run_both(stateful_loader_resume, num_processes, args=(str(tmp_path),)), "stateful_loader_resume",
-             num_processes)
+    _compare(run_both(stateful_loader_resume, 1, args=(str(tmp_path), seedable)), "stateful_loader_resume", 1)
+
+
+def test_a_stateful_loader_resumes_on_two_ranks(tmp_path):
+    """Not compared with Accelerate on 2 ranks: there every rank `torch.save`s the same `dl_state_dict.bin`
+    at once and loads it without a barrier, so a rank now and then reads a half-written file
+    (`UnpicklingError`, in one of the first two runs here; docs/compat.md). nbaccel's ranks resume at the saved position."""
+    pytest.importorskip("torchdata")
+    ranks = run_ranks(stateful_loader_resume, "nbaccel", 2, args=(str(tmp_path), True))
+    for rank in ranks:  # the resumed pass starts at the saved position: 3 of 5 batches were used
+        assert len(rank["seen"]) == 3 and len(rank["rest"]) == len(rank["resumed"]) == 2
+        assert rank["is_stateful"] and rank["is_shard"]
+    for part in ("seen", "rest", "resumed", "next_epoch"):  # the ranks read disjoint samples
+        first, second = ({x for batch in rank[part] for x in batch} for rank in ranks)
+        assert not first & second, part
