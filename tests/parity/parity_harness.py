@@ -82,8 +82,10 @@ def run_ranks(fn: Callable, lib: str, num_processes: int = 2, args: tuple = (), 
 
 
 # Variables that differ from run to run and that no library reads at import: a zygote serves any values.
+# (pytest sets PYTEST_CURRENT_TEST for each test: kept in the base, it cost a fresh zygote, ~2.5 s of imports
+# per library, in every test.)
 PER_RUN = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "PARITY_OUT", "PARITY_SPEC"})
+                     "PARITY_OUT", "PARITY_SPEC", "PYTEST_CURRENT_TEST"})
 ZYGOTE_START_TIMEOUT = 120.0  # seconds for its imports (under a loaded suite) and its first fork
 
 
