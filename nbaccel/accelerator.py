@@ -518,14 +518,15 @@ class Accelerator:
             model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
             if self.ddp_handler is not None and hasattr(self.ddp_handler, "register_comm_hook"):
                 self.ddp_handler.register_comm_hook(model)
-        self._models[-1] = model
+        # `_models` keeps the module itself, not its DDP or torch.compile wrapper (an FSDP1 wrapper, made
+        # above, stays), as in Accelerate: save/load hooks get `_models`, and training scripts call the
+        # module's own methods there (`model.save_pretrained(...)` in diffusers' save hooks)
         plugin = self._dynamo_plugin
         if plugin is not None and str(getattr(plugin, "backend", "NO")).upper() != "NO":
             kwargs = plugin.to_kwargs()
             kwargs = {k: v for k, v in kwargs.items() if k not in ("use_regional_compilation",)}
             kwargs["backend"] = str(kwargs.get("backend", "inductor")).lower()
             model = torch.compile(model, **kwargs)
-            self._models[-1] = model
         model._is_accelerate_prepared = True
         return model
 

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -331,7 +332,97 @@ def stateful_loader_resume(lib, root, seedable):
                                       .StatefulDataLoader), "is_shard": isinstance(loader, lib.data_loader.DataLoaderShard)}
 
 
-SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records]
+def prepare_variants(lib):
+    """prepare with a device_placement list, twice, prepare_model(evaluation_mode=True), single objects,
+    objects it passes through; the warnings."""
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = lib.Accelerator(cpu=True)
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = DataLoader(TensorDataset(torch.ones(8, 3)), batch_size=2)
+        pm, po, pl = accelerator.prepare(model, optimizer, loader, device_placement=[False, True, True])
+        out["types"] = [type(pm).__name__, type(po).__name__, type(pl).__name__]
+        again = accelerator.prepare(pm)
+        out["again_type"] = type(again).__name__
+        out["again_same"] = again is pm
+        evalm = accelerator.prepare_model(_model(), evaluation_mode=True)
+        out["eval_type"] = type(evalm).__name__
+        out["n_models"] = len(accelerator._models)
+        out["n_opt"] = len(accelerator._optimizers)
+        out["n_dl"] = len(accelerator._dataloaders)
+        single = accelerator.prepare(torch.nn.Linear(2, 2))
+        out["single_type"] = type(single).__name__
+        out["tuple_ret"] = type(accelerator.prepare(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))).__name__
+        out["passthrough"] = accelerator.prepare(5, "x")
+    out["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:100]}" for w in caught
+                              if "accelerate" not in str(w.message).lower() and "nbaccel" not in str(w.message).lower()})
+    out["lib_warnings"] = sorted({f"{w.category.__name__}" for w in caught
+                                  if "accelerate" in str(w.message).lower() or "nbaccel" in str(w.message).lower()})
+    return out
+
+
+def models_list(lib):
+    """What `accelerator._models` holds after prepare, prepare again and prepare_model (hooks receive it)."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    pm = accelerator.prepare(model)
+    a = [type(m).__name__ for m in accelerator._models]
+    again = accelerator.prepare(pm)
+    b = [type(m).__name__ for m in accelerator._models]
+    c = accelerator.prepare_model(pm)
+    d = [type(m).__name__ for m in accelerator._models]
+    return {"a": a, "b": b, "d": d, "flag": getattr(pm, "_is_accelerate_prepared", None), "same": again is pm and c is pm}
+
+
+class Pretrained(torch.nn.Module):
+    """A model with a method of its own, as transformers/diffusers models have `save_pretrained`."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def save_pretrained(self, folder):
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.state_dict(), os.path.join(folder, "weights.pt"))
+
+
+def hooks_get_the_models(lib, root):
+    """Save and load hooks that call each model's own method (diffusers' training scripts do) and pop the
+    weights they saved themselves."""
+    root = os.path.join(root, lib.__name__)
+    accelerator = lib.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = accelerator.prepare(Pretrained())
+    seen = []
+
+    def save_hook(models, weights, output_dir):
+        seen.append(("save", [type(m).__name__ for m in models], len(weights)))
+        for m in models:
+            m.save_pretrained(os.path.join(output_dir, "pretrained"))
+            weights.pop()
+
+    def load_hook(models, input_dir):
+        seen.append(("load", [type(m).__name__ for m in models]))
+        while models:
+            models.pop()
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    accelerator.save_state(os.path.join(root, "checkpoint"))
+    accelerator.wait_for_everyone()
+    files = sorted(os.listdir(os.path.join(root, "checkpoint")))
+    accelerator.load_state(os.path.join(root, "checkpoint"))
+    return {"seen": seen, "files": [name for name in files if not name.startswith(".nbaccel")],
+            "model": type(model).__name__}
+
+
+SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records,
+        prepare_variants, models_list]
 
 
 def _compare(results: dict, name: str, num_processes: int) -> None:
@@ -432,3 +523,12 @@ def test_a_stateful_loader_resumes_on_two_ranks(tmp_path):
     for part in ("seen", "rest", "resumed", "next_epoch"):  # the ranks read disjoint samples
         first, second = ({x for batch in rank[part] for x in batch} for rank in ranks)
         assert not first & second, part
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_save_and_load_hooks_get_the_models_themselves(num_processes, tmp_path):
+    """Accelerate hands hooks `accelerator._models`: the modules, not their DDP wrappers (nbaccel handed the
+    wrappers on several ranks, and `model.save_pretrained` failed there)."""
+    results = run_both(hooks_get_the_models, num_processes, args=(str(tmp_path),))
+    _compare(results, "hooks_get_the_models", num_processes)
+    assert results["nbaccel"][0]["seen"] == [("save", ["Pretrained"], 1), ("load", ["Pretrained"])]
