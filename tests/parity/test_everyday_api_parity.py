@@ -421,8 +421,37 @@ def hooks_get_the_models(lib, root):
             "model": type(model).__name__}
 
 
+def gradient_state(lib):
+    """GradientState through accumulation with an evaluation loop nested in the training loop: in/end of
+    dataloader, remainder, the active loader, sync flags, the step counter."""
+    accelerator = lib.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = DataLoader(TensorDataset(torch.arange(7.0).reshape(7, 1)), batch_size=2)
+    evals = DataLoader(TensorDataset(torch.arange(5.0).reshape(5, 1)), batch_size=2)
+    model, optimizer, train, evals = accelerator.prepare(model, optimizer, train, evals)
+    gs = accelerator.gradient_state
+    trace = [("before", gs.in_dataloader, gs.end_of_dataloader, gs.remainder, gs.active_dataloader is None)]
+    for i, (x,) in enumerate(train):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+        trace.append(("train", i, gs.in_dataloader, gs.end_of_dataloader, gs.sync_gradients, gs.remainder,
+                      gs.active_dataloader is train, accelerator.step))
+        if i == 1:
+            for j, (y,) in enumerate(evals):
+                g = accelerator.gather_for_metrics(y)
+                trace.append(("eval", j, gs.in_dataloader, gs.end_of_dataloader, gs.remainder,
+                              gs.active_dataloader is evals, g.shape[0]))
+            trace.append(("back", gs.in_dataloader, gs.end_of_dataloader, gs.active_dataloader is train))
+    trace.append(("after", gs.in_dataloader, gs.end_of_dataloader, gs.remainder, gs.active_dataloader is None,
+                  gs.num_steps, gs.adjust_scheduler, gs.sync_with_dataloader))
+    return trace
+
+
 SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records,
-        prepare_variants, models_list]
+        prepare_variants, models_list, gradient_state]
 
 
 def _compare(results: dict, name: str, num_processes: int) -> None:
