@@ -1,12 +1,13 @@
 """Everyday Accelerate calls, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared exactly.
 
 Each scenario is code written for Accelerate (`lib` is the library's top-level module): gradient accumulation
-over a loader whose length is not a multiple of the steps with `adjust_scheduler`, every iterable-loader
-setting (split, dispatch, even batches) with `gather_for_metrics`, `split_between_processes` with and without
-padding, the tensor operations and gradient clipping, bf16 autocast on the CPU, and the state's text and
-properties. Results, losses and final weights must be equal bit for bit. Where nbaccel deliberately differs
-(docs/compat.md) the test shows both sides: `join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the
-CPU device's index.
+with `adjust_scheduler`, GradientState with a nested evaluation loop, every iterable-loader setting with
+`gather_for_metrics`, `split_between_processes`, the tensor operations and clipping, bf16 autocast on the CPU,
+the state's text, logging records, prepare's variants and what `accelerator._models` holds, save/load hooks,
+sharded `save_model`, stateful loaders, and bad input (exception types). Results, losses and final weights
+must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
+`join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the CPU device's index, `max_shard_size` strings,
+inputs refused earlier.
 """
 
 from __future__ import annotations
