@@ -25,13 +25,15 @@ def make_private_dir(prefix: str, root: str) -> str:
 
 def remove_orphans(prefix: str, root: str) -> None:
     """Remove this user's `<prefix><pid>-...` folders of `root` whose pid no longer runs."""
+    import psutil  # here: importing nbaccel's launcher does not import psutil
+
     try:
         names = [name for name in os.listdir(root) if name.startswith(prefix)]
     except OSError:
         return
     for name in names:
         pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):  # another user's process counts as alive
             continue
         path = os.path.join(root, name)
         try:
@@ -39,16 +41,6 @@ def remove_orphans(prefix: str, root: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. another user's process
-        return True
-    return True
 
 
 def make_store_dir() -> str:
