@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
+from .. import messages
 from ..channel import WorkerSink, close_quietly
-from ..messages import PRELOADABLE_MODULES
+from ..messages import PRELOADABLE_MODULES, MessageKind, RankState
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
 from .parent_death import die_with_parent
@@ -70,8 +71,8 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
 
     telemetry.attach(sink, sink.rank, this_thread=thread_rank)
     device = device or os.environ.get(DEVICE_ENV, "cpu")
-    sink.queue({"kind": "status", "rank": sink.rank, "time": time.time(), "state": "starting", "device": device,
-                "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+    sink.queue(messages.message(MessageKind.STATUS, sink.rank, state=RankState.STARTING.value, device=device,
+                                pid=os.getpid(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
     try:
         from .. import serialize, shared_tensors
 
@@ -93,8 +94,8 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             ) from exc
         flush_std()
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
-        sink.queue({"kind": "result", "rank": sink.rank, "time": time.time(), "value": data,
-                    "imported": [name for name in PRELOADABLE_MODULES if name in sys.modules]})
+        sink.queue(messages.message(MessageKind.RESULT, sink.rank, value=data,
+                                    imported=[name for name in PRELOADABLE_MODULES if name in sys.modules]))
         sink.send("status", state="finished", device=device)  # one write with the result
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
