@@ -562,3 +562,71 @@ def test_save_and_load_hooks_get_the_models_themselves(num_processes, tmp_path):
     results = run_both(hooks_get_the_models, num_processes, args=(str(tmp_path),))
     _compare(results, "hooks_get_the_models", num_processes)
     assert results["nbaccel"][0]["seen"] == [("save", ["Pretrained"], 1), ("load", ["Pretrained"])]
+
+
+def resume_across(lib, root, phase):
+    """Train 3 steps and `save_state` mid-epoch ("save"), or `load_state` that checkpoint and train to the end
+    of the next epoch ("resume"), or train both epochs without a break ("full"): AdamW, a scheduler, a
+    registered object, the seedable sampler, RNG states."""
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=lib.utils.DataLoaderConfiguration(
+        use_seedable_sampler=True))
+    lib.utils.set_seed(7)
+    x = torch.linspace(-1, 1, 66).reshape(22, 3)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2, shuffle=True)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    counter = {"steps": 0}
+
+    class Steps:
+        def state_dict(self):
+            return dict(counter)
+
+        def load_state_dict(self, state):
+            counter.update(state)
+
+    accelerator.register_for_checkpointing(Steps())
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    checkpoint = os.path.join(root, "checkpoint")
+    losses, skip, epoch_start = [], 0, 0
+    if phase == "resume":
+        accelerator.load_state(checkpoint)
+        skip = counter["steps"]
+    for epoch in range(epoch_start, 2):
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if epoch == 0 and skip else loader
+        for inputs, targets in batches:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            counter["steps"] += 1
+            losses.append(round(loss.item(), 7))
+            if phase == "save" and counter["steps"] == 3:
+                accelerator.save_state(checkpoint)
+                accelerator.wait_for_everyone()
+                return {"losses": losses, "noise": torch.rand(2)}
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"losses": losses, "weights": weights, "lr": scheduler.get_last_lr(), "noise": torch.rand(2),
+            "steps": counter["steps"]}
+
+
+@pytest.mark.parametrize("saved_by", ["accelerate", "nbaccel"])
+def test_a_checkpoint_of_either_library_resumes_the_same_on_both(saved_by, tmp_path):
+    """Moving a project over mid-training: a checkpoint `save_state` wrote on one library, loaded by
+    `load_state` on each, continues with the same losses, weights and learning rate. The random numbers after
+    the resume are the same too, except (docs/compat.md, "Prepared loaders save their position") where
+    nbaccel resumes its own checkpoint: it replays the interrupted epoch's RNG draws on a forked RNG, so its
+    stream is the uninterrupted run's; Accelerate draws again at the resume."""
+    run_ranks(resume_across, saved_by, 2, args=(str(tmp_path), "save"))
+    resumed = {lib: run_ranks(resume_across, lib, 2, args=(str(tmp_path), "resume"))
+               for lib in ("accelerate", "nbaccel")}
+    assert resumed["nbaccel"][0]["steps"] == 12  # 3 before the checkpoint, 9 after (6 per epoch and rank)
+    if saved_by == "nbaccel":
+        uninterrupted = run_ranks(resume_across, "nbaccel", 2, args=(str(tmp_path / "full"), "full"))
+        for rank, ours in enumerate(resumed["nbaccel"]):
+            assert_same(uninterrupted[rank]["noise"], ours.pop("noise"), f"rank {rank}: the uninterrupted run's RNG")
+            assert_same(uninterrupted[rank]["weights"], ours["weights"], f"rank {rank}: the uninterrupted run's weights")
+            resumed["accelerate"][rank].pop("noise")
+    _compare(resumed, f"resume_across (saved by {saved_by})", 2)
