@@ -588,11 +588,11 @@ def resume_across(lib, root, phase):
     accelerator.register_for_checkpointing(Steps())
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     checkpoint = os.path.join(root, "checkpoint")
-    losses, skip, epoch_start = [], 0, 0
+    losses, skip = [], 0
     if phase == "resume":
         accelerator.load_state(checkpoint)
         skip = counter["steps"]
-    for epoch in range(epoch_start, 2):
+    for epoch in range(2):
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if epoch == 0 and skip else loader
         for inputs, targets in batches:
