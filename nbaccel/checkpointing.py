@@ -1089,17 +1089,6 @@ def _storage_bytes(value: torch.Tensor) -> int:
         return value.numel() * value.element_size()
 
 
-def _storage_key(value: torch.Tensor) -> tuple | None:
-    """Tensors with the same key share their storage (None on the meta device, which has none)."""
-    if value.device.type == "meta":
-        return None
-    try:
-        pointer = value.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return None
-    return value.device, pointer, _storage_bytes(value)
-
-
 def _shard(state_dict: Mapping[str, Any], max_bytes: int) -> tuple[list[dict[str, Any]], int]:
     """Shards as huggingface_hub's `split_torch_state_dict_into_shards` (Accelerate's save_model) makes them,
     so both write the same files: in order, a tensor over `max_bytes` gets a shard of its own at once, the
@@ -1111,7 +1100,7 @@ def _shard(state_dict: Mapping[str, Any], max_bytes: int) -> tuple[list[dict[str
     sharing: dict[tuple, list[str]] = {}
     for name, value in state_dict.items():
         is_tensor = isinstance(value, torch.Tensor)
-        key = _storage_key(value) if is_tensor else None
+        key = _storage_key(value) if is_tensor and value.device.type != "meta" else None  # meta: no storage
         if key is not None:
             if key in sharing:
                 sharing[key].append(name)
