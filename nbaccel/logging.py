@@ -2,8 +2,8 @@
 
 Accelerate scripts start with `from accelerate.logging import get_logger`; after the rename they import this.
 Records go to the main process only unless the call passes `main_process_only=False`; `in_order=True` makes every
-process log in turn (rank 0 first), separated by barriers. Each message starts with `[RANK n] `, as in Accelerate. The log level defaults to `NBACCEL_LOG_LEVEL`, then
-Accelerate's `ACCELERATE_LOG_LEVEL`.
+process log in turn (rank 0 first), separated by barriers. Each message starts with `[RANK n] `, as in Accelerate.
+The log level defaults to `NBACCEL_LOG_LEVEL`, then Accelerate's `ACCELERATE_LOG_LEVEL`.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_p
             result.num_processes = max(config.num_processes // max(result.num_nodes, 1), 1) if multi_node \
                 else config.num_processes
     if is_default(mixed_precision) and config.mixed_precision:
-        result.mixed_precision = str(getattr(config.mixed_precision, "value", config.mixed_precision))
+        result.mixed_precision = enum_value(config.mixed_precision)
     if start_method is None:
         result.start_method = config.start_method
     if use_port is None and config.main_process_port:  # 0 means "pick a free port", which None does too
