@@ -3,6 +3,7 @@ bad input failing on every rank, and debug mode's shape check."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -263,6 +264,78 @@ def test_bad_input_raises_clear_errors_on_every_rank_and_collectives_are_traced(
         assert [op for _, op, _, _ in enters] == ["gather", "reduce"]
         assert enters[0][2] in ("all_gather_single", "all_gather_into_tensor") and enters[0][3] == [[2, 3], [1]]
         assert enters[1][2] == "all_reduce"
+
+
+def _known_inputs(rank: int):
+    """Inputs of a layout that passed the checks once skip them (gather's fast path); what they skip must
+    still hold for every later call: a non-tensor, a meta tensor, debug mode, gradients, a new group."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from nbaccel.utils import DistributedOperationException, gather
+
+    counter = Counter()
+    found = {}
+    rows = {f"t{i}": torch.arange(3.0) + 10 * i + 100 * rank for i in range(4)}
+    for _ in range(2):  # the first call checks and remembers the layout, the second takes the fast path
+        out = gather(rows)
+        assert all(out[k].tolist() == (rows[k] - 100 * rank).tolist() + (rows[k] + 100 - 100 * rank).tolist()
+                   for k in rows)
+        assert gather(torch.tensor([rank, 5])).tolist() == [0, 5, 1, 5]
+    assert len(counter.take()) == 4  # one communication each
+    counter.restore()
+    for name, call in {
+        "non_tensor": lambda: gather({**rows, "t3": "text"}),
+        "meta": lambda: gather({k: torch.empty(3, device="meta") for k in rows}),
+        "mixed_devices": lambda: gather({**rows, "t3": torch.empty(3, device="meta")}),
+        "lone_meta": lambda: gather(torch.empty(2, dtype=torch.int64, device="meta")),
+    }.items():
+        try:
+            call()
+            found[name] = "no error"
+        except (TypeError, ValueError) as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+    graph = {k: v.clone().requires_grad_() for k, v in rows.items()}
+    found["grad"] = [t.requires_grad or t.grad_fn is not None for t in gather(graph).values()]
+    found["lone_grad"] = gather(torch.tensor([1.0, 2.0], requires_grad=True)).requires_grad
+    os.environ["NBACCEL_DEBUG_MODE"] = "1"  # turned on after the layout was remembered: checked again
+    try:
+        gather({k: torch.ones(3 + rank) for k in rows} if rank == 1 else {k: torch.ones(3) for k in rows})
+        found["debug"] = "no error"
+    except DistributedOperationException as exc:
+        found["debug"] = str(exc)
+    finally:
+        os.environ.pop("NBACCEL_DEBUG_MODE")
+    # a new default group: nothing remembered from the old one applies (world size, layouts)
+    dist.destroy_process_group()
+    alone = torch.ones(2)
+    found["no_group"] = gather(alone) is alone and gather(rows) is rows
+    path = os.path.join(tempfile.gettempdir(), f"nbaccel-test-regroup-{os.environ['MASTER_PORT']}")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    found["regrouped"] = gather(rows)["t1"].tolist()
+    if rank == 0:
+        dist.barrier()
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    else:
+        dist.barrier()
+    return found
+
+
+def test_inputs_that_passed_the_checks_once_are_still_checked_where_it_matters():
+    for found in run_ranks(_known_inputs, init=True):
+        assert found["non_tensor"] == (
+            "TypeError: gather: data['t3'] is a str, not a tensor. gather takes tensors nested in lists, tuples "
+            "and dicts. Use gather_object for Python objects."
+        )
+        assert found["meta"].startswith("ValueError: gather: the tensors are on the 'meta' device")
+        assert found["mixed_devices"].startswith("ValueError: gather: the tensors are on different devices")
+        assert found["lone_meta"].startswith("ValueError: gather: the tensors are on the 'meta' device")
+        assert found["grad"] == [False] * 4 and found["lone_grad"] is False
+        assert "rank 0: {'t0': 'float32[3]'" in found["debug"] and "rank 1: {'t0': 'float32[4]'" in found["debug"]
+        assert found["no_group"] is True
+        assert found["regrouped"] == [10.0, 11.0, 12.0, 110.0, 111.0, 112.0]
 
 
 def _unpicklable(rank: int):

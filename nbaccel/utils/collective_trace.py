@@ -55,7 +55,7 @@ class CollectiveRecord:
 # their operation and sequence number, not their shapes.
 UNEVEN_SHAPES = frozenset({"pad_across_processes"})
 
-_current: CollectiveRecord | None = None
+_current: in_collective | None = None
 _count = 0  # collectives entered by this process: the next one's `seq` is _count + 1
 _listeners: list[CollectiveListener] = []
 _lock = threading.Lock()
@@ -65,7 +65,8 @@ _TORCH_MARKER = os.sep + "torch" + os.sep
 
 def current() -> CollectiveRecord | None:
     """The collective this process is inside, or None."""
-    return _current
+    active = _current
+    return active.record() if active is not None else None
 
 
 def add_listener(listener: CollectiveListener) -> None:
@@ -98,36 +99,50 @@ class in_collective:  # noqa: N801 - used as a function: `with in_collective("ga
     """Mark the body as collective `op` (torch call `call`) over `tensors` (a tensor or a list of them).
 
     A class rather than a generator-based context manager: it runs around every collective, and entering
-    and leaving a generator costs several times more."""
+    and leaving a generator costs several times more. With no listener, the record (shapes, dtypes) is
+    built only when someone asks for it (`current()`, from a hang report), not on every collective."""
 
-    __slots__ = ("_record", "_previous")
+    __slots__ = ("_op", "_call", "_tensors", "_started", "_seq", "_site", "_record", "_previous")
 
     def __init__(self, op: str, call: str = "", tensors: Any = ()) -> None:
         global _count
         _count += 1
-        items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-        self._record = CollectiveRecord(
-            op=op,
-            call=call,
-            shapes=[list(getattr(t, "shape", ())) for t in items],
-            dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
-            site=_caller_site() if _listeners else "",
-            started=time.time(),
-            seq=_count,
-        )
-        self._previous: CollectiveRecord | None = None
+        self._op, self._call, self._tensors = op, call, tensors
+        self._started, self._seq = time.time(), _count
+        self._site = _caller_site() if _listeners else ""
+        self._record: CollectiveRecord | None = None
+        self._previous: in_collective | None = None
 
-    def __enter__(self) -> CollectiveRecord:
-        global _current
+    def record(self) -> CollectiveRecord:
+        """The record of this collective (built at the first call)."""
         record = self._record
-        self._previous, _current = _current, record
-        for listener in list(_listeners):
-            listener("enter", record)
+        if record is None:
+            tensors = self._tensors
+            items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+            record = self._record = CollectiveRecord(
+                op=self._op,
+                call=self._call,
+                shapes=[list(getattr(t, "shape", ())) for t in items],
+                dtypes=[str(getattr(t, "dtype", "")).replace("torch.", "") for t in items if hasattr(t, "dtype")],
+                site=self._site,
+                started=self._started,
+                seq=self._seq,
+            )
         return record
+
+    def __enter__(self) -> CollectiveRecord | None:
+        global _current
+        self._previous, _current = _current, self
+        if _listeners:
+            record = self.record()
+            for listener in list(_listeners):
+                listener("enter", record)
+        return self._record
 
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
         global _current
         _current = self._previous
-        event = "exit" if kind is None else "error"
-        for listener in list(_listeners):
-            listener(event, self._record)
+        if _listeners:
+            record, event = self.record(), "exit" if kind is None else "error"
+            for listener in list(_listeners):
+                listener(event, record)

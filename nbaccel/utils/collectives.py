@@ -22,6 +22,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,37 +51,71 @@ class CannotPadNestedTensorWarning(UserWarning):
     """`pad_across_processes` met a nested (jagged) tensor, which it leaves unpadded."""
 
 
+# `os.environ` keeps its variables in a dict keyed by encoded names; looking a name up there is ~20x cheaper
+# than `name in os.environ`, which raises and catches a KeyError for a missing name (and this runs before
+# every collective). Where an interpreter lacks these attributes, `os.environ` is read the public way.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_DEBUG_KEYS = (
+    tuple(os.environ.encodekey(name) for name in ("NBACCEL_DEBUG_MODE", "ACCELERATE_DEBUG_MODE"))
+    if isinstance(_ENV_DATA, dict) and callable(getattr(os.environ, "encodekey", None)) else None
+)
+
+
 def debug_mode_enabled() -> bool:
     """Whether debug mode is on: NBACCEL_DEBUG_MODE when set (PartialState(debug=...) sets it), else
     ACCELERATE_DEBUG_MODE. Read on every call, so turning it on or off takes effect at the next collective."""
-    name = "NBACCEL_DEBUG_MODE" if os.environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
+    if _DEBUG_KEYS is not None and _DEBUG_KEYS[0] not in _ENV_DATA and _DEBUG_KEYS[1] not in _ENV_DATA:
+        return False  # the common case: neither variable set
+    environ = os.environ
+    name = "NBACCEL_DEBUG_MODE" if environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
     if _parse_flag_from_env is not None:
         return _parse_flag_from_env(name, False)
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    return environ.get(name, "").strip().lower() in _TRUE
 
 
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+@dataclass
+class _GroupFacts:
+    """What every collective asks about the default process group, read once per group.
 
-
-_backend_of: tuple[Callable[[], Any], str] = (lambda: None, "")
-
-
-def _backend() -> str:
-    """The default group's backend name, lowercased (cached per group: this runs on every collective).
-
-    The cache holds the group weakly: a strong reference would keep the group (and gloo's worker threads)
+    `group` holds the group weakly: a strong reference would keep the group (and gloo's worker threads)
     alive past `destroy_process_group`, into interpreter finalization, where a worker thread releasing its
     last collective's tensors needs the GIL and aborts the process ("terminate called without an active
     exception", exit code -6) although the script finished."""
-    global _backend_of
-    group = dist.group.WORLD
-    if group is None or _backend_of[0]() is not group:
-        _backend_of = (weakref.ref(group) if group is not None else (lambda: None),
-                       str(dist.get_backend(group)).lower())
-    return _backend_of[1]
+
+    group: Callable[[], Any]
+    world: int = 1
+    backend: str = ""
+    # gather inputs that passed the input checks on this group: a gather of the same kind skips them
+    # (see `gather`). A plain container's layout (`_layout`) with its packing plan:
+    checked: dict[tuple, packing.Plan] = field(default_factory=dict)
+    checked_tensors: set[tuple[torch.dtype, torch.device]] = field(default_factory=set)  # lone tensors' (dtype, device)
+
+
+_DIST_AVAILABLE = dist.is_available()
+_NO_GROUP = _GroupFacts(lambda: None)
+_facts = _NO_GROUP
+_CHECKED_LAYOUTS = 32  # layouts remembered per group (each keeps its plan, receive buffers up to 1 MiB)
+
+
+def _group_facts() -> _GroupFacts:
+    """The default group's facts, refreshed when the group changes (runs on every collective: one
+    attribute read and one weakref call when nothing changed)."""
+    global _facts
+    group = dist.group.WORLD if _DIST_AVAILABLE else None
+    if group is None:  # (checked first: the weakref of a destroyed group also answers None)
+        _facts = _NO_GROUP
+    elif _facts.group() is not group:
+        _facts = _GroupFacts(weakref.ref(group), dist.get_world_size(group), str(dist.get_backend(group)).lower())
+    return _facts
+
+
+def _world_size() -> int:
+    return _group_facts().world
+
+
+def _backend() -> str:
+    """The default group's backend name, lowercased ("" without a group)."""
+    return _group_facts().backend
 
 
 def _rank() -> int:
@@ -119,16 +154,22 @@ def _all_gather_fn() -> tuple[Callable[..., Any], str]:
     return dist.all_gather_into_tensor, "all_gather_into_tensor"
 
 
-def all_gather_rows(op: str, flat: torch.Tensor, traced: Any = (), out: torch.Tensor | None = None) -> torch.Tensor:
+def all_gather_rows(
+    op: str, flat: torch.Tensor, traced: Any = (), out: torch.Tensor | None = None, world: int = 0
+) -> torch.Tensor:
     """All-gather the 1-D tensor `flat` (same size on every rank) into a (world, size) tensor, traced as `op`.
 
-    `out`: a 1-D receive buffer of world * size elements to reuse (else a new one)."""
+    `out`: a 1-D receive buffer of world * size elements to reuse (else a new one); `world`: the world
+    size, when the caller has it."""
     all_gather, call = _all_gather_fn()
-    world = _world_size()
+    world = world or _world_size()
     if out is None:
         out = flat.new_empty(world * flat.numel())  # the flat form: gloo has no stacked output
     with in_collective(op, call, traced if traced != () else [flat]):
-        _call_checked(op, all_gather, out, flat)
+        try:
+            all_gather(out, flat)
+        except RuntimeError as exc:
+            raise _size_mismatch(op, exc) from exc
     return out.view(world, flat.numel())
 
 
@@ -137,13 +178,19 @@ def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
     except RuntimeError as exc:
-        if "size" not in str(exc):
-            raise
-        raise DistributedOperationException(
-            f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
-            "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
-            "ranks compare their shapes and name them."
-        ) from exc
+        raise _size_mismatch(op, exc) from exc
+
+
+def _size_mismatch(op: str, exc: RuntimeError) -> Exception:
+    """The error to raise for `exc` from a torch collective: `exc` itself, or, when it is about sizes,
+    one that says what to do."""
+    if "size" not in str(exc):
+        return exc
+    return DistributedOperationException(
+        f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
+        "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
+        "ranks compare their shapes and name them."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -285,24 +332,72 @@ def _traced(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> Sequence[t
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_without_grad
 def gather(tensor: Any) -> Any:
     """Gather a tensor, or a nested structure of them, from every process, concatenated along dim 0.
 
     Every process gets the result. Tensors must have the same shape on every process (pad them first with
     `pad_across_processes` when their first dims differ); 0-dim tensors gather into a 1-D tensor.
     """
-    world = _world_size()
-    if world == 1:
+    facts = _group_facts()
+    if facts.world == 1:
         return tensor
+    if not debug_mode_enabled():  # inputs like ones that passed the checks before skip them
+        kind = type(tensor)
+        if kind is torch.Tensor:
+            if (tensor.dtype, tensor.device) in facts.checked_tensors:
+                return _gather_one(tensor, facts.world)
+        elif kind in _PLAIN_CONTAINERS and facts.checked:
+            known = _gather_known(tensor, facts)
+            if known is not None:
+                return known
+    return _gather_checked(tensor, facts)
+
+
+_PLAIN_CONTAINERS = (dict, list, tuple)
+
+
+def _layout(items: list[Any]) -> tuple:
+    """The layout key of a gather's tensors (AttributeError when an item is not a tensor). It includes
+    `requires_grad`: only layouts without gradients are remembered, since the fast path runs with autograd
+    on (the checked path turns it off; a reused receive buffer made there must not meet a graph)."""
+    return tuple([(t.dtype, t.shape, t.device, t.requires_grad) for t in items])
+
+
+def _gather_known(data: Any, facts: _GroupFacts) -> Any:
+    """Gather a plain dict, list or tuple whose layout already passed the input checks on this group (the
+    common case: the same outputs gathered at every step), or None to take the checked path.
+
+    Each step of the checked path costs little alone, but between two ranks sharing their cores every
+    extra Python call before the all-gather shows in its time (docs/internals.md, "Where the time goes")."""
+    items = list(data.values()) if type(data) is dict else list(data)
+    try:
+        plan = facts.checked.get(_layout(items))
+    except (AttributeError, TypeError, RuntimeError):  # not (plain) tensors: the checked path says what is wrong
+        return None
+    if plan is None:
+        return None
+    return rebuild_flat(data, _gather_packed(items, facts.world, plan))
+
+
+@_without_grad
+def _gather_checked(tensor: Any, facts: _GroupFacts) -> Any:
+    """`gather` with every input check (and debug mode's exchange); remembers the layouts that passed."""
+    world = facts.world
     flat = None if isinstance(tensor, torch.Tensor) else flat_tensors(tensor)
     tensors = _prepare("gather", tensor, leaves=flat)
     if not tensors:
         return tensor
     if len(tensors) == 1 and _native(tensors[0].dtype):
+        if type(tensor) is torch.Tensor:  # a lone plain tensor: its dtype and device are what the checks saw
+            facts.checked_tensors.add((tensor.dtype, tensor.device))
         results = [_gather_one(tensors[0], world)]
     elif tensors[0].device.type != "xla":
-        results = _gather_packed(tensors, world)
+        plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
+        if flat is not None and not any(t.requires_grad for t in tensors):  # plain, no graph: remember it
+            if len(facts.checked) >= _CHECKED_LAYOUTS:
+                facts.checked.clear()
+            facts.checked[_layout(tensors)] = plan
+        results = _gather_packed(tensors, world, plan)
     else:  # no byte views on XLA: one buffer per dtype
         results = [None] * len(tensors)
         for group in _dtype_groups(tensors):
@@ -313,15 +408,18 @@ def gather(tensor: Any) -> Any:
     return rebuild(tensor, iter(results)) if flat is None else rebuild_flat(tensor, results)
 
 
-def _gather_packed(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    """Gather `tensors` packed into one buffer (as bytes when their dtypes differ) with one all-gather."""
-    plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
+def _gather_packed(tensors: list[torch.Tensor], world: int, plan: packing.Plan | None = None) -> list[torch.Tensor]:
+    """Gather `tensors` packed into one buffer (as bytes when their dtypes differ) with one all-gather.
+
+    `plan`: their packing plan, when the caller has it."""
+    if plan is None:
+        plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
     buffer = packing.pack(plan, tensors)
     # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when no other
     # thread is using it
     reuse = plan.lock.acquire(blocking=False)
     try:
-        rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), plan.receive if reuse else None)
+        rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), plan.receive if reuse else None, world)
         if reuse and plan.receive is None and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
             plan.receive = rows.view(-1)
         return packing.unpack_gathered(plan, rows, tensors)
@@ -331,7 +429,7 @@ def _gather_packed(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor
 
 
 def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
-    """A lone tensor needs no packing: gather it straight into the result."""
+    """A lone tensor needs no packing: gather it straight into the result (never part of a graph)."""
     t = t.detach()
     src = t.reshape(1) if t.ndim == 0 else t.contiguous()
     out = src.new_empty((world,) if t.ndim == 0 else (world * t.shape[0], *t.shape[1:]))
