@@ -1,6 +1,6 @@
 """Benchmark: nbaccel's collectives against the raw torch floor and Accelerate, on 2 gloo processes.
 
-    python benchmarks/ops.py [--reps 40] [--iters 20]
+    python benchmarks/ops.py [--rounds 1500]
 
 Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
@@ -8,11 +8,14 @@ at least pay), (c) the least raw-torch code returning the same dict (cat, all-ga
 checks), (d) accelerate.utils.gather when Accelerate is installed, (e) nbaccel.utils.gather with a
 launcher's telemetry sink attached (what a notebook_launcher worker runs: every collective queues its
 `collective` enter/exit messages for the kernel's deadlock detection). Then gather_object and
-broadcast_object_list of a small dict, nbaccel against Accelerate. The variants are interleaved in each
-repetition, in a shuffled order (so machine load and the position after another variant hit them alike);
-the median time per call is reported, with ratios; for nbaccel's gather against the floor, also the ratio
-within each repetition (the two ran back to back there), whose spread shows how much the machine's noise
-moves the answer.
+broadcast_object_list of a small dict, nbaccel against Accelerate.
+
+Each round times ONE call of every variant, in an order shuffled per round (the same on both ranks: they
+run each collective together), so machine load and the position after another variant hit them alike;
+no barrier is timed (each collective synchronizes the ranks itself). Reported: the median wall time per
+call and the mean CPU time of rank 0's process per call, with ratios; for nbaccel's gather against the
+floor, also the median of the ratios within each round (the two ran back to back there), whose quartiles
+show how much the machine's noise moves the answer.
 """
 
 from __future__ import annotations
@@ -38,20 +41,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _time(fn, iters: int) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) per call; CPU time is what load on the machine distorts least."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(iters):
-        fn()
-    cpu = time.process_time() - cpu
-    dist.barrier()
-    return (time.perf_counter() - start) / iters, cpu / iters
-
-
-def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, rounds: int, queue) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -125,39 +115,41 @@ def _worker(rank: int, world: int, port: int, reps: int, iters: int, queue) -> N
         assert all(torch.equal(mine[k], theirs[k]) for k in data)
         assert ops.gather_object([small]) == acc.gather_object([small])
 
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for fn in variants.values():  # warm-up
-        _time(fn, 5)
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    cpus: dict[str, float] = dict.fromkeys(variants, 0.0)
+    for fn in variants.values():  # warm-up (the traced variant warms up with the sink attached below)
+        for _ in range(5):
+            fn()
     order = list(variants)
-    for rep in range(reps):
-        random.Random(rep).shuffle(order)  # the same order on both ranks: they run each collective together
+    clock, cpu_clock = time.perf_counter, time.process_time
+    for round_ in range(rounds):
+        random.Random(round_).shuffle(order)  # the same order on both ranks: they run each collective together
         for name in order:
             fn = variants[name]
             if name == traced:
                 telemetry.attach(sink, rank)
-            samples[name].append(_time(fn, iters))
+            cpu, start = cpu_clock(), clock()
+            fn()
+            walls[name].append(clock() - start)
+            cpus[name] += cpu_clock() - cpu
             if name == traced:
                 telemetry.detach()
     if rank == 0:
-        queue.put({name: [wall for wall, _ in values] for name, values in samples.items()})
-        queue.put({
-            name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
-            for name, values in samples.items()
-        })
+        queue.put(walls)
+        queue.put({name: (statistics.median(values), cpus[name] / rounds) for name, values in walls.items()})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1500)
     args = parser.parse_args()
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.reps, args.iters, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -168,11 +160,11 @@ def main() -> None:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    print(f"{world} gloo processes, torch {torch.__version__}, median of {args.reps} x {args.iters} calls "
+    print(f"{world} gloo processes, torch {torch.__version__}, {args.rounds} rounds of one call per variant "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    print(f"  {'':<40} {'wall':>10} {'CPU (rank 0)':>14}")
+    print(f"  {'':<40} {'wall (median)':>13} {'CPU (rank 0, mean)':>19}")
     for name, (wall, cpu) in medians.items():
-        print(f"  {name:<40} {wall * 1e6:8.1f} us {cpu * 1e6:11.1f} us")
+        print(f"  {name:<40} {wall * 1e6:10.1f} us {cpu * 1e6:16.1f} us")
 
     def ratio(a: str, b: str, which: int = 0) -> float:
         return medians[a][which] / medians[b][which]
@@ -183,11 +175,12 @@ def main() -> None:
           f"{ratio(traced, 'gather: nbaccel', 1):5.2f}x CPU  (the collective trace under a launch; goal ~1.0x)")
     print(f"gather, nbaccel / floor:        {ratio('gather: nbaccel', floor):5.2f}x wall, "
           f"{ratio('gather: nbaccel', floor, 1):5.2f}x CPU  (goal <= 1.5x)")
+    print(f"gather, telemetry on / floor:   {ratio(traced, floor):5.2f}x wall, "
+          f"{ratio(traced, floor, 1):5.2f}x CPU  (what a notebook_launcher worker pays)")
     paired = sorted(a / b for a, b in zip(walls["gather: nbaccel"], walls[floor]))
     quartiles = statistics.quantiles(paired, n=4)
-    print(f"gather, nbaccel / floor, paired by repetition: median {statistics.median(paired):.2f}x, quartiles "
-          f"{quartiles[0]:.2f}-{quartiles[2]:.2f}x over {len(paired)} repetitions "
-          f"({sum(r <= 1.5 for r in paired)} of them <= 1.5x)")
+    print(f"gather, nbaccel / floor, paired by round: median {statistics.median(paired):.2f}x, quartiles "
+          f"{quartiles[0]:.2f}-{quartiles[2]:.2f}x over {len(paired)} rounds")
     print(f"gather, nbaccel / by hand:      {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)'):5.2f}x "
           f"wall, {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)', 1):5.2f}x CPU")
     if "gather: accelerate" in medians:

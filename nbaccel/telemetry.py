@@ -153,7 +153,9 @@ def collective_fields(event: str, record: collective_trace.CollectiveRecord) -> 
     """The fields of a `collective` message: `enter` carries the whole record; `exit`/`error` only what
     identifies it (op, seq): the receiver already has the rest, and a training step should not pay twice."""
     if event == "enter":
-        return {"event": event, **record.to_dict()}
+        fields = record.to_dict()  # a new dict: add to it rather than copy it into another
+        fields["event"] = event
+        return fields
     return {"event": event, "op": record.op, "seq": record.seq}
 
 
