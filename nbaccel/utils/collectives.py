@@ -5,6 +5,10 @@ A structure moves in as few communications as its data allows: gather and broadc
 call per dtype (a sum of float16 and int64 cannot share a buffer). The result is split and reshaped back
 into the caller's containers (lists, tuples, namedtuples, dicts, Mapping subclasses keep their types).
 
+gather checks its input (every leaf a tensor, on one device, ...) once per layout: a plain dict, list or
+tuple whose tensors have the dtypes, shapes and devices of one that passed the checks on this process group,
+or a lone tensor of a dtype and device that passed, goes straight to the communication (see `gather`).
+
 In one process (no process group, or a group of one) every operation returns its input: gather returns the
 tensor itself, reduce a copy. `utils` sits below `state`, so this module talks to torch.distributed directly.
 Every communication runs inside `collective_trace.in_collective`, which is what the hang report reads.
@@ -166,10 +170,7 @@ def all_gather_rows(
     if out is None:
         out = flat.new_empty(world * flat.numel())  # the flat form: gloo has no stacked output
     with in_collective(op, call, traced if traced != () else [flat]):
-        try:
-            all_gather(out, flat)
-        except RuntimeError as exc:
-            raise _size_mismatch(op, exc) from exc
+        _call_checked(op, all_gather, out, flat)
     return out.view(world, flat.numel())
 
 
@@ -178,19 +179,13 @@ def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
     except RuntimeError as exc:
-        raise _size_mismatch(op, exc) from exc
-
-
-def _size_mismatch(op: str, exc: RuntimeError) -> Exception:
-    """The error to raise for `exc` from a torch collective: `exc` itself, or, when it is about sizes,
-    one that says what to do."""
-    if "size" not in str(exc):
-        return exc
-    return DistributedOperationException(
-        f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
-        "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
-        "ranks compare their shapes and name them."
-    )
+        if "size" not in str(exc):
+            raise
+        raise DistributedOperationException(
+            f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
+            "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
+            "ranks compare their shapes and name them."
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------------------
