@@ -42,6 +42,7 @@ from .utils.dataclasses import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
     RNGType,
     TorchDynamoPlugin,
@@ -856,16 +857,17 @@ class Accelerator:
 
     @contextlib.contextmanager
     def profile(self, profile_handler: Any = None) -> Iterator[Any]:
-        """`torch.profiler.profile` configured by `ProfileKwargs`; with its `output_trace_dir` each process
-        writes `trace_<process_index>.json` there (Chrome trace format)."""
-        handler = profile_handler or self.profile_handler
-        profiler = handler.build() if handler is not None and hasattr(handler, "build") else torch.profiler.profile()
-        with profiler as running:
+        """`torch.profiler.profile` configured by `ProfileKwargs` (this call's, else the Accelerator's, else the
+        defaults). With an `output_trace_dir`, each process writes `profile_<process_index>.json` there (Chrome
+        trace format) and the processes wait for each other; without one, no process waits, so a profile may
+        run on some processes only (e.g. the main one)."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as running:
             yield running
-        trace_dir = getattr(handler, "output_trace_dir", None)
-        if trace_dir:
-            os.makedirs(trace_dir, exist_ok=True)
-            running.export_chrome_trace(os.path.join(trace_dir, f"trace_{self.process_index}.json"))
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        running.export_chrome_trace(os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json"))
         self.wait_for_everyone()
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:

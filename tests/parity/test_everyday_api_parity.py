@@ -4,7 +4,7 @@ Each scenario is code written for Accelerate (`lib` is the library's top-level m
 with `adjust_scheduler`, GradientState with a nested evaluation loop, every iterable-loader setting with
 `gather_for_metrics`, `split_between_processes`, the tensor operations and clipping, bf16 autocast on the CPU,
 the state's text, logging records, prepare's variants and what `accelerator._models` holds, save/load hooks,
-sharded `save_model`, stateful loaders, and bad input (exception types). Results, losses and final weights
+sharded `save_model`, stateful loaders, `profile`, and bad input (exception types). Results, losses and final weights
 must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
 `join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the CPU device's index, `max_shard_size` strings,
 inputs refused earlier.
@@ -455,6 +455,30 @@ SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_
         prepare_variants, models_list, gradient_state]
 
 
+def profiling(lib, root):
+    """`accelerator.profile`: a handler's schedule and callback, the trace file each process writes, and a
+    profile on the main process alone (the processes wait for each other only when a trace is written)."""
+    accelerator = lib.Accelerator(cpu=True)
+    ready = []
+    handler = lib.utils.ProfileKwargs(schedule_option={"wait": 1, "warmup": 1, "active": 2, "repeat": 1},
+                                      on_trace_ready=lambda prof: ready.append(prof.step_num))
+    with accelerator.profile(handler) as prof:
+        for _ in range(6):
+            torch.ones(4).sum()
+            prof.step()
+    traces = os.path.join(root, lib.__name__)
+    with accelerator.profile(lib.utils.ProfileKwargs(output_trace_dir=traces)):
+        torch.ones(8).mul(2)
+    files = sorted(os.listdir(traces))
+    alone = None
+    if accelerator.is_main_process:
+        with accelerator.profile() as prof:
+            torch.ones(2).add(1)
+        alone = type(prof).__name__
+    accelerator.wait_for_everyone()
+    return {"ready": ready, "files": files, "alone": alone}
+
+
 def _compare(results: dict, name: str, num_processes: int) -> None:
     for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
         assert_same(theirs, ours, f"{name}[{num_processes} processes][rank {rank}]")
@@ -498,6 +522,11 @@ def test_dtypes_gloo_lacks_move_on_nbaccel_and_fail_on_accelerate():
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_save_model_in_shards_writes_the_same_files(num_processes, tmp_path):
     _compare(run_both(sharded_save_model, num_processes, args=(str(tmp_path),)), "sharded_save_model", num_processes)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_profile_writes_the_same_traces_and_waits_only_for_them(num_processes, tmp_path):
+    _compare(run_both(profiling, num_processes, args=(str(tmp_path),)), "profiling", num_processes)
 
 
 def test_shard_sizes_accelerate_refuses_or_reads_differently(tmp_path):
