@@ -1110,11 +1110,13 @@ class Accelerator:
         tracking.log_to_trackers(self.trackers, values, step=step, log_kwargs=log_kwargs)
 
     def end_training(self) -> None:
-        """Finish every tracker; call it at the end of training, on every process."""
+        """Finish every tracker, then destroy the process group (unless the launcher that forked the processes
+        owns it: FORK_LAUNCHED, as in `debug_launcher` and RankPool), as Accelerate does. Call it last, on every
+        process: collectives after it raise."""
         from . import tracking
 
         tracking.finish_trackers(self.trackers)
-        self.wait_for_everyone()
+        self.state.destroy_process_group()
 
 
 _PREPARED_LOADERS = (_data_loader.DataLoaderShard, _data_loader.DataLoaderDispatcher)

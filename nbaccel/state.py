@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -435,6 +436,9 @@ class PartialState:
     def _reset_state() -> None:
         """Forget the detected state (tests). The process group, if any, stays up: see destroy_process_group."""
         PartialState._shared_state.clear()
+        collectives = sys.modules.get(f"{__package__}.utils.collectives")
+        if collectives is not None:
+            collectives.note_group_destroyed(False)
 
     @property
     def initialized(self) -> bool:
@@ -627,7 +631,12 @@ class PartialState:
         if self.fork_launched and group is None:
             return
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            several = group is None and torch.distributed.get_world_size() > 1
             torch.distributed.destroy_process_group(group)
+            if several:  # later collectives raise instead of acting alone (imported here: state loads without it)
+                from .utils import collectives
+
+                collectives.note_group_destroyed()
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._known_attrs or (hasattr(type(self), name) and not self._shared_state):

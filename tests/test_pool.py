@@ -90,6 +90,10 @@ def test_exec_run_namespaces_output_errors_push_pull():
         assert [r.value.tolist() for r in results] == [[0, 1, 2, 10, 11, 12]] * 2
         assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in render_text(results)
         assert "(shape [6], int64, cpu)" in render_text(results)
+        # end_training() in a cell leaves the pool's process group up (the pool owns it: FORK_LAUNCHED)
+        results = pool.exec("from nbaccel import Accelerator\nAccelerator(cpu=True).end_training()\n"
+                            "from nbaccel.utils import gather\ngather(x).tolist()")
+        assert results.values == [[0, 1, 2, 10, 11, 12]] * 2
         # push / pull move a variable between the kernel and every rank
         pool.push("data", {"a": [1, 2]})
         assert pool.exec("data['a'].append(state.process_index)\ndata").values == [{"a": [1, 2, 0]},

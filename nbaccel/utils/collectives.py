@@ -101,14 +101,32 @@ _facts = _NO_GROUP
 _CHECKED_LAYOUTS = 32  # layouts remembered per group (each keeps its plan, receive buffers up to 1 MiB)
 
 
+_destroyed_by_state = False  # see `note_group_destroyed`
+
+
+def note_group_destroyed(destroyed: bool = True) -> None:
+    """Called by `PartialState.destroy_process_group` (as `accelerator.end_training()` does) when it destroys
+    the default group of a run of several processes, and with False when the state is reset. Until a new
+    group exists, collectives then raise, as on Accelerate, instead of acting as one process with only
+    this process's data (which would return a wrong result without a word)."""
+    global _destroyed_by_state
+    _destroyed_by_state = destroyed
+
+
 def _group_facts() -> _GroupFacts:
     """The default group's facts, refreshed when the group changes (runs on every collective: one
     attribute read and one weakref call when nothing changed)."""
     global _facts
     group = dist.group.WORLD if _DIST_AVAILABLE else None
     if group is None:  # (checked first: the weakref of a destroyed group also answers None)
+        if _destroyed_by_state:
+            raise ValueError(
+                "The process group of this run was destroyed (accelerator.end_training() or "
+                "destroy_process_group()), and collectives need it: call them before end_training()."
+            )
         _facts = _NO_GROUP
     elif _facts.group() is not group:
+        note_group_destroyed(False)
         _facts = _GroupFacts(weakref.ref(group), dist.get_world_size(group), str(dist.get_backend(group)).lower())
     return _facts
 

@@ -4,8 +4,8 @@ Each scenario is code written for Accelerate (`lib` is the library's top-level m
 with `adjust_scheduler`, GradientState with a nested evaluation loop, every iterable-loader setting with
 `gather_for_metrics`, `split_between_processes`, the tensor operations and clipping, bf16 autocast on the CPU,
 the state's text, logging records, prepare's variants and what `accelerator._models` holds, save/load hooks,
-sharded `save_model`, stateful loaders, `profile`, and bad input (exception types). Results, losses and final weights
-must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
+sharded `save_model`, stateful loaders, `profile`, `end_training`, and bad input (exception types). Results,
+losses and final weights must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
 `join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the CPU device's index, `max_shard_size` strings,
 inputs refused earlier.
 """
@@ -451,8 +451,21 @@ def gradient_state(lib):
     return trace
 
 
+def after_end_training(lib):
+    """`end_training` destroys the process group (no launcher that forked the ranks owns it here): the state
+    keeps its description, and collectives after it raise on both."""
+    accelerator = lib.Accelerator(cpu=True)
+    accelerator.end_training()
+    return {"initialized": torch.distributed.is_initialized(),
+            "state": (str(accelerator.distributed_type), accelerator.num_processes, accelerator.process_index),
+            "wait": _outcome(accelerator.wait_for_everyone),
+            "gather": _outcome(lambda: accelerator.gather(torch.ones(1))),
+            "reduce": _outcome(lambda: accelerator.reduce(torch.ones(1))),
+            "gather_for_metrics": _outcome(lambda: accelerator.gather_for_metrics(torch.ones(1)))}
+
+
 SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records,
-        prepare_variants, models_list, gradient_state]
+        prepare_variants, models_list, gradient_state, after_end_training]
 
 
 def profiling(lib, root):

@@ -89,6 +89,7 @@ class RankPool:
         self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
                                                     nproc_per_node=num_processes))
         self._env["NBACCEL_PG_TIMEOUT"] = str(self.timeout + PG_TIMEOUT_MARGIN)
+        self._env["FORK_LAUNCHED"] = "1"  # the pool owns the process group: end_training() in a cell leaves it up
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
