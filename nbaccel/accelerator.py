@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import importlib.util
 import os
 import pathlib
@@ -873,22 +872,10 @@ class Accelerator:
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Save `obj` once (main process; local main processes with save_on_each_node): torch.save, or
         safetensors for a dict of tensors with safe_serialization=True."""
-        try:
-            from .utils.other import save as _save
-        except ImportError:  # nbaccel.utils.other not merged yet
-            _save = None
-        on_each_node = getattr(self.project_configuration, "save_on_each_node", False)
-        if _save is not None:
-            _save(obj, f, save_on_each_node=on_each_node, safe_serialization=safe_serialization)
-            return
-        if not (self.is_local_main_process if on_each_node else self.is_main_process):
-            return
-        if safe_serialization:
-            from safetensors.torch import save_file
+        from .utils.other import save as _save
 
-            save_file(obj, os.fspath(f), metadata={"format": "pt"})
-        else:
-            torch.save(obj, f)
+        on_each_node = getattr(self.project_configuration, "save_on_each_node", False)
+        _save(obj, f, save_on_each_node=on_each_node, safe_serialization=safe_serialization)
 
     # ------------------------------------------------------------------------------------------- memory
     def free_memory(self, *objects: Any) -> list:
@@ -899,17 +886,9 @@ class Accelerator:
         self._models = []
         self._dataloaders = []
         self.step = 0
-        try:
-            from .utils.memory import release_memory
-        except ImportError:  # nbaccel.utils.memory not merged yet
-            release_memory = None
-        if release_memory is not None:
-            return release_memory(*objects)
-        objects = [None] * len(objects)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return objects
+        from .utils.memory import release_memory
+
+        return release_memory(*objects)
 
     def clear(self, *objects: Any) -> list:
         """Alias of `free_memory`."""

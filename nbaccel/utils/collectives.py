@@ -34,14 +34,9 @@ import torch.distributed as dist
 
 from . import packing, xla
 from .collective_trace import in_collective
+from .env_flags import parse_flag_from_env
 from .structures import flat_tensors, flatten_tensors, iter_leaves, rebuild, rebuild_flat, recursively_apply
 
-try:  # the environment helpers land in utils.environment; fall back to reading os.environ directly
-    from .environment import parse_flag_from_env as _parse_flag_from_env
-except ImportError:  # pragma: no cover - depends on which modules have landed
-    _parse_flag_from_env = None
-
-_TRUE = {"1", "true", "yes", "y", "on", "t"}
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
 _KEEP_RECEIVE_BYTES = 1 << 20  # gathers up to this size keep their receive buffer for the next call
 _TRACE_EACH = 4  # up to this many tensors, the trace records each shape; beyond, the packed buffer's
@@ -70,11 +65,8 @@ def debug_mode_enabled() -> bool:
     ACCELERATE_DEBUG_MODE. Read on every call, so turning it on or off takes effect at the next collective."""
     if _DEBUG_KEYS is not None and _DEBUG_KEYS[0] not in _ENV_DATA and _DEBUG_KEYS[1] not in _ENV_DATA:
         return False  # the common case: neither variable set
-    environ = os.environ
-    name = "NBACCEL_DEBUG_MODE" if environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
-    if _parse_flag_from_env is not None:
-        return _parse_flag_from_env(name, False)
-    return environ.get(name, "").strip().lower() in _TRUE
+    name = "NBACCEL_DEBUG_MODE" if os.environ.get("NBACCEL_DEBUG_MODE", "").strip() else "ACCELERATE_DEBUG_MODE"
+    return parse_flag_from_env(name, False)
 
 
 @dataclass
