@@ -537,8 +537,10 @@ class Accelerator:
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
-        if type(optimizer).__name__ in ("Lomo", "AdaLomo"):
-            self.has_lomo_optimizer = True
+        if any(cls.__module__.partition(".")[0] == "lomo_optim" for cls in type(optimizer).__mro__):
+            from lomo_optim import AdaLomo, Lomo  # (imports transformers: only for an optimizer from there)
+
+            self.has_lomo_optimizer |= isinstance(optimizer, (Lomo, AdaLomo))
         prepared = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
                                         device=self.device)
         self._optimizers.append(prepared)
@@ -578,12 +580,16 @@ class Accelerator:
 
     # ------------------------------------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()`, divided by the accumulation steps and scaled with fp16."""
+        """`loss.backward()`, divided by the accumulation steps and scaled with fp16. With a prepared LOMO
+        optimizer, `learning_rate=` makes it `lomo_backward` (backward and update in one pass)."""
         steps = self.gradient_state.num_steps
         if steps > 1:
             loss = loss / steps
+        learning_rate = kwargs.get("learning_rate")
         if self.scaler is not None:
             self.scaler.scale(loss).backward(**kwargs)
+        elif learning_rate is not None and self.has_lomo_optimizer:
+            self.lomo_backward(loss, learning_rate)
         else:
             loss.backward(**kwargs)
 
@@ -686,12 +692,13 @@ class Accelerator:
             raise ImportError("lomo_backward needs the LOMO optimizers: `pip install lomo-optim`.")
         from lomo_optim import AdaLomo, Lomo
 
-        for optimizer in self._optimizers:
-            inner = optimizer.optimizer
-            if isinstance(inner, (Lomo, AdaLomo)):
-                inner.fused_backward(loss, learning_rate)
-                return
-        raise ValueError("lomo_backward needs a prepared lomo_optim.Lomo or AdaLomo optimizer; none was prepared.")
+        if learning_rate is None:
+            raise ValueError("lomo_backward needs the learning rate: `accelerator.backward(loss, learning_rate=lr)`.")
+        lomo = [o.optimizer for o in self._optimizers if isinstance(o.optimizer, (Lomo, AdaLomo))]
+        if not lomo:
+            raise ValueError("lomo_backward needs a prepared lomo_optim.Lomo or AdaLomo optimizer; none was prepared.")
+        for optimizer in lomo:  # each LOMO optimizer updates its own parameters during this backward
+            optimizer.fused_backward(loss, learning_rate)
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:

@@ -4,8 +4,8 @@ Each scenario is code written for Accelerate (`lib` is the library's top-level m
 with `adjust_scheduler`, GradientState with a nested evaluation loop, every iterable-loader setting with
 `gather_for_metrics`, `split_between_processes`, the tensor operations and clipping, bf16 autocast on the CPU,
 the state's text, logging records, prepare's variants and what `accelerator._models` holds, save/load hooks,
-sharded `save_model`, stateful loaders, `profile`, `end_training`, and bad input (exception types). Results,
-losses and final weights must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
+sharded `save_model`, stateful loaders, `profile`, `end_training`, LOMO's `backward(loss, learning_rate=)`, and
+bad input (exception types). Results, losses and final weights must be equal bit for bit. Where nbaccel deliberately differs (docs/compat.md) the test shows both sides:
 `join_uneven_inputs` on CPU ranks, dtypes gloo cannot move, the CPU device's index, `max_shard_size` strings,
 inputs refused earlier.
 """
@@ -468,6 +468,26 @@ SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_
         prepare_variants, models_list, gradient_state, after_end_training]
 
 
+def lomo_training(lib, kind):
+    """`accelerator.backward(loss, learning_rate=lr)` with a LOMO optimizer: backward and update in one pass."""
+    import lomo_optim
+
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    optimizer = getattr(lomo_optim, kind)(model, lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(4):
+        x = torch.randn(4, 3)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        accelerator.backward(loss, learning_rate=0.05)
+        losses.append(round(loss.item(), 7))
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"has_lomo": accelerator.has_lomo_optimizer, "losses": losses, "weights": weights,
+            "no_rate": _outcome(lambda: accelerator.lomo_backward(model(torch.ones(1, 3)).sum(), None))}
+
+
 def profiling(lib, root):
     """`accelerator.profile`: a handler's schedule and callback, the trace file each process writes, and a
     profile on the main process alone (the processes wait for each other only when a trace is written)."""
@@ -535,6 +555,13 @@ def test_dtypes_gloo_lacks_move_on_nbaccel_and_fail_on_accelerate():
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_save_model_in_shards_writes_the_same_files(num_processes, tmp_path):
     _compare(run_both(sharded_save_model, num_processes, args=(str(tmp_path),)), "sharded_save_model", num_processes)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_backward_with_a_learning_rate_runs_the_lomo_optimizer(num_processes):
+    """Lomo only: lomo-optim's AdaLomo puts its state on CUDA in its constructor (`.cuda()`), on either library."""
+    pytest.importorskip("lomo_optim", reason="the LOMO optimizers: pip install lomo-optim (a dev dependency)")
+    _compare(run_both(lomo_training, num_processes, args=("Lomo",)), "lomo_training", num_processes)
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
