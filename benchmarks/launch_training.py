@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 KERNEL = textwrap.dedent("""
     import json, os, socket, sys, time
-    # A dev install has lomo-optim (for a test); when it is installed, Accelerate imports it, and with it
-    # transformers (~0.5 s), at every prepare_optimizer. Hidden here, for both libraries: the launches are
-    # timed as a user without LOMO gets them.
+    # Where lomo-optim is installed, Accelerate imports it, and with it transformers (~0.5 s), at every
+    # prepare_optimizer. Hidden here, for both libraries: the launches are timed as a user without LOMO
+    # gets them.
     sys.modules.setdefault("lomo_optim", None)
     import torch
     import torch.distributed as dist

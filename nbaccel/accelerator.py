@@ -656,8 +656,10 @@ class Accelerator:
             yield
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Divide fp16-scaled gradients by the scale (before clipping); a no-op without fp16."""
-        if self.scaler is None or not self.gradient_state.sync_gradients:
+        """Divide fp16-scaled gradients by the scale (before clipping); a no-op without fp16. As in
+        Accelerate, on any step: inside an accumulation, once per optimizer step (a second call before the
+        step is GradScaler's RuntimeError), so clip on synchronizing steps (`if accelerator.sync_gradients`)."""
+        if self.scaler is None:
             return
         optimizers = self._optimizers if optimizer is None else (
             optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])

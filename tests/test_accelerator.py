@@ -178,6 +178,36 @@ def test_bf16_autocast_trains_on_cpu():
     assert scaler is None
 
 
+def test_unscale_gradients_works_on_any_step_as_in_accelerate():
+    """Accelerate unscales whenever fp16 has a GradScaler, synchronizing step or not (accelerator.py,
+    `unscale_gradients`); it cannot run this here: on a CPU it trains fp16 without a scaler (docs/compat.md).
+    So a clip inside an accumulation sees the true gradients, and a second unscale before the optimizer's
+    step is GradScaler's RuntimeError, on both."""
+
+    def body(rank):
+        from nbaccel import Accelerator, GradScalerKwargs
+
+        accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=2,
+                                  kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+        model = _model()
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        x, y = next(iter(torch.utils.data.DataLoader(_data(), batch_size=16)))
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            scaled = [p.grad.clone() for p in model.parameters()]
+            accelerator.unscale_gradients()
+            unscaled = [p.grad.clone() for p in model.parameters()]
+            try:
+                accelerator.unscale_gradients()
+                again = "no error"
+            except RuntimeError as exc:
+                again = str(exc)
+        return accelerator.sync_gradients, all(torch.allclose(u * 1024, s) for u, s in zip(unscaled, scaled)), again
+
+    sync, divided, again = run_ranks(body, world_size=1)[0]
+    assert sync is False and divided and "unscale_() has already been called" in again
+
+
 def test_fp16_with_grad_scaler_on_cpu_skips_overflowing_steps():
     def body(rank):
         from nbaccel import Accelerator, GradScalerKwargs
