@@ -23,7 +23,7 @@ ensure_venv() {
         # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for one test
         rm -rf "$VENV/side/lomo"
         "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/side/lomo" -c constraints.txt \
-            lomo-optim transformers tokenizers
+            lomo-optim transformers tokenizers regex
         echo "$want" > "$stamp"
     fi
 }
