@@ -35,7 +35,15 @@ import torch.distributed as dist
 from . import packing, xla
 from .collective_trace import in_collective
 from .env_flags import parse_flag_from_env
-from .structures import flat_tensors, flatten_tensors, iter_leaves, rebuild, rebuild_flat, recursively_apply
+from .structures import (
+    flat_tensors,
+    flatten_tensors,
+    iter_leaves,
+    plain_items,
+    rebuild,
+    rebuild_flat,
+    recursively_apply,
+)
 
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
 _KEEP_RECEIVE_BYTES = 1 << 20  # gathers up to this size keep their receive buffer for the next call
@@ -351,14 +359,11 @@ def gather(tensor: Any) -> Any:
         if kind is torch.Tensor:
             if (tensor.dtype, tensor.device) in facts.checked_tensors:
                 return _gather_one(tensor, facts.world)
-        elif kind in _PLAIN_CONTAINERS and facts.checked:
+        elif facts.checked:
             known = _gather_known(tensor, facts)
             if known is not None:
                 return known
     return _gather_checked(tensor, facts)
-
-
-_PLAIN_CONTAINERS = (dict, list, tuple)
 
 
 def _layout(items: list[Any]) -> tuple:
@@ -370,11 +375,14 @@ def _layout(items: list[Any]) -> tuple:
 
 def _gather_known(data: Any, facts: _GroupFacts) -> Any:
     """Gather a plain dict, list or tuple whose layout already passed the input checks on this group (the
-    common case: the same outputs gathered at every step), or None to take the checked path.
+    common case: the same outputs gathered at every step); None for any other input or a new layout, which
+    takes the checked path.
 
     Each step of the checked path costs little alone, but between two ranks sharing their cores every
     extra Python call before the all-gather shows in its time (docs/internals.md, "Where the time goes")."""
-    items = list(data.values()) if type(data) is dict else list(data)
+    items = plain_items(data)
+    if items is None:
+        return None
     try:
         plan = facts.checked.get(_layout(items))
     except (AttributeError, TypeError, RuntimeError):  # not (plain) tensors: the checked path says what is wrong

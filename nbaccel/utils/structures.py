@@ -138,17 +138,24 @@ def flatten_tensors(data: Any, out: list[torch.Tensor]) -> bool:
     return ok
 
 
+def plain_items(data: Any) -> list[Any] | None:
+    """The items of a plain dict (its values), list or tuple, in order; None for anything else (subclasses
+    included: they keep their own rebuild)."""
+    kind = type(data)
+    if kind is dict:
+        return list(data.values())
+    if kind is list or kind is tuple:
+        return list(data)
+    return None
+
+
 def flat_tensors(data: Any) -> list[torch.Tensor] | None:
     """The items of a plain dict, list or tuple when every one is a tensor, else None.
 
     The common shape of what is gathered (a dict of outputs, a tuple of predictions and labels): such a
     container needs neither a walk to find its tensors nor one to rebuild it (see `rebuild_flat`)."""
-    kind = type(data)
-    if kind is dict:
-        items = list(data.values())
-    elif kind is list or kind is tuple:
-        items = list(data)
-    else:
+    items = plain_items(data)
+    if items is None:
         return None
     tensor = torch.Tensor
     for item in items:
