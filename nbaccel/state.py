@@ -332,13 +332,13 @@ class PartialState:
             module.set_device(info.local_rank % max(1, count))
 
         kwargs.update(rank=rank, world_size=world_size)
-        # notebook_launcher's forked ranks leave with os._exit the moment their function returns. torch does
-        # not wait after building the group, so a rank running `PartialState()` and return could close its
-        # sockets while a peer was still connecting to it ("Gloo connectFullMesh failed ... Connection closed
-        # by peer"): ~1 launch in 60-150 on a loaded 2-core machine. A barrier returns only once every rank is
-        # connected (~0.3 ms; torch's own TORCH_DIST_INIT_BARRIER costs ~10 ms on a FileStore).
-        _init_process_group(backend, timeout, kwargs,
-                            barrier=private_rendezvous and backend == "gloo" and world_size > 1)
+        # torch does not wait after building the group, so a rank that runs `PartialState()` and then returns
+        # or raises (notebook_launcher's forked ranks leave with os._exit at once) could close its sockets
+        # while a peer was still connecting to it ("Gloo connectFullMesh failed ... Connection closed by
+        # peer"): ~1 launch in 60-150 on a loaded 2-core machine, with a private rendezvous or torch's env://
+        # one (an elastic restart). A barrier returns only once every rank is connected (~0.3 ms; torch's own
+        # TORCH_DIST_INIT_BARRIER costs ~10 ms on a FileStore).
+        _init_process_group(backend, timeout, kwargs, barrier=backend == "gloo" and world_size > 1)
         destroy_process_group_at_exit()  # a correct script exits 0, not -6 (utils/process_group_exit.py)
         return {
             **base,
