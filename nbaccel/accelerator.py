@@ -30,6 +30,7 @@ from . import sharding
 from .optimizer import AcceleratedOptimizer
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
+from .utils import process_group_exit
 from .utils import xla as _xla
 from .utils.dataclasses import (
     AutocastKwargs,
@@ -516,6 +517,7 @@ class Accelerator:
                 kwargs.setdefault("device_ids", [self.device.index if self.device.index is not None else 0])
                 kwargs.setdefault("output_device", kwargs["device_ids"][0])
             model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+            process_group_exit.note_group_user(model)  # end_training keeps the group while it lives
             if self.ddp_handler is not None and hasattr(self.ddp_handler, "register_comm_hook"):
                 self.ddp_handler.register_comm_hook(model)
         # `_models` keeps the module itself, not its DDP or torch.compile wrapper (an FSDP1 wrapper, made

@@ -42,7 +42,7 @@ from .utils.imports import (
     is_torch_xla_available,
     is_xpu_available,
 )
-from .utils.process_group_exit import destroy_process_group_at_exit
+from .utils.process_group_exit import destroy_process_group_at_exit, keep_group_past_its_users
 
 logger = logging.getLogger(__name__)
 
@@ -632,6 +632,8 @@ class PartialState:
             return
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             several = group is None and torch.distributed.get_world_size() > 1
+            # a DDP model still alive must not be the one to free the group (utils/process_group_exit.py)
+            keep_group_past_its_users(torch.distributed.group.WORLD if group is None else group)
             torch.distributed.destroy_process_group(group)
             if several:  # later collectives raise instead of acting alone (imported here: state loads without it)
                 from .utils import collectives

@@ -37,7 +37,7 @@ from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
-    from ..launch.kernel.collective_watch import CollectiveWatch
+    from ..launch.kernel.collective_watch import CollectiveWatch, ExitHang
     from ..launch.kernel.loopback_store import LoopbackStore
     from ..launch.pool.hang_report import Diagnosis
 
@@ -502,6 +502,9 @@ def run_settings(s: LaunchSettings) -> int:
         print("nbaccel launch: interrupted; workers stopped", file=sys.stderr)
         return 130
     except SignalException as exc:  # the agent turns SIGTERM/SIGINT/... into this after stopping the workers
+        if agent.stuck_at_exit is not None:  # every script completed; a process hung in its teardown
+            print(f"nbaccel launch: {agent.stuck_at_exit.summary()}", file=sys.stderr)
+            return 0
         if agent.stopped_for is not None:
             print(f"nbaccel launch: {_deadlock_report(agent.stopped_for)}", file=sys.stderr)
             return 1
@@ -524,6 +527,7 @@ class _AgentStopper:
 
     def __init__(self) -> None:
         self.stopped_for: Diagnosis | None = None
+        self.stuck_at_exit: ExitHang | None = None
         self._lock = threading.Lock()
         self._running = False
 
@@ -538,14 +542,22 @@ class _AgentStopper:
                 self._running = False
 
     def stop(self, diagnosis: Diagnosis) -> None:
+        """Stop the workers because they deadlocked in collectives."""
+        self._stop(diagnosis=diagnosis)
+
+    def stop_stuck(self, hang: ExitHang) -> None:
+        """Stop the workers because some finished their script but hang in their process's teardown."""
+        self._stop(hang=hang)
+
+    def _stop(self, diagnosis: Diagnosis | None = None, hang: ExitHang | None = None) -> None:
         with self._lock:
-            if not self._running or self.stopped_for is not None:
+            if not self._running or self.stopped_for is not None or self.stuck_at_exit is not None:
                 return
             # the agent's signal handler (torch elastic installs it while the workers run) turns this into its
             # shutdown; its "Received SIGTERM death signal" warning would blame a signal nobody sent
             if not callable(signal.getsignal(signal.SIGTERM)):
                 return
-            self.stopped_for = diagnosis
+            self.stopped_for, self.stuck_at_exit = diagnosis, hang
             logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -556,7 +568,7 @@ def _start_collective_watch(agent: _AgentStopper) -> CollectiveWatch | None:
     from ..launch.kernel.collective_watch import CollectiveWatch
 
     try:
-        watch = CollectiveWatch(on_deadlock=agent.stop)
+        watch = CollectiveWatch(on_deadlock=agent.stop, on_exit_hang=agent.stop_stuck)
     except OSError as exc:
         warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
                       stacklevel=3)

@@ -8,6 +8,15 @@ every process to call `destroy_process_group()` before it exits; this module doe
 `atexit` hook (atexit handlers run while the interpreter is still whole). A group the user created
 themselves is theirs to destroy, and a process leaving on an unhandled exception is left alone: a backend
 such as NCCL could wait on peers that are still inside a collective.
+
+It also keeps a destroyed group alive past the DDP wrappers that use it. A `DistributedDataParallel`
+model's C++ reducer holds its process group; when `end_training()` destroys the group while the model
+lives on (the usual order: the model is a local of the training function, freed when it returns), the
+reducer later drops the group's last reference with the GIL held, and gloo's destructor joins worker
+threads, one of which may need the GIL to release its last collective's tensors: the rank hangs in
+`Reducer::~Reducer -> ProcessGroupGloo::~ProcessGroupGloo -> std::thread::join`. A reference dropped from
+Python instead goes through torch's GIL-releasing holder, which cannot deadlock that way; so nbaccel holds
+the group until every wrapper that used it is gone, then drops it from Python.
 """
 
 from __future__ import annotations
@@ -16,8 +25,45 @@ import atexit
 import os
 import sys
 import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
 _registered_pid: int | None = None  # the process whose atexit list holds the hook (a fork inherits the list)
+
+
+@dataclass
+class _KeptGroup:
+    """A destroyed process group, held from Python until the DDP wrappers that used it are gone."""
+
+    group: Any
+    users: list[weakref.ref]
+
+    def in_use(self) -> bool:
+        return any(user() is not None for user in self.users)
+
+
+_group_users: weakref.WeakSet = weakref.WeakSet()  # DDP wrappers made by `Accelerator.prepare`
+_kept: list[_KeptGroup] = []
+
+
+def note_group_user(ddp_model: Any) -> None:
+    """Remember a DDP wrapper (its reducer holds `ddp_model.process_group` in C++): see the module docstring."""
+    _group_users.add(ddp_model)
+
+
+def keep_group_past_its_users(group: Any) -> None:
+    """Before `group` is destroyed: hold it from Python while a remembered DDP wrapper still uses it."""
+    release_unused_groups()
+    users = [weakref.ref(model) for model in list(_group_users) if getattr(model, "process_group", None) is group]
+    if users:
+        _kept.append(_KeptGroup(group, users))
+
+
+def release_unused_groups() -> None:
+    """Drop, from Python (torch's holder releases the GIL while gloo joins its threads), every kept group
+    whose DDP wrappers are gone. A wrapper still alive keeps its group until the next call."""
+    _kept[:] = [kept for kept in _kept if kept.in_use()]
 
 
 def destroy_process_group_at_exit() -> None:
@@ -41,6 +87,7 @@ def _destroy_at_exit(pid: int) -> None:
     except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
         pass
     wait_for_gloo_workers_to_settle()
+    release_unused_groups()
 
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads

@@ -9,6 +9,12 @@ GRACE seconds in collectives that cannot meet (or that a finished rank never ent
 diagnosis and calls `on_deadlock` (`nbaccel launch` then has the agent stop every worker and prints the
 report). After a failure, `after_failure` tells whether a deadlock was behind the ranks' errors.
 
+It also watches the exit: a rank says `finished` after its script and every exit function it registered
+ran, and keeps its socket open until its process ends. When every connected rank has finished and one of
+them is still running EXIT_HANG_GRACE seconds later (stuck in a destructor during the interpreter's
+teardown), it calls `on_exit_hang` with those ranks: `nbaccel launch` names them, stops them and exits 0,
+since every script completed.
+
 The watch never fails a launch by itself: an error inside it ends the watching, not the run.
 """
 
@@ -34,6 +40,20 @@ from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GR
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
+EXIT_HANG_GRACE = 10.0  # seconds a rank that finished its script gets to end its process
+
+
+@dataclass(frozen=True)
+class ExitHang:
+    """Ranks that finished their script but whose processes did not end within `grace` seconds."""
+
+    ranks: tuple[int, ...]
+    grace: float
+
+    def summary(self) -> str:
+        ranks = ", ".join(map(str, self.ranks))
+        return (f"rank(s) {ranks} finished the script but did not exit within {self.grace:.0f} s (stuck tearing "
+                "down the process); stopped them. Every rank completed its script.")
 
 
 @dataclass
@@ -42,12 +62,14 @@ class _Peer:
 
     rank: int | None = None
     attempt: int = 0
+    finished_at: float | None = None  # when it said its script ended well (time.monotonic)
 
 
 class CollectiveWatch:
     """The listening end: start it before the ranks, `close` it after them (see the module docstring)."""
 
-    def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE) -> None:
+    def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE,
+                 on_exit_hang: Callable[[ExitHang], None] | None = None) -> None:
         self._folder = make_user_dir(WATCH_PREFIX)
         self.address = os.path.join(self._folder, "sock")  # short: a Unix socket's path has ~100 bytes at most
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -61,6 +83,8 @@ class CollectiveWatch:
         self.tracker = CollectiveTracker(grace, work="the script")
         self.deadlock: Diagnosis | None = None
         self._on_deadlock = on_deadlock
+        self._on_exit_hang = on_exit_hang
+        self.exit_hang: ExitHang | None = None
         self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
         self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
         self._lock = threading.Lock()
@@ -77,8 +101,11 @@ class CollectiveWatch:
                 with self._lock:
                     self._take(ready)
                     found = self._check() if self.deadlock is None else None
+                    stuck = self._check_exit() if self.exit_hang is None else None
                 if found is not None:
                     self._on_deadlock(found)
+                if stuck is not None and self._on_exit_hang is not None:
+                    self._on_exit_hang(stuck)
         except Exception:  # never fail the launch: stop watching, the process group's timeout still holds
             logger.debug("nbaccel launch: the collective watch stopped", exc_info=True)
 
@@ -101,6 +128,16 @@ class CollectiveWatch:
         if found is not None:
             self.deadlock = found
         return found
+
+    def _check_exit(self) -> ExitHang | None:
+        current = [peer for peer in self._peers.values() if peer.rank is not None and peer.attempt == self._attempt]
+        if not current or any(peer.finished_at is None for peer in current):
+            return None  # some rank is still running its script
+        now = time.monotonic()
+        stuck = tuple(sorted(peer.rank for peer in current if now - peer.finished_at >= EXIT_HANG_GRACE))
+        if stuck:
+            self.exit_hang = ExitHang(stuck, EXIT_HANG_GRACE)
+        return self.exit_hang
 
     def _read(self, conn: Connection) -> None:
         peer = self._peers.get(conn)
@@ -133,6 +170,7 @@ class CollectiveWatch:
         if kind == MessageKind.COLLECTIVE:
             self.tracker.on_message(peer.rank, message)
         elif kind == MessageKind.STATUS and message.get("state") == RankState.FINISHED:
+            peer.finished_at = time.monotonic()
             self.tracker.finished(peer.rank)
         elif kind == MessageKind.STATUS and message.get("state") == RankState.FAILED:
             self.tracker.failed(peer.rank, str(message.get("error", "")))

@@ -38,6 +38,9 @@ POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
 MARK_WAIT = 1.0  # seconds to wait for a display message whose marker the rank's stdout already shows
 EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by itself before the others are stopped
+# seconds every rank's process gets to exit once all of them returned their results; one still running then is
+# stuck tearing down (a destructor that waits forever): it is named and stopped, and the results stand
+EXIT_HANG_GRACE = 10.0
 
 
 def _cell_output() -> Any:
@@ -147,6 +150,7 @@ class Supervisor:
         self.attempts: list[dict[int, WorkerFailure]] = []  # failures of earlier attempts (elastic restarts)
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
+        self._all_returned_at: float | None = None  # when the last rank returned its result
         self.collectives = CollectiveTracker()
         self.deadlock: Diagnosis | None = None
         self._next_check = 0.0
@@ -366,6 +370,9 @@ class Supervisor:
                     break
                 if self.backend.finished():
                     break
+                if self._stuck_after_returning():
+                    outcome = "stuck"
+                    break
                 if deadline is not None and time.monotonic() >= deadline:
                     outcome = "timeout"
                     break
@@ -375,6 +382,9 @@ class Supervisor:
         except BaseException:
             self._shutdown("failed")
             raise
+        if outcome == "stuck":
+            self._stop_stuck_ranks()
+            outcome = "finished"
         if outcome == "failed":
             self._let_failed_ranks_exit()
         if outcome != "finished":
@@ -446,6 +456,24 @@ class Supervisor:
         if where is not None:
             text += "\nwhere the ranks were: " + where.summary + (f"\n{where.reason}" if where.reason else "")
         return LaunchTimeout(text, self.failures, first_rank=self.first_failure, attempts=self.attempts)
+
+    def _stuck_after_returning(self) -> bool:
+        """True once every rank has returned its result and EXIT_HANG_GRACE seconds passed without all of
+        their processes exiting."""
+        if not self.workers or not all(w.has_result for w in self.workers):
+            return False
+        if self._all_returned_at is None:
+            self._all_returned_at = time.monotonic()
+        return time.monotonic() - self._all_returned_at >= EXIT_HANG_GRACE
+
+    def _stop_stuck_ranks(self) -> None:
+        """Name the ranks whose processes outlived their results, and stop them (their results stand)."""
+        stuck = [w.rank for w in self.workers if not w.exited]
+        self._stopping = True
+        self.backend.stop()
+        print(f"nbaccel: rank(s) {', '.join(map(str, stuck))} returned a result but did not exit within "
+              f"{EXIT_HANG_GRACE:.0f} s (stuck tearing down the process); stopped them. The results are "
+              "complete.", file=self.stderr, flush=True)
 
     def _let_failed_ranks_exit(self) -> None:
         """A rank that reported its exception is on its way out (exit code 1): let it get there before every

@@ -40,36 +40,48 @@ def main(argv: list[str] | None = None) -> None:
     if as_module:
         argv = argv[1:]
     sink = _connect()
+    ending = _Ending(sink)
+    atexit.register(ending.at_exit)  # registered first, so it runs after every exit function the script adds
     try:
         _run(argv[0], argv[1:], as_module)
     except SystemExit as exc:
-        _report_end(sink, exc.code in (None, 0), f"SystemExit: {exc.code}")
+        ending.report(exc.code in (None, 0), f"SystemExit: {exc.code}")
         raise
     except Exception as exc:
-        _report_end(sink, False, _describe(exc))
+        ending.report(False, _describe(exc))
         _print_uncaught(exc)
     except BaseException as exc:  # KeyboardInterrupt: Python's own ending (exit by the signal)
-        _report_end(sink, False, type(exc).__name__)
+        ending.report(False, type(exc).__name__)
         raise
     else:
-        _report_end(sink, True)
+        ending.report(True)
 
 
-def _report_end(sink: WorkerSink | None, ok: bool, error: str = "") -> None:
-    """Tell the watch how the script ended: a failure at once; a success at exit, after the threads the script
-    left running (Python joins them before running atexit functions), which may still enter collectives."""
-    if sink is None:
-        return
-    if not ok:
-        sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
-        sink.close()
-        return
+class _Ending:
+    """Tells the watch how the script ended: a failure at once; a success at exit, after the threads the
+    script left running (Python joins them first, and they may still enter collectives) and after every exit
+    function it registered (a tracker's upload), so that what follows `finished` is only the interpreter's
+    own teardown, which the launcher then gives a few seconds (kernel/collective_watch.py)."""
 
-    def finished() -> None:
-        sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)
-        sink.close()
+    def __init__(self, sink: WorkerSink | None) -> None:
+        self.sink = sink
+        self.succeeded = False
 
-    atexit.register(finished)
+    def report(self, ok: bool, error: str = "") -> None:
+        if self.sink is None:
+            return
+        if ok:
+            self.succeeded = True
+            return
+        self.sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
+        self.sink.close()
+        self.sink = None
+
+    def at_exit(self) -> None:
+        if self.sink is not None and self.succeeded:
+            self.sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)  # sent at once
+            # the socket stays open: the watch reads its end of file as this process's exit
+            self.sink.closed = True
 
 
 def _connect() -> WorkerSink | None:
