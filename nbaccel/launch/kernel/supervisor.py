@@ -23,7 +23,7 @@ from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
-from ..messages import MessageKind, RankState
+from ..messages import Failure, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
@@ -212,7 +212,7 @@ class Supervisor:
     def _show_display(self, local_rank: int, message: Message) -> None:
         self._flush()
         rank = self.workers[local_rank].rank
-        if message.get("kind") == "display":
+        if message.get("kind") == MessageKind.DISPLAY:
             self.cell.display(rank, message)
         else:
             self.cell.clear_output(rank, bool(message.get("wait")))
@@ -254,9 +254,10 @@ class Supervisor:
         elif kind == MessageKind.COLLECTIVE:
             self.collectives.on_message(worker.rank, message)
         if kind == MessageKind.STATUS and message.get("state") == RankState.STARTING:
-            worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
-            worker.pid = message.get("pid", worker.pid)
-            restart = int(message.get("restart") or 0)
+            status = Status.from_wire(message)
+            worker.rank = int(worker.rank if status.rank is None else status.rank)  # elastic assigns global ranks
+            worker.pid = worker.pid if status.pid is None else status.pid
+            restart = int(status.restart or 0)
             if restart > worker.generation:
                 worker.generation = restart
                 worker.has_result = False
@@ -285,8 +286,8 @@ class Supervisor:
         elif kind in (MessageKind.DISPLAY, MessageKind.CLEAR_OUTPUT):
             self._displays.arrived(worker.local_rank, message)
         elif kind == MessageKind.ERROR:
-            self._fail(WorkerFailure(worker.rank, message.get("exc_type"), message.get("message", ""),
-                                     message.get("traceback", "")))
+            failure = Failure.from_wire(message)
+            self._fail(WorkerFailure(worker.rank, failure.exc_type, failure.message, failure.traceback))
         self.notify(message)
 
     def _fail(self, failure: WorkerFailure) -> None:

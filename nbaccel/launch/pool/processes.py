@@ -31,6 +31,7 @@ from ..kernel.processes import (
     signal_name,
     stop_processes,
 )
+from ..messages import PoolCommand, Ready
 from ..output import read_available
 from ..private_dirs import make_store_dir
 from .results import RankStartError
@@ -169,11 +170,11 @@ class RankProcesses:
                     except (EOFError, OSError):
                         problem = f"rank {rank.rank} exited while starting"
                         break
-                    if message.get("error"):
-                        error = message["error"]
-                        problem = f"rank {rank.rank} failed to start:\n{error['traceback'].rstrip()}"
+                    ready = Ready.from_wire(message)
+                    if ready.error:
+                        problem = f"rank {rank.rank} failed to start:\n{ready.error['traceback'].rstrip()}"
                         break
-                    rank.device = message.get("device", "cpu")
+                    rank.device = ready.device or "cpu"
                 elif obj in sentinels and sentinels[obj].commands in pending:
                     rank = sentinels[obj]
                     if not rank.commands.poll(0):
@@ -195,7 +196,7 @@ class RankProcesses:
         if graceful:
             for rank in self.ranks:
                 try:
-                    rank.commands.send(("stop",))
+                    rank.commands.send((PoolCommand.STOP.value,))
                 except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + 2.0

@@ -31,7 +31,7 @@ from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
 from ..kernel.processes import choose_start_method
-from ..messages import RankState
+from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from .call import MISMATCH_GRACE, Call, Hang
 from .hang_report import Diagnosis, explain, report_lines
@@ -154,12 +154,12 @@ class RankPool:
         for rank in workers.ranks:
             rank.on_output = OutputLines(rank.rank, self._notify)
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
-        self._call(lambda call_id: ("telemetry", call_id, True), None, None).raise_if_failed()
+        self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
             self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
 
     def _telemetry_off(self) -> None:
-        self._call(lambda call_id: ("telemetry", call_id, False), None, None)
+        self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, False), None, None)
         self._stop_reader()
 
     def _stop_reader(self) -> None:
@@ -247,7 +247,7 @@ class RankPool:
         if not isinstance(source, str):
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
         filename, ends_with_expression = self._cell_name(source)
-        return self._call(lambda call_id: ("exec", call_id, source, filename, ends_with_expression), ranks,
+        return self._call(lambda call_id: (PoolCommand.EXEC.value, call_id, source, filename, ends_with_expression), ranks,
                           timeout, on_progress, report=True)
 
     def _cell_name(self, source: str) -> tuple[str, bool]:
@@ -271,7 +271,7 @@ class RankPool:
         if not callable(function):
             raise TypeError(f"function must be callable, got {type(function).__name__}")
         payload = dumps_payload(function, args, kwargs)
-        results = self._call(lambda call_id: ("run", call_id, payload), None, None, report=True)
+        results = self._call(lambda call_id: (PoolCommand.RUN.value, call_id, payload), None, None, report=True)
         results.raise_if_failed()
         return results.values
 
@@ -284,12 +284,12 @@ class RankPool:
             path = find_culprit(value, name) or name
             raise UnpicklableError(f"cannot send {path} to the ranks: it cannot be pickled "
                                    f"({type(exc).__name__}: {exc})") from exc
-        self._call(lambda call_id: ("push", call_id, name, data), ranks, None).raise_if_failed()
+        self._call(lambda call_id: (PoolCommand.PUSH.value, call_id, name, data), ranks, None).raise_if_failed()
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> list[Any]:
         """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
         _check_name(name)
-        results = self._call(lambda call_id: ("pull", call_id, name), ranks, None)
+        results = self._call(lambda call_id: (PoolCommand.PULL.value, call_id, name), ranks, None)
         results.raise_if_failed()
         return results.values
 
@@ -382,7 +382,7 @@ class _DisplayTarget:
             from ...notebook.live_output import CellOutput
 
             self._cell = CellOutput()
-        if message.get("kind") == "display":
+        if message.get("kind") == MessageKind.DISPLAY:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import messages
 from ..channel import Message
-from ..messages import RankState
+from ..messages import MessageKind, RankState
 from ..output import LineForwarder
 
 READ_WAKE = 0.1  # seconds: how soon the reader thread notices it was asked to stop
@@ -69,7 +69,7 @@ class TelemetryReader:
                 except (EOFError, OSError):
                     conns.remove(conn)
                     continue
-                for item in message.get("messages", ()) if message.get("kind") == "batch" else (message,):
+                for item in message.get("messages", ()) if message.get("kind") == MessageKind.BATCH else (message,):
                     self._deliver(item)
 
     def stop(self) -> None:

@@ -28,7 +28,7 @@ from ... import telemetry
 from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV
 from ..channel import WorkerSink
-from ..messages import MessageKind, RankState
+from ..messages import MessageKind, RankState, Status
 from .parent_death import die_with_parent
 
 
@@ -61,12 +61,12 @@ def _report_end(sink: WorkerSink | None, ok: bool, error: str = "") -> None:
     if sink is None:
         return
     if not ok:
-        sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
+        sink(Status(sink.rank, RankState.FAILED, error=error).to_wire())
         sink.close()
         return
 
     def finished() -> None:
-        sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)
+        sink(Status(sink.rank, RankState.FINISHED).to_wire())
         sink.close()
 
     atexit.register(finished)
@@ -84,8 +84,8 @@ def _connect() -> WorkerSink | None:
         return None
     rank = int(os.environ.get("RANK", "0"))
     sink = WorkerSink(conn, rank, int(os.environ.get("LOCAL_RANK", str(rank))))
-    sink.send(MessageKind.STATUS.value, state=RankState.RUNNING.value, pid=os.getpid(),
-              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    sink(Status(rank, RankState.RUNNING, pid=os.getpid(),
+                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
 
     def report(event: str, record: collective_trace.CollectiveRecord) -> None:
         sink.send(MessageKind.COLLECTIVE.value, **telemetry.collective_fields(event, record))
