@@ -14,6 +14,7 @@ import pytest
 from process_helpers import all_gone, started_children
 
 from nbaccel.launch.errors import WorkerFailure
+from nbaccel.launch.hang_report import RankProgress, diagnose
 from nbaccel.launch.pool import (
     CollectiveMismatchError,
     RankFailedError,
@@ -24,7 +25,6 @@ from nbaccel.launch.pool import (
     RankTimeoutError,
     results_equal,
 )
-from nbaccel.launch.pool.hang_report import RankProgress, diagnose
 from nbaccel.launch.pool.rank_view import render_html, render_text
 from nbaccel.launch.private_dirs import make_store_dir
 

@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import recv_all
+from ..hang_report import Diagnosis, report_lines
 from ..messages import MessageKind, RankState
-from ..pool.hang_report import Diagnosis, report_lines
 from ..private_dirs import WATCH_PREFIX, make_user_dir
 from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
 

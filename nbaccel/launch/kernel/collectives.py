@@ -14,7 +14,7 @@ costs training next to nothing. The supervisor feeds them here, with which ranks
   in another collective (gloo's "Connection closed by peer"), the report says so instead of blaming the
   rank that happened to notice first;
 - `where` for a timeout: where each rank was.
-The deciding and the wording are RankPool's (`pool/hang_report.py`), so both report hangs alike.
+The deciding and the wording are shared with RankPool (`launch/hang_report.py`), so both report hangs alike.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..hang_report import Diagnosis, RankProgress, describe_ranks, diagnose, difference
 from ..messages import RankState
-from ..pool.hang_report import Diagnosis, RankProgress, describe_ranks, diagnose, difference
 
 GRACE = 2.0  # seconds every rank must be stuck before differing collectives count as a deadlock
 CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective

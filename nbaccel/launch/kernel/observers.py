@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..channel import Observer
+from ..views import views
 
 VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
 
@@ -70,7 +71,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
         return None
     if dashboard is True or dashboard == "auto":
         try:
-            from ...notebook import Dashboard
+            Dashboard = views().dashboard_type()
         except ImportError:
             if dashboard is True:
                 raise
@@ -84,8 +85,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
                           stacklevel=3)
             return None
     if isinstance(dashboard, str) and dashboard in VIEW_MODES:
-        from ...notebook import Dashboard
-
+        Dashboard = views().dashboard_type()
         return DashboardHandle(_construct(Dashboard, num_processes, info, mode=dashboard))
     check_dashboard(dashboard)
     return DashboardHandle(dashboard)

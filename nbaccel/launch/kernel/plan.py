@@ -19,6 +19,8 @@ from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
+from ..views import views
+from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
 from .processes import (
     bind_address,
     check_port_free,
@@ -224,18 +226,13 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
     if request.debug_launcher:
         return _debug_plan(request)
     gpus = visible_gpus()
-    saved = apply_saved_config(num_processes=request.num_processes, mixed_precision=request.mixed_precision,
-                               use_port=request.use_port, master_addr=request.master_addr,
-                               node_rank=request.node_rank, num_nodes=request.num_nodes,
-                               rdzv_backend=request.rdzv_backend, start_method=request.start_method, gpus=gpus)
+    saved = apply_saved_config(request, gpus)
     num_processes, num_nodes, node_rank = saved.num_processes, saved.num_nodes, saved.node_rank
     precision = check_request(request, saved)
     port = parse_port(saved.use_port)
     check_start_method(saved.start_method)
     if saved.use_cpu:
         gpus = 0  # the config says CPU: workers get NBACCEL_USE_CPU
-    from .xla import tpu_requested
-
     if tpu_requested():
         return _xla_plan(request, saved, precision)
     if num_processes is None:
@@ -303,8 +300,6 @@ def _rendezvous(request: LaunchRequest, saved: Any, port: int | None) -> Rendezv
 
 def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
     """torch_xla runs one replica per XLA device: check num_processes against the device count."""
-    from .xla import TPU_CORES, import_xmp, local_device_count
-
     import_xmp()  # a clear ImportError before anything else
     num_processes = saved.num_processes
     count, source = (1, "") if num_processes == 1 else local_device_count()  # 1: in this process
@@ -329,9 +324,7 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
 
 def _in_notebook() -> bool:
     """Whether this launch runs in a Jupyter kernel (its ranks' display() output then goes to the cell)."""
-    from ...notebook.live_output import in_kernel
-
-    return in_kernel()
+    return views().in_kernel()
 
 
 def _debug_plan(request: LaunchRequest) -> LaunchPlan:

@@ -23,10 +23,11 @@ from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
+from ..hang_report import Diagnosis, report_lines
 from ..messages import Failure, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
-from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
+from ..views import views
 from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
 from .processes import learn_rank_imports, signal_name
 
@@ -41,9 +42,7 @@ EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by i
 
 
 def _cell_output() -> Any:
-    from ...notebook.live_output import CellOutput
-
-    return CellOutput()
+    return views().cell_output()
 
 
 def _memory_interval() -> float:

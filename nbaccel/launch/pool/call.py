@@ -17,9 +17,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ..errors import WorkerFailure
+from ..hang_report import Diagnosis, RankProgress, diagnose
 from ..messages import MessageKind, RankState
 from ..serialize import loads
-from .hang_report import Diagnosis, RankProgress, diagnose
 from .processes import RankProcess, exit_text
 from .results import RankResult, RankResults
 

@@ -134,7 +134,7 @@ class RankProcesses:
                 rank_env = RankSpec(rank=rank, local_rank=rank, world_size=num_processes,
                                     local_world_size=num_processes, node_rank=0, master_addr="127.0.0.1",
                                     master_port=port, device=device.format(local_rank=rank)).environ(env)
-                from .rank_worker import pool_worker
+                from ..worker.pool_rank import pool_worker
 
                 process = ctx.Process(
                     target=pool_worker, name=f"nbaccel-rank-{rank}",

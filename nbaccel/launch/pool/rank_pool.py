@@ -5,7 +5,7 @@ run what the kernel sends: `exec(source)` runs a cell's source in each rank's ow
 cloudpickled function. Results come back per rank (output, value of the last expression, error).
 
 A cell in which not every rank enters the same collective does not freeze the kernel: while a call runs the
-pool asks the busy ranks where they are (hang_report.py) and raises `CollectiveMismatchError` or
+pool asks the busy ranks where they are (launch/hang_report.py) and raises `CollectiveMismatchError` or
 `RankTimeoutError` with a report of which rank waits in which collective. A rank stuck in a gloo/NCCL
 collective cannot be released, so the pool then restarts every rank (their variables are lost) and says so.
 
@@ -29,12 +29,13 @@ from typing import Any
 from ...utils.constants import MIXED_PRECISION_CHOICES
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
+from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
 from ..kernel.processes import choose_start_method
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
+from ..views import views
 from .call import MISMATCH_GRACE, Call, Hang
-from .hang_report import Diagnosis, explain, report_lines
 from .processes import START_TIMEOUT, RankProcesses
 from .results import (
     CollectiveMismatchError,
@@ -379,9 +380,7 @@ class _DisplayTarget:
 
     def __call__(self, rank: int, message: dict) -> None:
         if self._cell is None:
-            from ...notebook.live_output import CellOutput
-
-            self._cell = CellOutput()
+            self._cell = views().cell_output()
         if message.get("kind") == MessageKind.DISPLAY:
             self._cell.display(rank, message)
         else:

@@ -32,9 +32,9 @@ from typing import Any
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
-from ..worker import rank_display
-from ..worker.entry import _destroy_process_group, apply_cpu_threads
-from ..worker.parent_death import die_with_parent
+from . import rank_display
+from .entry import _destroy_process_group, apply_cpu_threads
+from .parent_death import die_with_parent
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
@@ -161,7 +161,7 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
 
         namespace[message[2]] = serialize.loads(message[3])
     elif command == PoolCommand.TELEMETRY:
-        from .telemetry import set_worker_telemetry
+        from .pool_telemetry import set_worker_telemetry
 
         set_worker_telemetry(_telemetry_conn, bool(message[2]), rank)
     elif command == PoolCommand.PULL:

@@ -1,6 +1,7 @@
 """Decide whether ranks are hung in a collective, and say where each rank is.
 
-The pool asks busy ranks for a status snapshot (see `pool_worker.snapshot`) while a cell runs longer than
+Shared by both kinds of watch, so they report hangs alike. The pool asks busy ranks for a status snapshot
+(see `worker/pool_rank.py snapshot`) while a cell runs longer than
 a moment; a launch's supervisor builds the same picture from the `collective` telemetry messages
 (`kernel/collectives.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
 - a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
@@ -18,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
-from ..messages import RankState
+from ..utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
+from .messages import RankState
 
 
 @dataclass
