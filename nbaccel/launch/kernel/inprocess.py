@@ -56,7 +56,7 @@ def run_in_process(plan: LaunchPlan, request: LaunchRequest, reporting: Reportin
     if attached:
         telemetry.attach(sink, 0)
     try:
-        with _patched_env(in_process_environment(plan)), _alarm(reporting.timeout):
+        with _patched_env(in_process_environment(plan)), _alarm(plan.timeout):
             telemetry.emit(Status.kind.value, **Status(0, RankState.RUNNING, device="cpu", pid=os.getpid()).fields())
             results = [request.function(*request.args, **request.kwargs)]
         telemetry.emit(Status.kind.value, **Status(0, RankState.FINISHED, device="cpu").fields())

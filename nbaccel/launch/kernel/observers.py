@@ -15,12 +15,10 @@ VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a vi
 
 @dataclass(frozen=True)
 class Reporting:
-    """Who hears about a launch and for how long it may run: the `dashboard=` value, the observers and the
-    timeout (seconds, None: no limit)."""
+    """Who hears about a launch: the `dashboard=` value and the observers (the timeout is the plan's)."""
 
     dashboard: Any = "auto"
     observers: Sequence[Observer] = ()
-    timeout: float | None = None
 
 
 class DashboardHandle:

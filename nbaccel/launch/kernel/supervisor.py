@@ -58,6 +58,12 @@ class Backend(Protocol):
 
     fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
     workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
+    # what the launcher prepares for it (kernel/backends.py says what each means)
+    inherits_objects: bool
+    preloads_modules: bool
+    freezes_gc: bool
+    private_store: bool
+    result_folder: bool
 
     def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""

@@ -87,10 +87,10 @@ class RankPool:
         self.num_processes = num_processes
         self.mixed_precision = precision
         self.restarts = 0
+        # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
         self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
-                                                    nproc_per_node=num_processes))
-        self._env["NBACCEL_PG_TIMEOUT"] = str(self.timeout + PG_TIMEOUT_MARGIN)
-        self._env["FORK_LAUNCHED"] = "1"  # the pool owns the process group: end_training() in a cell leaves it up
+                                                    nproc_per_node=num_processes, fork_launched=True,
+                                                    pg_timeout=self.timeout + PG_TIMEOUT_MARGIN))
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
