@@ -58,6 +58,7 @@ def test_the_agents_environment_names_the_device_template():
     (Mode.LOCAL, True, True, True),
     (Mode.ELASTIC, True, False, False),
     (Mode.XLA, False, False, False),
+    (Mode.PERSISTENT, False, False, True),  # RankPool's ranks: commands, not a payload; values in the replies
 ])
 def test_each_modes_backend_says_what_it_supports(mode, inherits, result_folder, private_store):
     backend = backends.backend_type(_plan(mode=mode))

@@ -336,3 +336,26 @@ def test_duplicate_class_checker_finds_a_repeated_name():
     sources = {"a.py": "class RankState:\n    pass\n", "b.py": "class RankState(str):\n    pass\nclass B: pass\n",
                "c.py": "def f():\n    class B: pass\n"}
     assert duplicate_class_names(sources) == {"RankState": ["a.py", "b.py"]}
+
+
+# ---------------------------------------------------------------------------------------------- process owners
+def starts_processes(source: str) -> list[int]:
+    """Lines that start a process: a `.Process(...)`, `Popen(...)`, `os.fork()` or `start_process(...)` call."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("Process", "Popen", "fork", "start_process", "spawn"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_pool_starts_no_process_by_itself():
+    """RankPool's ranks are started and owned by a backend of kernel/ (kernel/persistent.py), as a launch's."""
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted((PACKAGE / "launch" / "pool").rglob("*.py"))
+             for line in starts_processes(path.read_text(encoding="utf-8"))]
+    assert not found, "process started outside the backends:\n" + "\n".join(found)
+
+
+def test_process_start_checker_finds_a_start():
+    assert starts_processes("p = ctx.Process(target=f)\np.start()\nimport os\nos.fork()\nx = f()") == [1, 4]

@@ -42,7 +42,14 @@ def _xla() -> type:
     return XlaBackend
 
 
-BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla}
+def _persistent() -> type:
+    from .persistent import PersistentBackend
+
+    return PersistentBackend
+
+
+BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
+                                            Mode.PERSISTENT: _persistent}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 

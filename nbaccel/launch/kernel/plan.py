@@ -49,6 +49,7 @@ class Mode(str, Enum):
     LOCAL = "local"  # processes started here (fork/spawn/forkserver)
     ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
+    PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,15 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
-from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
-from ..kernel.processes import choose_start_method
+from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
+from ..kernel.processes import choose_start_method, free_port
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
@@ -111,8 +112,14 @@ class RankPool:
                 raise
             self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
 
+    def _plan(self) -> LaunchPlan:
+        """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one)."""
+        return LaunchPlan(mode=Mode.PERSISTENT, num_processes=self.num_processes, mixed_precision=self.mixed_precision,
+                          start_method=self.start_method, device=self._device, environ=MappingProxyType(self._env),
+                          port=free_port(), timeout=self.timeout)
+
     def _start_once(self) -> None:
-        workers = RankProcesses(self.num_processes, self.start_method, self._env, self._device)
+        workers = RankProcesses(self._plan())
         self._finalizer = weakref.finalize(self, workers.close, False)
         self._workers = workers
         try:
