@@ -24,7 +24,7 @@ from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
 from ..hang_report import Diagnosis, report_lines
-from ..messages import Failure, MessageKind, RankState, Status
+from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
 from ..views import views
@@ -359,32 +359,33 @@ class Supervisor:
     def run(self) -> list[Any]:
         """Supervise until the end; return results by local rank or raise LaunchError/KeyboardInterrupt."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        outcome = "finished"
+        outcome = LaunchState.FINISHED
+        deadlock = False
         try:
             while True:
                 wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
                 self.pump(wait_for)
                 if self.failures and self.backend.fail_fast:
-                    outcome = "failed"
+                    outcome = LaunchState.FAILED
                     break
                 if self._deadlocked():
-                    outcome = "deadlock"
+                    outcome, deadlock = LaunchState.FAILED, True
                     break
                 if self.backend.finished():
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    outcome = "timeout"
+                    outcome = LaunchState.TIMEOUT
                     break
         except KeyboardInterrupt:
-            self._shutdown("interrupted")
+            self._shutdown(LaunchState.INTERRUPTED)
             raise
         except BaseException:
-            self._shutdown("failed")
+            self._shutdown(LaunchState.FAILED)
             raise
-        if outcome == "failed":
+        if outcome is LaunchState.FAILED and not deadlock:
             self._let_failed_ranks_exit()
-        if outcome != "finished":
-            self._shutdown("failed" if outcome == "deadlock" else outcome)
+        if outcome is not LaunchState.FINISHED:
+            self._shutdown(outcome)
         else:
             self._drain()
             for failure in self.backend.exit_failures().values():
@@ -396,12 +397,10 @@ class Supervisor:
             for worker in self.workers:
                 if not worker.has_result and worker.rank not in self.failures:
                     self._fail(WorkerFailure(worker.rank, None, reason))
-            if self.failures:
-                outcome = "failed"
         self._close()
-        if outcome == "timeout":
+        if outcome is LaunchState.TIMEOUT:
             raise self._timeout_error()
-        if outcome == "deadlock" or self.failures:
+        if deadlock or self.failures:
             raise self._failure_error()
         return [w.result for w in self.workers]
 
@@ -475,14 +474,14 @@ class Supervisor:
             sample["rss_peak"] = worker.rss_peak
             self.notify(messages.memory(worker.rank, worker.local_rank, sample, source="kernel"))
 
-    def _shutdown(self, outcome: str) -> None:
+    def _shutdown(self, outcome: LaunchState) -> None:
         """Stop every worker (even if interrupted again meanwhile), then read what they left."""
         self._stopping = True
         try:
             self.backend.stop()
         finally:
             try:
-                self._drain(0.5 if outcome == "interrupted" else DRAIN)
+                self._drain(0.5 if outcome is LaunchState.INTERRUPTED else DRAIN)
             finally:
                 self._close()
 
