@@ -5,6 +5,7 @@ Every public name is listed here and loaded from its home module on first use; s
 """
 
 from ._lazy import lazy_namespace
+from .launch import views as _launch_views
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,29 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS)
+
+
+def _dashboard_type():
+    from .notebook import Dashboard
+
+    return Dashboard
+
+
+def _cell_output():
+    from .notebook.live_output import CellOutput
+
+    return CellOutput()
+
+
+def _in_kernel() -> bool:
+    from .notebook.live_output import in_kernel
+
+    return in_kernel()
+
+
+# The launch machinery never imports the notebook views: the package root, above both, hands them in.
+_launch_views.provide(_launch_views.Views(dashboard_type=_dashboard_type, cell_output=_cell_output,
+                                          in_kernel=_in_kernel))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it)
@@ -98,18 +99,19 @@ def test_multi_node_keys_map_to_the_launcher_arguments(config_file):
                            "rdzv_backend: c10d\nnum_processes: 4\n")
     defaults = dict(num_processes=None, mixed_precision=default("no"), use_port=None,
                     master_addr=default("127.0.0.1"), node_rank=default(0), num_nodes=default(1),
-                    rdzv_backend=default("static"), start_method=None, gpus=0)
-    saved = apply_saved_config(**defaults)
+                    rdzv_backend=default("static"), start_method=None)
+    saved = apply_saved_config(SimpleNamespace(**defaults), gpus=0)
     assert (saved.num_nodes, saved.node_rank, saved.master_addr, saved.use_port, saved.rdzv_backend) == (
         2, 1, "10.1.2.3", 29555, "c10d")
     assert saved.num_processes == 2  # Accelerate's file counts all machines' processes; the launcher's per node
     assert type(saved.master_addr) is str and type(saved.node_rank) is int
-    given = apply_saved_config(**dict(defaults, num_nodes=1, node_rank=0, num_processes=3))
+    given = apply_saved_config(SimpleNamespace(**dict(defaults, num_nodes=1, node_rank=0, num_processes=3)), gpus=0)
     assert (given.num_nodes, given.node_rank, given.num_processes, given.master_addr) == (1, 0, 3, "127.0.0.1")
 
 
 def test_no_config_file_changes_nothing(config_file):
-    saved = apply_saved_config(num_processes=None, mixed_precision=default("no"), use_port=None,
-                               master_addr=default("127.0.0.1"), node_rank=default(0), num_nodes=default(1),
-                               rdzv_backend=default("static"), start_method=None, gpus=0)
+    saved = apply_saved_config(SimpleNamespace(num_processes=None, mixed_precision=default("no"), use_port=None,
+                                               master_addr=default("127.0.0.1"), node_rank=default(0),
+                                               num_nodes=default(1), rdzv_backend=default("static"),
+                                               start_method=None), gpus=0)
     assert (saved.num_processes, saved.mixed_precision, saved.env, saved.source) == (None, "no", {}, None)

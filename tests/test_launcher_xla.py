@@ -88,7 +88,7 @@ def test_one_process_runs_in_the_kernel(monkeypatch):
 
 
 def test_cpu_device_count_comes_from_cpu_num_devices(monkeypatch):
-    from nbaccel.launch.kernel.xla import local_device_count
+    from nbaccel.launch.kernel.devices import local_device_count
 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "3")

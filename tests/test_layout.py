@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nbaccel"
+# Also checked here: nbaccel.launch never imports nbaccel.notebook (the views are handed in), no two modules
+# define a top-level class of the same name, and no function takes more than 8 parameters (but Accelerate's).
 
 _LAYERS = {"_lazy": 0, "utils": 0, "state": 1, "telemetry": 1, "launch": 3, "launchers": 3, "notebook": 3,
            "commands": 4, "__init__": 4, "__main__": 4}
@@ -65,6 +67,18 @@ def _targets(node: ast.Import | ast.ImportFrom, module_parts: tuple[str, ...], i
     return [base]
 
 
+# Inside nbaccel/launch, by the process that runs the code: worker/ (a rank) imports nothing of kernel/ or pool/,
+# kernel/ nothing of pool/ (RankPool builds on the launch machinery, not the other way round).
+_LAUNCH_SIDES_BELOW = {"worker": {"kernel", "pool"}, "kernel": {"pool"}}
+
+
+def _launch_side(parts: tuple[str, ...]) -> str | None:
+    """"kernel", "worker" or "pool" for a module path inside nbaccel/launch/ of that folder, else None."""
+    if len(parts) >= 2 and parts[0] == "launch":
+        return parts[1].removesuffix(".py")
+    return None
+
+
 def violations_in(source: str, relative: Path) -> list[str]:
     """The import-direction violations of one module, given its path relative to nbaccel/."""
     parts = relative.with_suffix("").parts
@@ -81,7 +95,14 @@ def violations_in(source: str, relative: Path) -> list[str]:
             other = _component(tuple(target[1:]))
             if other == "__version__":
                 continue  # the package root's version string: importing the root loads only `_lazy`
-            if here == "utils" and other not in ("utils", "_lazy"):
+            side = _launch_side(module_parts)
+            if side in _LAUNCH_SIDES_BELOW and _launch_side(tuple(target[1:])) in _LAUNCH_SIDES_BELOW[side]:
+                found.append(f"{relative}:{node.lineno} launch/{side} imports nbaccel.{'.'.join(target[1:])} (a "
+                             "rank's code imports no kernel code; the kernel's none of the pool's)")
+            if here == "launch" and other == "notebook":
+                found.append(f"{relative}:{node.lineno} launch imports nbaccel.{'.'.join(target[1:])} (the views are "
+                             "handed in: nbaccel/launch/views.py)")
+            elif here == "utils" and other not in ("utils", "_lazy"):
                 found.append(f"{relative}:{node.lineno} utils imports nbaccel.{'.'.join(target[1:])}")
             elif _layer(other) > _layer(here):
                 found.append(
@@ -114,6 +135,11 @@ def test_import_direction_of_every_module():
         ("accelerator.py", "from .launchers import notebook_launcher", "imports nbaccel.launchers (launch/notebook"),
         ("launch/worker.py", "import ipywidgets", "imports ipywidgets"),
         ("accelerator.py", "def f():\n    from ipywidgets import Output", "imports ipywidgets"),
+        ("launch/kernel/plan.py", "def f():\n    from ...notebook.live_output import in_kernel",
+         "launch imports nbaccel.notebook.live_output"),
+        ("launch/pool/rank_pool.py", "from nbaccel.notebook import Dashboard", "launch imports nbaccel.notebook"),
+        ("launch/worker/entry.py", "from ..kernel.plan import LaunchPlan", "launch/worker imports nbaccel.launch.kernel"),
+        ("launch/kernel/supervisor.py", "from ..pool.hang_report import x", "launch/kernel imports nbaccel.launch.pool"),
     ],
 )
 def test_checker_finds_violations(path, source, expected):
@@ -250,3 +276,86 @@ def test_parameter_checker_counts_without_self():
     source = "def _f(a, b, c, d, e, f, g, h, i): pass\nclass C:\n    def _m(self, a, b, c, d, e, f, g, h): pass\n" \
              "def public(a, b, c, d, e, f, g, h, i, j): pass\n"
     assert long_private_signatures(source, "x.py") == ["x.py:1 _f takes 9 parameters"]
+
+
+def test_public_functions_take_at_most_eight_parameters_except_accelerates():
+    """Every function, public ones too, except those whose signature is Accelerate's API (kept as it is)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += [entry for entry in long_signatures(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE)))
+                  if entry.split(" ")[1] not in ACCELERATE_SIGNATURES]
+    assert not found, "pass a dataclass instead of a row of parameters:\n" + "\n".join(found)
+
+
+# Functions with Accelerate's signature (same names, same parameters): their length is Accelerate's.
+ACCELERATE_SIGNATURES = frozenset({
+    "save_accelerator_state", "load_accelerator_state", "__init__", "dispatch_model", "load_checkpoint_and_dispatch",
+    "prepare_data_loader", "attach_align_device_hook", "attach_align_device_hook_on_blocks", "infer_auto_device_map",
+    "load_checkpoint_in_model", "set_module_tensor_to_device", "notebook_launcher",
+})
+
+
+def long_signatures(source: str, relative: str) -> list[str]:
+    """Every function (private or public) taking more than MAX_PRIVATE_PARAMETERS parameters (self/cls not
+    counted), as `path:line name takes N parameters`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            if len(names) > MAX_PRIVATE_PARAMETERS:
+                found.append(f"{relative}:{node.lineno} {node.name} takes {len(names)} parameters")
+    return found
+
+
+def test_long_signature_checker_counts_public_functions():
+    source = "def public(a, b, c, d, e, f, g, h, i): pass\ndef ok(a, b, c, d, e, f, g, h): pass\n"
+    assert long_signatures(source, "x.py") == ["x.py:1 public takes 9 parameters"]
+
+
+# ---------------------------------------------------------------------------------------------- class names
+def duplicate_class_names(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Top-level class name -> the modules defining it, for names defined in more than one module."""
+    homes: dict[str, list[str]] = {}
+    for relative, source in sources.items():
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.ClassDef):
+                homes.setdefault(node.name, []).append(relative)
+    return {name: paths for name, paths in homes.items() if len(paths) > 1}
+
+
+def test_no_two_modules_define_a_class_of_the_same_name():
+    sources = {str(path.relative_to(PACKAGE)): path.read_text(encoding="utf-8") for path in sorted(PACKAGE.rglob("*.py"))}
+    found = duplicate_class_names(sources)
+    assert not found, "one name, one class (rename one):\n" + "\n".join(f"{n}: {', '.join(p)}" for n, p in found.items())
+
+
+def test_duplicate_class_checker_finds_a_repeated_name():
+    sources = {"a.py": "class RankState:\n    pass\n", "b.py": "class RankState(str):\n    pass\nclass B: pass\n",
+               "c.py": "def f():\n    class B: pass\n"}
+    assert duplicate_class_names(sources) == {"RankState": ["a.py", "b.py"]}
+
+
+# ---------------------------------------------------------------------------------------------- process owners
+def starts_processes(source: str) -> list[int]:
+    """Lines that start a process: a `.Process(...)`, `Popen(...)`, `os.fork()` or `start_process(...)` call."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("Process", "Popen", "fork", "start_process", "spawn"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_pool_starts_no_process_by_itself():
+    """RankPool's ranks are started and owned by a backend of kernel/ (kernel/persistent.py), as a launch's."""
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted((PACKAGE / "launch" / "pool").rglob("*.py"))
+             for line in starts_processes(path.read_text(encoding="utf-8"))]
+    assert not found, "process started outside the backends:\n" + "\n".join(found)
+
+
+def test_process_start_checker_finds_a_start():
+    assert starts_processes("p = ctx.Process(target=f)\np.start()\nimport os\nos.fork()\nx = f()") == [1, 4]

@@ -31,7 +31,10 @@ def test_docs_message_table_lists_every_kind_and_only_those():
 def test_docs_status_row_lists_every_rank_state():
     row = _table_rows()["status"]
     states = re.search(r"`state` in ([\w/]+)", row).group(1).split("/")
-    assert states == [state.value for state in RankState]
+    assert states == [state.value for state in messages.REPORTED_STATES]
+    judged = [state for state in RankState if state not in messages.REPORTED_STATES]
+    text = (ROOT / "docs" / "internals.md").read_text(encoding="utf-8")
+    assert judged and all(f"`{state.value}`" in text for state in judged)
 
 
 def test_docs_launch_row_lists_every_launch_state():
@@ -48,6 +51,21 @@ def test_enums_equal_todays_strings_so_observers_keep_working():
     assert messages.launch(LaunchState.TIMEOUT)["rank"] is None
     line = messages.output(0, 0, "stderr", "text")
     assert (line["kind"], line["stream"], line["text"]) == ("output", "stderr", "text")
+
+
+def test_typed_messages_make_the_wire_dicts_and_read_them_back():
+    wire = messages.Status(2, RankState.RUNNING, device="cpu", pid=7).to_wire()
+    assert {key: wire[key] for key in ("kind", "rank", "state", "device", "pid")} == {
+        "kind": "status", "rank": 2, "state": "running", "device": "cpu", "pid": 7}
+    assert type(wire["state"]) is str and "error" not in wire and "restart" not in wire
+    back = messages.Status.from_wire(dict(wire, local_rank=1, extra_field="kept"))
+    assert back.state is RankState.RUNNING and back.local_rank == 1 and back.extra == {"extra_field": "kept"}
+    failure = messages.Failure(0, "ValueError", "bad value\nsecond line", "tb")
+    assert messages.Failure.from_wire(failure.to_wire()) == failure
+    assert failure.first_line == "ValueError: bad value" and messages.Failure(0, "KeyError").first_line == "KeyError"
+    ready = messages.Ready(1, device="cpu", pid=3).to_wire()
+    assert ready == {"kind": "ready", "rank": 1, "device": "cpu", "pid": 3}
+    assert messages.PoolCommand("exec") is messages.PoolCommand.EXEC
 
 
 def test_telemetry_emits_only_known_kinds():

@@ -14,6 +14,7 @@ import pytest
 from process_helpers import all_gone, started_children
 
 from nbaccel.launch.errors import WorkerFailure
+from nbaccel.launch.hang_report import RankProgress, diagnose
 from nbaccel.launch.pool import (
     CollectiveMismatchError,
     RankFailedError,
@@ -24,7 +25,6 @@ from nbaccel.launch.pool import (
     RankTimeoutError,
     results_equal,
 )
-from nbaccel.launch.pool.hang_report import RankState, diagnose
 from nbaccel.launch.pool.rank_view import render_html, render_text
 from nbaccel.launch.private_dirs import make_store_dir
 
@@ -261,28 +261,28 @@ def test_diagnose_rules():
     now = 100.0
     record = {"op": "gather", "call": "all_gather_into_tensor", "shapes": [[2]], "dtypes": ["float32"],
               "site": "cell line 4", "started": 90.0}
-    waiting = RankState(0, "running", snapshot={"collective": record})
-    done = RankState(1, "finished")
+    waiting = RankProgress(0, "running", snapshot={"collective": record})
+    done = RankProgress(1, "finished")
     diagnosis = diagnose([waiting, done], now, timeout=30, grace=2)
     assert diagnosis.kind == "mismatch"
     assert diagnosis.summary == ("rank 0 waits in gather(all_gather_into_tensor, shape [2], float32) at cell line 4 "
                                  "for 10.0 s; rank 1 finished the cell")
-    both = [waiting, RankState(1, "running", snapshot={"collective": dict(record, started=99.5)})]
+    both = [waiting, RankProgress(1, "running", snapshot={"collective": dict(record, started=99.5)})]
     assert diagnose(both, now, timeout=30, grace=2) is None  # the same collective: still meeting
     assert diagnose(both, now, timeout=10, grace=2).kind == "timeout"
-    other = RankState(1, "running", snapshot={"collective": dict(record, op="broadcast", call="broadcast")})
+    other = RankProgress(1, "running", snapshot={"collective": dict(record, op="broadcast", call="broadcast")})
     assert diagnose([waiting, other], now, timeout=30, grace=2).kind == "mismatch"
-    idle = diagnose([waiting, RankState(1, "idle")], now, timeout=30, grace=2)  # %%ranks --ranks 0
+    idle = diagnose([waiting, RankProgress(1, "idle")], now, timeout=30, grace=2)  # %%ranks --ranks 0
     assert idle.kind == "mismatch" and idle.summary.endswith("rank 1 does not run this cell")
-    failed = diagnose([waiting, RankState(1, "failed", "ValueError: bad")], now, timeout=30, grace=2)
+    failed = diagnose([waiting, RankProgress(1, "failed", "ValueError: bad")], now, timeout=30, grace=2)
     assert failed.summary.endswith("rank 1 failed the cell (ValueError: bad)")
-    raw = RankState(1, "running", snapshot={"collective": None, "raw_call": "torch.distributed.barrier", "line": 3},
+    raw = RankProgress(1, "running", snapshot={"collective": None, "raw_call": "torch.distributed.barrier", "line": 3},
                     raw_since=95.0)
     assert diagnose([waiting, raw], now, timeout=30, grace=2).summary.endswith(
         "rank 1 waits in torch.distributed.barrier at cell line 3 for 5.0 s")
-    busy = RankState(1, "running", snapshot={"collective": None, "line": 7})
+    busy = RankProgress(1, "running", snapshot={"collective": None, "line": 7})
     assert diagnose([waiting, busy], now, timeout=30, grace=2) is None  # rank 1 may still get there
-    assert diagnose([RankState(0, "running", snapshot={"collective": dict(record, started=99.0)}), done], now,
+    assert diagnose([RankProgress(0, "running", snapshot={"collective": dict(record, started=99.0)}), done], now,
                     timeout=30, grace=2) is None
 
 

@@ -37,9 +37,9 @@ from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
+    from ..launch.hang_report import Diagnosis
     from ..launch.kernel.collective_watch import CollectiveWatch, ExitHang
     from ..launch.kernel.loopback_store import LoopbackStore
-    from ..launch.pool.hang_report import Diagnosis
 
 
 class LaunchOptionError(ValueError):

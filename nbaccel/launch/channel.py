@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from .messages import MessageKind
+
 Message = dict[str, Any]
 Observer = Callable[[Message], None]
 
@@ -29,7 +31,8 @@ def open_channel(ctx: BaseContext, duplex: bool = False) -> tuple[Connection, Co
     return reader, writer
 
 
-BATCHED_KINDS = frozenset({"metrics", "step", "total", "memory", "collective"})
+BATCHED_KINDS = frozenset(kind.value for kind in (MessageKind.METRICS, MessageKind.STEP, MessageKind.TOTAL,
+                                                  MessageKind.MEMORY, MessageKind.COLLECTIVE))
 BATCH_INTERVAL = 0.05  # seconds: telemetry reaches the kernel at most this late
 
 
@@ -136,7 +139,7 @@ class WorkerSink:
                 return
             batch.append(last)
         if batch:
-            self._send_locked({"kind": "batch", "rank": self.rank, "messages": batch})
+            self._send_locked({"kind": MessageKind.BATCH.value, "rank": self.rank, "messages": batch})
 
     def _send_locked(self, message: Message) -> None:
         if self.closed:

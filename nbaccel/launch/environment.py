@@ -80,6 +80,8 @@ class WorkerConfig:
     cpu_affinity: bool = False  # pin each GPU process to its NUMA node's cores (--enable_cpu_affinity)
     extra_env: Mapping[str, str] = field(default_factory=dict)  # ACCELERATE_* variables of fp8/DeepSpeed options
     rich_display: bool = False  # launched from a notebook: spawned ranks make a display publisher of their own
+    fork_launched: bool = False  # FORK_LAUNCHED=1: the launcher owns the process group (debug_launcher, TPU, RankPool)
+    pg_timeout: float | None = None  # NBACCEL_PG_TIMEOUT (seconds): the process group's timeout (RankPool's backstop)
 
     @classmethod
     def from_saved(cls, config: Any, **settings: Any) -> WorkerConfig:
@@ -175,6 +177,10 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
     if config.rich_display:
         env[RICH_DISPLAY_ENV] = "1"  # read by launch/worker/rank_display.py
     env.update(config.extra_env)
+    if config.fork_launched:
+        env["FORK_LAUNCHED"] = "1"
+    if config.pg_timeout is not None:
+        env["NBACCEL_PG_TIMEOUT"] = str(config.pg_timeout)
     return env
 
 

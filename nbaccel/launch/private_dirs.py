@@ -48,6 +48,12 @@ def make_store_dir() -> str:
     return make_user_dir(STORE_PREFIX)
 
 
+def remove_dir(path: str | None) -> None:
+    """Remove a private folder and what it holds (None: nothing)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def make_user_dir(prefix: str) -> str:
     """A new 0700 folder `<tmp>/nbaccel-<uid>/<prefix><pid>-<random>` (`<tmp>/nbaccel-<prefix>...` where the
     per-user parent cannot be had), after removing the orphans of dead processes."""

@@ -12,17 +12,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-STATES = ("starting", "running", "finished", "failed")
+from ..launch.messages import MessageKind, RankState
+
+STATES = (RankState.STARTING, RankState.RUNNING, RankState.FINISHED, RankState.FAILED)  # the ones shown
 RATE_WINDOW_S = 5.0  # steps per second: measured over the last few seconds of step reports
 
 
 @dataclass
-class RankState:
-    """What the dashboard knows of one rank."""
+class RankRow:
+    """What the dashboard knows of one rank (one row of the table)."""
 
     rank: int
     device: str = ""
-    state: str = "starting"
+    state: RankState = RankState.STARTING
     error: str | None = None
     rss: int | None = None
     rss_peak: int | None = None
@@ -44,7 +46,7 @@ class RankState:
 
     @property
     def done(self) -> bool:
-        return self.state in ("finished", "failed")
+        return self.state in (RankState.FINISHED, RankState.FAILED)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class DashboardModel:
         self.title = title or "nbaccel"
         self.info = {key: value for key, value in (info or {}).items() if value is not None}
         self.total_steps = total_steps
-        self.ranks = [RankState(rank) for rank in range(num_processes)]
+        self.ranks = [RankRow(rank) for rank in range(num_processes)]
         self.metrics: dict[str, MetricSeries] = {}
         self.start_time: float | None = None
         self.end_time: float | None = None
@@ -127,20 +129,20 @@ class DashboardModel:
         for rank, error in failures.items():
             if isinstance(rank, int) and rank >= 0:
                 state = self._rank(rank)
-                state.state, state.error = "failed", _first_line(error) or state.error or "failed"
+                state.state, state.error = RankState.FAILED, _first_line(error) or state.error or "failed"
         for rank, _result in enumerate(results or []):
             if rank < len(self.ranks) and not self.ranks[rank].done:
-                self.ranks[rank].state = "finished"
+                self.ranks[rank].state = RankState.FINISHED
         for state in self.ranks:
             if not state.done:
                 # A launcher that raised for one rank stopped the others: they did not finish their work.
                 # With neither results nor failures, a rank that never reported its end did not finish.
                 if failures:
-                    state.state, state.error = "failed", state.error or "stopped after another rank failed"
+                    state.state, state.error = RankState.FAILED, state.error or "stopped after another rank failed"
                 elif results is not None:
-                    state.state = "finished"
+                    state.state = RankState.FINISHED
                 else:
-                    state.state, state.error = "failed", state.error or "stopped before reporting its end"
+                    state.state, state.error = RankState.FAILED, state.error or "stopped before reporting its end"
         if end_time is not None:
             self.end_time = end_time
         else:  # the last message of the run (message times, so a replayed stream gives the same summary)
@@ -148,38 +150,38 @@ class DashboardModel:
         self.finished = True
         self.version += 1
 
-    def _rank(self, rank: int) -> RankState:
+    def _rank(self, rank: int) -> RankRow:
         while rank >= len(self.ranks):  # a rank beyond num_processes (e.g. a larger world): show it too
-            self.ranks.append(RankState(len(self.ranks)))
+            self.ranks.append(RankRow(len(self.ranks)))
         return self.ranks[rank]
 
-    def _on_status(self, state: RankState, message: dict) -> None:
+    def _on_status(self, state: RankRow, message: dict) -> None:
         new = message.get("state")
         if new in STATES:
-            state.state = new
-        if new == "starting":  # a restarted rank: the error shown was its earlier attempt's
+            state.state = RankState(new)
+        if new == RankState.STARTING:  # a restarted rank: the error shown was its earlier attempt's
             state.error = ""
         if message.get("device"):
             state.device = str(message["device"])
-        if new == "failed":
+        if new == RankState.FAILED:
             state.error = _first_line(message.get("error")) or state.error or "failed"
-        if new in ("finished", "failed") and all(s.done for s in self.ranks):
+        if new in (RankState.FINISHED, RankState.FAILED) and all(s.done for s in self.ranks):
             self.end_time = max(s.last_seen or 0 for s in self.ranks)
 
-    def _on_output(self, state: RankState, message: dict) -> None:
+    def _on_output(self, state: RankRow, message: dict) -> None:
         text = str(message.get("text", "")).rstrip("\r\n")
         if text.strip():
             state.last_output = text[-500:]
         self._mark_running(state)
 
-    def _on_live(self, state: RankState, message: dict) -> None:
+    def _on_live(self, state: RankRow, message: dict) -> None:
         """A rank's progress bar redrawn in place: its current state is the rank's last output."""
         rows = [str(row) for row in message.get("lines") or () if str(row).strip()]
         if rows:
             state.last_output = rows[-1][-500:]
             self._mark_running(state)
 
-    def _on_metrics(self, state: RankState, message: dict) -> None:
+    def _on_metrics(self, state: RankRow, message: dict) -> None:
         # A sampler-batched message carries the earlier logs of its interval in `history`, oldest first.
         for entry in message.get("history") or ():
             if isinstance(entry, dict):
@@ -187,7 +189,7 @@ class DashboardModel:
         self._add_metrics(state, message.get("values") or {}, message.get("step"))
         self._mark_running(state)
 
-    def _add_metrics(self, state: RankState, values: dict, step: Any) -> None:
+    def _add_metrics(self, state: RankRow, values: dict, step: Any) -> None:
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
         for name, value in values.items():
             try:
@@ -199,7 +201,7 @@ class DashboardModel:
             self.metrics.setdefault(name, MetricSeries(str(name))).add(state.rank, value, step)
             state.metrics[name] = value
 
-    def _on_step(self, state: RankState, message: dict) -> None:
+    def _on_step(self, state: RankRow, message: dict) -> None:
         step = message.get("step")
         if isinstance(step, int):
             state.step = step
@@ -220,11 +222,11 @@ class DashboardModel:
             state.batches = batches if isinstance(batches, int) and batches > 0 else None
         self._mark_running(state)
 
-    def _on_total(self, state: RankState, message: dict) -> None:
+    def _on_total(self, state: RankRow, message: dict) -> None:
         if isinstance(message.get("total"), int):
             state.total = message["total"]
 
-    def _on_memory(self, state: RankState, message: dict) -> None:
+    def _on_memory(self, state: RankRow, message: dict) -> None:
         for key in ("rss", "device_allocated", "device_reserved", "device_limit"):
             if message.get(key) is not None:
                 setattr(state, key, int(message[key]))
@@ -235,22 +237,22 @@ class DashboardModel:
             if candidates:
                 setattr(state, peak_key, int(max(candidates)))
 
-    def _on_error(self, state: RankState, message: dict) -> None:
-        state.state = "failed"
+    def _on_error(self, state: RankRow, message: dict) -> None:
+        state.state = RankState.FAILED
         kind = message.get("exc_type") or message.get("type")
         text = message.get("message") or message.get("error") or kind
         if kind and message.get("message"):
             text = f"{kind}: {message['message']}"
         state.error = _first_line(text) or "failed"
 
-    def _on_result(self, state: RankState, message: dict) -> None:
+    def _on_result(self, state: RankRow, message: dict) -> None:
         if not state.done:
-            state.state = "finished"
+            state.state = RankState.FINISHED
 
     @staticmethod
-    def _mark_running(state: RankState) -> None:
-        if state.state == "starting":
-            state.state = "running"
+    def _mark_running(state: RankRow) -> None:
+        if state.state == RankState.STARTING:
+            state.state = RankState.RUNNING
 
     # --- what views read -------------------------------------------------------------------------------
 
@@ -267,7 +269,7 @@ class DashboardModel:
     def progress(self) -> float | None:
         """Fraction done (0..1) of the slowest rank still running: of the run when its total is known, else
         of the current epoch of the data loader the ranks step in; None when neither is known."""
-        if self.finished and all(s.state == "finished" for s in self.ranks):
+        if self.finished and all(s.state == RankState.FINISHED for s in self.ranks):
             return 1.0 if self.total or self._slowest_in_epoch() is not None else None
         total = self.total
         if total:
@@ -288,10 +290,10 @@ class DashboardModel:
             return f"{round(progress * 100)}%"
         return f"epoch {slowest.epoch + 1}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
 
-    def _active(self) -> list[RankState]:
-        return [s for s in self.ranks if s.state != "failed"] or list(self.ranks)
+    def _active(self) -> list[RankRow]:
+        return [s for s in self.ranks if s.state != RankState.FAILED] or list(self.ranks)
 
-    def _slowest_in_epoch(self) -> RankState | None:
+    def _slowest_in_epoch(self) -> RankRow | None:
         """The rank least far through the training data (latest epoch position), None if one has none."""
         ranks = self._active()
         if any(s.batches is None or s.epoch is None for s in ranks):
@@ -311,13 +313,13 @@ class DashboardModel:
     @property
     def overall_state(self) -> str:
         states = {s.state for s in self.ranks}
-        if "failed" in states:
-            return "failed"
-        if states == {"finished"}:
-            return "finished"
-        if "running" in states or "finished" in states:
-            return "running"
-        return "starting"
+        if RankState.FAILED in states:
+            return RankState.FAILED
+        if states == {RankState.FINISHED}:
+            return RankState.FINISHED
+        if RankState.RUNNING in states or RankState.FINISHED in states:
+            return RankState.RUNNING
+        return RankState.STARTING
 
     def summary(self) -> dict[str, Any]:
         """The static end-of-run summary: final status, peak memory per rank, wall time, last metrics."""
@@ -342,15 +344,15 @@ class DashboardModel:
 
 
 _HANDLERS = {
-    "status": DashboardModel._on_status,
-    "output": DashboardModel._on_output,
-    "live": DashboardModel._on_live,
-    "metrics": DashboardModel._on_metrics,
-    "step": DashboardModel._on_step,
-    "total": DashboardModel._on_total,
-    "memory": DashboardModel._on_memory,
-    "error": DashboardModel._on_error,
-    "result": DashboardModel._on_result,
+    MessageKind.STATUS.value: DashboardModel._on_status,
+    MessageKind.OUTPUT.value: DashboardModel._on_output,
+    MessageKind.LIVE.value: DashboardModel._on_live,
+    MessageKind.METRICS.value: DashboardModel._on_metrics,
+    MessageKind.STEP.value: DashboardModel._on_step,
+    MessageKind.TOTAL.value: DashboardModel._on_total,
+    MessageKind.MEMORY.value: DashboardModel._on_memory,
+    MessageKind.ERROR.value: DashboardModel._on_error,
+    MessageKind.RESULT.value: DashboardModel._on_result,
 }
 
 
@@ -370,7 +372,7 @@ def format_rate(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}/s" if value < 100 else f"{value:.0f}/s"
 
 
-def format_step(state: RankState, total: int | None) -> str:
+def format_step(state: RankRow, total: int | None) -> str:
     """`61/88` when the run's steps are known, else `61 (epoch 3, batch 17/22)` from the data loader
     (`batch 17` for an unsized one)."""
     total = state.total or total
@@ -396,7 +398,7 @@ def format_value(value: float | None) -> str:
     return "–" if value is None else f"{value:.4g}"
 
 
-def device_memory_text(state: RankState) -> str:
+def device_memory_text(state: RankRow) -> str:
     """'1.2 GiB / 2.0 GiB (peak 1.5 GiB)': allocated / reserved (or the XLA limit), and the peak."""
     if state.device_allocated is None:
         return "–"
@@ -409,15 +411,15 @@ def device_memory_text(state: RankState) -> str:
     return text
 
 
-def host_memory_text(state: RankState) -> str:
+def host_memory_text(state: RankRow) -> str:
     if state.rss is None:
         return "–"
     peak = f" (peak {format_bytes(state.rss_peak)})" if state.rss_peak is not None else ""
     return format_bytes(state.rss) + peak
 
 
-def status_text(state: RankState) -> str:
-    return f"failed: {state.error}" if state.state == "failed" and state.error else state.state
+def status_text(state: RankRow) -> str:
+    return f"failed: {state.error}" if state.state == RankState.FAILED and state.error else str(state.state)
 
 
 def _first_line(error: Any) -> str | None:

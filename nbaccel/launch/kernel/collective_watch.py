@@ -33,8 +33,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import recv_all
+from ..hang_report import Diagnosis, report_lines
 from ..messages import MessageKind, RankState
-from ..pool.hang_report import Diagnosis, report_lines
 from ..private_dirs import WATCH_PREFIX, make_user_dir
 from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
 
@@ -123,7 +123,7 @@ class CollectiveWatch:
     def _check(self) -> Diagnosis | None:
         # a rank that failed is torch elastic's to handle (it restarts the ranks or ends the launch): the others
         # waiting for it are no deadlock, and `after_failure` says if one was behind the failure
-        alive = [rank for rank, state in self.tracker.ranks.items() if state.phase != "failed"]
+        alive = [rank for rank, state in self.tracker.ranks.items() if state.phase != RankState.FAILED]
         found = self.tracker.divergence or self.tracker.check(alive, time.time())
         if found is not None:
             self.deadlock = found

@@ -14,7 +14,7 @@ costs training next to nothing. The supervisor feeds them here, with which ranks
   in another collective (gloo's "Connection closed by peer"), the report says so instead of blaming the
   rank that happened to notice first;
 - `where` for a timeout: where each rank was.
-The deciding and the wording are RankPool's (`pool/hang_report.py`), so both report hangs alike.
+The deciding and the wording are shared with RankPool (`launch/hang_report.py`), so both report hangs alike.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..pool.hang_report import Diagnosis, RankState, describe_ranks, diagnose, difference
+from ..hang_report import Diagnosis, RankProgress, describe_ranks, diagnose, difference
+from ..messages import RankState
 
 GRACE = 2.0  # seconds every rank must be stuck before differing collectives count as a deadlock
 CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective
@@ -44,7 +45,7 @@ class RankCollectives:
 
     inside: list[dict[str, Any]] = field(default_factory=list)
     failed_in: dict[str, Any] | None = None  # the collective an exception came out of (the innermost)
-    phase: str = "running"  # "running", "finished", "failed"
+    phase: RankState = RankState.RUNNING  # RUNNING, FINISHED, FAILED
     error: str = ""
     entered: int = 0  # collectives entered so far: the next one's sequence number is entered + 1
     history: dict[int, dict[str, Any]] = field(default_factory=dict)  # the last HISTORY records, by seq
@@ -92,19 +93,19 @@ class CollectiveTracker:
     def _compare(self, rank: int, record: dict[str, Any]) -> None:
         """Compare `rank`'s newest collective with the other ranks' collective of the same number."""
         seq = record["seq"]
-        mine = RankState(rank, "running", snapshot={"collective": record}, work=self.work)
+        mine = RankProgress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work)
         for other, state in self.ranks.items():
             theirs = state.history.get(seq) if other != rank else None
             if theirs is None:
                 continue
-            pair = sorted([mine, RankState(other, "running", snapshot={"collective": theirs}, work=self.work)],
+            pair = sorted([mine, RankProgress(other, RankState.RUNNING, snapshot={"collective": theirs}, work=self.work)],
                           key=lambda s: s.rank)
             reason = difference(pair)
             if reason:
                 self.divergence = Diagnosis("mismatch", "; ".join(self._describe(s, seq) for s in pair), "", reason)
                 return
 
-    def _describe(self, state: RankState, seq: int) -> str:
+    def _describe(self, state: RankProgress, seq: int) -> str:
         """RankPool's words for a rank still inside its collective #seq; else which collective it went through."""
         inside = self.ranks[state.rank].inside
         if inside and inside[-1]["seq"] == seq:
@@ -114,14 +115,14 @@ class CollectiveTracker:
 
     def finished(self, rank: int) -> None:
         """`rank` returned from the function."""
-        self._rank(rank).phase = "finished"
+        self._rank(rank).phase = RankState.FINISHED
 
     def failed(self, rank: int, error: str) -> None:
         """`rank` failed. A rank that finished keeps that: stopped in its teardown (torch elastic stops every
         rank once one failed), it had still gone through all its collectives."""
         state = self._rank(rank)
-        if state.phase == "running":
-            state.phase, state.error = "failed", error.splitlines()[0] if error else ""
+        if state.phase == RankState.RUNNING:
+            state.phase, state.error = RankState.FAILED, error.splitlines()[0] if error else ""
 
     def restarted(self, rank: int) -> None:
         """torch elastic started `rank` again: what the earlier attempt did no longer counts."""
@@ -134,19 +135,19 @@ class CollectiveTracker:
         """Some rank is inside a collective (the only time `check` can find anything)."""
         return self._open > 0
 
-    def states(self, ranks: Iterable[int], failure_view: bool = False) -> list[RankState]:
+    def states(self, ranks: Iterable[int], failure_view: bool = False) -> list[RankProgress]:
         """hang_report's picture of `ranks`. `failure_view`: a rank whose error came out of a collective is
         shown waiting in it (that is where it was stuck until a peer went away)."""
         states = []
         for rank in ranks:
             state = self.ranks.get(rank) or RankCollectives()
             record = state.inside[-1] if state.inside else None
-            if failure_view and record is None and state.phase == "failed":
+            if failure_view and record is None and state.phase == RankState.FAILED:
                 record = state.failed_in
-            if state.phase == "running" or (failure_view and record is not None):
-                states.append(RankState(rank, "running", snapshot={"collective": record}, work=self.work))
+            if state.phase == RankState.RUNNING or (failure_view and record is not None):
+                states.append(RankProgress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work))
             else:
-                states.append(RankState(rank, state.phase, state.error, work=self.work))
+                states.append(RankProgress(rank, state.phase, state.error, work=self.work))
         return states
 
     def check(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
@@ -163,20 +164,20 @@ class CollectiveTracker:
         the other's `exit` is still on its way (telemetry is batched, a rank's end is not), so this is no
         deadlock. A finished rank that never entered that collective is one."""
         states = [self._rank(rank) for rank in ranks]
-        went_through = max((state.entered for state in states if state.phase == "finished"), default=0)
-        return any(state.phase == "running" and state.inside and state.inside[-1]["seq"] <= went_through
+        went_through = max((state.entered for state in states if state.phase == RankState.FINISHED), default=0)
+        return any(state.phase == RankState.RUNNING and state.inside and state.inside[-1]["seq"] <= went_through
                    for state in states)
 
     def at_failure(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """After a failure: the deadlock behind it, when every failed rank's error came out of a collective
         and the ranks could not have met (one finished, or their collectives differ)."""
         ranks = list(ranks)
-        failed = [rank for rank in ranks if self._rank(rank).phase == "failed"]
+        failed = [rank for rank in ranks if self._rank(rank).phase == RankState.FAILED]
         if not failed or any(self._rank(rank).failed_in is None and not self._rank(rank).inside for rank in failed):
             return None  # some rank failed on its own: that error is the story
         states = self.states(ranks, failure_view=True)
         waiting = [state for state in states if state.waiting(now) is not None]
-        cannot_join = any(state.phase != "running" for state in states)
+        cannot_join = any(state.phase != RankState.RUNNING for state in states)
         if not waiting or not (cannot_join or len({state.signature() for state in waiting}) > 1):
             return None
         return describe_ranks("mismatch", states, now)

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import LAUNCH_DEVICE_ENV, LOOPBACK_RDZV_BACKEND
+from ...utils.constants import LOOPBACK_RDZV_BACKEND
 from ..errors import LaunchError, WorkerFailure
 from ..worker.entry import elastic_entry
 from .loopback_store import LOOPBACK, LoopbackStore, open_loopback_store
@@ -37,6 +37,8 @@ class ElasticBackend(ThreadedBackend):
     """Runs a LocalElasticAgent for this node; failures come back after its restarts are used up."""
 
     thread_name = "nbaccel-elastic-agent"
+    inherits_objects = True  # its agent forks from this process
+    preloads_modules = True
 
     def target(self, plan: LaunchPlan, entry_args: tuple) -> Any:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -60,10 +62,8 @@ class ElasticBackend(ThreadedBackend):
             self._handler = registry.get_rendezvous_handler(RendezvousParameters(
                 backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id, min_nodes=plan.num_nodes,
                 max_nodes=plan.num_nodes, local_addr=None, **conf))
-        environ = dict(entry_args[4])
-        environ[LAUNCH_DEVICE_ENV] = plan.device  # the worker fills in its local rank
         spec = WorkerSpec(role="default", local_world_size=plan.num_processes, entrypoint=elastic_entry,
-                          args=(*entry_args[:4], environ), rdzv_handler=self._handler,
+                          args=(*entry_args[:4], plan.agent_environ()), rdzv_handler=self._handler,
                           max_restarts=rdzv.max_restarts, monitor_interval=rdzv.monitor_interval,
                           master_addr=master_addr, master_port=master_port, local_addr=None)
         self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=plan.start_method,

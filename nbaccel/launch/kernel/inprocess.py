@@ -19,7 +19,7 @@ from typing import Any
 
 from ... import telemetry
 from ..errors import LaunchTimeout
-from ..messages import RankState
+from ..messages import RankState, Status
 from .observers import Reporting, make_dashboard
 from .plan import LaunchPlan, LaunchRequest
 
@@ -56,13 +56,14 @@ def run_in_process(plan: LaunchPlan, request: LaunchRequest, reporting: Reportin
     if attached:
         telemetry.attach(sink, 0)
     try:
-        with _patched_env(in_process_environment(plan)), _alarm(reporting.timeout):
-            telemetry.emit("status", state=RankState.RUNNING.value, device="cpu", pid=os.getpid())
+        with _patched_env(in_process_environment(plan)), _alarm(plan.timeout):
+            telemetry.emit(Status.kind.value, **Status(0, RankState.RUNNING, device="cpu", pid=os.getpid()).fields())
             results = [request.function(*request.args, **request.kwargs)]
-        telemetry.emit("status", state=RankState.FINISHED.value, device="cpu")
+        telemetry.emit(Status.kind.value, **Status(0, RankState.FINISHED, device="cpu").fields())
         return results
     except BaseException as exc:
-        telemetry.emit("status", state=RankState.FAILED.value, device="cpu", error=f"{type(exc).__name__}: {exc}")
+        failed = Status(0, RankState.FAILED, device="cpu", error=f"{type(exc).__name__}: {exc}")
+        telemetry.emit(Status.kind.value, **failed.fields())
         failures = {0: exc}
         raise
     finally:

@@ -10,10 +10,8 @@ With one process the function runs in the kernel (inprocess.py).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from types import MappingProxyType
 from typing import Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
@@ -21,8 +19,10 @@ from .. import messages
 from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
+from ..private_dirs import make_store_dir, remove_dir
 from ..serialize import make_payload
-from ..shared_tensors import RESULT_DIR_ENV, make_result_dir, remove_result_dir
+from ..shared_tensors import make_result_dir, remove_result_dir
+from .backends import select_backend
 from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
@@ -74,7 +74,7 @@ def notebook_launcher(
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
     )
-    return launch(build_plan(request), request, Reporting(dashboard, tuple(observers), timeout))
+    return launch(build_plan(request), request, Reporting(dashboard, tuple(observers)))
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
@@ -87,49 +87,34 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     return launch(build_plan(request), request, Reporting(dashboard=False))
 
 
-def select_backend(plan: LaunchPlan) -> Backend:
-    """The backend that starts and owns the plan's workers."""
-    if plan.mode is Mode.ELASTIC:
-        from .elastic import ElasticBackend
-
-        return ElasticBackend()
-    if plan.mode is Mode.XLA:
-        from .xla import XlaBackend
-
-        return XlaBackend()
-    from .local import LocalBackend
-
-    return LocalBackend()
-
-
 def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> list[Any]:
-    """Run a resolved plan: in this process, or through its backend under the supervisor."""
+    """Run a resolved plan: in this process, or through the backend of its mode under the supervisor."""
     if plan.mode is Mode.IN_PROCESS:
         return run_in_process(plan, request, reporting)
-    # under fork the workers inherit the objects (torch_xla's spawn excepted: its process pool pickles what it
-    # runs, even when it forks); else cloudpickled here, unpicklable ones named before any process starts
-    inherit = plan.start_method == "fork" and plan.mode is not Mode.XLA
+    backend = select_backend(plan)
+    # under fork the workers inherit the objects; else cloudpickled here, unpicklable ones named before any
+    # process starts
+    inherit = plan.start_method == "fork" and backend.inherits_objects
     payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), inherit)
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
-    backend = select_backend(plan)
-    result_dir = None
-    if plan.mode in (Mode.LOCAL, Mode.ELASTIC):  # both fork from this process (elastic: its agent thread)
+    if backend.preloads_modules:
         preload_worker_modules(plan.start_method, launch=True)
-    if plan.mode is Mode.LOCAL:
-        result_dir = make_result_dir()  # large tensors in the results come back through shared memory
-        if result_dir:
-            plan = dataclasses.replace(plan, environ=MappingProxyType({**plan.environ, RESULT_DIR_ENV: result_dir}))
+    # the launch's private folders, named in the plan before any process starts; removed when it ends
+    store_dir = make_store_dir() if backend.private_store else None
+    result_dir = make_result_dir() if backend.result_folder else None
+    plan = plan.with_folders(store_dir, result_dir)
     try:
         with resource_tracker_scope():
             try:
-                with gc_frozen(plan.start_method if plan.mode is Mode.LOCAL else "none"):
+                with gc_frozen(plan.start_method if backend.freezes_gc else "none"):
                     handles = backend.start(plan, payload)
                     return supervise(plan, handles, backend, reporting)
             finally:
                 # before a resource tracker this launch started stops: it would unlink the semaphores of the
                 # queues the backend still holds (torch elastic's, under spawn)
                 backend.close()
+                remove_dir(store_dir)
     except LaunchError as exc:
         exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
         raise
@@ -151,7 +136,7 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
         raise
     listeners = list(reporting.observers) + ([handle.observer] if handle else [])
-    supervisor = Supervisor(handles, backend, listeners, timeout=reporting.timeout)  # streams looked up per write
+    supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout)  # streams looked up per write
     if handle:
         handle.start()
     supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.num_processes, **info))

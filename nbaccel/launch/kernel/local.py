@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import select
-import shutil
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
-from ..private_dirs import make_store_dir
 from ..worker.entry import run_worker
 from .fork_thread import start_process
 from .pipes import Pipes
@@ -27,22 +23,26 @@ class LocalBackend:
 
     fail_fast = True
     workers_may_not_start = False
+    inherits_objects = True
+    preloads_modules = True
+    freezes_gc = True
+    private_store = True
+    result_folder = True
 
     def __init__(self) -> None:
         self.processes: list[Any] = []
         self._reported: set[int] = set()
-        self._store_dir: str | None = None
 
     def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
         ctx = get_context(plan.start_method)
         pipes = Pipes(ctx, 0)
         try:
-            shared = dict(plan.environ, **self._private_store())
             for spec in plan.ranks():
                 pipes.add(ctx)
                 channel, out, err = pipes.worker_ends(spec.local_rank)
-                proc = ctx.Process(target=run_worker, args=(payload, channel, out, err, spec.environ(shared)),
+                proc = ctx.Process(target=run_worker,
+                                   args=(payload, channel, out, err, plan.rank_environ(spec.local_rank)),
                                    name=f"nbaccel-rank-{spec.rank}")
                 with main_module_hidden(plan.start_method):
                     start_process(proc, plan.start_method)
@@ -53,12 +53,6 @@ class LocalBackend:
             pipes.close_all()
             raise
         return pipes.handles(plan.first_rank)
-
-    def _private_store(self) -> dict[str, str]:
-        """Every rank of a local launch runs on this machine: their process group meets in a FileStore in an
-        owner-only folder instead of a TCP store that torch would open on every network interface."""
-        self._store_dir = make_store_dir()  # mode 0700; a killed kernel's are removed by the next one
-        return {INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")}
 
     def wait_objects(self) -> list[Any]:
         return [proc.sentinel for i, proc in enumerate(self.processes) if i not in self._reported]
@@ -97,9 +91,6 @@ class LocalBackend:
                 proc.close()  # ValueError while it still runs: left to the garbage collector
             except ValueError:
                 pass
-        if self._store_dir is not None:
-            shutil.rmtree(self._store_dir, ignore_errors=True)
-            self._store_dir = None
 
     def lost_reason(self) -> str | None:
         return None

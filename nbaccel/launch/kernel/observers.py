@@ -8,18 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..channel import Observer
+from ..views import views
 
 VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
 
 
 @dataclass(frozen=True)
 class Reporting:
-    """Who hears about a launch and for how long it may run: the `dashboard=` value, the observers and the
-    timeout (seconds, None: no limit)."""
+    """Who hears about a launch: the `dashboard=` value and the observers (the timeout is the plan's)."""
 
     dashboard: Any = "auto"
     observers: Sequence[Observer] = ()
-    timeout: float | None = None
 
 
 class DashboardHandle:
@@ -70,7 +69,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
         return None
     if dashboard is True or dashboard == "auto":
         try:
-            from ...notebook import Dashboard
+            Dashboard = views().dashboard_type()
         except ImportError:
             if dashboard is True:
                 raise
@@ -84,8 +83,7 @@ def make_dashboard(dashboard: Any, num_processes: int, **info: Any) -> Dashboard
                           stacklevel=3)
             return None
     if isinstance(dashboard, str) and dashboard in VIEW_MODES:
-        from ...notebook import Dashboard
-
+        Dashboard = views().dashboard_type()
         return DashboardHandle(_construct(Dashboard, num_processes, info, mode=dashboard))
     check_dashboard(dashboard)
     return DashboardHandle(dashboard)

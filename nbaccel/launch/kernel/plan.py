@@ -4,12 +4,16 @@
 is what will run where: the mode (in this process, local processes, torch elastic, torch_xla), the process
 counts, the start method, the address and port or rendezvous, the device, and the environment every worker
 shares (built by nbaccel.launch.environment). Every bad-input error is raised here. `plan.ranks()` gives
-each local rank's `RankSpec` (its identity; `spec.environ(plan.environ)` is its whole environment).
+each local rank's `RankSpec` (its identity); `plan.rank_environ(i)` is local rank i's whole environment and
+`plan.agent_environ()` the one torch elastic's agent hands every rank it starts. The launch's private folders
+(its FileStore, its large results) are named once, before any process starts, by `with_folders`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,8 +21,11 @@ from enum import Enum
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
-from ...utils.constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ...utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
+from ..shared_tensors import RESULT_DIR_ENV
+from ..views import views
+from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
 from .processes import (
     bind_address,
     check_port_free,
@@ -42,6 +49,7 @@ class Mode(str, Enum):
     LOCAL = "local"  # processes started here (fork/spawn/forkserver)
     ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
+    PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,7 @@ class LaunchPlan:
     rendezvous: Rendezvous | None = None
     start_note: str | None = None  # why the start method was chosen, shown to the user
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
+    timeout: float | None = None  # seconds the whole launch may run (None: no limit)
 
     @property
     def world_size(self) -> int:
@@ -117,6 +126,26 @@ class LaunchPlan:
 
     def ranks(self) -> list[RankSpec]:
         return [self.rank(i) for i in range(self.num_processes)]
+
+    def rank_environ(self, local_rank: int) -> dict[str, str]:
+        """The whole environment of local rank `local_rank`: the launch's variables and the rank's own."""
+        return self.rank(local_rank).environ(self.environ)
+
+    def agent_environ(self) -> dict[str, str]:
+        """The environment torch elastic's agent gives every rank it starts (it adds RANK, LOCAL_RANK, ...
+        itself): the launch's variables and the device, whose `{local_rank}` the rank fills in."""
+        return {**self.environ, LAUNCH_DEVICE_ENV: self.device}
+
+    def with_folders(self, store_dir: str | None = None, result_dir: str | None = None) -> LaunchPlan:
+        """This plan with its private folders in the workers' environment: the FileStore's folder (the ranks'
+        process group meets there, `NBACCEL_INIT_METHOD`) and the folder of large results
+        (`NBACCEL_RESULT_DIR`). Called once, by the launcher, before any process starts."""
+        environ = dict(self.environ)
+        if store_dir is not None:
+            environ[INIT_METHOD_ENV] = "file://" + os.path.join(store_dir, "store")
+        if result_dir is not None:
+            environ[RESULT_DIR_ENV] = result_dir
+        return dataclasses.replace(self, environ=MappingProxyType(environ))
 
     def info(self) -> dict[str, Any]:
         """What the `launch` message and the dashboard are told about this launch."""
@@ -220,22 +249,21 @@ def parse_port(use_port: Any) -> int | None:
 # ------------------------------------------------------------------------------------------ the plan
 def build_plan(request: LaunchRequest) -> LaunchPlan:
     """Resolve `request` into a frozen plan: saved configuration, device counts, start method, port or
-    rendezvous, elastic or local, XLA. Raises every bad-input error; starts nothing."""
+    rendezvous, elastic or local, XLA, the timeout. Raises every bad-input error; starts nothing."""
+    return dataclasses.replace(_resolve(request), timeout=request.timeout)
+
+
+def _resolve(request: LaunchRequest) -> LaunchPlan:
     if request.debug_launcher:
         return _debug_plan(request)
     gpus = visible_gpus()
-    saved = apply_saved_config(num_processes=request.num_processes, mixed_precision=request.mixed_precision,
-                               use_port=request.use_port, master_addr=request.master_addr,
-                               node_rank=request.node_rank, num_nodes=request.num_nodes,
-                               rdzv_backend=request.rdzv_backend, start_method=request.start_method, gpus=gpus)
+    saved = apply_saved_config(request, gpus)
     num_processes, num_nodes, node_rank = saved.num_processes, saved.num_nodes, saved.node_rank
     precision = check_request(request, saved)
     port = parse_port(saved.use_port)
     check_start_method(saved.start_method)
     if saved.use_cpu:
         gpus = 0  # the config says CPU: workers get NBACCEL_USE_CPU
-    from .xla import tpu_requested
-
     if tpu_requested():
         return _xla_plan(request, saved, precision)
     if num_processes is None:
@@ -303,8 +331,6 @@ def _rendezvous(request: LaunchRequest, saved: Any, port: int | None) -> Rendezv
 
 def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
     """torch_xla runs one replica per XLA device: check num_processes against the device count."""
-    from .xla import TPU_CORES, import_xmp, local_device_count
-
     import_xmp()  # a clear ImportError before anything else
     num_processes = saved.num_processes
     count, source = (1, "") if num_processes == 1 else local_device_count()  # 1: in this process
@@ -316,12 +342,11 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
         )
     nprocs = count or num_processes or TPU_CORES
     worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=False, nproc_per_node=nprocs,
-                                     rich_display=_in_notebook())
+                                     rich_display=_in_notebook(), fork_launched=nprocs != 1)  # as Accelerate on TPU
     environ = worker_environment(worker)
     if nprocs == 1:
         return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
                           start_method="in-process", device="cpu", environ=_frozen(environ))
-    environ["FORK_LAUNCHED"] = "1"  # as Accelerate on TPU
     return LaunchPlan(mode=Mode.XLA, num_processes=nprocs, mixed_precision=precision,
                       start_method=saved.start_method or "fork", device="xla", environ=_frozen(environ),
                       xla_count_known=count is not None)
@@ -329,9 +354,7 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
 
 def _in_notebook() -> bool:
     """Whether this launch runs in a Jupyter kernel (its ranks' display() output then goes to the cell)."""
-    from ...notebook.live_output import in_kernel
-
-    return in_kernel()
+    return views().in_kernel()
 
 
 def _debug_plan(request: LaunchRequest) -> LaunchPlan:
@@ -341,7 +364,6 @@ def _debug_plan(request: LaunchRequest) -> LaunchPlan:
                                                        rdzv_backend="static", mixed_precision="no"))
     method, note = choose_start_method(None)
     environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes,
-                                              rich_display=_in_notebook()))
-    environ["FORK_LAUNCHED"] = "1"  # as Accelerate's debug_launcher
+                                              rich_display=_in_notebook(), fork_launched=True))  # as Accelerate's
     return LaunchPlan(mode=Mode.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
                       device="cpu", environ=_frozen(environ), port=free_port(), start_note=note)

@@ -76,16 +76,20 @@ class LaunchDefaults:
     config: Any = None  # the LaunchConfig read (its settings for the workers: nbaccel.launch.environment)
 
 
-def apply_saved_config(*, num_processes: int | None, mixed_precision: str, use_port: int | str | None,
-                       master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str,
-                       start_method: str | None, gpus: int) -> LaunchDefaults:
+def apply_saved_config(arguments: Any, gpus: int) -> LaunchDefaults:
     """Fill the arguments left at their defaults from the config file in use (none: unchanged).
 
-    `gpus` is the number of visible GPUs: a config for GPUs (e.g. `distributed_type: MULTI_GPU`) read on a
-    machine without one keeps CPU launches working (its process count is ignored, with a one-line note).
+    `arguments`: the launch's arguments (a LaunchRequest: `num_processes`, `mixed_precision`, `use_port`,
+    `master_addr`, `node_rank`, `num_nodes`, `rdzv_backend`, `start_method`). `gpus` is the number of visible
+    GPUs: a config for GPUs (e.g. `distributed_type: MULTI_GPU`) read on a machine without one keeps CPU
+    launches working (its process count is ignored, with a one-line note).
     """
     from ...utils.config_file import display_path, load_config
 
+    num_processes, mixed_precision, use_port, start_method = (
+        arguments.num_processes, arguments.mixed_precision, arguments.use_port, arguments.start_method)
+    master_addr, node_rank, num_nodes, rdzv_backend = (
+        arguments.master_addr, arguments.node_rank, arguments.num_nodes, arguments.rdzv_backend)
     result = LaunchDefaults(num_processes, plain(mixed_precision), use_port, plain(master_addr), plain(node_rank),
                             plain(num_nodes), plain(rdzv_backend), start_method)
     config = load_config()  # ConfigError (file and key named) propagates: nothing has started yet

@@ -23,10 +23,11 @@ from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
-from ..messages import MessageKind, RankState
+from ..hang_report import Diagnosis, report_lines
+from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
-from ..pool.hang_report import Diagnosis, report_lines
 from ..screen import DisplayOrder
+from ..views import views
 from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
 from .processes import learn_rank_imports, signal_name
 
@@ -44,9 +45,7 @@ EXIT_HANG_GRACE = 10.0
 
 
 def _cell_output() -> Any:
-    from ...notebook.live_output import CellOutput
-
-    return CellOutput()
+    return views().cell_output()
 
 
 def _memory_interval() -> float:
@@ -62,6 +61,12 @@ class Backend(Protocol):
 
     fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
     workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
+    # what the launcher prepares for it (kernel/backends.py says what each means)
+    inherits_objects: bool
+    preloads_modules: bool
+    freezes_gc: bool
+    private_store: bool
+    result_folder: bool
 
     def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
@@ -216,7 +221,7 @@ class Supervisor:
     def _show_display(self, local_rank: int, message: Message) -> None:
         self._flush()
         rank = self.workers[local_rank].rank
-        if message.get("kind") == "display":
+        if message.get("kind") == MessageKind.DISPLAY:
             self.cell.display(rank, message)
         else:
             self.cell.clear_output(rank, bool(message.get("wait")))
@@ -258,9 +263,10 @@ class Supervisor:
         elif kind == MessageKind.COLLECTIVE:
             self.collectives.on_message(worker.rank, message)
         if kind == MessageKind.STATUS and message.get("state") == RankState.STARTING:
-            worker.rank = int(message.get("rank", worker.rank))  # elastic assigns global ranks itself
-            worker.pid = message.get("pid", worker.pid)
-            restart = int(message.get("restart") or 0)
+            status = Status.from_wire(message)
+            worker.rank = int(worker.rank if status.rank is None else status.rank)  # elastic assigns global ranks
+            worker.pid = worker.pid if status.pid is None else status.pid
+            restart = int(status.restart or 0)
             if restart > worker.generation:
                 worker.generation = restart
                 worker.has_result = False
@@ -289,8 +295,8 @@ class Supervisor:
         elif kind in (MessageKind.DISPLAY, MessageKind.CLEAR_OUTPUT):
             self._displays.arrived(worker.local_rank, message)
         elif kind == MessageKind.ERROR:
-            self._fail(WorkerFailure(worker.rank, message.get("exc_type"), message.get("message", ""),
-                                     message.get("traceback", "")))
+            failure = Failure.from_wire(message)
+            self._fail(WorkerFailure(worker.rank, failure.exc_type, failure.message, failure.traceback))
         self.notify(message)
 
     def _fail(self, failure: WorkerFailure) -> None:
@@ -357,38 +363,38 @@ class Supervisor:
     def run(self) -> list[Any]:
         """Supervise until the end; return results by local rank or raise LaunchError/KeyboardInterrupt."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        outcome = "finished"
+        outcome = LaunchState.FINISHED
+        deadlock = stuck = False
         try:
             while True:
                 wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
                 self.pump(wait_for)
                 if self.failures and self.backend.fail_fast:
-                    outcome = "failed"
+                    outcome = LaunchState.FAILED
                     break
                 if self._deadlocked():
-                    outcome = "deadlock"
+                    outcome, deadlock = LaunchState.FAILED, True
                     break
                 if self.backend.finished():
                     break
                 if self._stuck_after_returning():
-                    outcome = "stuck"
+                    stuck = True
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    outcome = "timeout"
+                    outcome = LaunchState.TIMEOUT
                     break
         except KeyboardInterrupt:
-            self._shutdown("interrupted")
+            self._shutdown(LaunchState.INTERRUPTED)
             raise
         except BaseException:
-            self._shutdown("failed")
+            self._shutdown(LaunchState.FAILED)
             raise
-        if outcome == "stuck":
+        if stuck:
             self._stop_stuck_ranks()
-            outcome = "finished"
-        if outcome == "failed":
+        if outcome is LaunchState.FAILED and not deadlock:
             self._let_failed_ranks_exit()
-        if outcome != "finished":
-            self._shutdown("failed" if outcome == "deadlock" else outcome)
+        if outcome is not LaunchState.FINISHED:
+            self._shutdown(outcome)
         else:
             self._drain()
             for failure in self.backend.exit_failures().values():
@@ -400,12 +406,10 @@ class Supervisor:
             for worker in self.workers:
                 if not worker.has_result and worker.rank not in self.failures:
                     self._fail(WorkerFailure(worker.rank, None, reason))
-            if self.failures:
-                outcome = "failed"
         self._close()
-        if outcome == "timeout":
+        if outcome is LaunchState.TIMEOUT:
             raise self._timeout_error()
-        if outcome == "deadlock" or self.failures:
+        if deadlock or self.failures:
             raise self._failure_error()
         return [w.result for w in self.workers]
 
@@ -497,14 +501,14 @@ class Supervisor:
             sample["rss_peak"] = worker.rss_peak
             self.notify(messages.memory(worker.rank, worker.local_rank, sample, source="kernel"))
 
-    def _shutdown(self, outcome: str) -> None:
+    def _shutdown(self, outcome: LaunchState) -> None:
         """Stop every worker (even if interrupted again meanwhile), then read what they left."""
         self._stopping = True
         try:
             self.backend.stop()
         finally:
             try:
-                self._drain(0.5 if outcome == "interrupted" else DRAIN)
+                self._drain(0.5 if outcome is LaunchState.INTERRUPTED else DRAIN)
             finally:
                 self._close()
 

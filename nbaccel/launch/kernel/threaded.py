@@ -31,6 +31,11 @@ class ThreadedBackend:
 
     fail_fast = False
     workers_may_not_start = False
+    inherits_objects = False
+    preloads_modules = False
+    freezes_gc = False
+    private_store = False
+    result_folder = False
     thread_name = "nbaccel-launcher"
 
     def __init__(self) -> None:

@@ -17,8 +17,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ..errors import WorkerFailure
+from ..hang_report import Diagnosis, RankProgress, diagnose
+from ..messages import MessageKind, RankState
 from ..serialize import loads
-from .hang_report import Diagnosis, RankState, diagnose
 from .processes import RankProcess, exit_text
 from .results import RankResult, RankResults
 
@@ -31,7 +32,7 @@ INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt befo
 
 
 class Hang(Exception):
-    def __init__(self, diagnosis: Diagnosis, states: list[RankState], now: float) -> None:
+    def __init__(self, diagnosis: Diagnosis, states: list[RankProgress], now: float) -> None:
         super().__init__(diagnosis.summary)
         self.diagnosis = diagnosis
         self.states = states
@@ -148,11 +149,11 @@ class Call:
         except (EOFError, OSError):
             self._dead(index)
             return
-        if message.get("kind") in ("display", "clear_output"):
+        if message.get("kind") in (MessageKind.DISPLAY, MessageKind.CLEAR_OUTPUT):
             if self.on_display is not None:
                 self.on_display(index, message)
             return
-        if message.get("kind") != "reply" or message.get("id") != self.call_id:
+        if message.get("kind") != MessageKind.REPLY or message.get("id") != self.call_id:
             return  # a late reply of an interrupted earlier call
         self.replies[index] = message
         self.outputs[index] = rank.take_output()
@@ -174,7 +175,7 @@ class Call:
         asked = set()
         for index in self.pending:
             try:
-                self.ranks[index].status.send("status")
+                self.ranks[index].status.send(MessageKind.STATUS.value)
                 self.ranks[index].status_unanswered += 1
                 asked.add(index)
             except (OSError, ValueError):
@@ -197,22 +198,23 @@ class Call:
         elif self.raw_seen.get(index, (None,))[0] != raw:
             self.raw_seen[index] = (raw, snapshot.get("time", time.time()))
 
-    def states(self) -> list[RankState]:
+    def states(self) -> list[RankProgress]:
         states = []
         for index in range(len(self.ranks)):
             if index not in self.selected:
-                states.append(RankState(index, "idle"))
+                states.append(RankProgress(index, RankState.IDLE))
             elif index in self.pending:
                 seen = self.raw_seen.get(index)
-                states.append(RankState(index, "running", snapshot=self.snapshots.get(index),
-                                        raw_since=seen[1] if seen else None))
+                states.append(RankProgress(index, RankState.RUNNING, snapshot=self.snapshots.get(index),
+                                           raw_since=seen[1] if seen else None))
             else:
                 error = self.replies[index].get("error")
                 if error is None:
-                    states.append(RankState(index, "finished"))
+                    states.append(RankProgress(index, RankState.FINISHED))
                 else:
                     first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
-                    states.append(RankState(index, "dead" if error["exc_type"] == "RankDied" else "failed", first))
+                    dead = error["exc_type"] == "RankDied"
+                    states.append(RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first))
         return states
 
     def _check(self) -> None:
@@ -245,7 +247,7 @@ class Call:
     def _result(self, index: int, waiting: bool = False) -> RankResult:
         if waiting:
             out, err = self.ranks[index].take_output()
-            return RankResult(index, stdout=out, stderr=err, status="waiting")
+            return RankResult(index, stdout=out, stderr=err, status=RankState.WAITING)
         reply = self.replies.get(index, {})
         out, err = self.outputs.get(index, ("", ""))
         result = RankResult(index, stdout=out, stderr=err, text=reply.get("text"), meta=reply.get("meta") or {},
@@ -261,7 +263,7 @@ class Call:
         error = reply.get("error")
         if error is not None:
             result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"])
-            result.status = "failed"
+            result.status = RankState.FAILED
         return result
 
     def progress(self) -> RankResults:
@@ -271,7 +273,7 @@ class Call:
             if index in self.pending:
                 rank = self.ranks[index]
                 partial.append(RankResult(index, stdout=bytes(rank.out).decode("utf-8", "replace"),
-                                          stderr=bytes(rank.err).decode("utf-8", "replace"), status="running"))
+                                          stderr=bytes(rank.err).decode("utf-8", "replace"), status=RankState.RUNNING))
             else:
                 partial.append(self._result(index))
         return RankResults(partial)

@@ -1,4 +1,6 @@
-"""The rank processes of a `RankPool`: start them with their pipes, wait until they are ready, stop them.
+"""The rank processes of a `RankPool`: started and owned by the plan's backend (kernel/persistent.py, the
+process-owning code of a launch's LocalBackend); here the pool waits until they are ready and stops them
+(asking first, then as the backend stops a launch's ranks).
 
 Kept apart from `RankPool` so that finalizers (garbage collection, interpreter exit) hold these objects and
 never the pool itself.
@@ -8,32 +10,27 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.util
-import os
 import select
-import shutil
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
-from ..environment import RankSpec
-from ..kernel.fork_thread import start_process
+from ..kernel.backends import select_backend
 from ..kernel.processes import (
-    free_port,
-    get_context,
-    main_module_hidden,
     preload_worker_modules,
     resource_tracker_scope,
     signal_name,
-    stop_processes,
 )
+from ..messages import PoolCommand, Ready
 from ..output import read_available
-from ..private_dirs import make_store_dir
+from ..private_dirs import make_store_dir, remove_dir
 from .results import RankStartError
+
+if TYPE_CHECKING:
+    from ..kernel.plan import LaunchPlan
 
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
 
@@ -107,44 +104,24 @@ class RankProcess:
 class RankProcesses:
     """Start and stop the rank processes. Separate from RankPool so finalizers never keep the pool alive."""
 
-    def __init__(self, num_processes: int, start_method: str, env: dict[str, str], device: str) -> None:
+    def __init__(self, plan: LaunchPlan) -> None:
+        """Start the ranks of `plan` (a persistent plan: its ranks, start method, device and environment)
+        through its backend (kernel/persistent.py), which owns the processes."""
         self.ranks: list[RankProcess] = []
         self.closed = False
-        self.start_method = start_method
+        self.start_method = plan.start_method
         self._tracker = resource_tracker_scope()
         self._tracker.__enter__()
-        ctx = get_context(start_method)
-        preload_worker_modules(start_method)  # forked ranks inherit PartialState's modules
-        port = free_port()
+        self._backend = select_backend(plan)
+        if self._backend.preloads_modules:
+            preload_worker_modules(plan.start_method)  # forked ranks inherit PartialState's modules
         # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
-        self._store_dir = make_store_dir()  # mode 0700; a killed kernel's are removed by the next one
-        env = dict(env, **{INIT_METHOD_ENV: "file://" + os.path.join(self._store_dir, "store")})
-        kernel_fds: list[int] = []
-        # PDEATHSIG follows the thread that started the rank: under fork, the kernel-long fork thread
-        death_signal = start_method == "fork" or threading.current_thread() is threading.main_thread()
+        self._store_dir = make_store_dir() if self._backend.private_store else None  # a killed kernel's: removed
+        plan = plan.with_folders(self._store_dir)
         try:
-            for rank in range(num_processes):
-                commands, worker_commands = ctx.Pipe(duplex=True)
-                status, worker_status = ctx.Pipe(duplex=True)
-                telemetry, worker_telemetry = ctx.Pipe(duplex=False)
-                out_read, out_write = os.pipe()
-                err_read, err_write = os.pipe()
-                kernel_fds += [commands.fileno(), status.fileno(), telemetry.fileno(), out_read, err_read]
-                rank_env = RankSpec(rank=rank, local_rank=rank, world_size=num_processes,
-                                    local_world_size=num_processes, node_rank=0, master_addr="127.0.0.1",
-                                    master_port=port, device=device.format(local_rank=rank)).environ(env)
-                from .rank_worker import pool_worker
-
-                process = ctx.Process(
-                    target=pool_worker, name=f"nbaccel-rank-{rank}",
-                    args=(worker_commands, worker_status, Connection(out_write, readable=False),
-                          Connection(err_write, readable=False), rank_env,
-                          list(kernel_fds) if start_method == "fork" else [], death_signal, worker_telemetry),
-                )
-                with main_module_hidden(start_method):
-                    start_process(process, start_method)
-                close_quietly(worker_commands, worker_status, worker_telemetry, out_write, err_write)
-                self.ranks.append(RankProcess(rank, process, commands, status, out_read, err_read, telemetry))
+            for ends in self._backend.start(plan):
+                self.ranks.append(RankProcess(ends.rank, ends.process, ends.commands, ends.status, ends.out_fd,
+                                              ends.err_fd, ends.telemetry))
         except BaseException:
             self.close(graceful=False)
             raise
@@ -169,11 +146,11 @@ class RankProcesses:
                     except (EOFError, OSError):
                         problem = f"rank {rank.rank} exited while starting"
                         break
-                    if message.get("error"):
-                        error = message["error"]
-                        problem = f"rank {rank.rank} failed to start:\n{error['traceback'].rstrip()}"
+                    ready = Ready.from_wire(message)
+                    if ready.error:
+                        problem = f"rank {rank.rank} failed to start:\n{ready.error['traceback'].rstrip()}"
                         break
-                    rank.device = message.get("device", "cpu")
+                    rank.device = ready.device or "cpu"
                 elif obj in sentinels and sentinels[obj].commands in pending:
                     rank = sentinels[obj]
                     if not rank.commands.poll(0):
@@ -195,7 +172,7 @@ class RankProcesses:
         if graceful:
             for rank in self.ranks:
                 try:
-                    rank.commands.send(("stop",))
+                    rank.commands.send((PoolCommand.STOP.value,))
                 except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + 2.0
@@ -206,10 +183,10 @@ class RankProcesses:
         deadline = time.monotonic() + 1.0
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        stop_processes(processes)
+        self._backend.stop()
         for rank in self.ranks:
             rank.close()
-        shutil.rmtree(self._store_dir, ignore_errors=True)
+        remove_dir(self._store_dir)
         try:
             self._tracker.__exit__(None, None, None)
         except Exception:

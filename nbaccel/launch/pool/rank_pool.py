@@ -5,7 +5,7 @@ run what the kernel sends: `exec(source)` runs a cell's source in each rank's ow
 cloudpickled function. Results come back per rank (output, value of the last expression, error).
 
 A cell in which not every rank enters the same collective does not freeze the kernel: while a call runs the
-pool asks the busy ranks where they are (hang_report.py) and raises `CollectiveMismatchError` or
+pool asks the busy ranks where they are (launch/hang_report.py) and raises `CollectiveMismatchError` or
 `RankTimeoutError` with a report of which rank waits in which collective. A rank stuck in a gloo/NCCL
 collective cannot be released, so the pool then restarts every rank (their variables are lost) and says so.
 
@@ -24,17 +24,19 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
-from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
-from ..kernel.processes import choose_start_method
-from ..messages import RankState
+from ..hang_report import Diagnosis, explain, report_lines
+from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
+from ..kernel.processes import choose_start_method, free_port
+from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
+from ..views import views
 from .call import MISMATCH_GRACE, Call, Hang
-from .hang_report import Diagnosis, explain, report_lines
 from .processes import START_TIMEOUT, RankProcesses
 from .results import (
     CollectiveMismatchError,
@@ -86,10 +88,10 @@ class RankPool:
         self.num_processes = num_processes
         self.mixed_precision = precision
         self.restarts = 0
+        # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
         self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
-                                                    nproc_per_node=num_processes))
-        self._env["NBACCEL_PG_TIMEOUT"] = str(self.timeout + PG_TIMEOUT_MARGIN)
-        self._env["FORK_LAUNCHED"] = "1"  # the pool owns the process group: end_training() in a cell leaves it up
+                                                    nproc_per_node=num_processes, fork_launched=True,
+                                                    pg_timeout=self.timeout + PG_TIMEOUT_MARGIN))
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
@@ -110,8 +112,14 @@ class RankPool:
                 raise
             self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
 
+    def _plan(self) -> LaunchPlan:
+        """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one)."""
+        return LaunchPlan(mode=Mode.PERSISTENT, num_processes=self.num_processes, mixed_precision=self.mixed_precision,
+                          start_method=self.start_method, device=self._device, environ=MappingProxyType(self._env),
+                          port=free_port(), timeout=self.timeout)
+
     def _start_once(self) -> None:
-        workers = RankProcesses(self.num_processes, self.start_method, self._env, self._device)
+        workers = RankProcesses(self._plan())
         self._finalizer = weakref.finalize(self, workers.close, False)
         self._workers = workers
         try:
@@ -154,12 +162,12 @@ class RankPool:
         for rank in workers.ranks:
             rank.on_output = OutputLines(rank.rank, self._notify)
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
-        self._call(lambda call_id: ("telemetry", call_id, True), None, None).raise_if_failed()
+        self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
             self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
 
     def _telemetry_off(self) -> None:
-        self._call(lambda call_id: ("telemetry", call_id, False), None, None)
+        self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, False), None, None)
         self._stop_reader()
 
     def _stop_reader(self) -> None:
@@ -247,7 +255,7 @@ class RankPool:
         if not isinstance(source, str):
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
         filename, ends_with_expression = self._cell_name(source)
-        return self._call(lambda call_id: ("exec", call_id, source, filename, ends_with_expression), ranks,
+        return self._call(lambda call_id: (PoolCommand.EXEC.value, call_id, source, filename, ends_with_expression), ranks,
                           timeout, on_progress, report=True)
 
     def _cell_name(self, source: str) -> tuple[str, bool]:
@@ -271,7 +279,7 @@ class RankPool:
         if not callable(function):
             raise TypeError(f"function must be callable, got {type(function).__name__}")
         payload = dumps_payload(function, args, kwargs)
-        results = self._call(lambda call_id: ("run", call_id, payload), None, None, report=True)
+        results = self._call(lambda call_id: (PoolCommand.RUN.value, call_id, payload), None, None, report=True)
         results.raise_if_failed()
         return results.values
 
@@ -284,12 +292,12 @@ class RankPool:
             path = find_culprit(value, name) or name
             raise UnpicklableError(f"cannot send {path} to the ranks: it cannot be pickled "
                                    f"({type(exc).__name__}: {exc})") from exc
-        self._call(lambda call_id: ("push", call_id, name, data), ranks, None).raise_if_failed()
+        self._call(lambda call_id: (PoolCommand.PUSH.value, call_id, name, data), ranks, None).raise_if_failed()
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> list[Any]:
         """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
         _check_name(name)
-        results = self._call(lambda call_id: ("pull", call_id, name), ranks, None)
+        results = self._call(lambda call_id: (PoolCommand.PULL.value, call_id, name), ranks, None)
         results.raise_if_failed()
         return results.values
 
@@ -379,10 +387,8 @@ class _DisplayTarget:
 
     def __call__(self, rank: int, message: dict) -> None:
         if self._cell is None:
-            from ...notebook.live_output import CellOutput
-
-            self._cell = CellOutput()
-        if message.get("kind") == "display":
+            self._cell = views().cell_output()
+        if message.get("kind") == MessageKind.DISPLAY:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))

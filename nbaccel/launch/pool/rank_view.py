@@ -11,11 +11,12 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from ..messages import RankState
 from ..screen import resolve
 
 MAX_LINES = 200  # per rank and stream; the full text stays in RankResult.stdout / .stderr
-STATUS_LABELS = {"finished": "", "failed": "failed", "waiting": "stuck in a collective", "running": "running...",
-                 "not run": "not run"}
+STATUS_LABELS = {RankState.FINISHED: "", RankState.FAILED: "failed", RankState.WAITING: "stuck in a collective",
+                 RankState.RUNNING: "running...", RankState.NOT_RUN: "not run"}
 
 
 def tail(text: str, max_lines: int = MAX_LINES) -> str:
@@ -92,7 +93,7 @@ def render_html(results: Sequence[Any]) -> str:
         label = STATUS_LABELS.get(result.status, result.status)
         head = f"<b>rank {result.rank}</b>"
         if label:
-            color = "#b00" if result.status in ("failed", "waiting") else "#666"
+            color = "#b00" if result.status in (RankState.FAILED, RankState.WAITING) else "#666"
             head += f" <span style='color:{color}'>{html.escape(label)}</span>"
         if result.duration:
             head += f" <span style='color:#888'>{result.duration * 1000:.1f} ms</span>"

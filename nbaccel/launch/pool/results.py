@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError, WorkerFailure, format_failures
+from ..messages import RankState
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -57,17 +58,17 @@ class RankResult:
     text: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     error: WorkerFailure | None = None
-    status: str = "finished"  # "finished", "failed", "waiting" (hung, in an error's results), "not run"
+    status: RankState = RankState.FINISHED  # FINISHED, FAILED, WAITING (hung, in an error's results), NOT_RUN
     duration: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.status == "finished"
+        return self.error is None and self.status == RankState.FINISHED
 
     def __repr__(self) -> str:
         parts = [f"rank={self.rank}"]
-        if self.status != "finished":
-            parts.append(f"status={self.status!r}")
+        if self.status != RankState.FINISHED:
+            parts.append(f"status={str(self.status)!r}")
         if self.text is not None:
             parts.append(f"value={_one_line(self.text)}")
         if self.stdout:

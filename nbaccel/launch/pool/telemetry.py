@@ -1,6 +1,6 @@
 """A `RankPool`'s channel messages for observers (a `Dashboard`, a recorder): only while one is attached.
 
-Worker side, telemetry (metrics, steps, memory, collectives) goes through a `WorkerSink` on a pipe of its own,
+In the rank (worker/pool_telemetry.py), telemetry (metrics, steps, memory, collectives) goes through a `WorkerSink` on a pipe of its own,
 switched on by the `telemetry` command when the first observer attaches and off when the last detaches; the
 kernel reads those pipes in a `TelemetryReader` thread. Status (`running` when a call starts, `finished` /
 `failed` when its reply arrives) and output lines (`OutputLines`, fed by the pool's own reads of the ranks'
@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import messages
 from ..channel import Message
-from ..messages import RankState
+from ..messages import MessageKind, RankState
 from ..output import LineForwarder
 
 READ_WAKE = 0.1  # seconds: how soon the reader thread notices it was asked to stop
@@ -69,7 +69,7 @@ class TelemetryReader:
                 except (EOFError, OSError):
                     conns.remove(conn)
                     continue
-                for item in message.get("messages", ()) if message.get("kind") == "batch" else (message,):
+                for item in message.get("messages", ()) if message.get("kind") == MessageKind.BATCH else (message,):
                     self._deliver(item)
 
     def stop(self) -> None:
@@ -82,29 +82,3 @@ class TelemetryReader:
 def status_message(rank: int, state: RankState, device: str, **fields: Any) -> Message:
     """A rank's `status` message, made in the kernel (a pool's rank number is also its local rank)."""
     return messages.status(rank, rank, RankState(state), device=device, **fields)
-
-
-# ------------------------------------------------------------------------------------------ worker side
-_sink: Any = None
-
-
-def set_worker_telemetry(conn: Connection | None, enabled: bool, rank: int) -> None:
-    """In a rank: report telemetry into `conn` (enabled) or stop reporting (the pipe stays open)."""
-    global _sink
-    from ... import telemetry
-    from ..channel import WorkerSink
-    from ..worker.entry import start_memory_reports
-
-    if not enabled:
-        telemetry.detach()
-        if _sink is not None:
-            _sink.ticker = None
-            _sink.stop_sender()  # sends what is queued; an idle rank keeps no thread waking up
-        return
-    if conn is None:
-        raise RuntimeError("this rank has no telemetry pipe")
-    if _sink is None:
-        _sink = WorkerSink(conn, rank)
-    start_memory_reports(telemetry, _sink)  # memory samples ride the sink's sender thread...
-    _sink._start_sender()  # ...which runs from now on, so idle ranks report their memory too
-    telemetry.attach(_sink, rank)

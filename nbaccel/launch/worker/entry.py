@@ -18,7 +18,7 @@ from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages
 from ..channel import WorkerSink, close_quietly
-from ..messages import PRELOADABLE_MODULES, MessageKind, RankState
+from ..messages import PRELOADABLE_MODULES, Failure, RankState, Result, Status
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
 from .parent_death import die_with_parent
@@ -71,13 +71,13 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
 
     telemetry.attach(sink, sink.rank, this_thread=thread_rank)
     device = device or os.environ.get(DEVICE_ENV, "cpu")
-    sink.queue(messages.message(MessageKind.STATUS, sink.rank, state=RankState.STARTING.value, device=device,
-                                pid=os.getpid(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+    sink.queue(Status(sink.rank, RankState.STARTING, device=device, pid=os.getpid(),
+                      restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
     try:
         from .. import serialize, shared_tensors
 
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
-        sink.send("status", state="running", device=device)
+        sink(Status(sink.rank, RankState.RUNNING, device=device).to_wire())
         start_memory_reports(telemetry, sink)
         try:
             value = function(*args, **kwargs)
@@ -94,9 +94,9 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             ) from exc
         flush_std()
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
-        sink.queue(messages.message(MessageKind.RESULT, sink.rank, value=data,
-                                    imported=[name for name in PRELOADABLE_MODULES if name in sys.modules]))
-        sink.send("status", state="finished", device=device)  # one write with the result
+        sink.queue(Result(sink.rank, data, imported=[name for name in PRELOADABLE_MODULES if name in sys.modules])
+                   .to_wire())
+        sink(Status(sink.rank, RankState.FINISHED, device=device).to_wire())  # one write with the result
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         tb = exc.__traceback__
@@ -109,10 +109,9 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         report = report_exception(exc, tb)
         flush_std()
         _stop_telemetry_sampler(telemetry)
-        message = report.message
-        sink.send("error", exc_type=report.exc_type, message=message, traceback=report.traceback)
-        sink.send("status", state="failed", device=device,
-                  error=f"{report.exc_type}: {message}".splitlines()[0] if message else report.exc_type)
+        failure = Failure(sink.rank, report.exc_type, report.message, report.traceback)
+        sink(failure.to_wire())
+        sink(Status(sink.rank, RankState.FAILED, device=device, error=failure.first_line).to_wire())
         return False
     finally:
         sink.ticker = None
@@ -151,7 +150,7 @@ def start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:
     if interval <= 0:
         return
     sink.tick_interval = interval
-    sink.ticker = lambda: sink.send("memory", **telemetry.memory_sample())
+    sink.ticker = lambda: sink(messages.memory(sink.rank, sink.local_rank, telemetry.memory_sample()))
 
 
 def _stop_telemetry_sampler(telemetry: Any) -> None:

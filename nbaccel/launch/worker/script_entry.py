@@ -28,7 +28,7 @@ from ... import telemetry
 from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV
 from ..channel import WorkerSink
-from ..messages import MessageKind, RankState
+from ..messages import MessageKind, RankState, Status
 from .parent_death import die_with_parent
 
 
@@ -73,13 +73,13 @@ class _Ending:
         if ok:
             self.succeeded = True
             return
-        self.sink.send(MessageKind.STATUS.value, state=RankState.FAILED.value, error=error)
+        self.sink(Status(self.sink.rank, RankState.FAILED, error=error).to_wire())
         self.sink.close()
         self.sink = None
 
     def at_exit(self) -> None:
         if self.sink is not None and self.succeeded:
-            self.sink.send(MessageKind.STATUS.value, state=RankState.FINISHED.value)  # sent at once
+            self.sink(Status(self.sink.rank, RankState.FINISHED).to_wire())  # sent at once
             # the socket stays open: the watch reads its end of file as this process's exit
             self.sink.closed = True
 
@@ -96,8 +96,8 @@ def _connect() -> WorkerSink | None:
         return None
     rank = int(os.environ.get("RANK", "0"))
     sink = WorkerSink(conn, rank, int(os.environ.get("LOCAL_RANK", str(rank))))
-    sink.send(MessageKind.STATUS.value, state=RankState.RUNNING.value, pid=os.getpid(),
-              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    sink(Status(rank, RankState.RUNNING, pid=os.getpid(),
+                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
 
     def report(event: str, record: collective_trace.CollectiveRecord) -> None:
         sink.send(MessageKind.COLLECTIVE.value, **telemetry.collective_fields(event, record))

@@ -30,10 +30,11 @@ from types import CodeType
 from typing import Any
 
 from ..channel import close_quietly
+from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
-from ..worker import rank_display
-from ..worker.entry import _destroy_process_group, apply_cpu_threads
-from ..worker.parent_death import die_with_parent
+from . import rank_display
+from .entry import _destroy_process_group, apply_cpu_threads
+from .parent_death import die_with_parent
 
 CELL_PREFIX = "<rank-cell-"
 PREVIEW_CHARS = 2000
@@ -69,10 +70,10 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         device = _set_up()
     except BaseException as exc:
         flush_std()
-        _send(commands, {"kind": "ready", "rank": rank, "error": _error_info(exc)})
+        _send(commands, Ready(rank, error=_error_info(exc)).to_wire())
         os._exit(1)
     flush_std()
-    _send(commands, {"kind": "ready", "rank": rank, "device": device, "pid": os.getpid()})
+    _send(commands, Ready(rank, device=device, pid=os.getpid()).to_wire())
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     serve(commands, namespace, rank)
     _destroy_process_group()
@@ -103,28 +104,28 @@ def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
             message = commands.recv()
         except (EOFError, OSError):
             return
-        kind = message[0]
-        if kind == "stop":
+        command = PoolCommand(message[0])
+        if command == PoolCommand.STOP:
             return
         call_id = message[1]
         _busy = (call_id, time.time())
-        reply = _handle(kind, message, namespace, rank)
+        reply = _handle(command, message, namespace, rank)
         rank_display.finish()  # figures a cell left open are shown, as Jupyter does at the end of a cell
         _busy = None
         flush_std()
-        reply.update(kind="reply", id=call_id, rank=rank)
+        reply.update(kind=MessageKind.REPLY.value, id=call_id, rank=rank)
         if not _send(commands, reply):
             return
 
 
-def _handle(kind: str, message: tuple, namespace: dict[str, Any], rank: int) -> dict[str, Any]:
+def _handle(command: PoolCommand, message: tuple, namespace: dict[str, Any], rank: int) -> dict[str, Any]:
     global _interruptible
     started = time.perf_counter()
     reply: dict[str, Any] = {}
     try:
         _interruptible = True
         try:
-            _dispatch(kind, message, namespace, rank, reply)
+            _dispatch(command, message, namespace, rank, reply)
         finally:  # never between pipe reads/writes: a half-sent message would desynchronize the pipe
             _interruptible = False
     except BaseException as exc:
@@ -141,35 +142,35 @@ def _on_interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
 
-def _dispatch(kind: str, message: tuple, namespace: dict[str, Any], rank: int, reply: dict[str, Any]) -> None:
+def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], rank: int, reply: dict[str, Any]) -> None:
     """Run one command; what goes back to the kernel is written into `reply`."""
-    if kind == "exec":
+    if command == PoolCommand.EXEC:
         _, _, source, filename, ends_with_expression = message
         value, shown = run_cell(source, filename, namespace, ends_with_expression)
         if shown:
             reply.update(describe(value))
             reply["value"] = _dumps_value(value, reply)
-    elif kind == "run":
+    elif command == PoolCommand.RUN:
         from .. import serialize
 
         function, args, kwargs = serialize.loads(message[2])
         value = function(*args, **kwargs)  # run() hands back values only: no preview text to make
         reply["value"] = _dumps_value(value, reply, required=True)
-    elif kind == "push":
+    elif command == PoolCommand.PUSH:
         from .. import serialize
 
         namespace[message[2]] = serialize.loads(message[3])
-    elif kind == "telemetry":
-        from .telemetry import set_worker_telemetry
+    elif command == PoolCommand.TELEMETRY:
+        from .pool_telemetry import set_worker_telemetry
 
         set_worker_telemetry(_telemetry_conn, bool(message[2]), rank)
-    elif kind == "pull":
+    elif command == PoolCommand.PULL:
         name = message[2]
         if name not in namespace:
             raise NameError(f"name {name!r} is not defined on rank {rank}")
         reply["value"] = _dumps_value(namespace[name], reply, required=True)
     else:
-        raise ValueError(f"unknown command {kind!r}")
+        raise ValueError(f"unknown command {command!r}")
 
 
 def run_cell(source: str, filename: str, namespace: dict[str, Any],
@@ -358,7 +359,7 @@ def snapshot(main_ident: int | None) -> dict[str, Any]:
 
     record = collective_trace.current()
     busy = _busy
-    info: dict[str, Any] = {"kind": "status", "time": time.time(), "busy": busy is not None,
+    info: dict[str, Any] = {"kind": MessageKind.STATUS.value, "time": time.time(), "busy": busy is not None,
                             "call_id": busy[0] if busy else None, "since": busy[1] if busy else None,
                             "collective": record.to_dict() if record is not None else None,
                             "raw_call": None, "line": None, "stack": ""}

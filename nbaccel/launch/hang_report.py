@@ -1,6 +1,7 @@
 """Decide whether ranks are hung in a collective, and say where each rank is.
 
-The pool asks busy ranks for a status snapshot (see `pool_worker.snapshot`) while a cell runs longer than
+Shared by both kinds of watch, so they report hangs alike. The pool asks busy ranks for a status snapshot
+(see `worker/pool_rank.py snapshot`) while a cell runs longer than
 a moment; a launch's supervisor builds the same picture from the `collective` telemetry messages
 (`kernel/collectives.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
 - a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
@@ -18,20 +19,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
+from ..utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
+from .messages import RankState
 
 
 @dataclass
-class RankState:
-    """What the kernel knows about one rank of the pool during a call."""
+class RankProgress:
+    """What the kernel knows about one rank during a call (a RankPool cell) or a launch."""
 
     rank: int
-    phase: str  # "running", "finished", "failed", "idle" (not running this call), "dead"
-    error: str = ""  # first line of the error, for "failed"/"dead"
-    snapshot: dict[str, Any] | None = None  # the latest status snapshot, for "running"
+    phase: RankState  # RUNNING, FINISHED, FAILED, IDLE (not running this call), DEAD
+    error: str = ""  # first line of the error, for FAILED/DEAD
+    snapshot: dict[str, Any] | None = None  # the latest status snapshot, for RUNNING
     raw_since: float | None = None  # when the kernel first saw it in the current raw torch.distributed call
     extra: dict[str, Any] = field(default_factory=dict)
     work: str = "the cell"  # what the rank runs, for the report: "the cell" (RankPool), "the function" (launch)
+
+    def __post_init__(self) -> None:
+        self.phase = RankState(self.phase)
 
     def collective(self) -> CollectiveRecord | None:
         data = (self.snapshot or {}).get("collective")
@@ -39,7 +44,7 @@ class RankState:
 
     def waiting(self, now: float) -> tuple[str, float] | None:
         """(what it waits in, for how many seconds), or None when it is not inside a collective."""
-        if self.phase != "running" or not self.snapshot:
+        if self.phase != RankState.RUNNING or not self.snapshot:
             return None
         record = self.collective()
         if record is not None:
@@ -64,13 +69,13 @@ class RankState:
         waiting = self.waiting(now)
         if waiting is not None:
             return f"rank {self.rank} waits in {waiting[0]} for {waiting[1]:.1f} s"
-        if self.phase == "finished":
+        if self.phase == RankState.FINISHED:
             return f"rank {self.rank} finished {self.work}"
-        if self.phase == "failed":
+        if self.phase == RankState.FAILED:
             return f"rank {self.rank} failed {self.work} ({self.error})"
-        if self.phase == "idle":
+        if self.phase == RankState.IDLE:
             return f"rank {self.rank} does not run this cell"
-        if self.phase == "dead":
+        if self.phase == RankState.DEAD:
             return f"rank {self.rank} died ({self.error})"
         line = (self.snapshot or {}).get("line")
         return f"rank {self.rank} is still running" + (f" (cell line {line}, not in a collective)" if line else "")
@@ -84,7 +89,7 @@ class Diagnosis:
     reason: str = ""  # what differs between the waiting ranks' collectives, when they differ
 
 
-def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
+def diagnose(states: list[RankProgress], now: float, timeout: float, grace: float,
              all_blocked: bool = False) -> Diagnosis | None:
     """A hang to report now, or None to keep waiting.
 
@@ -101,10 +106,10 @@ def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
     kind = None
     if max(durations) >= timeout:
         kind = "timeout"
-    elif all_blocked and any(state.phase == "running" and waits[state.rank] is None for state in states):
+    elif all_blocked and any(state.phase == RankState.RUNNING and waits[state.rank] is None for state in states):
         kind = None
     elif (min(durations) if all_blocked else max(durations)) >= grace:
-        cannot_join = any(state.phase != "running" for state in states)
+        cannot_join = any(state.phase != RankState.RUNNING for state in states)
         signatures = {state.signature(with_seq=all_blocked) for state in waiting}
         if cannot_join or len(signatures) > 1:
             kind = "mismatch"
@@ -113,7 +118,7 @@ def diagnose(states: list[RankState], now: float, timeout: float, grace: float,
     return describe_ranks(kind, states, now)
 
 
-def describe_ranks(kind: str, states: list[RankState], now: float) -> Diagnosis:
+def describe_ranks(kind: str, states: list[RankProgress], now: float) -> Diagnosis:
     """The report of `states` as they are now (also used for a launch's timeout and failures)."""
     summary = "; ".join(state.describe(now) for state in sorted(states, key=lambda s: s.rank))
     waiting = [state for state in states if state.waiting(now) is not None]
@@ -125,7 +130,7 @@ def describe_ranks(kind: str, states: list[RankState], now: float) -> Diagnosis:
     return Diagnosis(kind, summary, "\n".join(details), difference(waiting))
 
 
-def difference(waiting: list[RankState]) -> str:
+def difference(waiting: list[RankProgress]) -> str:
     """What differs between the collectives the ranks wait in: the operation, the sequence number (how many
     collectives each rank entered so far) or the shapes; "" when they agree or are unknown."""
     records = [(state.rank, state.collective()) for state in waiting]

@@ -1,0 +1,72 @@
+"""One plan: every input a backend reads (the timeout, each rank's whole environment, the launch's folders) is
+in the frozen `LaunchPlan`, and the backend of a mode says what it supports as class attributes."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbaccel.launch.environment import WorkerConfig, worker_environment
+from nbaccel.launch.kernel import backends
+from nbaccel.launch.kernel.plan import LaunchPlan, LaunchRequest, Mode, build_plan
+from nbaccel.launch.shared_tensors import RESULT_DIR_ENV
+from nbaccel.utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _plan(**fields) -> LaunchPlan:
+    values = dict(mode=Mode.LOCAL, num_processes=2, mixed_precision="no", start_method="spawn", device="cpu",
+                  environ={"A": "1"}, port=29500)
+    values.update(fields)
+    return LaunchPlan(**values)
+
+
+def test_the_plan_carries_the_timeout_and_the_debug_launchers_fork_flag(monkeypatch):
+    monkeypatch.delenv("NBACCEL_CONFIG_FILE", raising=False)
+    plan = build_plan(LaunchRequest(function=print, num_processes=2, timeout=12.5, debug_launcher=True))
+    assert plan.timeout == 12.5 and plan.mode is Mode.LOCAL
+    assert plan.rank_environ(1)["FORK_LAUNCHED"] == "1" and plan.rank_environ(1)["LOCAL_RANK"] == "1"
+    assert build_plan(LaunchRequest(function=print, num_processes=2, debug_launcher=True)).timeout is None
+
+
+def test_worker_config_writes_fork_launched_and_the_process_group_timeout():
+    env = worker_environment(WorkerConfig(use_cpu=True, nproc_per_node=2, fork_launched=True, pg_timeout=40.0))
+    assert env["FORK_LAUNCHED"] == "1" and env["NBACCEL_PG_TIMEOUT"] == "40.0"
+    plain = worker_environment(WorkerConfig(use_cpu=True, nproc_per_node=2))
+    assert "FORK_LAUNCHED" not in plain and "NBACCEL_PG_TIMEOUT" not in plain
+
+
+def test_with_folders_completes_every_ranks_environment_and_leaves_the_plan_frozen():
+    plan = _plan()
+    final = plan.with_folders("/tmp/x-store", "/dev/shm/x-results")
+    assert INIT_METHOD_ENV not in plan.environ  # a new plan: the first is unchanged
+    for local_rank in range(2):
+        env = final.rank_environ(local_rank)
+        assert env[INIT_METHOD_ENV] == "file:///tmp/x-store/store" and env[RESULT_DIR_ENV] == "/dev/shm/x-results"
+        assert env["RANK"] == str(local_rank) and env["A"] == "1"
+    assert RESULT_DIR_ENV not in plan.with_folders("/tmp/s").environ
+    with pytest.raises(TypeError):
+        final.environ["B"] = "2"  # type: ignore[index]
+
+
+def test_the_agents_environment_names_the_device_template():
+    plan = _plan(mode=Mode.ELASTIC, device="cuda:{local_rank}")
+    assert plan.agent_environ() == {"A": "1", LAUNCH_DEVICE_ENV: "cuda:{local_rank}"}
+
+
+@pytest.mark.parametrize(("mode", "inherits", "result_folder", "private_store"), [
+    (Mode.LOCAL, True, True, True),
+    (Mode.ELASTIC, True, False, False),
+    (Mode.XLA, False, False, False),
+    (Mode.PERSISTENT, False, False, True),  # RankPool's ranks: commands, not a payload; values in the replies
+])
+def test_each_modes_backend_says_what_it_supports(mode, inherits, result_folder, private_store):
+    backend = backends.backend_type(_plan(mode=mode))
+    assert (backend.inherits_objects, backend.result_folder, backend.private_store) == (
+        inherits, result_folder, private_store)
+    assert backend.preloads_modules is (mode is not Mode.XLA)
+
+
+def test_in_process_plans_have_no_backend():
+    with pytest.raises(ValueError, match="in-process"):
+        backends.backend_type(_plan(mode=Mode.IN_PROCESS, num_processes=1))
