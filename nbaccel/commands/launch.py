@@ -32,6 +32,7 @@ from ..utils.constants import (
     RDZV_BACKENDS,
 )
 from ..utils.dataclasses import DynamoBackend, enum_value
+from ..utils.process_limits import ProcessCountError, check_process_count
 from ..utils.safe_yaml import short_keys, short_repr
 from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
@@ -369,6 +370,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     if s.num_processes % s.num_machines:
         fail(f"--num_processes ({s.num_processes}, the total over all machines) must be a multiple of "
              f"--num_machines ({s.num_machines})")
+    try:
+        check_process_count(s.nproc_per_node, name="--num_processes")
+    except ProcessCountError as error:
+        fail(str(error))
     if not 0 <= s.machine_rank < s.num_machines:
         fail(f"--machine_rank must be between 0 and {s.num_machines - 1}, got {s.machine_rank}")
     if s.num_machines > 1 and not s.main_process_ip:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES
+from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, normalize_precision
@@ -71,6 +72,7 @@ class RankPool:
                  timeout: float = 30, observers: Iterable[Any] = ()) -> None:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+        check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
         self.timeout = _check_timeout(timeout, "timeout")
         precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
