@@ -521,6 +521,8 @@ def run_settings(s: LaunchSettings) -> int:
 
 
 def _exit_reason(exitcode: int) -> str:
+    if exitcode == -signal.SIGKILL:  # torchrun's agent samples no memory: the hint without a sample
+        return "signal 9, SIGKILL: out of memory? the OOM killer sends SIGKILL"
     return f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from ...utils.constants import INIT_METHOD_ENV
 from ..channel import close_quietly
 from ..environment import RankSpec
+from ..errors import oom_hint
 from ..kernel.fork_thread import start_process
 from ..kernel.processes import (
     free_port,
@@ -234,4 +235,6 @@ multiprocessing.util.Finalize(None, _close_all, exitpriority=100)
 
 def exit_text(exitcode: int | None) -> str:
     name = signal_name(exitcode)
+    if name == "SIGKILL":
+        return f"killed by SIGKILL ({oom_hint(None)})"
     return f"killed by {name}" if name else f"exit code {exitcode}"
