@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -489,6 +490,12 @@ def run_settings(s: LaunchSettings) -> int:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     agent = _AgentStopper()
+    own_logs = None
+    if s.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: give it one removed below
+        from ..launch.private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
+
+        own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
+        s = replace(s, log_dir=own_logs)
     watch = None if s.no_python else _start_collective_watch(agent)
     args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
     try:
@@ -517,6 +524,8 @@ def run_settings(s: LaunchSettings) -> int:
         if watch is not None:
             watch.close()
             os.environ.pop(COLLECTIVE_WATCH_ENV, None)
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
     return 0
 
 
