@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import checkpoint_fit
 from .checkpoint_manifest import MANIFEST_NAME, check_manifest, write_manifest
 from .utils.constants import (  # file names as Accelerate (and transformers, for weights) spell them
     MODEL_NAME,
@@ -91,6 +92,11 @@ class CheckpointDirectoryMissingError(CheckpointFileMissingError, ValueError):
 
 class CheckpointFileCorruptError(CheckpointError, RuntimeError):
     """A checkpoint file exists but cannot be read (truncated or not what its name says)."""
+
+
+class CheckpointMismatchError(CheckpointError, RuntimeError):
+    """The checkpoint does not fit the objects (other shapes or keys); nothing was loaded. Also a
+    `RuntimeError`, which is what torch's `load_state_dict` (and so Accelerate) raises then."""
 
 
 # ------------------------------------------------------------------------------------------ file names
@@ -405,22 +411,15 @@ def _read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[st
 
 
 def _load_into_model(model: Any, state_dict: dict[str, Any], strict: bool, path: Path, **kwargs: Any) -> None:
-    """`model.load_state_dict`, accepting tied names saved once and Accelerate's `module.` prefixes."""
+    """`model.load_state_dict`, accepting tied names saved once and Accelerate's `module.` prefixes.
+
+    `load_accelerator_state` has checked keys and shapes with `checkpoint_fit.fit_model` already; the keys
+    are checked again after loading for models whose load_state_dict pre-hooks rename them.
+    """
     target = _unwrap_model(model)
-    expected = target.state_dict()
-    if state_dict and expected and not any(k in expected for k in state_dict):
-        if all(k.startswith("module.") for k in state_dict):  # saved from a DDP-wrapped model
-            state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-    result = target.load_state_dict(state_dict, strict=False, **kwargs)
-    missing = set(result.missing_keys)
-    if missing:  # a tied weight saved under one name is loaded through its partner
-        groups: dict[tuple, set[str]] = defaultdict(set)
-        for name, tensor in expected.items():
-            if isinstance(tensor, torch.Tensor):
-                groups[(_storage_key(tensor), tensor.data_ptr())].add(name)
-        for names in groups.values():
-            if names & set(state_dict):
-                missing -= names
+    fit = checkpoint_fit.fit_model(target, state_dict, strict=False)
+    result = target.load_state_dict(fit.state_dict, strict=False, **kwargs)
+    missing = checkpoint_fit.tied_missing(target.state_dict(), fit.state_dict, set(result.missing_keys))
     unexpected = list(result.unexpected_keys)
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -965,6 +964,9 @@ def load_accelerator_state(
     dataloader_states = [_read_dataloader_state(directory, i, dl, process_index)
                          for i, dl in enumerate(dataloaders)]
     rng_states = _read_rng_states(directory, process_index)
+    _check_fit(directory, strict, models=list(zip(models, model_states)),
+               optimizers=list(zip(optimizers, optimizer_states)), schedulers=list(zip(schedulers, scheduler_states)),
+               custom=list(zip(custom_objects, custom_states)))
 
     # Then apply.
     for index, (model, loaded) in enumerate(zip(models, model_states)):
@@ -996,6 +998,36 @@ def load_accelerator_state(
             overrides["step"] = int(rng_states["step"])
     logger.info("Loaded state from %s", directory)
     return overrides
+
+
+def _check_fit(directory: Path, strict: bool, *, models: list[tuple[Any, Any]], optimizers: list[tuple[Any, Any]],
+               schedulers: list[tuple[Any, Any]], custom: list[tuple[Any, Any]]) -> None:
+    """CheckpointMismatchError listing every object the checkpoint does not fit (keys, shapes), raised
+    before any object is changed. Each list pairs an object with the state read for it."""
+    problems: list[str] = []
+    for index, (model, loaded) in enumerate(models):
+        target = _unwrap_model(model)
+        if loaded is not None and isinstance(target, torch.nn.Module):
+            found = checkpoint_fit.fit_model(target, loaded[1], strict).problems
+            problems += [f"model {index} ({type(target).__name__}, {loaded[0].name}): {p}" for p in found]
+    for index, (optimizer, state) in enumerate(optimizers):
+        if state is not None:
+            found = checkpoint_fit.fit_optimizer(optimizer, state)
+            problems += [f"optimizer {index} ({_indexed(OPTIMIZER_NAME, index, '.bin')}): {p}" for p in found]
+    for index, (scheduler, state) in enumerate(schedulers):
+        found = checkpoint_fit.fit_scheduler(scheduler, state)
+        problems += [f"scheduler {index} ({_indexed(SCHEDULER_NAME, index, '.bin')}): {p}" for p in found]
+    for index, (obj, state) in enumerate(custom):
+        found = checkpoint_fit.fit_object(obj, state)
+        problems += [f"registered object {index} ({type(obj).__name__}, {CUSTOM_CHECKPOINT_NAME}_{index}.pkl): {p}"
+                     for p in found]
+    if problems:
+        raise CheckpointMismatchError(
+            f"Checkpoint {directory} does not fit the objects it is loaded into; nothing was loaded:\n  - "
+            + "\n  - ".join(problems)
+            + "\nLoad it into the same architecture (and optimizer/scheduler set-up) it was saved from"
+            + (", or pass strict=False to allow missing/unexpected keys (not other shapes)." if strict else ".")
+        )
 
 
 def verify_checkpoint(directory: Path) -> None:

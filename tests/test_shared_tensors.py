@@ -65,7 +65,8 @@ def test_a_file_that_cannot_be_written_falls_back_to_the_pickle(tmp_path, monkey
 
 
 def _result_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(shared_tensors.SHM_ROOT, "nbaccel-results-*")))
+    """This process's launches' result folders (named by its pid), not those of other launches on the machine."""
+    return set(glob.glob(os.path.join(shared_tensors.SHM_ROOT, f"{shared_tensors.DIR_PREFIX}{os.getpid()}-*")))
 
 
 def big_tensor_per_rank():
@@ -87,7 +88,7 @@ def test_launch_returns_large_tensors_and_leaves_no_files():
     assert [rank for _, rank in results] == [0, 1]
     for rank, (tensor, _) in enumerate(results):
         assert tensor.shape == (BIG * 4,) and torch.all(tensor == rank + 1)
-    assert _result_dirs() <= before  # (orphans of killed kernels may be swept meanwhile)
+    assert _result_dirs() <= before
     with pytest.raises(LaunchError, match="rank 1 fails"):
         notebook_launcher(big_tensor_then_rank_1_fails, num_processes=2, dashboard=False, timeout=120)
     assert _result_dirs() <= before  # files no result was read from go with the folder

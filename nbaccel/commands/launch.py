@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -32,6 +33,8 @@ from ..utils.constants import (
     RDZV_BACKENDS,
 )
 from ..utils.dataclasses import DynamoBackend, enum_value
+from ..utils.process_limits import ProcessCountError, check_process_count
+from ..utils.safe_yaml import short_keys, short_repr
 from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
@@ -269,7 +272,7 @@ def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.
     if s.use_deepspeed and cfg.deepspeed_config:
         unknown = sorted(set(cfg.deepspeed_config) - _DEEPSPEED_KEYS)
         if unknown:
-            raise LaunchOptionError(f"{where}deepspeed_config: {', '.join(unknown)} not supported by nbaccel launch "
+            raise LaunchOptionError(f"{where}deepspeed_config: {short_keys(unknown)} not supported by nbaccel launch "
                                     "(DeepSpeed's own multi-node launcher is not used); remove them")
         for key, value in cfg.deepspeed_config.items():
             name = _DEEPSPEED_ENV.get(key)
@@ -284,7 +287,7 @@ def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.
     for section, known in (("fsdp_config", FSDP_ENV), ("dynamo_config", DYNAMO_ENV)):
         unknown = sorted(set(getattr(cfg, section) or {}) - set(known))
         if unknown:
-            unused.append(f"{section}: {', '.join(unknown)} (not an Accelerate {section} key)")
+            unused.append(f"{section}: {short_keys(unknown)} (not an Accelerate {section} key)")
     if unused and not s.quiet:
         print(f"nbaccel launch: {where}not used: {'; '.join(unused)}", file=sys.stderr)
 
@@ -368,6 +371,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     if s.num_processes % s.num_machines:
         fail(f"--num_processes ({s.num_processes}, the total over all machines) must be a multiple of "
              f"--num_machines ({s.num_machines})")
+    try:
+        check_process_count(s.nproc_per_node, name="--num_processes")
+    except ProcessCountError as error:
+        fail(str(error))
     if not 0 <= s.machine_rank < s.num_machines:
         fail(f"--machine_rank must be between 0 and {s.num_machines - 1}, got {s.machine_rank}")
     if s.num_machines > 1 and not s.main_process_ip:
@@ -375,13 +382,13 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     if s.main_process_port is not None and not 0 <= s.main_process_port < 65536:
         fail(f"--main_process_port must be between 1 and 65535 (or 0 for a free port), got {s.main_process_port}")
     if s.mixed_precision not in MIXED_PRECISION_CHOICES:
-        fail(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {s.mixed_precision!r}")
+        fail(f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {short_repr(s.mixed_precision)}")
     if s.mixed_precision == "fp8" and not any(
         importlib.util.find_spec(m) for m in ("transformer_engine", "msamp", "torchao")
     ):
         fail("--mixed_precision fp8 needs Transformer Engine, MS-AMP or torchao: pip install torchao")
     if s.rdzv_backend not in RDZV_BACKENDS:
-        fail(f"--rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {s.rdzv_backend!r}")
+        fail(f"--rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {short_repr(s.rdzv_backend)}")
     if s.max_restarts < 0:
         fail(f"--max_restarts must be >= 0, got {s.max_restarts}")
     if s.monitor_interval <= 0:
@@ -391,10 +398,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
     if s.gradient_accumulation_steps is not None and s.gradient_accumulation_steps < 1:
         fail(f"--gradient_accumulation_steps must be >= 1, got {s.gradient_accumulation_steps}")
     if s.gpu_ids not in (None, "all") and not all(p.strip().isdigit() for p in str(s.gpu_ids).split(",")):
-        fail(f"--gpu_ids must be 'all' or a comma-separated list of GPU indices, got {s.gpu_ids!r}")
+        fail(f"--gpu_ids must be 'all' or a comma-separated list of GPU indices, got {short_repr(s.gpu_ids)}")
     backend = str(s.dynamo_config.get("dynamo_backend", "no")).upper()
     if backend not in DynamoBackend.list():
-        fail(f"--dynamo_backend must be one of {', '.join(b.lower() for b in DynamoBackend.list())}, got {backend.lower()!r}")
+        fail(f"--dynamo_backend must be one of {', '.join(b.lower() for b in DynamoBackend.list())}, got {short_repr(backend.lower())}")
     fp8_backend = s.extra_env.get("ACCELERATE_FP8_BACKEND", "ao").lower()
     if s.mixed_precision == "fp8" and fp8_backend != "ao":
         fail(f"--fp8_backend {fp8_backend}: nbaccel drives fp8 through torchao only (--fp8_backend ao)")
@@ -483,6 +490,12 @@ def run_settings(s: LaunchSettings) -> int:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     agent = _AgentStopper()
+    own_logs = None
+    if s.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: give it one removed below
+        from ..launch.private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
+
+        own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
+        s = replace(s, log_dir=own_logs)
     watch = None if s.no_python else _start_collective_watch(agent)
     args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
     try:
@@ -514,10 +527,14 @@ def run_settings(s: LaunchSettings) -> int:
         if watch is not None:
             watch.close()
             os.environ.pop(COLLECTIVE_WATCH_ENV, None)
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
     return 0
 
 
 def _exit_reason(exitcode: int) -> str:
+    if exitcode == -signal.SIGKILL:  # torchrun's agent samples no memory: the hint without a sample
+        return "signal 9, SIGKILL: out of memory? the OOM killer sends SIGKILL"
     return f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
 
 

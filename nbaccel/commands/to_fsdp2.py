@@ -89,11 +89,11 @@ def convert_config_to_fsdp2(config: dict) -> dict:
 
 
 def load_config(config_file: str) -> dict:
-    """The YAML config file as a dict; ValueError when it is empty."""
-    import yaml
+    """The YAML config file as a dict; ValueError when it is empty (or absurdly large: nbaccel.utils.safe_yaml)."""
+    from ..utils.safe_yaml import load_yaml
 
     with open(config_file) as handle:
-        config = yaml.safe_load(handle)
+        config = load_yaml(handle)
     if not config:
         raise ValueError("Config file is empty")
     return config

@@ -38,12 +38,16 @@ class WorkerFailure:
     pid: int | None = None
     timestamp: int = field(default_factory=lambda: int(time.time()))
     error_file: str = NOT_AVAILABLE  # nbaccel's workers report over their channel, not through a file
+    last_rss: int | None = None  # the rank's resident memory at its last sample, in bytes (None: no sample)
 
     def __str__(self) -> str:
-        """What went wrong, without the rank: `ValueError: boom` or `killed by SIGKILL (exit code -9)` (the
-        dashboard's summary shows it next to the rank; a dataclass's repr would show every field)."""
+        """What went wrong, without the rank: `ValueError: boom` or `killed by SIGTERM (exit code -15)` (the
+        dashboard's summary shows it next to the rank; a dataclass's repr would show every field). SIGKILL
+        adds the out-of-memory hint, with the rank's last memory sample when there is one."""
         if self.exc_type:
             return f"{self.exc_type}: {self.message}".rstrip(": ")
+        if self.signal == "SIGKILL":
+            return f"killed by SIGKILL (exit code {self.exitcode}; {oom_hint(self.last_rss)})"
         if self.signal:
             return f"killed by {self.signal} (exit code {self.exitcode})"
         return f"{self.message or 'exited'} (exit code {self.exitcode})"
@@ -75,6 +79,14 @@ class WorkerFailure:
 
     def timestamp_isoformat(self) -> str:
         return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+
+def oom_hint(last_rss: int | None) -> str:
+    """Why a rank may have been SIGKILLed: the OOM killer, with its last memory sample when there is one."""
+    hint = "out of memory? the OOM killer sends SIGKILL"
+    if last_rss:
+        hint += f"; its last memory sample: {last_rss / 2**20:.1f} MiB resident"
+    return hint
 
 
 class LaunchError(ChildFailedError, RuntimeError):

@@ -15,6 +15,7 @@ import tempfile
 
 STORE_PREFIX = "store-"
 WATCH_PREFIX = "watch-"  # `nbaccel launch`'s collective watch (its Unix socket)
+ELASTIC_LOGS_PREFIX = "elastic-"  # torch elastic's log folder of one launch (torch's own is /tmp/torchelastic_*)
 
 
 def make_private_dir(prefix: str, root: str) -> str:

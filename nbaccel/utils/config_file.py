@@ -21,6 +21,7 @@ import yaml
 
 from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS, START_METHODS
 from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend, enum_value
+from .safe_yaml import DocumentTooLargeError, load_yaml, short_keys, short_repr
 
 CONFIG_FILE_ENV = "NBACCEL_CONFIG_FILE"
 CONFIG_FILE_NAME = "default_config.yaml"
@@ -64,10 +65,14 @@ def find_config_file(path: str | os.PathLike | None = None) -> Path | None:
 
 
 def read_config_data(path: str | os.PathLike) -> Any:
-    """The content of config file `path` (YAML; JSON is YAML too); ConfigError when it is not valid YAML."""
+    """The content of config file `path` (YAML; JSON is YAML too); ConfigError when it is not valid YAML, or
+    when its value is absurdly large once aliases are expanded (nbaccel.utils.safe_yaml)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
+            return load_yaml(handle)
+    except DocumentTooLargeError as exc:
+        raise ConfigError(f"{display_path(path)}: refused: {exc}. A launch config holds a few dozen values: "
+                          "write the file without such aliases.") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{display_path(path)}: not valid YAML: {exc}") from exc
 
@@ -140,7 +145,8 @@ class LaunchConfig:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{where}: the file must hold a mapping of keys to values, got {type(data).__name__}")
+            raise ConfigError(f"{where}: the file must hold a mapping of keys to values, got {type(data).__name__} "
+                              f"{short_repr(data)}")
         data = dict(data)
         # Older Accelerate formats: `fp16: true` and a top-level `dynamo_backend`.
         if "fp16" in data:
@@ -153,7 +159,7 @@ class LaunchConfig:
         unknown = {k: v for k, v in data.items() if k not in known}
         if unknown and enum_value(data.get("compute_environment", "")) != "AMAZON_SAGEMAKER":  # SageMaker's keys: refused later
             warnings.warn(
-                f"{where}: ignoring unknown key(s) {', '.join(map(str, sorted(unknown, key=str)))} "
+                f"{where}: ignoring unknown key(s) {short_keys(unknown)} "
                 "(kept in the file, not used by nbaccel)",
                 stacklevel=2,
             )
@@ -228,7 +234,7 @@ class LaunchConfig:
             value = getattr(self, name)
             text = value.value if hasattr(value, "value") else value
             if text not in allowed:
-                errors[name] = f"{value!r} is not one of {', '.join(allowed)}"
+                errors[name] = f"{short_repr(value)} is not one of {', '.join(allowed)}"
 
         def integer(name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
             value = getattr(self, name)
@@ -238,7 +244,7 @@ class LaunchConfig:
                 maximum is not None and value > maximum
             ):
                 bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-                errors[name] = f"{value!r} is not an integer {bound}"
+                errors[name] = f"{short_repr(value)} is not an integer {bound}"
 
         one_of("compute_environment", ComputeEnvironment.list())
         sagemaker = enum_value(self.compute_environment) == "AMAZON_SAGEMAKER"
@@ -248,16 +254,16 @@ class LaunchConfig:
         one_of("downcast_bf16", ("no", "yes"))
         for name in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
             if not isinstance(getattr(self, name), bool):
-                errors[name] = f"{getattr(self, name)!r} is not true or false"
+                errors[name] = f"{short_repr(getattr(self, name))} is not true or false"
         integer("num_processes", 1, optional=True)
         integer("num_machines", 1)
         integer("machine_rank", 0)
         integer("main_process_port", 0, 65535, optional=True)  # 0: pick a free port, as in Accelerate
         integer("gradient_accumulation_steps", 1, optional=True)
         if self.start_method is not None and self.start_method not in START_METHODS:
-            errors["start_method"] = f"{self.start_method!r} is not one of {', '.join(START_METHODS)} (or unset)"
+            errors["start_method"] = f"{short_repr(self.start_method)} is not one of {', '.join(START_METHODS)} (or unset)"
         if "machine_rank" not in errors and "num_machines" not in errors and self.machine_rank >= self.num_machines:
-            errors["machine_rank"] = f"{self.machine_rank} must be below num_machines ({self.num_machines})"
+            errors["machine_rank"] = f"{short_repr(self.machine_rank)} must be below num_machines ({short_repr(self.num_machines)})"
         if (
             "num_machines" not in errors
             and self.num_machines > 1
@@ -268,7 +274,7 @@ class LaunchConfig:
         if self.gpu_ids not in (None, "all"):
             parts = [p.strip() for p in str(self.gpu_ids).split(",")]
             if not all(p.isdigit() for p in parts):
-                errors["gpu_ids"] = f"{self.gpu_ids!r} is not 'all' or a comma-separated list of GPU indices"
+                errors["gpu_ids"] = f"{short_repr(self.gpu_ids)} is not 'all' or a comma-separated list of GPU indices"
         for name in _DICT_FIELDS:
             if not isinstance(getattr(self, name), dict):
                 errors[name] = f"must be a mapping of keys to values, got {type(getattr(self, name)).__name__}"
@@ -276,13 +282,13 @@ class LaunchConfig:
             backend = str(self.dynamo_config["dynamo_backend"]).upper()
             if backend not in DynamoBackend.list():
                 errors["dynamo_config.dynamo_backend"] = (
-                    f"{self.dynamo_config['dynamo_backend']!r} is not one of {', '.join(DynamoBackend.list())}"
+                    f"{short_repr(self.dynamo_config['dynamo_backend'])} is not one of {', '.join(DynamoBackend.list())}"
                 )
         if isinstance(self.fsdp_config, dict):
             errors.update(_check_fsdp(self.fsdp_config))
         if isinstance(self.deepspeed_config, dict) and "zero_stage" in self.deepspeed_config:
             if self.deepspeed_config["zero_stage"] not in (0, 1, 2, 3):
-                errors["deepspeed_config.zero_stage"] = f"{self.deepspeed_config['zero_stage']!r} is not one of 0, 1, 2, 3"
+                errors["deepspeed_config.zero_stage"] = f"{short_repr(self.deepspeed_config['zero_stage'])} is not one of 0, 1, 2, 3"
         return errors
 
     # ---------------------------------------------------------------- derived
@@ -312,7 +318,7 @@ def _check_fsdp(fsdp: dict) -> dict[str, str]:
             value = fsdp[key].upper() if isinstance(fsdp[key], str) else fsdp[key]
             if value not in allowed:
                 names = ", ".join(str(a) for a in allowed if isinstance(a, str)) or ", ".join(map(str, allowed))
-                errors[f"fsdp_config.{key}"] = f"{fsdp[key]!r} is not one of {names}"
+                errors[f"fsdp_config.{key}"] = f"{short_repr(fsdp[key])} is not one of {names}"
     return errors
 
 

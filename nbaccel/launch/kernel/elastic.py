@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LOOPBACK_RDZV_BACKEND
 from ..errors import LaunchError, WorkerFailure
+from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
 from ..worker.entry import elastic_entry
 from .loopback_store import LOOPBACK, LoopbackStore, open_loopback_store
 from .processes import signal_name
@@ -66,7 +68,11 @@ class ElasticBackend(ThreadedBackend):
                           args=(*entry_args[:4], plan.agent_environ()), rdzv_handler=self._handler,
                           max_restarts=rdzv.max_restarts, monitor_interval=rdzv.monitor_interval,
                           master_addr=master_addr, master_port=master_port, local_addr=None)
-        self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=plan.start_method,
+        # torch elastic's log folder (error files, attempt folders): one of this launch's own, removed by
+        # close(); DefaultLogsSpecs() would leave a /tmp/torchelastic_* folder behind every launch
+        self._log_dir = make_user_dir(ELASTIC_LOGS_PREFIX)
+        self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=self._log_dir),
+                                       start_method=plan.start_method,
                                        log_line_prefix_template=rdzv.log_line_prefix_template)
         self.nproc_per_node = plan.num_processes
         return self._run_agent
@@ -97,7 +103,11 @@ class ElasticBackend(ThreadedBackend):
 
     def close(self) -> None:
         """Close what torch elastic keeps of the last workers (process objects, result queues): their pipes
-        would stay open until a garbage collection otherwise."""
+        would stay open until a garbage collection otherwise. Remove the launch's log folder."""
+        log_dir = getattr(self, "_log_dir", None)
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            self._log_dir = None
         pcontext = getattr(getattr(self, "agent", None), "_pcontext", None)
         inner = getattr(pcontext, "_pc", None)
         queues = [*getattr(pcontext, "_ret_vals", {}).values(), *getattr(inner, "error_queues", ())]

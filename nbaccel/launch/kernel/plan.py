@@ -22,6 +22,7 @@ from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 from ...utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ...utils.process_limits import check_process_count
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
@@ -178,6 +179,8 @@ def check_request(request: LaunchRequest, resolved: Any) -> str:
         raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
     if num_processes is not None and (not is_int(num_processes) or num_processes < 1):
         raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
+    if num_processes is not None:
+        check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
     if not is_int(num_nodes) or num_nodes < 1:
         raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
     if not is_int(node_rank) or not 0 <= node_rank < num_nodes:

@@ -22,7 +22,7 @@ from ... import telemetry
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
-from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures
+from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures, oom_hint
 from ..hang_report import Diagnosis, report_lines
 from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
@@ -121,6 +121,7 @@ class WorkerHandle:
     pid: int | None = None
     reports_memory: bool = False  # the worker sends its own `memory` messages
     rss_peak: int = 0
+    last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
@@ -260,6 +261,7 @@ class Supervisor:
             return
         if kind == MessageKind.MEMORY:
             worker.reports_memory = True
+            worker.last_rss = message.get("rss") or worker.last_rss
         elif kind == MessageKind.COLLECTIVE:
             self.collectives.on_message(worker.rank, message)
         if kind == MessageKind.STATUS and message.get("state") == RankState.STARTING:
@@ -304,6 +306,7 @@ class Supervisor:
         if known is not None:  # keep the reported exception; add the exit details
             known.exitcode = failure.exitcode if failure.exitcode is not None else known.exitcode
             known.signal = failure.signal or known.signal
+            known.last_rss = failure.last_rss or known.last_rss
             return
         worker = next((w for w in self.workers if w.rank == failure.rank), None)
         if worker is not None:  # what torch's ProcessFailure says about the process
@@ -326,13 +329,13 @@ class Supervisor:
         if exitcode != 0:
             sig = signal_name(exitcode)
             if sig == "SIGKILL":
-                message = "killed by SIGKILL (out of memory? the OOM killer sends SIGKILL)"
+                message = f"killed by SIGKILL ({oom_hint(worker.last_rss)})"
             elif sig:
                 message = f"killed by {sig}"
             else:
                 message = f"exited with code {exitcode}"
             reported = worker.rank in self.failures
-            self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig))
+            self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig, last_rss=worker.last_rss))
             if not reported:
                 self.notify(messages.status(worker.rank, local_rank, RankState.FAILED, error=message))
         elif not worker.has_result:
@@ -498,6 +501,7 @@ class Supervisor:
             if sample is None or sample["rss"] is None:
                 continue
             worker.rss_peak = max(worker.rss_peak, sample["rss"])
+            worker.last_rss = sample["rss"]
             sample["rss_peak"] = worker.rss_peak
             self.notify(messages.memory(worker.rank, worker.local_rank, sample, source="kernel"))
 

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
+from ..errors import oom_hint
 from ..kernel.backends import select_backend
 from ..kernel.processes import (
     preload_worker_modules,
@@ -211,4 +212,6 @@ multiprocessing.util.Finalize(None, _close_all, exitpriority=100)
 
 def exit_text(exitcode: int | None) -> str:
     name = signal_name(exitcode)
+    if name == "SIGKILL":
+        return f"killed by SIGKILL ({oom_hint(None)})"
     return f"killed by {name}" if name else f"exit code {exitcode}"

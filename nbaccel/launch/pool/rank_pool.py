@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES
+from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
@@ -73,6 +74,7 @@ class RankPool:
                  timeout: float = 30, observers: Iterable[Any] = ()) -> None:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+        check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
         self.timeout = _check_timeout(timeout, "timeout")
         precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
