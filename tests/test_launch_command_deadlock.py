@@ -21,9 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nbaccel.commands.launch import SCRIPT_ENTRY, resolve_settings, torchrun_arguments
+from nbaccel.commands.launch import resolve_settings, torchrun_arguments
 from nbaccel.commands.main import build_parser
 from nbaccel.launch.private_dirs import WATCH_PREFIX
+from nbaccel.utils.constants import SCRIPT_ENTRY
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,13 +258,15 @@ def test_the_watch_is_one_more_torchrun_option(tmp_path):
 def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypatch):
     """A Unix socket path has ~100 bytes at most: a temporary folder too deep for one costs the deadlock
     detection (with a warning), not the launch, and leaves nothing behind."""
-    from nbaccel.commands import launch as command
     from nbaccel.launch.kernel import collective_watch
+    from nbaccel.launch.kernel.torchrun import TorchrunBackend
 
     deep = tmp_path / ("d" * 120)
     monkeypatch.setattr(collective_watch, "make_user_dir", lambda prefix: str(deep.mkdir() or deep))
+    backend = TorchrunBackend()
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
-        assert command._start_collective_watch(command._AgentStopper()) is None
+        assert backend._start_watch() is None
+    backend.close()
     assert not deep.exists()
 
 

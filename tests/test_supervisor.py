@@ -16,6 +16,8 @@ import pytest
 from nbaccel.launch import serialize
 from nbaccel.launch.channel import WorkerSink, close_quietly, open_channel
 from nbaccel.launch.errors import LaunchError, LaunchTimeout
+from nbaccel.launch.hang_report import Diagnosis
+from nbaccel.launch.kernel.collective_watch import ExitHang
 from nbaccel.launch.kernel.supervisor import Supervisor, WorkerHandle
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,6 +36,7 @@ class FakeBackend:
         self.stopped = 0
         self.lost = lost
         self.done: bool | None = None  # set: like elastic/xla, which report no exits, only that they are done
+        self.judged = None  # a Diagnosis or an ExitHang: the backend's watch asks for a stop
 
     def start(self, plan, payload):  # pragma: no cover - the tests build handles themselves
         raise NotImplementedError
@@ -51,6 +54,9 @@ class FakeBackend:
 
     def finished(self):
         return self.done if self.done is not None else len(self.exited) == self.count
+
+    def verdict(self):
+        return self.judged  # what a backend's own watch decided (TorchrunBackend's collective watch)
 
     def stop(self):
         self.stopped += 1
@@ -225,3 +231,29 @@ def test_ranks_that_never_started_are_dropped_when_the_backend_says_they_may_not
     backend.done = True
     supervisor, _, _, _ = supervisor_for(ranks, backend)
     assert supervisor.run() == [0, 1]
+
+
+def test_a_deadlock_the_backend_saw_stops_every_worker_and_is_reported(workers):
+    """`nbaccel launch`'s ranks report their collectives to the backend's own watch; its verdict goes the
+    supervisor's way: every worker stopped, the report in the LaunchError."""
+    ranks = workers(2)
+    backend = FakeBackend(2)
+    backend.judged = Diagnosis("mismatch", "rank 0 waits in all_reduce at job.py:3; rank 1 waits in barrier", "")
+    supervisor, _, _, _ = supervisor_for(ranks, backend)
+    with pytest.raises(LaunchError) as info:
+        supervisor.run()
+    assert str(info.value).startswith("not every rank entered the same collective:\nrank 0 waits in all_reduce")
+    assert backend.stopped == 1 and supervisor.deadlock is backend.judged
+
+
+def test_ranks_stuck_after_their_work_are_stopped_and_the_results_stand(workers):
+    ranks = workers(2)
+    backend = FakeBackend(2)
+    for w in ranks:
+        w.result(w.sink.rank * 10)
+    backend.exit(0, 0)  # rank 1's process does not end: the backend's watch says so
+    backend.judged = ExitHang((1,), 10.0)
+    supervisor, _, _, err = supervisor_for(ranks, backend)
+    assert supervisor.run() == [0, 10]
+    assert backend.stopped == 1 and supervisor.exit_hang is backend.judged
+    assert "did not exit" not in err.getvalue()  # the front door that watched names them (nbaccel launch)

@@ -13,21 +13,16 @@ import argparse
 import contextlib
 import copy
 import importlib.util
-import logging
-import os
-import shutil
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import (
-    COLLECTIVE_WATCH_ENV,
     LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RDZV_BACKENDS,
@@ -41,8 +36,7 @@ from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 if TYPE_CHECKING:
     from ..launch.environment import WorkerConfig
     from ..launch.hang_report import Diagnosis
-    from ..launch.kernel.collective_watch import CollectiveWatch, ExitHang
-    from ..launch.kernel.loopback_store import LoopbackStore
+    from ..launch.kernel.plan import LaunchPlan
 
 
 class LaunchOptionError(ValueError):
@@ -432,104 +426,116 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
     return build(worker_config(s))
 
 
-SCRIPT_ENTRY = "nbaccel.launch.worker.script_entry"  # runs each rank's script, reporting its collectives
+def script_plan(s: LaunchSettings) -> LaunchPlan:
+    """The launch's plan (nbaccel.launch.kernel.plan, mode script): this machine's ranks, the rendezvous, the
+    script and every rank's environment, final before anything starts (as notebook_launcher's and RankPool's).
+    On one machine the rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
+    from types import MappingProxyType
+
+    from ..launch.kernel.plan import LaunchPlan, Mode, Rendezvous, ScriptTarget
+
+    if s.num_machines > 1:
+        port, address = s.main_process_port or 29500, s.main_process_ip or ""
+        backend, endpoint, run_id = s.rdzv_backend, f"{address}:{port}", f"nbaccel-{port}"
+    else:
+        port, address = s.main_process_port, "127.0.0.1"
+        backend, endpoint, run_id = LOOPBACK_RDZV_BACKEND, f"127.0.0.1:{port or 0}", "none"
+    rendezvous = Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(_rdzv_conf(s.rdzv_conf)),
+                            run_id=run_id, max_restarts=s.max_restarts, monitor_interval=s.monitor_interval,
+                            log_line_prefix_template=None)
+    script = ScriptTarget(script=s.script, args=tuple(s.script_args), module=s.module, no_python=s.no_python,
+                          role=s.role, log_dir=s.log_dir, tee=s.tee, quiet=s.quiet, same_network=s.same_network)
+    device = "cuda:{local_rank}" if not s.use_cpu and _device_count() else "cpu"
+    return LaunchPlan(mode=Mode.SCRIPT, num_processes=s.nproc_per_node, mixed_precision=s.mixed_precision,
+                      start_method="subprocess", device=device, environ=MappingProxyType(worker_environment(s)),
+                      num_nodes=s.num_machines, node_rank=s.machine_rank, master_addr=address, port=port,
+                      rendezvous=rendezvous, script=script)
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    """`--rdzv_conf "key=value,key2=value2"` as torchrun reads it."""
+    conf = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchOptionError(f"--rdzv_conf: {short_repr(item)} is not key=value (give "
+                                    "'key=value,key2=value2')")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def torchrun_arguments(s: LaunchSettings, watched: bool = False) -> list[str]:
-    """The torch.distributed.run command line for these settings (this machine's part of the run).
+    """The torch.distributed.run command line for these settings (this machine's part of the run); see
+    nbaccel.launch.kernel.torchrun.torchrun_arguments."""
+    from ..launch.kernel.torchrun import torchrun_arguments as from_plan
 
-    `watched`: each rank runs the script through nbaccel's entry, which reports its collectives to the
-    launch's collective watch (not with --no_python: there is no Python to enter)."""
-    argv = [f"--nnodes={s.num_machines}", f"--nproc-per-node={s.nproc_per_node}",
-            f"--max-restarts={s.max_restarts}", f"--monitor-interval={s.monitor_interval}"]
-    if s.num_machines > 1:  # as Accelerate: the rendezvous endpoint, or with same_network torchrun's master
-        port = s.main_process_port or 29500
-        argv += [f"--rdzv-backend={s.rdzv_backend}", f"--node-rank={s.machine_rank}"]
-        if s.same_network:
-            argv += [f"--master-addr={s.main_process_ip}", f"--master-port={port}"]
-        else:
-            argv += [f"--rdzv-endpoint={s.main_process_ip}:{port}", f"--rdzv-id=nbaccel-{port}"]
-    else:  # one machine, one agent: a rendezvous on the loopback store run_settings opens, a new store per attempt
-        argv += [f"--rdzv-backend={LOOPBACK_RDZV_BACKEND}", f"--rdzv-endpoint=127.0.0.1:{s.main_process_port or 0}"]
-    if s.role != "default":
-        argv.append(f"--role={s.role}")
-    if s.no_python:
-        argv.append("--no-python")
-    if watched and not s.no_python:  # torchrun runs nbaccel's entry as a module; the entry runs the script
-        argv.append("--module")
-        program = [SCRIPT_ENTRY, *(["--module"] if s.module else []), s.script]
-    else:
-        if s.module:
-            argv.append("--module")
-        program = [s.script]
-    if s.rdzv_conf:
-        argv.append(f"--rdzv-conf={s.rdzv_conf}")
-    if s.log_dir:
-        argv.append(f"--log-dir={s.log_dir}")
-    if s.tee is not None:
-        argv.append(f"--tee={s.tee}")
-    return argv + [*program, *s.script_args]
+    return from_plan(script_plan(s), watched)
 
 
 def run_settings(s: LaunchSettings) -> int:
     """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed or the ranks
-    deadlocked in collectives (named within seconds: launch/kernel/collective_watch.py)."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    deadlocked in collectives (named within seconds: launch/kernel/collective_watch.py).
 
-    rendezvous: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if s.num_machines == 1:  # keep the rendezvous off the network (launch/kernel/loopback_store.py)
-        from ..launch.kernel.elastic import loopback_rendezvous
+    The plan goes the way of every launch (kernel/launcher.py `run_plan`): its backend (kernel/torchrun.py,
+    torchrun's agent) starts the ranks, the supervisor watches them and stops them on a deadlock, ranks stuck
+    after their script, or a signal to this process."""
+    from ..launch.errors import LaunchError
+    from ..launch.kernel.backends import select_backend
+    from ..launch.kernel.launcher import run_plan
+    from ..launch.kernel.observers import Reporting
 
-        store = _open_loopback_store(s.main_process_port)
-        s = replace(s, main_process_port=store.port)
-        rendezvous = loopback_rendezvous(store)  # and each attempt's ranks meet in a store of their own
-    os.environ.update(worker_environment(s))
-    if s.quiet:  # -q: only the workers' output and errors, not the agent's progress messages
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-        logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
-    agent = _AgentStopper()
-    own_logs = None
-    if s.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: give it one removed below
-        from ..launch.private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
-
-        own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
-        s = replace(s, log_dir=own_logs)
-    watch = None if s.no_python else _start_collective_watch(agent)
-    args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
+    plan = script_plan(s)
+    backend = select_backend(plan)
     try:
-        with rendezvous, agent.running():
-            torchrun.run(args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"nbaccel launch: rank {rank} failed ({_exit_reason(failure.exitcode)}); {len(exc.failures)} "
-              "process(es) failed in all", file=sys.stderr)
-        if watch is not None:
-            watch.close()
-            diagnosis = watch.after_failure({r: _exit_reason(f.exitcode) for r, f in exc.failures.items()})
-            if diagnosis is not None:
-                print(f"nbaccel launch: {_deadlock_report(diagnosis)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("nbaccel launch: interrupted; workers stopped", file=sys.stderr)
-        return 130
-    except SignalException as exc:  # the agent turns SIGTERM/SIGINT/... into this after stopping the workers
-        if agent.stuck_at_exit is not None:  # every script completed; a process hung in its teardown
-            print(f"nbaccel launch: {agent.stuck_at_exit.summary()}", file=sys.stderr)
-            return 0
-        if agent.stopped_for is not None:
-            print(f"nbaccel launch: {_deadlock_report(agent.stopped_for)}", file=sys.stderr)
+        with _signals_stop_the_launch():
+            run_plan(plan, backend, None, Reporting(dashboard=False))
+    except LaunchError as error:
+        if backend.deadlock is not None:
+            print(f"nbaccel launch: {_deadlock_report(backend.deadlock)}", file=sys.stderr)
             return 1
-        print(f"nbaccel launch: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr)
-        return 128 + int(exc.sigval)
-    finally:
-        if watch is not None:
-            watch.close()
-            os.environ.pop(COLLECTIVE_WATCH_ENV, None)
-        if own_logs is not None:
-            shutil.rmtree(own_logs, ignore_errors=True)
+        reasons = {rank: _exit_reason(f.exitcode) for rank, f in error.failures.items() if f.exitcode is not None}
+        first = error.first_rank if error.first_rank in reasons else next(iter(reasons), None)
+        if first is None:
+            raise
+        print(f"nbaccel launch: rank {first} failed ({reasons[first]}); {len(reasons)} process(es) failed in all",
+              file=sys.stderr)
+        diagnosis = backend.after_failure(reasons)
+        if diagnosis is not None:
+            print(f"nbaccel launch: {_deadlock_report(diagnosis)}", file=sys.stderr)
+        return 1
+    except _Stopped as stop:
+        print(f"nbaccel launch: stopped by {signal.Signals(stop.signum).name}; workers stopped", file=sys.stderr)
+        return 128 + stop.signum
+    if backend.exit_hang is not None:  # every script completed; a process hung in its teardown
+        print(f"nbaccel launch: {backend.exit_hang.summary()}", file=sys.stderr)
     return 0
+
+
+class _Stopped(BaseException):
+    """A signal asked this process to stop: the supervisor stops every rank on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_the_launch() -> Iterator[None]:
+    """SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the launch (every rank) and end it with 128 + the signal, as
+    torchrun's agent does when it runs in the main thread (here it runs beside the supervisor)."""
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    names = [name for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {name: signal.signal(getattr(signal, name), stop) for name in names}
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
 
 
 def _exit_reason(exitcode: int) -> str:
@@ -538,79 +544,10 @@ def _exit_reason(exitcode: int) -> str:
     return f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
 
 
-class _AgentStopper:
-    """Stops torchrun's agent from another thread, the way a SIGTERM does (the agent stops every worker and
-    raises SignalException in the main thread), and remembers why."""
-
-    def __init__(self) -> None:
-        self.stopped_for: Diagnosis | None = None
-        self.stuck_at_exit: ExitHang | None = None
-        self._lock = threading.Lock()
-        self._running = False
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        with self._lock:
-            self._running = True
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running = False
-
-    def stop(self, diagnosis: Diagnosis) -> None:
-        """Stop the workers because they deadlocked in collectives."""
-        self._stop(diagnosis=diagnosis)
-
-    def stop_stuck(self, hang: ExitHang) -> None:
-        """Stop the workers because some finished their script but hang in their process's teardown."""
-        self._stop(hang=hang)
-
-    def _stop(self, diagnosis: Diagnosis | None = None, hang: ExitHang | None = None) -> None:
-        with self._lock:
-            if not self._running or self.stopped_for is not None or self.stuck_at_exit is not None:
-                return
-            # the agent's signal handler (torch elastic installs it while the workers run) turns this into its
-            # shutdown; its "Received SIGTERM death signal" warning would blame a signal nobody sent
-            if not callable(signal.getsignal(signal.SIGTERM)):
-                return
-            self.stopped_for, self.stuck_at_exit = diagnosis, hang
-            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _start_collective_watch(agent: _AgentStopper) -> CollectiveWatch | None:
-    """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
-    detection) where no Unix socket can be opened."""
-    from ..launch.kernel.collective_watch import CollectiveWatch
-
-    try:
-        watch = CollectiveWatch(on_deadlock=agent.stop, on_exit_hang=agent.stop_stuck)
-    except OSError as exc:
-        warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
-                      stacklevel=3)
-        return None
-    os.environ[COLLECTIVE_WATCH_ENV] = watch.address
-    return watch
-
-
 def _deadlock_report(diagnosis: Diagnosis) -> str:
     from ..launch.kernel.collective_watch import report
 
     return report(diagnosis)
-
-
-def _open_loopback_store(port: int | None) -> LoopbackStore:
-    """The single-machine rendezvous store on 127.0.0.1: on `port`, or on a free port when none is given or,
-    as in Accelerate, when the given one is taken (with a warning)."""
-    from ..launch.kernel.loopback_store import StorePortBusy, open_loopback_store
-
-    try:
-        return open_loopback_store(port or 0)
-    except StorePortBusy:
-        warnings.warn(f"Port `{port}` is already in use on this machine: nbaccel launch meets on a free port "
-                      "instead. Pass another --main_process_port (or 0 for a free one) to choose.", stacklevel=2)
-        return open_loopback_store(0)
 
 
 def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:

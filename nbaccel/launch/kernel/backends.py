@@ -42,6 +42,12 @@ def _xla() -> type:
     return XlaBackend
 
 
+def _torchrun() -> type:
+    from .torchrun import TorchrunBackend
+
+    return TorchrunBackend
+
+
 def _persistent() -> type:
     from .persistent import PersistentBackend
 
@@ -49,7 +55,7 @@ def _persistent() -> type:
 
 
 BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
-                                            Mode.PERSISTENT: _persistent}
+                                            Mode.PERSISTENT: _persistent, Mode.SCRIPT: _torchrun}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 

@@ -145,19 +145,22 @@ class ElasticBackend(ThreadedBackend):
         return failures
 
 
-_agent_stores: dict[int, LoopbackStore] = {}  # the loopback stores of the `nbaccel launch` runs in progress
+# the loopback stores of the `nbaccel launch` runs in progress, with the handlers torch elastic built on each
+_agent_stores: dict[int, tuple[LoopbackStore, list[AttemptStores]]] = {}
 
 
 @contextlib.contextmanager
-def loopback_rendezvous(agent_store: LoopbackStore) -> Iterator[None]:
+def loopback_rendezvous(agent_store: LoopbackStore) -> Iterator[list[AttemptStores]]:
     """Let torchrun's agent meet as notebook_launcher's does (`AttemptStores` on `agent_store`): inside the
-    block, `--rdzv-backend=nbaccel-loopback --rdzv-endpoint=127.0.0.1:<agent_store.port>` builds it."""
+    block, `--rdzv-backend=nbaccel-loopback --rdzv-endpoint=127.0.0.1:<agent_store.port>` builds it. Yields
+    the handlers built (shutting one down keeps the agent from starting another attempt)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(LOOPBACK_RDZV_BACKEND, _attempt_stores_for)  # the same creator: idempotent
-    _agent_stores[agent_store.port] = agent_store
+    handlers: list[AttemptStores] = []
+    _agent_stores[agent_store.port] = (agent_store, handlers)
     try:
-        yield
+        yield handlers
     finally:
         _agent_stores.pop(agent_store.port, None)
 
@@ -167,10 +170,12 @@ def _attempt_stores_for(params: Any) -> AttemptStores:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     _, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
-    store = _agent_stores.get(port)
-    if store is None:
+    if port not in _agent_stores:
         raise ValueError(f"{LOOPBACK_RDZV_BACKEND}: no nbaccel launch serves a store on 127.0.0.1:{port}")
-    return AttemptStores(store, params.run_id, params.get_as_int("timeout", 900))
+    store, handlers = _agent_stores[port]
+    handler = AttemptStores(store, params.run_id, params.get_as_int("timeout", 900))
+    handlers.append(handler)
+    return handler
 
 
 class AttemptStores:
@@ -185,10 +190,17 @@ class AttemptStores:
         self.inner = StaticTCPRendezvous(LOOPBACK, agent_store.port, rank=0, world_size=1, run_id=run_id,
                                          timeout=timeout)
         self.attempt_store: LoopbackStore | None = None  # the previous attempt's closes when replaced
+        self.closed = False  # shut down: no further attempt
 
     def next_rendezvous(self) -> Any:
-        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousClosedError,
+            RendezvousInfo,
+            RendezvousStoreInfo,
+        )
 
+        if self.closed:  # the launch is stopping its ranks: the agent must not start them again
+            raise RendezvousClosedError()
         info = self.inner.next_rendezvous()
         self.attempt_store = None
         self.attempt_store = open_loopback_store(0)
@@ -203,6 +215,7 @@ class AttemptStores:
         return True  # the workers are clients of the attempt's store
 
     def shutdown(self) -> bool:
+        self.closed = True
         self.attempt_store = None
         return self.inner.shutdown()
 

@@ -5,14 +5,15 @@ One launch: the arguments become a `LaunchRequest`; `build_plan` (plan.py) resol
 frozen `LaunchPlan` before anything starts; the function is cloudpickled once, here in the kernel; a backend
 (local.py, elastic.py, xla.py) starts the workers and owns them; the supervisor (supervisor.py) forwards
 output, gathers return values and stops all workers on the first failure, an interrupt or the timeout.
-With one process the function runs in the kernel (inprocess.py).
+With one process the function runs in the kernel (inprocess.py). `nbaccel launch` hands its plan (mode script,
+kernel/torchrun.py's backend) to the same `run_plan`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
 from .. import messages
@@ -29,6 +30,9 @@ from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
 from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
 from .saved_config import default
 from .supervisor import Backend, Supervisor, WorkerHandle
+
+if TYPE_CHECKING:
+    from ..serialize import Payload
 
 
 def notebook_launcher(
@@ -96,6 +100,17 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     # process starts
     inherit = plan.start_method == "fork" and backend.inherits_objects
     payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), inherit)
+    try:
+        return run_plan(plan, backend, payload, reporting)
+    except LaunchError as exc:
+        exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
+        raise
+
+
+def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, reporting: Reporting) -> list[Any]:
+    """Start the plan's ranks through `backend`, supervise them until the end and release everything: the
+    path of notebook_launcher's launches and of `nbaccel launch` (RankPool's ranks start through the same
+    backends, kernel/persistent.py). Returns the results by local rank (none for a script)."""
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
     if backend.preloads_modules:
@@ -115,9 +130,6 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
                 # queues the backend still holds (torch elastic's, under spawn)
                 backend.close()
                 remove_dir(store_dir)
-    except LaunchError as exc:
-        exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
-        raise
     finally:
         remove_result_dir(result_dir)
 

@@ -51,6 +51,7 @@ class Mode(str, Enum):
     ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
     PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
+    SCRIPT = "script"  # `nbaccel launch`: torchrun's agent runs a script on each rank (kernel/torchrun.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,21 @@ class Rendezvous:
 
 
 @dataclass(frozen=True)
+class ScriptTarget:
+    """What each rank of `nbaccel launch` runs, and torchrun's options for it (Accelerate's names)."""
+
+    script: str  # a file, a module (`module`) or, with `no_python`, a program
+    args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    role: str = "default"
+    log_dir: str | None = None  # torchrun's log folder (None: a private one, removed afterwards)
+    tee: str | None = None
+    quiet: bool = False  # only the ranks' output and errors, not the agent's progress
+    same_network: bool = False  # several machines: torchrun's static master address instead of a rendezvous
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """What runs where, with which environment; frozen once built."""
 
@@ -109,6 +125,7 @@ class LaunchPlan:
     start_note: str | None = None  # why the start method was chosen, shown to the user
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
     timeout: float | None = None  # seconds the whole launch may run (None: no limit)
+    script: ScriptTarget | None = None  # Mode.SCRIPT: the script every rank runs
 
     @property
     def world_size(self) -> int:
@@ -153,7 +170,7 @@ class LaunchPlan:
         device = self.device.split(":")[0]
         if self.mode is Mode.LOCAL:
             return dict(start_method=self.start_method, world_size=self.world_size, port=self.port, device=device)
-        if self.mode is Mode.ELASTIC:
+        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
             assert self.rendezvous is not None
             return dict(start_method=self.start_method, world_size=self.world_size, node_rank=self.node_rank,
                         num_nodes=self.num_nodes, rdzv_backend=self.rendezvous.backend, device=device)

@@ -33,6 +33,7 @@ from .processes import learn_rank_imports, signal_name
 
 if TYPE_CHECKING:
     from ..serialize import Payload
+    from .collective_watch import ExitHang
     from .plan import LaunchPlan
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
@@ -100,6 +101,11 @@ class Backend(Protocol):
         """Release what the backend holds (process objects, their pipes) once the launch is over."""
         ...
 
+    def verdict(self) -> Diagnosis | ExitHang | None:
+        """Why the ranks must be stopped though none failed, when the backend watches them itself (`nbaccel
+        launch`'s collective watch): a deadlock, or ranks stuck in their teardown after their work ended."""
+        ...
+
 
 @dataclass
 class WorkerHandle:
@@ -159,6 +165,7 @@ class Supervisor:
         self._all_returned_at: float | None = None  # when the last rank returned its result
         self.collectives = CollectiveTracker()
         self.deadlock: Diagnosis | None = None
+        self.exit_hang: ExitHang | None = None  # the backend's watch found ranks stuck after their work
         self._next_check = 0.0
         self._memory_interval = _memory_interval()
         self._next_sample = time.monotonic() + self._memory_interval
@@ -378,6 +385,13 @@ class Supervisor:
                 if self._deadlocked():
                     outcome, deadlock = LaunchState.FAILED, True
                     break
+                verdict = self.backend.verdict()
+                if isinstance(verdict, Diagnosis):  # the backend's own watch saw the deadlock
+                    self.deadlock, outcome, deadlock = verdict, LaunchState.FAILED, True
+                    break
+                if verdict is not None:  # its ranks ended their work but their processes do not end
+                    self.exit_hang, stuck = verdict, True
+                    break
                 if self.backend.finished():
                     break
                 if self._stuck_after_returning():
@@ -478,6 +492,8 @@ class Supervisor:
         stuck = [w.rank for w in self.workers if not w.exited]
         self._stopping = True
         self.backend.stop()
+        if self.exit_hang is not None:  # the backend's watch found them, and its front door names them
+            return
         print(f"nbaccel: rank(s) {', '.join(map(str, stuck))} returned a result but did not exit within "
               f"{EXIT_HANG_GRACE:.0f} s (stuck tearing down the process); stopped them. The results are "
               "complete.", file=self.stderr, flush=True)

@@ -103,6 +103,10 @@ class ThreadedBackend:
     def exit_failures(self) -> dict[int, WorkerFailure]:
         return {}
 
+    def verdict(self) -> object | None:
+        """Nothing but the supervisor watches these ranks (TorchrunBackend: its collective watch too)."""
+        return None
+
 
 def _children() -> list[int]:
     try:

@@ -1,0 +1,232 @@
+"""`nbaccel launch`'s backend: torchrun's agent runs the plan's script on every rank of this machine.
+
+torch.distributed.run (torchrun) parses the command line `torchrun_arguments(plan)` writes and its agent starts,
+restarts and reaps the ranks, as under `accelerate launch`; the agent runs in a helper thread (ThreadedBackend,
+as torch elastic's does for notebook_launcher) while the supervisor, in the calling thread, watches and stops:
+the same loop and the same stop (the ranks found as this process's new children, their descendants included)
+as every other launch. Each rank runs worker/script_entry.py, which reports its collectives and its end to the
+launch's CollectiveWatch (collective_watch.py); the watch's verdict (a deadlock, or ranks stuck in their
+process's teardown after their script ended) reaches the supervisor through `verdict()`.
+
+On one machine the agent meets itself on a loopback store (elastic.py `loopback_rendezvous`), which `start`
+opens; a rendezvous it closes before stopping the ranks keeps the agent from restarting them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ...utils.constants import COLLECTIVE_WATCH_ENV, SCRIPT_ENTRY
+from ..errors import WorkerFailure
+from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
+from .processes import signal_name
+from .threaded import ThreadedBackend, _children
+
+if TYPE_CHECKING:
+    from ..hang_report import Diagnosis
+    from ..serialize import Payload
+    from .collective_watch import CollectiveWatch, ExitHang
+    from .loopback_store import LoopbackStore
+    from .plan import LaunchPlan
+    from .supervisor import WorkerHandle
+
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
+
+
+def torchrun_arguments(plan: LaunchPlan, watched: bool = False) -> list[str]:
+    """The torch.distributed.run command line of a script plan (this machine's part of the run).
+
+    `watched`: each rank runs the script through nbaccel's entry, which reports its collectives to the
+    launch's collective watch (not with --no_python: there is no Python to enter)."""
+    script, rdzv = plan.script, plan.rendezvous
+    if script is None or rdzv is None:
+        raise ValueError(f"a plan of mode {plan.mode.value!r} runs no script through torchrun")
+    argv = [f"--nnodes={plan.num_nodes}", f"--nproc-per-node={plan.num_processes}",
+            f"--max-restarts={rdzv.max_restarts}", f"--monitor-interval={rdzv.monitor_interval}",
+            f"--rdzv-backend={rdzv.backend}"]
+    if plan.num_nodes > 1:  # as Accelerate: the rendezvous endpoint, or with same_network torchrun's master
+        argv.append(f"--node-rank={plan.node_rank}")
+        if script.same_network:
+            argv += [f"--master-addr={plan.master_addr}", f"--master-port={plan.port}"]
+        else:
+            argv += [f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"]
+    else:  # one machine, one agent: a rendezvous on the loopback store `start` opens, a new store per attempt
+        argv.append(f"--rdzv-endpoint={rdzv.endpoint}")
+    if script.role != "default":
+        argv.append(f"--role={script.role}")
+    if script.no_python:
+        argv.append("--no-python")
+    if watched and not script.no_python:  # torchrun runs nbaccel's entry as a module; the entry runs the script
+        argv.append("--module")
+        program = [SCRIPT_ENTRY, *(["--module"] if script.module else []), script.script]
+    else:
+        if script.module:
+            argv.append("--module")
+        program = [script.script]
+    if rdzv.conf:
+        argv.append("--rdzv-conf=" + ",".join(f"{key}={value}" for key, value in rdzv.conf.items()))
+    if script.log_dir:
+        argv.append(f"--log-dir={script.log_dir}")
+    if script.tee is not None:
+        argv.append(f"--tee={script.tee}")
+    return argv + [*program, *script.args]
+
+
+class _ChildThreadNote(logging.Filter):
+    """Drops torch elastic's warning that it cannot install signal handlers off the main thread: the
+    supervisor, in the main thread, stops the ranks on a signal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "child thread" not in record.getMessage()
+
+
+class TorchrunBackend(ThreadedBackend):
+    """torchrun's agent in a helper thread; the collective watch's verdicts for the supervisor."""
+
+    thread_name = "nbaccel-torchrun-agent"
+    fail_fast = False  # torch elastic decides: it restarts the ranks (--max_restarts) or ends the run
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch: CollectiveWatch | None = None
+        self._store: LoopbackStore | None = None
+        self.deadlock: Diagnosis | None = None  # the watch stopped the ranks: they deadlocked
+        self.exit_hang: ExitHang | None = None  # the watch stopped the ranks: stuck after their script
+        self._stopped = False
+        self._cleanup = contextlib.ExitStack()
+        self._rendezvous: list[Any] = []  # the loopback rendezvous handlers torch elastic built (one machine)
+
+    # ------------------------------------------------------------------ start
+    def start(self, plan: LaunchPlan, payload: Payload | None = None) -> list[WorkerHandle]:
+        """Open the rendezvous store and the watch, then run torchrun in the helper thread. The ranks' output
+        goes where this process's goes (as under torchrun): no pipes, no handles."""
+        from torch.distributed import run as torchrun
+
+        assert plan.script is not None and plan.rendezvous is not None
+        try:
+            if plan.num_nodes == 1:  # keep the rendezvous off the network (loopback_store.py)
+                plan = self._open_rendezvous(plan)
+            os.environ.update(plan.environ)  # torchrun's agent gives every rank this process's environment
+            self._quiet_agent(plan.script.quiet)
+            if plan.script.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: one removed after
+                own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
+                self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
+                plan = dataclasses.replace(plan, script=dataclasses.replace(plan.script, log_dir=own_logs))
+            self.watch = None if plan.script.no_python else self._start_watch()
+            args = torchrun.get_args_parser().parse_args(torchrun_arguments(plan, watched=self.watch is not None))
+            self._target = lambda: torchrun.run(args)
+            self._before = set(_children())
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
+        return []
+
+    def _open_rendezvous(self, plan: LaunchPlan) -> LaunchPlan:
+        """The one-machine rendezvous store, on the plan's port (a free one when none is given or, as in
+        Accelerate, when that one is taken); the plan's endpoint names the port it got."""
+        from .elastic import loopback_rendezvous
+
+        store = _open_loopback_store(plan.port)
+        self._rendezvous = self._cleanup.enter_context(loopback_rendezvous(store))
+        assert plan.rendezvous is not None
+        rendezvous = dataclasses.replace(plan.rendezvous, endpoint=f"127.0.0.1:{store.port}")
+        self._store = store  # the agent's rendezvous reaches it through loopback_rendezvous while it runs
+        return dataclasses.replace(plan, port=store.port, rendezvous=rendezvous)
+
+    def _quiet_agent(self, quiet: bool) -> None:
+        """-q: only the ranks' output and errors, not the agent's progress messages. Always: no note about the
+        agent's thread."""
+        note = _ChildThreadNote()
+        api = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        api.addFilter(note)
+        self._cleanup.callback(api.removeFilter, note)
+        if quiet:
+            for name in AGENT_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+
+    def _start_watch(self) -> CollectiveWatch | None:
+        """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
+        detection) where no Unix socket can be opened."""
+        from .collective_watch import CollectiveWatch
+
+        try:
+            watch = CollectiveWatch(on_deadlock=self._on_deadlock, on_exit_hang=self._on_exit_hang)
+        except OSError as exc:
+            warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
+                          stacklevel=4)
+            return None
+        os.environ[COLLECTIVE_WATCH_ENV] = watch.address
+        self._cleanup.callback(os.environ.pop, COLLECTIVE_WATCH_ENV, None)
+        return watch
+
+    # ------------------------------------------------------------------ the watch's verdicts (its thread)
+    def _on_deadlock(self, diagnosis: Diagnosis) -> None:
+        if self.exit_hang is None:
+            self.deadlock = diagnosis
+
+    def _on_exit_hang(self, hang: ExitHang) -> None:
+        if self.deadlock is None:
+            self.exit_hang = hang
+
+    def verdict(self) -> Diagnosis | ExitHang | None:
+        """Why the ranks must be stopped although none failed: a deadlock, or ranks stuck after their script."""
+        return self.deadlock or self.exit_hang
+
+    # ------------------------------------------------------------------ stop and the end
+    def before_stop(self) -> None:
+        """No restart of the ranks about to be stopped (their rendezvous closes), and no word from the agent
+        about ranks it did not stop: the supervisor reports."""
+        self._stopped = True
+        for name in AGENT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for handler in self._rendezvous:
+            with contextlib.suppress(Exception):
+                handler.shutdown()
+
+    def exit_failures(self) -> dict[int, WorkerFailure]:
+        """The ranks torch elastic saw fail (after its restarts), the first failure first; none when the
+        supervisor stopped the ranks (a verdict or an interrupt). Another error of torchrun is raised as is."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if self._stopped or self.error is None:
+            return {}
+        if not isinstance(self.error, ChildFailedError):
+            raise self.error
+        first, _ = self.error.get_first_failure()
+        failures: dict[int, WorkerFailure] = {}
+        for rank in sorted(self.error.failures, key=lambda r: r != first):
+            code = self.error.failures[rank].exitcode
+            sig = signal_name(code)
+            failures[rank] = WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}",
+                                           "", code, sig)
+        return failures
+
+    def after_failure(self, failed: dict[int, str]) -> Diagnosis | None:
+        """The deadlock behind failed ranks, if any (after `close`): `failed` maps each rank to its failure."""
+        return None if self.watch is None else self.watch.after_failure(failed)
+
+    def close(self) -> None:
+        """Close the watch (after reading what the ranks sent last), the rendezvous and the log folder."""
+        if self.watch is not None:
+            self.watch.close()
+        self._cleanup.close()
+        self._store = None
+
+
+def _open_loopback_store(port: int | None) -> LoopbackStore:
+    from .loopback_store import StorePortBusy, open_loopback_store
+
+    try:
+        return open_loopback_store(port or 0)
+    except StorePortBusy:
+        warnings.warn(f"Port `{port}` is already in use on this machine: nbaccel launch meets on a free port "
+                      "instead. Pass another --main_process_port (or 0 for a free one) to choose.", stacklevel=2)
+        return open_loopback_store(0)
+
