@@ -86,3 +86,32 @@ def test_a_signal_stops_every_rank_through_the_supervisor(tmp_path, sig):
     assert proc.returncode == 128 + sig, err
     assert f"nbaccel launch: stopped by {signal.Signals(sig).name}; workers stopped" in err
     assert "child thread" not in err  # torch elastic's note about its thread is not the user's business
+
+
+def test_a_stopped_rank_gets_torch_elastics_time_to_end_by_itself(tmp_path):
+    """As under torchrun, a rank's SIGTERM handler (a checkpoint on preemption) may take its time
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) before the rank is killed."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        def save(signum, frame):
+            time.sleep(2.5)  # longer than a notebook launch's grace between SIGTERM and SIGKILL
+            open(f"saved-{os.environ['RANK']}", "w").close()
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, save)
+        os.write(1, b"ready\\n")
+        time.sleep(120)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    for _ in range(2):
+        proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], err

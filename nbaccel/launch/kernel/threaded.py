@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from .pipes import Pipes
-from .processes import get_context, kill_pids
+from .processes import STOP_GRACE, get_context, kill_pids
 from .supervisor import WorkerHandle
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class ThreadedBackend:
     private_store = False
     result_folder = False
     thread_name = "nbaccel-launcher"
+    stop_grace = STOP_GRACE  # seconds a stopped worker gets between SIGTERM and SIGKILL
 
     def __init__(self) -> None:
         self._target: Callable[[], Any] = lambda: None
@@ -95,9 +96,9 @@ class ThreadedBackend:
 
     def stop(self) -> None:
         self.before_stop()
-        kill_pids(pid for pid in _children() if pid not in self._before)
+        kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
         self._thread.join(JOIN_TIMEOUT)
-        kill_pids(pid for pid in _children() if pid not in self._before)
+        kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
         self.finished()
 
     def exit_failures(self) -> dict[int, WorkerFailure]:

@@ -113,6 +113,8 @@ class TorchrunBackend(ThreadedBackend):
             if plan.num_nodes == 1:  # keep the rendezvous off the network (loopback_store.py)
                 plan = self._open_rendezvous(plan)
             os.environ.update(plan.environ)  # torchrun's agent gives every rank this process's environment
+            # a stopped rank gets torch elastic's time to end by itself (a SIGTERM handler saving a checkpoint)
+            self.stop_grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
             self._quiet_agent(plan.script.quiet)
             if plan.script.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: one removed after
                 own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
