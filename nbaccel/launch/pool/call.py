@@ -28,6 +28,9 @@ MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another ran
 PROGRESS_DELAY = 0.5  # seconds a cell runs before on_progress is called (quick cells: never)
 PROGRESS_INTERVAL = 0.3  # seconds between on_progress calls
 QUICK_WAIT = 0.005  # seconds to wait on the command pipes alone before the full watch (most calls are quick)
+# the wire strings a call's messages are compared with, looked up once (an Enum member's `.value` costs ~0.2 us)
+_SHOWN = frozenset({MessageKind.DISPLAY.value, MessageKind.CLEAR_OUTPUT.value})
+_REPLY = MessageKind.REPLY.value
 INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt before they are restarted
 
 
@@ -149,11 +152,12 @@ class Call:
         except (EOFError, OSError):
             self._dead(index)
             return
-        if message.get("kind") in (MessageKind.DISPLAY, MessageKind.CLEAR_OUTPUT):
+        kind = message.get("kind")
+        if kind in _SHOWN:
             if self.on_display is not None:
                 self.on_display(index, message)
             return
-        if message.get("kind") != MessageKind.REPLY or message.get("id") != self.call_id:
+        if kind != _REPLY or message.get("id") != self.call_id:
             return  # a late reply of an interrupted earlier call
         self.replies[index] = message
         self.outputs[index] = rank.take_output()
