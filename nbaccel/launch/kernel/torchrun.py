@@ -23,6 +23,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import COLLECTIVE_WATCH_ENV, SCRIPT_ENTRY
+from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
 from .processes import signal_name
@@ -101,6 +102,8 @@ class TorchrunBackend(ThreadedBackend):
         self._stopped = False
         self._cleanup = contextlib.ExitStack()
         self._rendezvous: list[Any] = []  # the loopback rendezvous handlers torch elastic built (one machine)
+        # readable once torchrun returned: the supervisor's wait wakes at once instead of at its next poll
+        self._done_read, self._done_write = os.pipe()
 
     # ------------------------------------------------------------------ start
     def start(self, plan: LaunchPlan, payload: Payload | None = None) -> list[WorkerHandle]:
@@ -168,6 +171,16 @@ class TorchrunBackend(ThreadedBackend):
         self._cleanup.callback(os.environ.pop, COLLECTIVE_WATCH_ENV, None)
         return watch
 
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            with contextlib.suppress(OSError):
+                os.write(self._done_write, b"x")
+
+    def wait_objects(self) -> list[Any]:
+        return [self._done_read] if self._thread.is_alive() and self._done_read >= 0 else []
+
     # ------------------------------------------------------------------ the watch's verdicts (its thread)
     def _on_deadlock(self, diagnosis: Diagnosis) -> None:
         if self.exit_hang is None:
@@ -219,6 +232,9 @@ class TorchrunBackend(ThreadedBackend):
         if self.watch is not None:
             self.watch.close()
         self._cleanup.close()
+        if self._done_read >= 0:
+            close_quietly(self._done_read, self._done_write)
+            self._done_read = self._done_write = -1
         self._store = None
 
 
