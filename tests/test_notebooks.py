@@ -151,7 +151,7 @@ def test_live_output(tmp_path):
     assert "[rank 0] <Figure" in launch.text and "[rank 1] <Figure" not in launch.text
     assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes  # the dashboard
     # its summary: each rank's steps and the training loader's epochs (once "88/4": the test loader's batches)
-    assert launch.html.count(">88 (epoch 4, batch 22/22)<") == 2 and "88/4" not in launch.html, launch.html
+    assert launch.html.count(">88 (epoch 3, batch 22/22)<") == 2 and "88/4" not in launch.html, launch.html
     ranks = run.cell("display(Markdown(")
     assert ranks.error is None and "text/markdown" in ranks.mimetypes, ranks.text
     assert re.search(r"\[rank 1\] rank 1: 100%.*10/10", ranks.text) and "\r" not in ranks.text, ranks.text

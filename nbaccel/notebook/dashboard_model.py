@@ -32,7 +32,7 @@ class RankState:
     device_limit: int | None = None
     step: int = 0
     total: int | None = None  # the run's optimizer steps, when the training code reported them
-    epoch: int | None = None  # where the data loader was at the latest step: epoch (from 0),
+    epoch: int | None = None  # where the data loader was at the latest step: epoch (from 0, as shown),
     batch: int | None = None  # batches of it done,
     batches: int | None = None  # and the epoch's batches
     steps_per_second: float | None = None
@@ -286,7 +286,7 @@ class DashboardModel:
         slowest = self._slowest_in_epoch()
         if slowest is None:
             return f"{round(progress * 100)}%"
-        return f"epoch {slowest.epoch + 1}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
+        return f"epoch {slowest.epoch}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
 
     def _active(self) -> list[RankState]:
         return [s for s in self.ranks if s.state != "failed"] or list(self.ranks)
@@ -378,7 +378,7 @@ def format_step(state: RankState, total: int | None) -> str:
         return f"{state.step}/{total}"
     if state.epoch is not None:
         of = f"/{state.batches}" if state.batches else ""
-        return f"{state.step} (epoch {state.epoch + 1}, batch {state.batch}{of})"
+        return f"{state.step} (epoch {state.epoch}, batch {state.batch}{of})"
     return str(state.step)
 
 
