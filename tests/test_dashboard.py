@@ -14,7 +14,14 @@ from nbaccel.notebook import Dashboard
 from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
 from nbaccel.notebook.dashboard import Throttle, resolve_mode
 from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes, format_step
-from nbaccel.notebook.render import metrics_png, png_bundle, summary_html, summary_text, y_range
+from nbaccel.notebook.render import (
+    metrics_png,
+    png_bundle,
+    rank_table_html,
+    summary_html,
+    summary_text,
+    y_range,
+)
 
 
 def replay(messages: list[dict], num_processes: int = 2) -> DashboardModel:
@@ -248,6 +255,8 @@ def test_widget_view_builds_table_progress_and_chart():
     assert bundle["text/plain"] == "dashboard"  # not ipywidgets' "VBox(children=...)"
     # the live chart's axes fit the data: steps 1..10, a loss >= 0 gets no negative axis
     assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 10.0) and panel.y_scale.min >= 0
+    assert list(panel.x_axis.tick_values) == [2.0, 4.0, 6.0, 8.0, 10.0]  # round steps, none outside the data
+    assert list(panel.y_axis.tick_values) == [0.6, 0.8, 1.0, 1.2, 1.4]  # the mean loss goes 1.5 -> 0.6
     view.close()
     assert view.root.comm is None and panel.line.comm is None
 
@@ -394,3 +403,19 @@ def test_memory_sample_reads_cuda_and_xla_counters_without_initializing(monkeypa
     model = DashboardModel(1)
     model.update({"kind": "memory", "rank": 0, "time": T0, **sample})
     assert device_memory_text(model.ranks[0]) == "3 B / 8 B (peak 5 B)"
+
+
+def test_the_start_up_phase_is_shown_until_a_rank_prints_steps_or_logs():
+    from nbaccel.notebook.dashboard_model import status_text
+
+    model = DashboardModel(1)
+    model.update(dict(kind="status", rank=0, time=T0, state="starting", device="cpu"))
+    assert status_text(model.ranks[0]) == "starting: process, imports"
+    model.update(dict(kind="status", rank=0, time=T0 + 1, state="running", device="cpu"))
+    assert status_text(model.ranks[0]) == "running: setting up (imports, joining the group)"
+    assert "setting up" in rank_table_html(model)
+    model.update(dict(kind="step", rank=0, time=T0 + 2, step=1))
+    assert status_text(model.ranks[0]) == "running"
+    model.update(dict(kind="status", rank=0, time=T0 + 3, state="starting", device="cpu", restart=1))
+    model.update(dict(kind="status", rank=0, time=T0 + 4, state="running", device="cpu"))
+    assert "setting up" in status_text(model.ranks[0])  # a restarted rank sets up again

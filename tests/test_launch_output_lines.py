@@ -57,7 +57,7 @@ def test_each_line_of_two_ranks_printing_at_once_arrives_whole_through_a_pipe(tm
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "-q",
                           str(script), str(LINES)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=200)
+                         capture_output=True, env=env, cwd=tmp_path, timeout=200)
     out, err = run.stdout.decode(), run.stderr.decode()
     assert run.returncode == 0, err[-3000:]
     seen: dict[tuple[int, str], list[int]] = {(rank, name): [] for rank in (0, 1) for name in ("out", "err")}

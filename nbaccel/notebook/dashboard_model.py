@@ -37,6 +37,7 @@ class RankState:
     batches: int | None = None  # and the epoch's batches
     steps_per_second: float | None = None
     last_output: str = ""
+    busy: bool = False  # the rank printed, stepped or logged: past its set-up (imports, joining the group)
     metrics: dict[str, float] = field(default_factory=dict)
     first_seen: float | None = None
     last_seen: float | None = None
@@ -159,6 +160,7 @@ class DashboardModel:
             state.state = new
         if new == "starting":  # a restarted rank: the error shown was its earlier attempt's
             state.error = ""
+            state.busy = False
         if message.get("device"):
             state.device = str(message["device"])
         if new == "failed":
@@ -249,6 +251,7 @@ class DashboardModel:
 
     @staticmethod
     def _mark_running(state: RankState) -> None:
+        state.busy = True
         if state.state == "starting":
             state.state = "running"
 
@@ -416,8 +419,19 @@ def host_memory_text(state: RankState) -> str:
     return format_bytes(state.rss) + peak
 
 
+STARTING_TEXT = "starting: process, imports"  # before the launched function runs
+SETTING_UP_TEXT = "running: setting up (imports, joining the group)"  # in it, before its first output or step
+
+
 def status_text(state: RankState) -> str:
-    return f"failed: {state.error}" if state.state == "failed" and state.error else state.state
+    """The status column: the state, a failed rank's error, and which part of its start-up a rank is in."""
+    if state.state == "failed" and state.error:
+        return f"failed: {state.error}"
+    if state.state == "starting":
+        return STARTING_TEXT
+    if state.state == "running" and not state.busy:
+        return SETTING_UP_TEXT
+    return state.state
 
 
 def _first_line(error: Any) -> str | None:

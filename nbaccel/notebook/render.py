@@ -161,6 +161,15 @@ def y_range(values: list[float]) -> tuple[float, float]:
     return bottom, top
 
 
+def nice_ticks(low: float, high: float, *, integer: bool = False, count: int = 5) -> list[float]:
+    """About `count` round tick values inside [low, high] (matplotlib's tick locator)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ticks = MaxNLocator(nbins=count, integer=integer).tick_values(low, high)
+    span = (high - low) or 1.0
+    return [round(float(t), 12) for t in ticks if low - 1e-9 * span <= t <= high + 1e-9 * span]
+
+
 def png_bundle(png: bytes, text: str) -> dict[str, str]:
     """Display data of a PNG image (base64, as Jupyter stores it) with its text form."""
     return {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text}

@@ -34,6 +34,8 @@ class _MetricPanel:
         # Scales fitted to the data in `update` (no padding: bqplot's would put ticks at -1 and below 0).
         x_scale, y_scale = bqplot.LinearScale(allow_padding=False), bqplot.LinearScale(allow_padding=False)
         self.x_scale, self.y_scale = x_scale, y_scale
+        self.x_axis = bqplot.Axis(scale=x_scale, label="step", tick_format="d")
+        self.y_axis = bqplot.Axis(scale=y_scale, side="left", tick_format=".3g")
         self.line = bqplot.Lines(
             x=[], y=[], scales={"x": x_scale, "y": y_scale}, colors=[CHART_COLOR], stroke_width=2,
             labels=[f"{name} (mean)"],
@@ -44,10 +46,7 @@ class _MetricPanel:
         )
         self.figure = bqplot.Figure(
             marks=[self.line, self.points],
-            axes=[
-                bqplot.Axis(scale=x_scale, label="step", tick_format="d", num_ticks=5),
-                bqplot.Axis(scale=y_scale, side="left", tick_format=".3g", num_ticks=5),
-            ],
+            axes=[self.x_axis, self.y_axis],
             title=name,
             fig_margin={"top": 44, "bottom": 36, "left": 56, "right": 20},
             layout=widgets.Layout(width="380px", height="240px"),
@@ -64,9 +63,13 @@ class _MetricPanel:
         xs, ys = series.mean_series(max_points=MAX_CHART_POINTS)
         if xs:
             low, high = render.y_range(ys)
+            first, last = float(xs[0]), float(max(xs[-1], xs[0] + 1))
             with self.x_scale.hold_sync(), self.y_scale.hold_sync():
-                self.x_scale.min, self.x_scale.max = float(xs[0]), float(max(xs[-1], xs[0] + 1))
+                self.x_scale.min, self.x_scale.max = first, last
                 self.y_scale.min, self.y_scale.max = float(low), float(high)
+            # round ticks (1, 20, 40 ... and 0, 0.25, 0.5 ...), not bqplot's even splits of the range
+            self.x_axis.tick_values = render.nice_ticks(first, last, integer=True)
+            self.y_axis.tick_values = render.nice_ticks(low, high)
         with self.line.hold_sync(), self.points.hold_sync():
             self.line.x, self.line.y = xs, ys
             # Hover markers only while the series is short enough for a marker per point to stay readable.
