@@ -35,7 +35,7 @@ class _MetricPanel:
         x_scale, y_scale = bqplot.LinearScale(allow_padding=False), bqplot.LinearScale(allow_padding=False)
         self.x_scale, self.y_scale = x_scale, y_scale
         self.x_axis = bqplot.Axis(scale=x_scale, label="step", tick_format="d")
-        self.y_axis = bqplot.Axis(scale=y_scale, side="left", tick_format=".3g")
+        self.y_axis = bqplot.Axis(scale=y_scale, side="left", tick_format=".3~g")
         self.line = bqplot.Lines(
             x=[], y=[], scales={"x": x_scale, "y": y_scale}, colors=[CHART_COLOR], stroke_width=2,
             labels=[f"{name} (mean)"],
