@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import (
     COLLECTIVE_WATCH_ENV,
+    LINE_LOCK_ENV,
     LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RDZV_BACKENDS,
@@ -497,6 +498,7 @@ def run_settings(s: LaunchSettings) -> int:
         own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
         s = replace(s, log_dir=own_logs)
     watch = None if s.no_python else _start_collective_watch(agent)
+    line_lock = None if s.no_python else _line_lock()  # the ranks' line relays share it (worker/line_relay.py)
     args = torchrun.get_args_parser().parse_args(torchrun_arguments(s, watched=watch is not None))
     try:
         with rendezvous, agent.running():
@@ -529,7 +531,25 @@ def run_settings(s: LaunchSettings) -> int:
             os.environ.pop(COLLECTIVE_WATCH_ENV, None)
         if own_logs is not None:
             shutil.rmtree(own_logs, ignore_errors=True)
+        if line_lock is not None:
+            os.environ.pop(LINE_LOCK_ENV, None)
+            with contextlib.suppress(OSError):
+                os.unlink(line_lock)
     return 0
+
+
+def _line_lock() -> str | None:
+    """A file for the ranks' line relays to lock while writing, named to them in LINE_LOCK_ENV; None (each
+    relay then writes unlocked, still line by line) where no file can be made."""
+    import tempfile
+
+    try:
+        fd, path = tempfile.mkstemp(prefix="nbaccel-lines-")
+    except OSError:
+        return None
+    os.close(fd)
+    os.environ[LINE_LOCK_ENV] = path
+    return path
 
 
 def _exit_reason(exitcode: int) -> str:
