@@ -41,7 +41,8 @@ class StatefulPosition:
         """Continue from `state` (a `StatefulDataLoader` state) at the next pass; until then it is the state
         this loader reports (torchdata would replay the data up to it to report it, and fails when the state
         is at the end of an iterable dataset)."""
-        self._position = dict(state) if state else None
+        if state:
+            self._position = dict(state)
         self._base.load_state_dict(self, state)  # type: ignore[attr-defined]
 
 
