@@ -29,10 +29,11 @@ TRAIN = [[i / 12, (i % 3) / 3] for i in range(12)]  # 6 batches of 2 per epoch
 EVALUATION = [[i / 5, 1.0] for i in range(5)]  # 2 batches of 3
 
 
-def checkpointing_run(lib, root, every, resume_from):
-    """The example's loop: train, evaluate after each epoch, `save_state` every `every` steps (0: never); or
-    `load_state(resume_from)` first and go on from the step it names."""
-    config = lib.utils.DataLoaderConfiguration(use_stateful_dataloader=True)
+def checkpointing_run(lib, root, every, resume_from, stateful=True):
+    """The example's loop: train, evaluate after each epoch, `save_state` every `every` steps (0: never; "epoch":
+    after each epoch's evaluation); or `load_state(resume_from)` first and go on from the step or epoch it names
+    (without the stateful loader, the example's `skip_first_batches(train, resume_step)`)."""
+    config = lib.utils.DataLoaderConfiguration(use_stateful_dataloader=stateful)
     accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
     lib.utils.set_seed(42)
     train = DataLoader(TRAIN, shuffle=True, batch_size=2, collate_fn=torch.tensor)
@@ -40,26 +41,36 @@ def checkpointing_run(lib, root, every, resume_from):
     model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
-    overall, start = 0, 0
+    overall, start, resume_step = 0, 0, None
     if resume_from is not None:
         accelerator.load_state(os.path.join(root, resume_from))
-        overall = int(resume_from.replace("step_", ""))
-        start = overall // len(train)
+        if resume_from.startswith("epoch_"):
+            start = int(resume_from.replace("epoch_", "")) + 1
+            overall = start * len(train)
+        else:
+            overall = int(resume_from.replace("step_", ""))
+            start = overall // len(train)
+            resume_step = overall - start * len(train)
     steps, evaluations = [], []
     for epoch in range(start, EPOCHS):
         model.train()
-        for batch in train:
+        active = train
+        if resume_step is not None and epoch == start and not stateful:
+            active = accelerator.skip_first_batches(train, resume_step)
+        for batch in active:
             loss = model(batch).pow(2).mean()
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             overall += 1
             steps.append((epoch, batch[:, 0].tolist(), loss.item()))
-            if every and overall % every == 0:
+            if isinstance(every, int) and every and overall % every == 0:
                 accelerator.save_state(os.path.join(root, f"step_{overall}"))
         model.eval()
         with torch.no_grad():
             evaluations.append((epoch, [model(batch).squeeze(1).tolist() for batch in evaluation]))
+        if every == "epoch":
+            accelerator.save_state(os.path.join(root, f"epoch_{epoch}"))
     weights = {name: value.detach().clone() for name, value in accelerator.unwrap_model(model).state_dict().items()}
     return {"steps": steps, "evaluations": evaluations, "weights": weights, "rng": torch.rand(2)}
 
@@ -68,8 +79,14 @@ def _libs_root(root, lib):
     return os.path.join(root, lib.__name__)
 
 
-def checkpointing_scenario(lib, root, every, resume_from):
-    return checkpointing_run(lib, _libs_root(root, lib), every, resume_from)
+def checkpointing_scenario(lib, root, every, resume_from, stateful=True):
+    return checkpointing_run(lib, _libs_root(root, lib), every, resume_from, stateful)
+
+
+def crossed_scenario(lib, root, every, resume_from):
+    """Resume (plain loaders) from the checkpoint the *other* library wrote."""
+    other = "nbaccel" if lib.__name__ == "accelerate" else "accelerate"
+    return checkpointing_run(lib, os.path.join(root, other), every, resume_from, False)
 
 
 def _same(results, what):
@@ -109,3 +126,26 @@ def test_a_resumed_stateful_run_is_accelerates(tmp_path, resume_from):
     resumed = run_both(checkpointing_scenario, 1, args=(str(tmp_path), 3, resume_from))
     _same(resumed, f"resumed from {resume_from}")
     assert all(len(batches) == 2 for _, batches in resumed["nbaccel"][0]["evaluations"])
+
+
+@pytest.mark.parametrize("resume_from", ["step_4", "epoch_0"])
+def test_a_resumed_plain_loader_run_ends_at_the_uninterrupted_weights_unlike_accelerate(tmp_path, resume_from):
+    """Without the stateful loader (the example's `skip_first_batches` idiom; docs/compat.md, docs/checkpoints.md):
+    the uninterrupted runs are the same on both libraries; nbaccel's resumed run sees the uninterrupted run's
+    batches and draws and ends at its weights, Accelerate's does not (its checkpoint holds no loader position,
+    and the shuffle generator restarts). nbaccel resuming Accelerate's checkpoint gives Accelerate's resumed run
+    (there is no position to restore), and so does Accelerate resuming nbaccel's (it reads no position)."""
+    every = "epoch" if resume_from.startswith("epoch") else 4
+    full = run_both(checkpointing_scenario, 2, args=(str(tmp_path), every, None, False))
+    _same(full, "uninterrupted, plain loaders")
+    resumed = run_both(checkpointing_scenario, 2, args=(str(tmp_path), every, resume_from, False))
+    theirs, ours = resumed["accelerate"][0], resumed["nbaccel"][0]
+    uninterrupted = full["nbaccel"][0]
+    skipped = len(uninterrupted["steps"]) - len(ours["steps"])
+    assert ours["steps"] == uninterrupted["steps"][skipped:]
+    assert_same(uninterrupted["weights"], ours["weights"], "nbaccel resumed vs uninterrupted")
+    assert theirs["steps"] != uninterrupted["steps"][skipped:]
+    assert any(not torch.equal(theirs["weights"][k], v) for k, v in uninterrupted["weights"].items())
+    crossed = run_both(crossed_scenario, 2, args=(str(tmp_path), every, resume_from))
+    assert_same(theirs, crossed["nbaccel"][0], "nbaccel resuming Accelerate's checkpoint")
+    assert_same(theirs, crossed["accelerate"][0], "Accelerate resuming nbaccel's checkpoint")
