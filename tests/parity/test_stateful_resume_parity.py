@@ -149,3 +149,16 @@ def test_a_resumed_plain_loader_run_ends_at_the_uninterrupted_weights_unlike_acc
     crossed = run_both(crossed_scenario, 2, args=(str(tmp_path), every, resume_from))
     assert_same(theirs, crossed["nbaccel"][0], "nbaccel resuming Accelerate's checkpoint")
     assert_same(theirs, crossed["accelerate"][0], "Accelerate resuming nbaccel's checkpoint")
+
+
+def test_a_built_stateful_loader_still_pickles():
+    """The iterator a stateful loader makes when built (as Accelerate's) cannot be pickled; nbaccel's loader
+    leaves it out of its pickle, so a prepared loader can still be sent to other processes (Accelerate's
+    raises NotImplementedError here)."""
+    import pickle
+
+    from nbaccel.data_loader import DataLoaderShard
+
+    loader = DataLoaderShard(list(range(10)), batch_size=2, use_stateful_dataloader=True)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert [b.tolist() for b in copy] == [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
