@@ -24,6 +24,7 @@ import datetime
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -110,12 +111,16 @@ def run_case(case: Case, library: str, checkout: Path, folders: dict[tuple[str, 
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE / "stubs"), str(SIDE), str(ROOT)])
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     command = [*_launcher(library), str(HERE / "rank_entry.py"), str(script), "--cpu", *case.args]
+    # its own session, so that a launch past the timeout is stopped with every rank it started
+    process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        return Outcome(RESULT_LINE.findall(output), 124, f"timed out after {timeout:g} s")
-    return Outcome(RESULT_LINE.findall(done.stdout), done.returncode, done.stderr[-3000:])
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return Outcome(RESULT_LINE.findall(stdout), 124, stderr[-2500:] + f"\ntimed out after {timeout:g} s")
+    return Outcome(RESULT_LINE.findall(stdout), process.returncode, stderr[-3000:])
 
 
 def _summary(outcome: Outcome) -> str:
@@ -133,7 +138,7 @@ def main() -> int:
     parser.add_argument("checkout", type=Path, help="a checkout of Accelerate's repository (has examples/)")
     parser.add_argument("--cases", nargs="*", default=None, help="case names (default: all); see CASES")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file too")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--timeout", type=float, default=480.0, help="seconds per launch")
     args = parser.parse_args()
     if not (args.checkout / "examples" / "nlp_example.py").is_file():
         parser.error(f"{args.checkout} has no examples/nlp_example.py: give a checkout of Accelerate's repository")

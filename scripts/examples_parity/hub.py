@@ -15,7 +15,7 @@ from pathlib import Path
 WORDS = ("the cat dog sat ran on mat log a big small red blue house tree car road fast slow old new green "
          "sun moon sky day night river hill town city man woman child bird fish went saw made took").split()
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-SIZES = {"train": int(os.environ.get("EXAMPLES_PARITY_TRAIN", "160")),
+SIZES = {"train": int(os.environ.get("EXAMPLES_PARITY_TRAIN", "192")),
          "validation": int(os.environ.get("EXAMPLES_PARITY_VALIDATION", "48"))}
 
 

@@ -128,6 +128,19 @@ def test_a_resumed_stateful_run_is_accelerates(tmp_path, resume_from):
     assert all(len(batches) == 2 for _, batches in resumed["nbaccel"][0]["evaluations"])
 
 
+def test_resumed_before_the_epochs_evaluation_the_run_differs_on_both(tmp_path):
+    """On 2 processes an epoch is 3 steps: `step_3` is saved at epoch 0's last step, before its evaluation, and
+    `epoch_0` right after that evaluation, at the same point of training. The uninterrupted run evaluates after
+    `step_3` and its evaluation loader draws its seed from torch's RNG; the resumed run starts at epoch 1
+    without that draw. So resumed from `epoch_0` nbaccel ends at the uninterrupted weights, from `step_3` it
+    does not, and neither does Accelerate (docs/compat.md)."""
+    full = run_both(checkpointing_scenario, 2, args=(str(tmp_path), 3, None, False))
+    _same(full, "uninterrupted, plain loaders")
+    uninterrupted = full["nbaccel"][0]["weights"]
+    for lib, (result, *_) in run_both(checkpointing_scenario, 2, args=(str(tmp_path), 3, "step_3", False)).items():
+        assert any(not torch.equal(result["weights"][k], v) for k, v in uninterrupted.items()), lib
+
+
 @pytest.mark.parametrize("resume_from", ["step_4", "epoch_0"])
 def test_a_resumed_plain_loader_run_ends_at_the_uninterrupted_weights_unlike_accelerate(tmp_path, resume_from):
     """Without the stateful loader (the example's `skip_first_batches` idiom; docs/compat.md, docs/checkpoints.md):
