@@ -20,6 +20,7 @@ Exit status 1 when a case differs or fails. It takes minutes (two launches per c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -87,6 +88,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stop(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (torchrun may put its ranks in groups of their own)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
 def _launcher(library: str) -> list[str]:
     """Two CPU processes. On a machine without GPUs `accelerate launch --cpu --num_processes 2` starts a single
     process (its multi-process launcher is torchrun for GPUs, mpirun for CPUs), so Accelerate's ranks are
@@ -117,20 +133,28 @@ def run_case(case: Case, library: str, checkout: Path, folders: dict[tuple[str, 
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _stop(process.pid)
         stdout, stderr = process.communicate()
         return Outcome(RESULT_LINE.findall(stdout), 124, stderr[-2500:] + f"\ntimed out after {timeout:g} s")
     return Outcome(RESULT_LINE.findall(stdout), process.returncode, stderr[-3000:])
 
 
+def _complete(outcome: Outcome) -> bool:
+    """The run printed its final weights: training finished (whatever happened while its processes exited)."""
+    return any(line.startswith("EXAMPLES_PARITY_WEIGHTS") for line in outcome.lines)
+
+
 def _summary(outcome: Outcome) -> str:
-    if outcome.status:
+    if outcome.status and not _complete(outcome):
         last = [line for line in outcome.tail.splitlines() if line.strip()][-1:] or ["?"]
         return f"fails (exit {outcome.status}): `{last[0][:120]}`"
+    exit_note = "" if not outcome.status else (
+        " (then a rank did not exit: stopped at the timeout)" if outcome.status == 124 else
+        f" (then exit {outcome.status})")
     weights = [line.split()[1:] for line in outcome.lines if line.startswith("EXAMPLES_PARITY_WEIGHTS")]
     metrics = [line for line in outcome.lines if not line.startswith("EXAMPLES_PARITY_WEIGHTS")]
     final = metrics[-1] if metrics else "no metric line"
-    return f"{final}; weights {weights[-1][0]}, change {weights[-1][1]}" if weights else final
+    return (f"{final}; weights {weights[-1][0]}, change {weights[-1][1]}" if weights else final) + exit_note
 
 
 def main() -> int:
@@ -150,12 +174,12 @@ def main() -> int:
     rows, failed = [], 0
     for case in wanted:
         outcomes = {lib: run_case(case, lib, args.checkout, folders, work, args.timeout) for lib in LIBRARIES}
-        same = all(o.status == 0 for o in outcomes.values()) and outcomes["accelerate"].lines == outcomes["nbaccel"].lines
+        same = all(map(_complete, outcomes.values())) and outcomes["accelerate"].lines == outcomes["nbaccel"].lines
         failed += not same
         rows.append(f"| `{case.example} {' '.join(case.args)}` | {_summary(outcomes['accelerate'])} | "
                     f"{_summary(outcomes['nbaccel'])} | {'same' if same else '**differs**'} |")
         print(rows[-1], flush=True)
-        if not same:
+        if not same or any(o.status for o in outcomes.values()):
             for lib, outcome in outcomes.items():
                 print(f"--- {lib} (exit {outcome.status}):\n" + "\n".join(outcome.lines) + "\n" + outcome.tail[-1500:])
     import accelerate
