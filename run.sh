@@ -20,10 +20,11 @@ ensure_venv() {
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$VENV/bin/python" -m pip install -q --upgrade pip
         "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
-        # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for one test
+        # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for the LOMO
+        # test, the Trainer/PEFT kernel test and scripts/run_accelerate_examples.py
         rm -rf "$VENV/side/lomo"
         "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/side/lomo" -c constraints.txt \
-            lomo-optim transformers tokenizers regex
+            lomo-optim transformers tokenizers regex peft
         echo "$want" > "$stamp"
     fi
 }

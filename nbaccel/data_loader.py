@@ -319,6 +319,7 @@ class _PreparedLoaderMixin:
         self._resume_pending = False  # load_state_dict set a position no pass has used yet
         self._resume_fork_rng = False  # the next pass continues an interrupted epoch: replay its start's draws
         self._epoch_rng_state: torch.Tensor | None = None  # torch's global RNG when this epoch's pass began
+        self._note_position()  # a stateful loader takes torchdata's first state now, as Accelerate's does
 
     end_of_dataloader = False
     remainder = -1
@@ -442,7 +443,8 @@ class _PreparedLoaderMixin:
         batch_sampler = self.__dict__.get("batch_sampler")
         if not skip:
             return self._base.__iter__(self)
-        if batch_sampler is None or not _has_length(batch_sampler):
+        if batch_sampler is None or not _has_length(batch_sampler) or self.__dict__.get("_initial_iter_for_state_dict"):
+            # (a stateful loader's first pass uses the iterator it made when built: skipped by reading)
             return itertools.islice(self._base.__iter__(self), skip, None)
         # The DataLoader reads its batch sampler when the iterator is made: skip by index for this pass only.
         self.__dict__["batch_sampler"] = SkipBatchSampler(batch_sampler, skip)
@@ -547,6 +549,7 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
                 upcoming = next(batches, _END)
                 if upcoming is _END:
                     self.end_of_dataloader = True
+                    self._note_position()  # the pass is finished: restored, the next pass is a whole one
                 self._batches_yielded += 1
                 yield current
                 if run_step is not None:
@@ -676,6 +679,7 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
                     if not self._drop_last and observed % n:
                         current, per = _concatenate([current, start]), per + 1
                     self.end_of_dataloader = True
+                    self._note_position()
                     self.remainder = observed
                 share = self.slice_fn(current, slice(me * per, (me + 1) * per), process_index=me, num_processes=n)
                 if self._move:
@@ -946,6 +950,10 @@ def _copy_loader(loader: DataLoader) -> DataLoader:
     new.__dict__["_DataLoader__initialized"] = True
     new._iterator = None
     new._batches_yielded = 0
+    if getattr(new, "use_stateful_dataloader", False):  # a new loader in Accelerate: its own first state
+        new._initial_iter_for_state_dict = False
+        new._position = None
+        new._note_position()
     return new
 
 

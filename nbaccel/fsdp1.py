@@ -4,13 +4,15 @@
 precision, backward/forward prefetch, use_orig_params, sync_module_states, ignored modules) and, when asked,
 activation checkpointing on the auto-wrapped layers. It runs on GPUs and on CPU processes with gloo
 (`device_id=torch.device("cpu")`). Optimizers passed in the same `prepare` call are pointed at the wrapped
-model's parameters; with `use_orig_params=False` FSDP1 flattens them, so only a one-group optimizer can follow.
+model's parameters; with `use_orig_params=False` FSDP1 flattens them, so a one-group optimizer follows the flat
+parameters and several groups are conflated into one (with a warning).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,16 +157,31 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, originals: dict[int, st
             group["params"] = [by_name[originals[id(p)]] if id(p) in originals else p for p in group["params"]]
         return
     replaced = set(originals) - current
-    if len(optimizer.param_groups) != 1 or {id(p) for p in stale} != replaced:
+    if {id(p) for p in stale} != replaced:
         raise ValueError(
             "FSDP1 with use_orig_params=False flattens the model's parameters, so an optimizer created before "
             f"prepare with {len(optimizer.param_groups)} parameter group(s) over part of the model cannot follow "
             "them. Create the optimizer after `model = accelerator.prepare(model)` from model.parameters(), or set "
             "FullyShardedDataParallelPlugin(use_orig_params=True)."
         )
-    group = optimizer.param_groups[0]
-    kept = [p for p in group["params"] if id(p) not in replaced]  # e.g. parameters of ignored modules
-    group["params"] = kept + [p for p in wrapped.parameters() if id(p) not in originals]
+    flat = [p for p in wrapped.parameters() if id(p) not in originals]
+    kept = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in replaced]  # ignored modules
+    if len(optimizer.param_groups) == 1:
+        optimizer.param_groups[0]["params"] = kept + flat
+        return
+    _conflate_groups(optimizer, kept + flat)
+
+
+def _conflate_groups(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """Several groups over a model FSDP1 flattened: one group over the flat parameters, with the optimizer's
+    defaults (a flat parameter mixes the groups' parameters), as Accelerate did before 0.25; with a warning."""
+    warnings.warn(
+        f"FSDP1 with use_orig_params=False: the optimizer's {len(optimizer.param_groups)} parameter groups are "
+        "conflated into one group over the flattened parameters, with the optimizer's defaults (a flat "
+        "parameter mixes parameters of every group). Set FullyShardedDataParallelPlugin(use_orig_params=True) "
+        "(`accelerate launch`'s default) to keep the groups.", UserWarning, stacklevel=4)
+    optimizer.param_groups = []
+    optimizer.add_param_group({"params": params})
 
 
 def prepare_fsdp1_args(args: Sequence[Any], plugin: Any, device: torch.device | str) -> list[Any]:

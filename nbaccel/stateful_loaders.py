@@ -33,6 +33,14 @@ class StatefulPosition:
     def _note_position(self) -> None:
         self._position = self._base.state_dict(self)  # type: ignore[attr-defined]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (to send a prepared loader to other processes): without the iterator it made for its first
+        pass, which cannot be pickled; the copy makes its own when iterated."""
+        state = self.__dict__.copy()
+        state["_iterator"] = None
+        state["_initial_iter_for_state_dict"] = False
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """torchdata's state of this loader after the batch in use (before any batch was used: its own)."""
         return self._position if self._position is not None else self._base.state_dict(self)  # type: ignore[attr-defined]
@@ -41,7 +49,8 @@ class StatefulPosition:
         """Continue from `state` (a `StatefulDataLoader` state) at the next pass; until then it is the state
         this loader reports (torchdata would replay the data up to it to report it, and fails when the state
         is at the end of an iterable dataset)."""
-        self._position = dict(state) if state else None
+        if state:
+            self._position = dict(state)
         self._base.load_state_dict(self, state)  # type: ignore[attr-defined]
 
 

@@ -36,6 +36,11 @@ KNOWN_DIFFERENCES = {
                                                   "message keeps Accelerate's first phrase, in its own words after",
     "test_modeling_utils.py::ModelingUtilsTester::test_set_module_tensor_checks_shape": "compares a whole error "
                                                                                         "message word for word",
+    "test_cli.py::AccelerateLauncherTester::test_mpi_multicpu_config_cmd": "nbaccel launch starts its processes "
+        "itself and refuses an mpirun_config section with the reason: there is no mpirun command to compare",
+    "test_accelerator.py::AcceleratorTester::test_free_memory_dereferences_prepared_components": "bounds the "
+        "machine's free memory, which other processes move by more than its tolerance (either library); "
+        "tests/parity/test_free_memory_parity.py checks that every prepared object is released",
 }
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 

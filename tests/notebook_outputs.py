@@ -77,7 +77,10 @@ def check_quickstart(run: Executed) -> float:
     epochs = re.findall(r"\[rank 0\] epoch (\d+): accuracy ([0-9.]+) on 397 test images", launch.text)
     assert [int(epoch) for epoch, _ in epochs] == list(range(8)), launch.text
     assert "[rank 1] epoch" not in launch.text
-    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes, "the live dashboard was not shown"
+    # the live dashboard became its summary: a table and a PNG chart of the loss, no widget left in the file
+    assert "application/vnd.jupyter.widget-view+json" not in launch.mimetypes, "a dead widget box when reopened"
+    assert "class='nbaccel-summary' data-state='finished'" in launch.html and "<svg" not in launch.html
+    assert "image/png" in launch.mimetypes and "chart of loss" in launch.text
     plot = run.cell("plt.subplots")
     assert "image/png" in plot.mimetypes
     found = re.search(r"final accuracy: ([0-9.]+)", plot.text)

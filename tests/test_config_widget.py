@@ -118,3 +118,31 @@ def test_explicit_path_not_there_yet_starts_from_defaults(tmp_path):
     assert form.status.value == "" and form.target == target
     form.fields["num_processes"].value = "2"
     assert form.save() == target and yaml.safe_load(target.read_text())["num_processes"] == 2
+
+
+def test_placeholders_help_and_a_warning_for_what_this_machine_cannot_run(config_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    form = config_widget()
+    assert form.fields["main_process_ip"].placeholder == "e.g. 10.0.0.1"  # short enough to show whole
+    assert all(form.fields[name].tooltip for name in form.fields)
+    assert "machine with rank 0" in form.root.children[8].children[1].value  # the help beside the field
+    form.fields["mixed_precision"].value = "bf16"
+    assert form.save() == config_path  # saved (the file may be meant for another machine), with warnings
+    assert "warning: this machine has no CUDA GPU" in form.status.value
+    assert "mixed_precision=bf16 on the CPU" in form.status.value
+    form.fields["use_cpu"].value = True
+    form.fields["mixed_precision"].value = "no"
+    form.save()
+    assert "warning" not in form.status.value
+
+
+def test_readable_fallback_for_a_notebook_shown_without_the_kernel(config_path):
+    config_file.LaunchConfig(num_processes=2, use_cpu=True).save(config_path)
+    bundle = config_widget()._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "VBox(" not in bundle["text/plain"] and "num_processes: 2" in bundle["text/plain"]
+    page = bundle["text/html"]
+    assert "<td style='padding:2px 8px;border-bottom:1px solid #ddd;text-align:left;font-family:monospace'>2</td>" in page
+    assert "Run this cell to edit" in page and str(config_path) in page

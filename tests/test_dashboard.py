@@ -14,7 +14,14 @@ from nbaccel.notebook import Dashboard
 from nbaccel.notebook.console import PlainView, rich_renderable, sparkline
 from nbaccel.notebook.dashboard import Throttle, resolve_mode
 from nbaccel.notebook.dashboard_model import DashboardModel, device_memory_text, format_bytes, format_step
-from nbaccel.notebook.render import summary_html, summary_text
+from nbaccel.notebook.render import (
+    metrics_png,
+    png_bundle,
+    rank_table_html,
+    summary_html,
+    summary_text,
+    y_range,
+)
 
 
 def replay(messages: list[dict], num_processes: int = 2) -> DashboardModel:
@@ -113,7 +120,10 @@ def test_summary_html_and_text():
     assert summary["ranks"][0]["rss_peak"] == 110 * MiB
     assert summary["metrics"]["loss"]["mean"] == pytest.approx(0.6)
     page = summary_html(model)
-    assert page.count("<svg") == 1 and "ValueError: loss is nan" in page
+    assert "<svg" not in page and "ValueError: loss is nan" in page  # the chart is a PNG output of its own
+    png = metrics_png(model)
+    assert png.startswith(b"\x89PNG") and png_bundle(png, "chart")["image/png"].isascii()
+    assert metrics_png(replay([])) is None
     assert "data-state='finished'" in page and "data-state='failed'" in page
     assert "1.5 s" in page
     text = summary_text(model)
@@ -196,17 +206,18 @@ def test_progress_follows_the_training_loaders_epoch_when_the_run_length_is_unkn
     # "88/4" (the last prepared loader's length taken for the run's). Now: the epoch of the loader stepped in.
     model = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)}))
     assert model.total is None
-    assert format_step(model.ranks[0], model.total) == "61 (epoch 3, batch 17/22)"
+    # epoch 2 as the user's loop counts it (from 0, as `for epoch in range(n)` and tqdm show it)
+    assert format_step(model.ranks[0], model.total) == "61 (epoch 2, batch 17/22)"
     assert model.progress == pytest.approx(15 / 22)  # the slowest rank
-    assert model.progress_text() == "epoch 3: 68% (15/22 batches)"
+    assert model.progress_text() == "epoch 2: 68% (15/22 batches)"
     behind = replay(_epoch_stream({0: (61, 2, 17, 22), 1: (66, 3, 0, 22)}))
-    assert behind.progress_text() == "epoch 3: 77% (17/22 batches)"  # an epoch behind is slower
-    assert "step 61 (epoch 3, batch 17/22)" in PlainView._progress_line(model, model.ranks[0])
+    assert behind.progress_text() == "epoch 2: 77% (17/22 batches)"  # an epoch behind is slower
+    assert "step 61 (epoch 2, batch 17/22)" in PlainView._progress_line(model, model.ranks[0])
     from rich.console import Console
 
     console = Console(record=True, width=200, color_system=None)
     console.print(rich_renderable(model))
-    assert "epoch 3: 68% (15/22 batches)" in console.export_text()
+    assert "epoch 2: 68% (15/22 batches)" in console.export_text()
     model.update(dict(kind="status", rank=0, time=T0 + 2, state="finished"))
     model.update(dict(kind="status", rank=1, time=T0 + 2, state="finished"))
     model.finish()
@@ -222,7 +233,7 @@ def test_progress_counts_steps_when_the_run_length_is_reported():
     assert unknown.progress is None and unknown.progress_text() == ""  # rank 1 stepped outside a loader
     assert format_step(unknown.ranks[1], unknown.total) == "2"
     unsized = replay(_epoch_stream({0: (5, 1, 3, None)}), num_processes=1)
-    assert format_step(unsized.ranks[0], None) == "5 (epoch 2, batch 3)" and unsized.progress is None
+    assert format_step(unsized.ranks[0], None) == "5 (epoch 1, batch 3)" and unsized.progress is None
 
 
 def test_widget_view_builds_table_progress_and_chart():
@@ -237,10 +248,24 @@ def test_widget_view_builds_table_progress_and_chart():
     assert list(panel.line.x) == [float(s) for s in range(1, 11)] and len(panel.line.y) == 10
     assert "rank 1" in panel.table.value
     epochs = WidgetView(replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)})))
-    assert epochs.progress_text.value == "epoch 3: 68% (15/22 batches)" and epochs.progress.value == pytest.approx(15 / 22)
-    assert "59 (epoch 3, batch 15/22)" in epochs.table.value
-    bundle = view.mimebundle("<i>fallback</i>")
+    assert epochs.progress_text.value == "epoch 2: 68% (15/22 batches)" and epochs.progress.value == pytest.approx(15 / 22)
+    assert "59 (epoch 2, batch 15/22)" in epochs.table.value
+    bundle = view.mimebundle("<i>fallback</i>", "dashboard")
     assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == "<i>fallback</i>"
+    assert bundle["text/plain"] == "dashboard"  # not ipywidgets' "VBox(children=...)"
+    # the live chart's axes fit the data: steps 1..10, a loss >= 0 gets no negative axis
+    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 10.0) and panel.y_scale.min >= 0
+    assert list(panel.x_axis.tick_values) == [2.0, 4.0, 6.0, 8.0, 10.0]  # round steps, none outside the data
+    assert list(panel.y_axis.tick_values) == [0.6, 0.8, 1.0, 1.2, 1.4]  # the mean loss goes 1.5 -> 0.6
+    view.close()
+    assert view.root.comm is None and panel.line.comm is None
+
+
+def test_chart_axes_fit_the_values():
+    assert y_range([0.05, 2.3]) == (0.0, pytest.approx(2.3 + 0.05 * 2.25))  # never below 0 for values >= 0
+    assert y_range([-1.0, 1.0]) == (pytest.approx(-1.1), pytest.approx(1.1))
+    low, high = y_range([0.5, 0.5])
+    assert low < 0.5 < high
 
 
 def test_mode_resolution_and_bad_arguments(monkeypatch):
@@ -378,3 +403,19 @@ def test_memory_sample_reads_cuda_and_xla_counters_without_initializing(monkeypa
     model = DashboardModel(1)
     model.update({"kind": "memory", "rank": 0, "time": T0, **sample})
     assert device_memory_text(model.ranks[0]) == "3 B / 8 B (peak 5 B)"
+
+
+def test_the_start_up_phase_is_shown_until_a_rank_prints_steps_or_logs():
+    from nbaccel.notebook.dashboard_model import status_text
+
+    model = DashboardModel(1)
+    model.update(dict(kind="status", rank=0, time=T0, state="starting", device="cpu"))
+    assert status_text(model.ranks[0]) == "starting: process, imports"
+    model.update(dict(kind="status", rank=0, time=T0 + 1, state="running", device="cpu"))
+    assert status_text(model.ranks[0]) == "running: setting up (imports, joining the group)"
+    assert "setting up" in rank_table_html(model)
+    model.update(dict(kind="step", rank=0, time=T0 + 2, step=1))
+    assert status_text(model.ranks[0]) == "running"
+    model.update(dict(kind="status", rank=0, time=T0 + 3, state="starting", device="cpu", restart=1))
+    model.update(dict(kind="status", rank=0, time=T0 + 4, state="running", device="cpu"))
+    assert "setting up" in status_text(model.ranks[0])  # a restarted rank sets up again

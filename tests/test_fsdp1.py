@@ -46,7 +46,17 @@ def prepare_and_train(accelerator, model: nn.Module, rank: int, steps: int, opti
     """The training both libraries run: prepare, then `steps` steps with clipping; (prepared model, grad norms).
     `optimizer_first`: the optimizer is built before prepare and passed with the model; else Accelerate's
     documented FSDP1 order (prepare the model, then build its optimizer)."""
-    if optimizer_first:
+    if optimizer_first == "groups":  # fsdp_with_peak_mem_tracking.py's two groups, made before prepare
+        no_decay = ["bias", "norm.weight"]
+        groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+                   "weight_decay": 0.3},
+                  {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+                   "weight_decay": 0.0}]
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(groups, lr=1e-2, weight_decay=2e-4))
+    elif optimizer_first == "defaults_after":  # one group with those defaults, after prepare(model)
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=2e-4))
+    elif optimizer_first:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
@@ -188,6 +198,43 @@ def test_fsdp1_matches_accelerate_fsdp1():
     assert all(torch.equal(stale[k], v) for k, v in results["initial"].items())  # Accelerate: no training
     trained = results["optimizer_first"]["nbaccel"]["weights"]
     torch.testing.assert_close(trained, results["default"]["nbaccel"]["weights"], rtol=0, atol=1e-6)
+
+
+def _two_groups(rank: int):
+    """An optimizer with two parameter groups made before prepare (fsdp_with_peak_mem_tracking.py)."""
+    import warnings
+
+    out = {}
+    for orig in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[orig] = {"nbaccel": _train(rank, {"use_orig_params": orig}, optimizer_first="groups"),
+                         "accelerate": _accelerate_train(rank, {"use_orig_params": orig}, optimizer_first="groups")}
+        out[orig]["warnings"] = [str(w.message) for w in caught if "conflated" in str(w.message)]
+    out["defaults_after"] = _train(rank, {}, optimizer_first="defaults_after")
+    torch.manual_seed(0)
+    out["initial"] = Tiny().state_dict()
+    return out
+
+
+def test_an_optimizer_with_two_groups_made_before_prepare():
+    """use_orig_params=True (`accelerate launch`'s default): the groups are kept, nbaccel trains to Accelerate's
+    weights. use_orig_params=False: Accelerate 1.15 leaves the optimizer on the parameters FSDP1 replaced (it
+    never trains); nbaccel warns that the groups are conflated and trains as one group with the optimizer's
+    defaults made after prepare(model) would (docs/compat.md)."""
+    pytest.importorskip("accelerate")
+    results = run_ranks(_two_groups, timeout=300)[0]
+    ours, theirs = results[True]["nbaccel"], results[True]["accelerate"]
+    assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6, abs=1e-7)
+    for key, value in theirs["weights"].items():
+        torch.testing.assert_close(ours["weights"][key], value, rtol=0, atol=1e-6, msg=key)
+    assert results[True]["warnings"] == []
+    stale = results[False]["accelerate"]["weights"]
+    assert all(torch.equal(stale[k], v) for k, v in results["initial"].items())  # Accelerate: no training
+    assert len(results[False]["warnings"]) == 1 and "2 parameter groups are conflated" in results[False]["warnings"][0]
+    torch.testing.assert_close(results[False]["nbaccel"]["weights"], results["defaults_after"]["weights"],
+                               rtol=0, atol=1e-6)
+    assert not any(torch.equal(results[False]["nbaccel"]["weights"][k], v) for k, v in results["initial"].items())
 
 
 def _resume_run(rank: int, folder: str, mode: str, state_dict_type: str, steps: int = 6, save_at: int = 3):

@@ -94,6 +94,13 @@ def test_labels_name_the_rank_in_text_and_html():
     data = label(3, {"text/plain": "value", "text/html": "<p>v</p>", "image/png": b"png"})
     assert data["text/plain"] == "[rank 3] value"
     assert "rank 3" in data["text/html"] and "<p>v</p>" in data["text/html"] and data["image/png"] == b"png"
+    # a figure (plt.show(): image/png and text/plain only) gets an HTML form: the caption above the image
+    figure = label(0, {"text/plain": "<Figure size 400x300 with 1 Axes>", "image/png": b"\x89PNG"})
+    assert figure["text/html"].startswith("<div class='nbaccel-display' data-rank='0'>")
+    assert ">rank 0</div><img src='data:image/png;base64,iVBORw==' alt='rank 0 image'>" in figure["text/html"]
+    assert figure["image/png"] == b"\x89PNG" and figure["text/plain"].startswith("[rank 0] <Figure")
+    assert label(1, {"image/jpeg": "/9j/4AAQ\n"})["text/html"].count("data:image/jpeg;base64,/9j/4AAQ'") == 1
+    assert label(2, {"text/markdown": "**hi**"})["text/markdown"] == "<sub>rank 2</sub>\n\n**hi**"
 
 
 def test_the_dashboard_shows_a_live_bar_as_the_last_output():
@@ -119,13 +126,16 @@ def test_launched_tqdm_bars_reach_observers_live_and_end_in_their_final_state(ca
     messages: list[dict] = []
     assert notebook_launcher(_bar_loop, (12,), num_processes=2, dashboard=False,
                              observers=[messages.append]) == [12, 12]
-    err = capfd.readouterr().err
+    captured = capfd.readouterr()
+    out, err = captured.out, captured.err
     for rank in (0, 1):
         live = [m for m in messages if m["kind"] == "live" and m["rank"] == rank and m["lines"]]
         positions = {int(found) for m in live for found in re.findall(r"\b(\d+)/12\b", m["lines"][-1])}
         assert len(positions & set(range(1, 12))) >= 3, live
-        assert re.search(rf"^\[rank {rank}\] 100%.*12/12", err, re.M), err
-    assert "\r" not in err
+        # the finished bar (tqdm writes it to stderr) is printed to stdout: shown as it was live, not as an error
+        assert re.search(rf"^\[rank {rank}\] 100%.*12/12", out, re.M), out
+        assert not re.search(rf"^\[rank {rank}\] 100%", err, re.M), err
+    assert "\r" not in out + err
 
 
 RANK_SIDE = r"""
@@ -175,3 +185,17 @@ def test_clear_output_of_a_rank_clears_only_its_own_displays(monkeypatch):
     cell.clear_output(0)
     assert published[5] == ({"text/plain": ""}, {"transient": {"display_id": first}, "update": True})
     assert len(published) == 6  # rank 1's output stays
+
+
+def test_a_ranks_cell_shows_finished_bars_as_progress_and_other_stderr_as_errors():
+    from nbaccel.launch.pool.rank_view import render_html, split_progress
+    from nbaccel.launch.pool.results import RankResult
+
+    stderr = "\r  0%|          | 0/10\r100%|##########| 10/10\nUserWarning: careful\n"
+    assert split_progress(stderr) == ("\r  0%|          | 0/10\r100%|##########| 10/10\n", "UserWarning: careful\n")
+    page = render_html([RankResult(0, stderr=stderr)])
+    bar = page.index("100%|##########| 10/10")
+    assert page.rfind("<pre class='nbaccel-progress'", 0, bar) > page.rfind("background:#fdd", 0, bar)
+    assert "| 0/10" not in page  # its carriage-return history collapsed
+    warning = page.index("UserWarning: careful")
+    assert page.rfind("background:#fdd", 0, warning) > bar  # a real stderr line stays marked

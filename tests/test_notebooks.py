@@ -149,9 +149,13 @@ def test_live_output(tmp_path):
     assert "\r" not in launch.text
     assert "image/png" in launch.mimetypes and "text/html" in launch.mimetypes  # the confusion matrix, tables
     assert "[rank 0] <Figure" in launch.text and "[rank 1] <Figure" not in launch.text
-    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes  # the dashboard
+    # the dashboard, turned into its summary at the end (no widget left for a reopened notebook to miss)
+    assert "application/vnd.jupyter.widget-view+json" not in launch.mimetypes
+    assert "class='nbaccel-summary' data-state='finished'" in launch.html
+    assert re.search(r"<div class='nbaccel-display' data-rank='0'>.*>rank 0</div><img src='data:image/png;base64,",
+                     launch.html)  # rank 0's figure, captioned with its rank
     # its summary: each rank's steps and the training loader's epochs (once "88/4": the test loader's batches)
-    assert launch.html.count(">88 (epoch 4, batch 22/22)<") == 2 and "88/4" not in launch.html, launch.html
+    assert launch.html.count(">88 (epoch 3, batch 22/22)<") == 2 and "88/4" not in launch.html, launch.html
     ranks = run.cell("display(Markdown(")
     assert ranks.error is None and "text/markdown" in ranks.mimetypes, ranks.text
     assert re.search(r"\[rank 1\] rank 1: 100%.*10/10", ranks.text) and "\r" not in ranks.text, ranks.text

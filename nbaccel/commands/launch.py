@@ -13,9 +13,11 @@ import argparse
 import contextlib
 import copy
 import importlib.util
+import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,18 +344,48 @@ def _check_supported(cfg: LaunchConfig) -> None:
         raise LaunchOptionError(f"{where}distributed_type {distributed_type}: {unsupported[distributed_type]}")
 
 
-def _check(s: LaunchSettings, given_processes: bool = True) -> None:
-    def fail(message: str) -> None:
-        raise LaunchOptionError(message)
-
+def check_script(s: LaunchSettings) -> None:
+    """The training script (or `-m` module) exists: checked when the launch starts, not when the options are
+    validated (as in Accelerate, `_validate_launch_command` accepts a script written later)."""
     if s.module:
         local = Path(s.script.replace(".", "/"))
         if importlib.util.find_spec(s.script.split(".")[0]) is None and not (
             local.is_dir() or local.with_suffix(".py").is_file()
         ):
-            fail(f"module {s.script!r} not found (with -m, give an importable module name)")
+            raise LaunchOptionError(f"module {s.script!r} not found (with -m, give an importable module name)")
     elif not s.no_python and not Path(s.script).is_file():
-        fail(f"training script {s.script!r} not found" + (" (it is a directory)" if Path(s.script).is_dir() else ""))
+        raise LaunchOptionError(f"training script {s.script!r} not found"
+                                + (" (it is a directory)" if Path(s.script).is_dir() else ""))
+
+
+class UnknownConfigKeys(ConfigError):
+    """A config file with keys Accelerate does not know (Accelerate raises ValueError for it too)."""
+
+
+def refuse_unknown_keys(config: LaunchConfig | None) -> None:
+    """A config file with keys Accelerate does not know is refused, as Accelerate refuses it (ValueError)."""
+    if config is None or not config.extra or enum_value(config.compute_environment) == "AMAZON_SAGEMAKER":
+        return  # (a SageMaker file's own keys: `nbaccel launch` refuses the file, saying why)
+    where = display_path(config.path) if config.path is not None else "the config"
+    keys = ", ".join(repr(k) for k in sorted(config.extra, key=str))
+    raise UnknownConfigKeys(f"The config file at {where} had unknown keys ({keys}): remove them (or fix their names), or "
+                      "upgrade nbaccel if a newer Accelerate wrote them.")
+
+
+def read_launch_config(path: str | os.PathLike | None) -> LaunchConfig | None:
+    """The config file a launch uses (see `load_config`), refused when it holds unknown keys (the warning
+    `load_config` gives for them is replaced by that error)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ignoring unknown key")
+        config = load_config(path)
+    refuse_unknown_keys(config)
+    return config
+
+
+def _check(s: LaunchSettings, given_processes: bool = True) -> None:
+    def fail(message: str) -> None:
+        raise LaunchOptionError(message)
+
     if s.num_machines < 1:
         fail(f"--num_machines must be >= 1, got {s.num_machines}")
     if (s.multi_gpu and s.num_machines <= 1 and s.gpu_ids not in (None, "all")
@@ -554,8 +586,16 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     """`nbaccel launch`: read the config, check the options, run. Bad options exit 2 with one line."""
     parser = parser or args._parser
     try:
-        config = load_config(args.config_file)
+        config = read_launch_config(args.config_file)
+    except UnknownConfigKeys as exc:  # a ValueError raised to the caller, as in Accelerate (the CLI: one line)
+        if getattr(args, "_from_cli", False):
+            parser.error(str(exc))
+        raise
+    except ConfigError as exc:
+        parser.error(str(exc).replace("\n", "; "))
+    try:
         settings = resolve_settings(args, config)
+        check_script(settings)
     except (ConfigError, LaunchOptionError) as exc:
         parser.error(str(exc).replace("\n", "; "))
     return run_settings(settings)
@@ -606,7 +646,7 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
     """Check `args` and fill what was not given from the config file and defaults, as Accelerate's function of
     this name does. Returns (args, the config read or None, whether mixed_precision came from the config);
     raises LaunchOptionError (a ValueError) for options that cannot work."""
-    config = load_config(args.config_file)
+    config = read_launch_config(args.config_file)
     settings = resolve_settings(args, config)
     mp_from_config = _given(args, "mixed_precision") is None and config is not None and config.mixed_precision is not None
     for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
@@ -614,13 +654,27 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
                  "multi_gpu", "gradient_accumulation_steps", "num_cpu_threads_per_process"):
         setattr(args, name, getattr(settings, name))
     args.use_cpu = args.cpu = settings.use_cpu
+    _copy_sections_to_args(args, settings, config)
     args.dynamo_backend = str(settings.dynamo_config.get("dynamo_backend", "no")).lower()
     args._settings = settings
     return args, config, mp_from_config
 
 
+def _copy_sections_to_args(args: argparse.Namespace, settings: LaunchSettings, config: LaunchConfig | None) -> None:
+    """As Accelerate's validation does: the config's `fsdp_config` / `dynamo_config` keys become the `fsdp_*` /
+    `dynamo_*` options (the merged values: a command-line option given wins), and `deepspeed_config` keys fill
+    the DeepSpeed options not given."""
+    for section, prefix in ((settings.fsdp_config, "fsdp_"), (settings.dynamo_config, "dynamo_")):
+        for key, value in section.items():
+            setattr(args, key if key.startswith(prefix) else prefix + key, value)
+    for key, value in ((config.deepspeed_config or {}) if config is not None else {}).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
 def _run(args: argparse.Namespace) -> int:
     settings = getattr(args, "_settings", None) or _validate_launch_command(args)[0]._settings
+    check_script(settings)
     return run_settings(settings)
 
 

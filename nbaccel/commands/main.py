@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 1
+    args._from_cli = True  # errors a caller of the command function gets as exceptions are one line here
     status = func(args)  # an exit status; Accelerate's commands may return something else (env: its report)
     return status if isinstance(status, int) else 0
 

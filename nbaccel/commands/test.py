@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .launch import LaunchOptionError, add_launch_arguments, resolve_settings, run_settings
+from .launch import (
+    LaunchOptionError,
+    add_launch_arguments,
+    read_launch_config,
+    resolve_settings,
+    run_settings,
+)
 
 CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "test_utils" / "scripts" / "test_script.py"
 
 
 def test_command(args: argparse.Namespace) -> int:
-    from ..utils.config_file import ConfigError, load_config
+    from ..utils.config_file import ConfigError
 
     parser = args._parser
     if not CHECK_SCRIPT.is_file():
@@ -20,7 +26,7 @@ def test_command(args: argparse.Namespace) -> int:
     args.training_script_args = []
     args.module = False
     try:
-        settings = resolve_settings(args, load_config(args.config_file))
+        settings = resolve_settings(args, read_launch_config(args.config_file))
     except (ConfigError, LaunchOptionError) as exc:
         parser.error(str(exc).replace("\n", "; "))
     print(f"Running {CHECK_SCRIPT.name} on {settings.num_processes} process(es)"

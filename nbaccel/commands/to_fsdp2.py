@@ -69,8 +69,9 @@ def convert_config_to_fsdp2(config: dict) -> dict:
         logger.info("The config has no fsdp_config: nothing to convert.")
         return config
     if fsdp_config.get("fsdp_version", 1) == 2:
-        logger.warning("The config already uses FSDP2 (fsdp_version: 2): nothing to convert. If its keys are still "
-                       "FSDP1 names, set fsdp_version to 1 and run the command again.")
+        logger.warning("Config already specifies FSDP2, skipping conversion...")  # Accelerate's words
+        logger.warning("(fsdp_version is 2 already.) If its keys are still FSDP1 names, set fsdp_version to 1 and "
+                       "run the command again.")
         return config
     converted: dict[str, Any] = {}
     for key, value in fsdp_config.items():

@@ -43,7 +43,7 @@ def tpu_command_parser(subparsers=None) -> argparse.ArgumentParser:
 
 def _install_line(version: str) -> str:
     if version == "latest":
-        return "pip install -U nbaccel"
+        return "pip install nbaccel -U"
     if version == "dev":
         return "pip install git+https://github.com/nbaccel/nbaccel.git"
     try:

@@ -2,7 +2,12 @@
 
 A form (ipywidgets) over the fields of `nbaccel.utils.config_file.LaunchConfig`, loaded from the config
 file in use; Save validates with `LaunchConfig.validate()` and writes the same YAML as `nbaccel config`
-(through `LaunchConfig.save`). A bad value is shown next to its field and nothing is written.
+(through `LaunchConfig.save`). A bad value is shown next to its field and nothing is written; a setting this
+machine cannot run (a GPU setting without a GPU) is saved with a warning.
+
+Displayed, the form also carries a text/html and a text/plain form of the configuration: a notebook
+reopened without the running kernel (nbconvert's HTML, GitHub, VS Code) shows the values as a table and
+says to run the cell to edit them, instead of ipywidgets' `VBox(children=...)` repr.
 """
 
 from __future__ import annotations
@@ -27,6 +32,26 @@ _INT_FIELDS = {  # name: (minimum, may be empty)
     "num_machines": (1, False),
     "machine_rank": (0, False),
     "main_process_port": (1, True),
+}
+
+
+HELP = {  # one line per field, shown beside it
+    "num_processes": "processes per machine; empty: one per GPU (or 1 on CPU)",
+    "mixed_precision": "no, fp16, bf16, or fp8 (recent GPUs with torchao)",
+    "gradient_accumulation_steps": "batches per optimizer step; empty: 1",
+    "dynamo_backend": "torch.compile backend; NO: not compiled",
+    "start_method": "how notebook_launcher starts ranks; auto: fork in a notebook",
+    "num_machines": "machines taking part in the run",
+    "machine_rank": "this machine's index, 0 to num_machines - 1",
+    "main_process_ip": "the machine with rank 0 (several machines only)",
+    "main_process_port": "its port; empty: a free one",
+    "use_cpu": "run on the CPU even where a GPU is present",
+}
+PLACEHOLDERS = {
+    "num_processes": "one per device",
+    "gradient_accumulation_steps": "1",
+    "main_process_ip": "e.g. 10.0.0.1",
+    "main_process_port": "a free port",
 }
 
 
@@ -58,7 +83,7 @@ class ConfigWidget:
         self.status = widgets.HTML()
         self.save_button = widgets.Button(description="Save", button_style="primary", icon="save")
         self.save_button.on_click(lambda _button: self.save())
-        rows = [widgets.HBox([widget, self.errors[name]]) for name, widget in self.fields.items()]
+        rows = [widgets.HBox([widget, _help_label(name), self.errors[name]]) for name, widget in self.fields.items()]
         heading = widgets.HTML(
             f"<b>nbaccel launch configuration</b> · <code>{html.escape(str(self.target))}</code>"
         )
@@ -78,32 +103,33 @@ class ConfigWidget:
 
     def _build_fields(self) -> tuple[dict[str, widgets.Widget], dict[str, widgets.HTML]]:
         style = {"description_width": "200px"}
-        layout = widgets.Layout(width="420px")
+        layout = widgets.Layout(width="400px")
         fields: dict[str, widgets.Widget] = {}
 
-        def text(name: str, placeholder: str = "") -> None:
+        def text(name: str) -> None:
             value = self._value(name)
             fields[name] = widgets.Text(value="" if value is None else str(value), description=name,
-                                        placeholder=placeholder, style=style, layout=layout)
+                                        placeholder=PLACEHOLDERS.get(name, ""), style=style, layout=layout,
+                                        tooltip=HELP[name])
 
         def choice(name: str, options, default: str) -> None:
             value = self._value(name)
             value = default if value in (None, "") else str(value)
             options = list(options) + ([value] if value not in options else [])
             fields[name] = widgets.Dropdown(options=options, value=value, description=name, style=style,
-                                            layout=layout)
+                                            layout=layout, tooltip=HELP[name])
 
-        text("num_processes", "all devices (empty)")
+        text("num_processes")
         choice("mixed_precision", MIXED_PRECISION, "no")
-        text("gradient_accumulation_steps", "1")
+        text("gradient_accumulation_steps")
         choice("dynamo_backend", _dynamo_backends(), "NO")
         choice("start_method", START_METHODS, "auto")
         text("num_machines")
         text("machine_rank")
-        text("main_process_ip", "address of the machine with rank 0")
-        text("main_process_port", "a free port (empty)")
+        text("main_process_ip")
+        text("main_process_port")
         fields["use_cpu"] = widgets.Checkbox(value=bool(self._value("use_cpu")), description="use_cpu",
-                                             style=style, layout=layout, indent=True)
+                                             style=style, layout=layout, indent=True, tooltip=HELP["use_cpu"])
         for name, widget in fields.items():
             widget.add_class(f"nbaccel-config-{name}")
         errors = {name: widgets.HTML(value="", layout=widgets.Layout(margin="0 0 0 8px")) for name in fields}
@@ -164,7 +190,9 @@ class ConfigWidget:
             self.status.value = _message(f"not saved: {error}", error=True)
             return None
         self.config = candidate
-        self.status.value = _message(f"saved to {written}")
+        cautions = machine_warnings(candidate)
+        self.status.value = _message(f"saved to {written}") + "".join(
+            "<br>" + _message(f"warning: {caution}", warning=True) for caution in cautions)
         return written
 
     def _apply(self, values: dict[str, Any]):
@@ -188,7 +216,36 @@ class ConfigWidget:
     # --- display ---------------------------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.root._repr_mimebundle_(**kwargs)
+        data = self.root._repr_mimebundle_(**kwargs)
+        data = dict(data[0] if isinstance(data, tuple) else data)
+        data["text/html"] = self.fallback_html()
+        data["text/plain"] = self.fallback_text()
+        return data
+
+    def shown_values(self) -> list[tuple[str, str]]:
+        """(field, value as the form shows it) for every field; empty fields say what they mean."""
+        shown = []
+        for name, widget in self.fields.items():
+            value = widget.value
+            text = str(value) if value not in (None, "") else f"({PLACEHOLDERS.get(name, 'not set')})"
+            shown.append((name, text))
+        return shown
+
+    def fallback_html(self) -> str:
+        """The configuration as a table, for a notebook shown without the running kernel."""
+        cell = "padding:2px 8px;border-bottom:1px solid #ddd;text-align:left"
+        rows = "".join(f"<tr><td style='{cell};font-weight:600'>{html.escape(name)}</td>"
+                       f"<td style='{cell};font-family:monospace'>{html.escape(value)}</td></tr>"
+                       for name, value in self.shown_values())
+        return (f"<div class='nbaccel-config-fallback'><b>nbaccel launch configuration</b> · "
+                f"<code>{html.escape(str(self.target))}</code><table style='border-collapse:collapse'>{rows}</table>"
+                "<i>Run this cell to edit and save it (the form needs the running kernel).</i></div>")
+
+    def fallback_text(self) -> str:
+        lines = [f"nbaccel launch configuration ({self.target})"]
+        lines += [f"  {name}: {value}" for name, value in self.shown_values()]
+        lines.append("Run this cell to edit and save it (the form needs the running kernel).")
+        return "\n".join(lines)
 
 
 _PLAIN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")  # what the form's fields decide; FSDP, DeepSpeed, ... are kept
@@ -225,6 +282,30 @@ def _dynamo_backends() -> list[str]:
         return ["NO", "EAGER", "AOT_EAGER", "INDUCTOR"]
 
 
-def _message(text: str, *, error: bool = False) -> str:
-    color = "#cf222e" if error else "#1a7f37"
+def machine_warnings(config: Any) -> list[str]:
+    """Settings in `config` that this machine cannot run as they are (saved anyway: the file may be meant
+    for another machine)."""
+    import torch
+
+    found = []
+    precision = str(enum_value(config.mixed_precision) or "no")
+    on_cpu = config.use_cpu or not torch.cuda.is_available()
+    if not config.use_cpu and not torch.cuda.is_available():
+        found.append("this machine has no CUDA GPU: the ranks will run on the CPU here (tick use_cpu to say so)")
+    if on_cpu and precision == "fp8":
+        found.append("mixed_precision=fp8 needs a recent GPU: it cannot run on the CPU")
+    elif on_cpu and precision != "no":
+        found.append(f"mixed_precision={precision} on the CPU runs under CPU autocast, often slower than no")
+    return found
+
+
+def _help_label(name: str) -> widgets.HTML:
+    label = widgets.HTML(f"<span style='color:#666;font-size:12px'>{html.escape(HELP[name])}</span>",
+                         layout=widgets.Layout(margin="0 0 0 8px"))
+    label.add_class(f"nbaccel-config-help-{name}")
+    return label
+
+
+def _message(text: str, *, error: bool = False, warning: bool = False) -> str:
+    color = "#cf222e" if error else "#9a6700" if warning else "#1a7f37"
     return f"<span style='color:{color}'>{html.escape(text)}</span>"

@@ -4,8 +4,9 @@ The launcher calls `dashboard(message)` (or `.observe(message)`) from its superv
 message; the model is updated at once and the view redrawn at most `max_redraws_per_second` times (a
 trailing redraw catches the last change of a burst). Where it draws is chosen by `mode`:
 
-- "widget": ipywidgets in a notebook (widget_view.py); at `finish` a static HTML/SVG summary is displayed
-  below it, which survives saving and reopening the notebook;
+- "widget": ipywidgets in a notebook (widget_view.py); at `finish` the widget's output is replaced by the
+  static summary (an HTML table, then a PNG chart in the output reserved below it), so a saved notebook
+  holds no widget output (no "model not found" when reopened) and the run shows once;
 - "terminal": a rich live table (console.py);
 - "plain": log lines, throttled (console.py);
 - "auto": widget inside an IPython kernel with ipywidgets, terminal on a TTY, plain otherwise.
@@ -24,9 +25,10 @@ from .dashboard_model import DashboardModel
 
 MODES = ("auto", "widget", "terminal", "plain")
 _FALLBACK_HTML = (
-    "<div class='nbaccel-dashboard-fallback'><i>nbaccel live dashboard (an ipywidgets view; it needs the "
-    "running kernel). The run's summary is the output below it.</i></div>"
+    "<div class='nbaccel-dashboard-fallback'><i>nbaccel live dashboard of a run that was still going when "
+    "the notebook was saved (an ipywidgets view; it needs the running kernel).</i></div>"
 )
+_FALLBACK_TEXT = "nbaccel live dashboard (the run was still going when this was saved)"
 
 
 class Throttle:
@@ -107,6 +109,7 @@ class Dashboard:
         self._timer: threading.Timer | None = None
         self._view: Any = None
         self._display_handle: Any = None
+        self._chart_handle: Any = None
         self._drawn_version = -1
         self._started = self._finished = self._closed = False
         self._broken = False
@@ -185,8 +188,10 @@ class Dashboard:
 
             _enable_colab_widgets()
             self._view = WidgetView(self.model)
-            bundle = self._view.mimebundle(_FALLBACK_HTML)
+            bundle = self._view.mimebundle(_FALLBACK_HTML, _FALLBACK_TEXT)
             self._display_handle = display(bundle, raw=True, display_id=True)
+            # The place of the summary's chart, right below the live view (empty until the run ends).
+            self._chart_handle = display({"text/plain": ""}, raw=True, display_id=True)
         elif self.mode == "terminal":
             from .console import RichView
 
@@ -198,11 +203,15 @@ class Dashboard:
 
     def _finish_view(self) -> None:
         if self.mode == "widget":
-            from IPython.display import HTML, display
+            from .render import metrics_png, png_bundle, summary_html, summary_text
 
-            from .render import summary_html
-
-            display(HTML(summary_html(self.model)))
+            self._display_handle.update({"text/html": summary_html(self.model), "text/plain": summary_text(self.model)},
+                                        raw=True)
+            png = metrics_png(self.model)
+            if png is not None:
+                names = ", ".join(sorted(self.model.metrics))
+                self._chart_handle.update(png_bundle(png, f"{self.model.title}: chart of {names}"), raw=True)
+            self._view.close()  # its output is gone: free the widgets (and keep them out of saved widget state)
         elif self._view is not None:
             self._view.finish(self.model)
 

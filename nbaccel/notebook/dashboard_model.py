@@ -34,11 +34,12 @@ class RankRow:
     device_limit: int | None = None
     step: int = 0
     total: int | None = None  # the run's optimizer steps, when the training code reported them
-    epoch: int | None = None  # where the data loader was at the latest step: epoch (from 0),
+    epoch: int | None = None  # where the data loader was at the latest step: epoch (from 0, as shown),
     batch: int | None = None  # batches of it done,
     batches: int | None = None  # and the epoch's batches
     steps_per_second: float | None = None
     last_output: str = ""
+    busy: bool = False  # the rank printed, stepped or logged: past its set-up (imports, joining the group)
     metrics: dict[str, float] = field(default_factory=dict)
     first_seen: float | None = None
     last_seen: float | None = None
@@ -161,6 +162,7 @@ class DashboardModel:
             state.state = RankState(new)
         if new == RankState.STARTING:  # a restarted rank: the error shown was its earlier attempt's
             state.error = ""
+            state.busy = False
         if message.get("device"):
             state.device = str(message["device"])
         if new == RankState.FAILED:
@@ -251,6 +253,7 @@ class DashboardModel:
 
     @staticmethod
     def _mark_running(state: RankRow) -> None:
+        state.busy = True
         if state.state == RankState.STARTING:
             state.state = RankState.RUNNING
 
@@ -288,7 +291,7 @@ class DashboardModel:
         slowest = self._slowest_in_epoch()
         if slowest is None:
             return f"{round(progress * 100)}%"
-        return f"epoch {slowest.epoch + 1}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
+        return f"epoch {slowest.epoch}: {round(progress * 100)}% ({slowest.batch}/{slowest.batches} batches)"
 
     def _active(self) -> list[RankRow]:
         return [s for s in self.ranks if s.state != RankState.FAILED] or list(self.ranks)
@@ -380,7 +383,7 @@ def format_step(state: RankRow, total: int | None) -> str:
         return f"{state.step}/{total}"
     if state.epoch is not None:
         of = f"/{state.batches}" if state.batches else ""
-        return f"{state.step} (epoch {state.epoch + 1}, batch {state.batch}{of})"
+        return f"{state.step} (epoch {state.epoch}, batch {state.batch}{of})"
     return str(state.step)
 
 
@@ -418,8 +421,19 @@ def host_memory_text(state: RankRow) -> str:
     return format_bytes(state.rss) + peak
 
 
+STARTING_TEXT = "starting: process, imports"  # before the launched function runs
+SETTING_UP_TEXT = "running: setting up (imports, joining the group)"  # in it, before its first output or step
+
+
 def status_text(state: RankRow) -> str:
-    return f"failed: {state.error}" if state.state == RankState.FAILED and state.error else str(state.state)
+    """The status column: the state, a failed rank's error, and which part of its start-up a rank is in."""
+    if state.state == RankState.FAILED and state.error:
+        return f"failed: {state.error}"
+    if state.state == RankState.STARTING:
+        return STARTING_TEXT
+    if state.state == RankState.RUNNING and not state.busy:
+        return SETTING_UP_TEXT
+    return str(state.state)
 
 
 def _first_line(error: Any) -> str | None:

@@ -17,6 +17,7 @@ are not drawn (the final state of each bar is still printed as a line).
 
 from __future__ import annotations
 
+import base64
 import html
 import sys
 import time
@@ -158,11 +159,24 @@ class CellOutput:
             publish_display_data({"text/plain": ""}, {}, transient={"display_id": display_id}, update=True)
 
 
+IMAGES = ("image/png", "image/jpeg", "image/gif")
+
+
 def label(rank: int, data: dict[str, Any]) -> dict[str, Any]:
-    """The bundle with the rank named: in its text/plain and as a caption above its HTML."""
+    """The bundle with the rank named in every form a frontend may pick: its text/plain, a caption above
+    its HTML, above an image (a figure from `plt.show()`: an HTML form of the bundle shows the caption and
+    the image, which stays in the bundle too) and above Markdown."""
     data = dict(data)
     if isinstance(data.get("text/plain"), str):
         data["text/plain"] = f"[rank {rank}] {data['text/plain']}"
+    if not isinstance(data.get("text/html"), str):
+        image = next((kind for kind in IMAGES if isinstance(data.get(kind), (str, bytes))), None)
+        if image is not None:
+            encoded = data[image]  # raw bytes, or base64 text as Jupyter stores images
+            encoded = base64.b64encode(encoded).decode("ascii") if isinstance(encoded, bytes) else encoded.strip()
+            data["text/html"] = f"<img src='data:{image};base64,{encoded}' alt='rank {rank} image'>"
+        elif isinstance(data.get("text/markdown"), str):
+            data["text/markdown"] = f"<sub>rank {rank}</sub>\n\n{data['text/markdown']}"
     if isinstance(data.get("text/html"), str):
         data["text/html"] = (f"<div class='nbaccel-display' data-rank='{rank}'><div style='font-size:11px;"
                              f"color:#666;font-family:monospace'>rank {rank}</div>{data['text/html']}</div>")

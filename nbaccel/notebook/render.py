@@ -1,13 +1,16 @@
-"""HTML for the dashboard: the live per-rank table and the static end-of-run summary with SVG charts.
+"""HTML for the dashboard: the live per-rank table, and the end-of-run summary (an HTML table and a PNG chart).
 
-The summary is plain HTML with inline SVG, displayed as an ordinary output: it needs no widget state, so
-it still renders when the notebook is saved and reopened, in nbviewer, on GitHub, or exported. The charts
-are drawn by matplotlib's SVG backend on a bare `Figure` (no pyplot, so the user's own plotting state and
-backend are left alone).
+The summary is what the live view turns into when the run ends: ordinary outputs that need no widget
+state, so they still render when the notebook is saved and reopened (trusted or not), in VS Code, on
+GitHub and in nbconvert's HTML. The charts are a PNG image (`image/png`), not inline SVG: an untrusted
+notebook's HTML sanitizer removes inline SVG and leaves its metadata as a line of text. They are drawn by
+matplotlib's Agg canvas on a bare `Figure` (no pyplot, so the user's own plotting state and backend are
+left alone).
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 import math
@@ -55,11 +58,18 @@ def rank_table_html(model: DashboardModel) -> str:
             + _cell(device_memory_text(s))
             + _cell(format_step(s, total))
             + _cell(format_rate(s.steps_per_second))
-            + _cell(s.last_output or "", "max-width:32em;overflow:hidden;text-overflow:ellipsis")
+            + _last_output_cell(s.last_output or "")
             + "</tr>"
         )
     head = "".join(_cell(h, "font-weight:600", "th") for h in heads)
     return f'<table class="nbaccel-ranks" style="{_TABLE_STYLE}"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def _last_output_cell(text: str) -> str:
+    """The rank's last line: its spacing kept (a progress bar's columns), cut with an ellipsis at the
+    column's width; the whole line in the cell's tooltip."""
+    return (f'<td class="nbaccel-last-output" title="{html.escape(text)}" style="{_CELL};white-space:pre;'
+            f'max-width:36em;overflow:hidden;text-overflow:ellipsis">{html.escape(text)}</td>')
 
 
 def metric_table_html(model: DashboardModel, name: str) -> str:
@@ -92,15 +102,33 @@ def header_html(model: DashboardModel) -> str:
     return "<div class='nbaccel-header' style='font-family:sans-serif'>" + " · ".join(parts) + "</div>"
 
 
-def metric_svg(model: DashboardModel, name: str, *, width: float = 4.0, height: float = 2.4) -> str:
-    """An inline SVG line chart of metric `name`: the mean across ranks, and each rank thin behind it."""
-    from matplotlib.backends.backend_svg import FigureCanvasSVG
+def metrics_png(model: DashboardModel, *, width: float = 4.0, height: float = 2.6, dpi: int = 100) -> bytes | None:
+    """A PNG with one line chart per logged metric, side by side: the mean across ranks, each rank thin
+    behind it (None when nothing was logged)."""
+    names = sorted(model.metrics)
+    if not names:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    columns = min(len(names), 3)
+    rows = math.ceil(len(names) / columns)
+    figure = Figure(figsize=(width * columns, height * rows), dpi=dpi)
+    FigureCanvasAgg(figure)
+    for index, name in enumerate(names):
+        draw_metric(figure.add_subplot(rows, columns, index + 1), model, name)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def draw_metric(axes, model: DashboardModel, name: str) -> None:
+    """Metric `name` on matplotlib `axes`: whole-number step ticks, and a y axis that fits the values (a
+    metric that is never negative does not get a negative axis)."""
+    from matplotlib.ticker import MaxNLocator
+
     series = model.metrics[name]
-    figure = Figure(figsize=(width, height), dpi=72)
-    FigureCanvasSVG(figure)
-    axes = figure.add_subplot()
     ranks = sorted({r for values in series.points.values() for r in values})
     if len(ranks) > 1:
         for rank in ranks:
@@ -113,16 +141,43 @@ def metric_svg(model: DashboardModel, name: str, *, width: float = 4.0, height: 
     axes.set_title(name, fontsize=10)
     axes.set_xlabel("step", fontsize=8)
     axes.tick_params(labelsize=7)
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    axes.yaxis.set_major_locator(MaxNLocator(nbins=5))
     axes.grid(alpha=0.3)
-    figure.tight_layout()
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg")
-    svg = buffer.getvalue()
-    return svg[svg.index("<svg"):]  # drop the XML prolog and doctype: inline in HTML
+    low, high = y_range([v for values in series.points.values() for v in values.values()])
+    axes.set_ylim(low, high)
+    if len(ranks) > 1:
+        axes.legend(fontsize=6, loc="best", frameon=False)
 
 
-def summary_html(model: DashboardModel, *, charts: bool = True) -> str:
-    """The end-of-run summary: final status, wall time, steps, peak memory per rank, last metrics, charts."""
+def y_range(values: list[float]) -> tuple[float, float]:
+    """(bottom, top) of a y axis for `values`: their range plus 5 % each side, not below 0 for values that
+    are all >= 0, and a visible band for a constant series."""
+    low, high = min(values), max(values)
+    span = high - low or abs(high) or 1.0
+    bottom, top = low - 0.05 * span, high + 0.05 * span
+    if low >= 0 > bottom:
+        bottom = 0.0
+    return bottom, top
+
+
+def nice_ticks(low: float, high: float, *, integer: bool = False, count: int = 5) -> list[float]:
+    """About `count` round tick values inside [low, high] (matplotlib's tick locator)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ticks = MaxNLocator(nbins=count, integer=integer).tick_values(low, high)
+    span = (high - low) or 1.0
+    return [round(float(t), 12) for t in ticks if low - 1e-9 * span <= t <= high + 1e-9 * span]
+
+
+def png_bundle(png: bytes, text: str) -> dict[str, str]:
+    """Display data of a PNG image (base64, as Jupyter stores it) with its text form."""
+    return {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text}
+
+
+def summary_html(model: DashboardModel) -> str:
+    """The end-of-run summary table: final status, wall time, steps, peak memory per rank, last metrics (the
+    charts are a PNG output of their own: `metrics_png`)."""
     summary = model.summary()
     heads = ["rank", "device", "status", "steps", "steps/s", "peak host memory", "peak device memory"]
     names = sorted(summary["metrics"])
@@ -147,20 +202,8 @@ def summary_html(model: DashboardModel, *, charts: bool = True) -> str:
         + "".join(_cell(h, "font-weight:600", "th") for h in heads)
         + "</tr>" + "".join(rows) + "</table>"
     )
-    chart_html = ""
-    if charts and names:
-        chart_html = "<div style='display:flex;flex-wrap:wrap;gap:8px'>" + "".join(
-            f"<div class='nbaccel-chart'>{metric_svg(model, name)}</div>" for name in names
-        ) + "</div>"
-    title = html.escape(model.title)
-    state = summary["state"]
-    return (
-        f"<div class='nbaccel-summary' data-state='{state}' style='margin:4px 0'>"
-        f"<div style='font-family:sans-serif;margin-bottom:4px'><b>{title}</b> · summary · "
-        f"<span style='color:{STATE_COLORS.get(state, '#000')};font-weight:600'>{state}</span>"
-        f" · wall time {format_duration(summary['wall_time'])}</div>"
-        f"{table}{chart_html}</div>"
-    )
+    return (f"<div class='nbaccel-summary' data-state='{summary['state']}' style='margin:4px 0'>"
+            f"{header_html(model)}{table}</div>")
 
 
 def summary_text(model: DashboardModel) -> str:

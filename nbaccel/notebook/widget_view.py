@@ -5,8 +5,8 @@ x/y arrays over the comm and the browser re-renders the line: no image round tri
 framework), it is maintained by the Jupyter community, ships its JupyterLab / Notebook 7 extension inside
 the wheel, and loads from the widget CDN in VS Code and Colab. plotly's FigureWidget would need anywidget
 and a much larger JavaScript bundle; ipympl re-renders PNG frames on the kernel side for every update.
-The static summary at the end is drawn separately (render.py, matplotlib SVG) so it survives without any
-widget state.
+At the end of the run the dashboard replaces this view's output with the static summary (render.py: HTML
+and a PNG chart), which needs no widget state.
 
 Kernel side only: workers never import this module.
 """
@@ -31,7 +31,11 @@ class _MetricPanel:
         import bqplot
 
         self.name = name
-        x_scale, y_scale = bqplot.LinearScale(), bqplot.LinearScale()
+        # Scales fitted to the data in `update` (no padding: bqplot's would put ticks at -1 and below 0).
+        x_scale, y_scale = bqplot.LinearScale(allow_padding=False), bqplot.LinearScale(allow_padding=False)
+        self.x_scale, self.y_scale = x_scale, y_scale
+        self.x_axis = bqplot.Axis(scale=x_scale, label="step", tick_format="d")
+        self.y_axis = bqplot.Axis(scale=y_scale, side="left", tick_format=".3~g")
         self.line = bqplot.Lines(
             x=[], y=[], scales={"x": x_scale, "y": y_scale}, colors=[CHART_COLOR], stroke_width=2,
             labels=[f"{name} (mean)"],
@@ -42,21 +46,30 @@ class _MetricPanel:
         )
         self.figure = bqplot.Figure(
             marks=[self.line, self.points],
-            axes=[
-                bqplot.Axis(scale=x_scale, label="step", tick_format="d", num_ticks=5),
-                bqplot.Axis(scale=y_scale, side="left", tick_format=".3g", num_ticks=5),
-            ],
+            axes=[self.x_axis, self.y_axis],
             title=name,
-            fig_margin={"top": 36, "bottom": 36, "left": 56, "right": 16},
+            fig_margin={"top": 44, "bottom": 36, "left": 56, "right": 20},
             layout=widgets.Layout(width="380px", height="240px"),
             animation_duration=0,
         )
         self.figure.add_class("nbaccel-chart")
         self.table = widgets.HTML()
         self.box = widgets.VBox([self.figure, self.table])
+        self.widgets = [x_scale, y_scale, self.line, self.points, self.points.tooltip, *self.figure.axes,
+                        self.figure, self.table, self.box]
 
     def update(self, model: DashboardModel) -> None:
-        xs, ys = model.metrics[self.name].mean_series(max_points=MAX_CHART_POINTS)
+        series = model.metrics[self.name]
+        xs, ys = series.mean_series(max_points=MAX_CHART_POINTS)
+        if xs:
+            low, high = render.y_range(ys)
+            first, last = float(xs[0]), float(max(xs[-1], xs[0] + 1))
+            with self.x_scale.hold_sync(), self.y_scale.hold_sync():
+                self.x_scale.min, self.x_scale.max = first, last
+                self.y_scale.min, self.y_scale.max = float(low), float(high)
+            # round ticks (1, 20, 40 ... and 0, 0.25, 0.5 ...), not bqplot's even splits of the range
+            self.x_axis.tick_values = render.nice_ticks(first, last, integer=True)
+            self.y_axis.tick_values = render.nice_ticks(low, high)
         with self.line.hold_sync(), self.points.hold_sync():
             self.line.x, self.line.y = xs, ys
             # Hover markers only while the series is short enough for a marker per point to stay readable.
@@ -98,9 +111,23 @@ class WidgetView:
                 self.charts.children = tuple(panel.box for panel in self.panels.values())
             self.panels[name].update(model)
 
-    def mimebundle(self, fallback_html: str) -> dict[str, Any]:
-        """The widget's display data plus a text/html fallback for frontends without its widget state."""
+    def mimebundle(self, fallback_html: str, fallback_text: str) -> dict[str, Any]:
+        """The widget's display data plus text/html and text/plain fallbacks for frontends without its
+        widget state (instead of ipywidgets' `VBox(children=...)` repr)."""
         data = self.root._repr_mimebundle_()
         data = dict(data[0] if isinstance(data, tuple) else data)
         data["text/html"] = fallback_html
+        data["text/plain"] = fallback_text
         return data
+
+    def close(self) -> None:
+        """Close every widget of the view (their models leave the kernel and the saved widget state)."""
+        own = [self.header, self.table, self.progress, self.progress_text, self.charts, self.root,
+               *self.root.children]
+        for panel in self.panels.values():
+            own += panel.widgets
+        for widget in own:
+            for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+                if isinstance(part, widgets.Widget):
+                    part.close()
+            widget.close()

@@ -225,6 +225,10 @@ class LaunchConfig:
         self.path = target
         return target
 
+    def to_yaml_file(self, yaml_file: str | os.PathLike) -> None:
+        """Accelerate's name: write this config as YAML to `yaml_file` (`save`)."""
+        self.save(yaml_file)
+
     # ---------------------------------------------------------------- checking
     def validate(self) -> dict[str, str]:
         """Check every field; return {field: what is wrong} (empty when the config is valid)."""

@@ -9,6 +9,7 @@ SageMaker (read and written; `nbaccel launch` refuses to run them).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from ...utils.config_file import (
@@ -74,6 +75,13 @@ cache_dir = os.path.dirname(default_yaml_config_file)
 default_config_file = default_yaml_config_file
 
 
+def _yaml_booleans_as_written(data: object) -> object:
+    """`distributed_type: NO` unquoted (Accelerate 0.30's SageMaker files) reads as YAML's false: the text NO."""
+    if isinstance(data, dict) and data.get("distributed_type") is False:
+        data = {**data, "distributed_type": "NO"}
+    return data
+
+
 def load_config_from_file(config_file: str | os.PathLike | None) -> LaunchConfig:
     """The config in `config_file`, else the one in use (a `SageMakerConfig` for a SageMaker file).
 
@@ -86,9 +94,16 @@ def load_config_from_file(config_file: str | os.PathLike | None) -> LaunchConfig
     if path is None:
         raise FileNotFoundError(f"No config file at {default_config_file}: write one with `nbaccel config` or "
                                 "`nbaccel config default`.")
-    data = read_config_data(path)
+    data = _yaml_booleans_as_written(read_config_data(path))
     if not (isinstance(data, dict) and enum_value(data.get("compute_environment", "")) == "AMAZON_SAGEMAKER"):
-        return LaunchConfig.from_dict(data, source=path)
+        with warnings.catch_warnings():  # unknown keys: the error below, as in Accelerate, not a warning
+            warnings.filterwarnings("ignore", message=".*ignoring unknown key")
+            config = LaunchConfig.from_dict(data, source=path)
+        if config.extra:
+            keys = ", ".join(repr(k) for k in sorted(config.extra, key=str))
+            raise ConfigError(f"The config file at {display_path(path)} had unknown keys ({keys}): remove them (or "
+                              "fix their names), or upgrade nbaccel if a newer Accelerate wrote them.")
+        return config
     try:
         return SageMakerConfig.from_dict(data, source=path)
     except TypeError as error:  # a required SageMaker key is missing

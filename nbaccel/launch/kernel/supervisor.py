@@ -194,8 +194,11 @@ class Supervisor:
                               stacklevel=2)
 
     def _forwarder(self, worker: WorkerHandle, stream: str) -> LineForwarder:
+        redrawing = [False]  # the stream has live rows: the line it ends now is a progress bar's final state
+
         def deliver(line: str) -> None:
-            target = self.stdout if stream == "stdout" else self.stderr
+            # A finished progress bar (tqdm writes to stderr) is shown as it was while live, not as an error.
+            target = self.stdout if stream == "stdout" or redrawing[0] else self.stderr
             try:
                 target.write(f"[rank {worker.rank}] {line}\n")
             except Exception:
@@ -203,6 +206,7 @@ class Supervisor:
             self.notify(messages.output(worker.rank, worker.local_rank, stream, line))
 
         def live(rows: list[str]) -> None:
+            redrawing[0] = bool(rows)
             self.cell.live(worker.rank, stream, rows)
             self.notify(messages.live(worker.rank, worker.local_rank, stream, rows))
 

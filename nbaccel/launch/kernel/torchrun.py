@@ -19,10 +19,11 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import COLLECTIVE_WATCH_ENV, SCRIPT_ENTRY
+from ...utils.constants import COLLECTIVE_WATCH_ENV, LINE_LOCK_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
@@ -124,6 +125,8 @@ class TorchrunBackend(ThreadedBackend):
                 self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
                 plan = dataclasses.replace(plan, script=dataclasses.replace(plan.script, log_dir=own_logs))
             self.watch = None if plan.script.no_python else self._start_watch()
+            if not plan.script.no_python:
+                self._share_line_lock()
             args = torchrun.get_args_parser().parse_args(torchrun_arguments(plan, watched=self.watch is not None))
             self._target = lambda: torchrun.run(args)
             self._before = set(_children())
@@ -155,6 +158,18 @@ class TorchrunBackend(ThreadedBackend):
         if quiet:
             for name in AGENT_LOGGERS:
                 logging.getLogger(name).setLevel(logging.ERROR)
+
+    def _share_line_lock(self) -> None:
+        """A file for the ranks' line relays to lock while writing, named to them in LINE_LOCK_ENV (removed
+        after the launch). Where no file can be made each relay writes unlocked, still line by line."""
+        try:
+            fd, path = tempfile.mkstemp(prefix="nbaccel-lines-")
+        except OSError:
+            return
+        os.close(fd)
+        os.environ[LINE_LOCK_ENV] = path
+        self._cleanup.callback(os.environ.pop, LINE_LOCK_ENV, None)
+        self._cleanup.callback(contextlib.suppress(OSError)(os.unlink), path)
 
     def _start_watch(self) -> CollectiveWatch | None:
         """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock

@@ -8,6 +8,7 @@ device next to torch's short preview. A value that reads the same on every rank 
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,14 @@ def tail(text: str, max_lines: int = MAX_LINES) -> str:
         return "\n".join(lines)
     return "\n".join([f"... ({len(lines) - max_lines} earlier lines: see .stdout/.stderr of the results)",
                       *lines[-max_lines:]])
+
+
+def split_progress(text: str) -> tuple[str, str]:
+    """(the lines a progress bar redrew with carriage returns, every other line) of a stream's text."""
+    progress, other = [], []
+    for line in re.findall(r"[^\n]*\n|[^\n]+$", text):  # not splitlines: it splits at "\r" too
+        (progress if "\r" in line.rstrip("\r\n") else other).append(line)
+    return "".join(progress), "".join(other)
 
 
 def value_line(result: Any) -> str | None:
@@ -100,8 +109,12 @@ def render_html(results: Sequence[Any]) -> str:
         parts = [f"<div>{head}</div>"]
         if result.stdout:
             parts.append(f"<pre style='{_PRE}'>{html.escape(tail(result.stdout))}</pre>")
-        if result.stderr:
-            parts.append(f"<pre style='{_PRE};background:#fdd'>{html.escape(tail(result.stderr))}</pre>")
+        if result.stderr:  # progress bars (tqdm writes to stderr) look as they did live, not like errors
+            progress, other = split_progress(result.stderr)
+            if progress:
+                parts.append(f"<pre class='nbaccel-progress' style='{_PRE}'>{html.escape(tail(progress))}</pre>")
+            if other:
+                parts.append(f"<pre style='{_PRE};background:#fdd'>{html.escape(tail(other))}</pre>")
         if result.error is not None:
             text = result.error.traceback.rstrip() or f"{result.error.exc_type}: {result.error.message}"
             parts.append(f"<pre style='{_PRE};color:#b00'>{html.escape(text)}</pre>")

@@ -6,7 +6,8 @@ connects to it and reports every nbaccel collective the rank enters and leaves (
 per collective, one socket write per 50 ms), then how the script ended. Then it runs TARGET as `__main__`
 with the `sys.argv`, `__file__` and `sys.path[0]` that `python TARGET ARGS` (or `python -m TARGET ARGS`) gives, and
 prints an uncaught exception's traceback without this entry's frames. If the socket cannot be reached the
-script runs all the same, unwatched. The rank dies with the launching process, even a SIGKILLed one (torch
+script runs all the same, unwatched. Read through a pipe, the rank's output goes through a line relay first
+(line_relay.py): its lines never mix with another rank's. The rank dies with the launching process, even a SIGKILLed one (torch
 elastic starts each rank in a session of its own, out of reach of a signal to the launch's group).
 """
 
@@ -29,11 +30,13 @@ from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
+from .line_relay import relay_whole_lines
 from .parent_death import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run `[--module] TARGET ARGS...` (the command line torchrun passes) as the rank's `__main__`."""
+    relay_whole_lines()  # through a pipe, each line the rank writes arrives whole (line_relay.py)
     die_with_parent()  # torch elastic starts each rank in its own session: a SIGKILLed launch would leave it running
     argv = list(sys.argv[1:] if argv is None else argv)
     as_module = argv[:1] == ["--module"]

@@ -1,0 +1,76 @@
+"""`nbaccel launch` read through a pipe: every line a rank writes arrives whole, however fast both ranks print.
+
+torchrun runs the ranks with `python -u` on the launch's stdout/stderr: `print()` writes its text and its
+newline apart, so without nbaccel's line relay (nbaccel/launch/worker/line_relay.py) two ranks printing at
+once mix their lines (`epoch 2: loss 0.435rank 1 of 2 done on cpu`). The script below prints thousands of
+lines of varying length from 2 ranks at once, some written in pieces, some longer than the pipe's atomic
+write size (PIPE_BUF, 4096 bytes), on stdout and stderr; the test reads both through pipes and checks every
+line: whole, each rank's in order, none lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parent.parent
+LINES = 3000
+
+SCRIPT = """
+    import os, sys
+
+    rank = int(os.environ["RANK"])
+    lines = int(sys.argv[1])
+
+    def body(i):
+        size = 6000 if i % 500 == 7 else (i * 37 + rank * 11) % 300  # a few longer than PIPE_BUF
+        return f"rank {rank} line {i} " + "x" * size + f" size {size} end {rank}.{i}"
+
+    for i in range(lines):
+        text = body(i)
+        if i % 3 == 0:
+            print(text)  # text, then its newline: two writes under python -u
+        elif i % 3 == 1:  # in pieces, the line's end a write of its own
+            half = len(text) // 2
+            sys.stdout.write(text[:half]); sys.stdout.flush()
+            sys.stdout.write(text[half:]); sys.stdout.flush()
+            sys.stdout.write("\\n"); sys.stdout.flush()
+        else:
+            print(text, file=sys.stderr)
+    print(f"rank {rank} done", flush=True)
+"""
+
+LINE = re.compile(r"rank (\d) line (\d+) (x*) size (\d+) end (\d)\.(\d+)")
+
+
+def test_each_line_of_two_ranks_printing_at_once_arrives_whole_through_a_pipe(tmp_path):
+    script = tmp_path / "print_lines.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "-q",
+                          str(script), str(LINES)],
+                         capture_output=True, env=env, cwd=tmp_path, timeout=200)
+    out, err = run.stdout.decode(), run.stderr.decode()
+    assert run.returncode == 0, err[-3000:]
+    seen: dict[tuple[int, str], list[int]] = {(rank, name): [] for rank in (0, 1) for name in ("out", "err")}
+    for name, text in (("out", out), ("err", err)):
+        for line in text.splitlines():
+            if not line.startswith("rank ") or re.fullmatch(r"rank \d done", line):
+                continue  # torch's or the launcher's own lines
+            found = LINE.fullmatch(line)
+            assert found, f"a mixed or cut line on std{name}: {line[:200]!r}"
+            rank, index, xs, size, end_rank, end_index = found.groups()
+            assert (rank, index) == (end_rank, end_index) and len(xs) == int(size), line[:200]
+            seen[(int(rank), name)].append(int(index))
+    for rank in (0, 1):
+        assert seen[(rank, "out")] == [i for i in range(LINES) if i % 3 != 2], f"rank {rank}'s stdout lines"
+        assert seen[(rank, "err")] == [i for i in range(LINES) if i % 3 == 2], f"rank {rank}'s stderr lines"
+        assert f"rank {rank} done" in out.splitlines()
