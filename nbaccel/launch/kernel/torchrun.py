@@ -169,7 +169,7 @@ class TorchrunBackend(ThreadedBackend):
         os.close(fd)
         os.environ[LINE_LOCK_ENV] = path
         self._cleanup.callback(os.environ.pop, LINE_LOCK_ENV, None)
-        self._cleanup.callback(contextlib.suppress(OSError)(os.unlink), path)
+        self._cleanup.callback(_remove_quietly, path)
 
     def _start_watch(self) -> CollectiveWatch | None:
         """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
@@ -263,3 +263,8 @@ def _open_loopback_store(port: int | None) -> LoopbackStore:
                       "instead. Pass another --main_process_port (or 0 for a free one) to choose.", stacklevel=2)
         return open_loopback_store(0)
 
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
