@@ -525,11 +525,22 @@ def run_settings(s: LaunchSettings) -> int:
         return 128 + int(exc.sigval)
     finally:
         if watch is not None:
+            _stop_rank_sessions(watch.rank_pids)
             watch.close()
             os.environ.pop(COLLECTIVE_WATCH_ENV, None)
         if own_logs is not None:
             shutil.rmtree(own_logs, ignore_errors=True)
     return 0
+
+
+def _stop_rank_sessions(pids: set[int]) -> None:
+    """Stop what the ranks started and left running: torch elastic starts each rank in a session of its own
+    and signals the sessions of live ranks only, so a dead rank's children (re-parented to pid 1, holding
+    the launch's stdout) would outlive the launch. Each rank's process group goes, as notebook_launcher's
+    (launch/kernel/processes.py)."""
+    from ..launch.kernel.processes import stop_groups
+
+    stop_groups(pids)
 
 
 def _exit_reason(exitcode: int) -> str:

@@ -21,7 +21,7 @@ from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, RankState, Result, Status
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
-from .parent_death import die_with_parent
+from .parent_death import die_with_parent, lead_own_group
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -36,6 +36,7 @@ def run_worker(
 ) -> None:
     """Run the pickled `(function, args, kwargs)` with `env` set; exit code 1 after reporting a failure."""
     die_with_parent()  # even a SIGKILLed kernel leaves no rank running
+    lead_own_group()  # what the rank starts is stopped with it, even after the rank died (kernel/processes.py)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)
