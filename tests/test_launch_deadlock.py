@@ -248,3 +248,43 @@ def test_tracker_rules():
     tracker.on_message(0, {"event": "exit", "op": "reduce"})
     tracker.on_message(0, _enter("reduce", [[3]], 95.0))
     assert "rank 1 finished the function" in tracker.check([0, 1], now).summary
+
+
+def raw_different_operations():
+    import torch.distributed as dist
+
+    state = _state()
+    t = torch.ones(3)
+    if state.process_index == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=1)
+
+
+def raw_slow_but_matching():
+    import torch.distributed as dist
+
+    state = _state()
+    total = torch.ones(2)
+    if state.process_index == 1:
+        time.sleep(4)  # rank 0 waits alone in the same raw all_reduce, sampled there, longer than the grace
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def test_raw_torch_distributed_calls_are_named_with_their_lines():
+    """Raw `torch.distributed` calls are not traced: the ranks' own watch samples where they block
+    (launch/worker/raw_calls.py)."""
+    message, elapsed, error = _launch(raw_different_operations)
+    assert elapsed < BOUND, message
+    assert message.startswith("not every rank entered the same collective"), message
+    assert (f"rank 0 waits in torch.distributed.all_reduce at {_line(raw_different_operations, 'dist.all_reduce(t)')}"
+            in message), message
+    assert (f"rank 1 waits in torch.distributed.broadcast at {_line(raw_different_operations, 'dist.broadcast(t')}"
+            in message), message
+    assert "rank 0, main thread" in message and "dist.all_reduce(t)" in message  # its stack
+    assert sorted(error.failures) == [0, 1]
+
+
+def test_raw_matching_calls_that_are_only_slow_complete():
+    assert notebook_launcher(raw_slow_but_matching, num_processes=2, dashboard=False) == [[2.0, 2.0]] * 2
