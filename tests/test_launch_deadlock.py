@@ -288,3 +288,42 @@ def test_raw_torch_distributed_calls_are_named_with_their_lines():
 
 def test_raw_matching_calls_that_are_only_slow_complete():
     assert notebook_launcher(raw_slow_but_matching, num_processes=2, dashboard=False) == [[2.0, 2.0]] * 2
+
+
+def test_tracker_raw_rules():
+    """Sampled raw calls (`event` raw): compared by operation only, believed only while fresh and, against a
+    rank that finished, only when seen well after its end (a rank may take a moment to leave a call that met)."""
+    now = time.time()
+
+    def raw(op, started=now - 3, seen=now, site="train.py:12"):
+        return {"event": "raw", "op": op, "site": site, "started": started, "seen": seen, "stack": ""}
+
+    tracker = CollectiveTracker()
+    tracker.on_message(0, raw("torch.distributed.all_reduce"))
+    tracker.on_message(1, raw("torch.distributed.broadcast", site="train.py:14"))
+    found = tracker.check([0, 1], now)
+    assert found is not None and "rank 0 waits in torch.distributed.all_reduce at train.py:12" in found.summary
+    assert "rank 1 waits in torch.distributed.broadcast at train.py:14" in found.summary
+
+    same = CollectiveTracker()  # one operation, slow: never a deadlock, whatever the lines
+    same.on_message(0, raw("torch.distributed.all_reduce"))
+    same.on_message(1, raw("torch.distributed.all_reduce", site="train.py:20"))
+    assert same.check([0, 1], now) is None
+
+    ended = CollectiveTracker()  # rank 1 finished; rank 0's sample is from just after its end: not yet believed
+    ended.finished(1)
+    end = ended.ranks[1].finished_at
+    ended.on_message(0, raw("torch.distributed.all_reduce", seen=end + 0.1))
+    assert ended.check([0, 1], end + 0.2) is None
+    ended.on_message(0, raw("torch.distributed.all_reduce", seen=end + 0.6))
+    assert ended.check([0, 1], end + 0.7) is not None
+
+    stale = CollectiveTracker()  # samples stop (the rank left the call and the news is late): not believed
+    stale.on_message(0, raw("torch.distributed.all_reduce", seen=now - 5))
+    stale.on_message(1, raw("torch.distributed.broadcast", seen=now - 5))
+    assert stale.check([0, 1], now) is None
+
+    left = CollectiveTracker()
+    left.on_message(0, raw("torch.distributed.all_reduce"))
+    left.on_message(0, {"event": "raw", "op": None, "seen": now})
+    assert not left.active()

@@ -31,6 +31,7 @@ from ..messages import RankState
 GRACE = 2.0  # seconds every rank must be stuck before differing collectives count as a deadlock
 CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective
 RAW_FRESH = 2.0  # seconds a rank's sample of a raw torch.distributed call stays believed (it samples every 0.5 s)
+RAW_SETTLE = 0.5  # seconds after a peer's end from which such a sample counts against that peer
 RECORD_FIELDS = ("op", "call", "shapes", "dtypes", "site", "started")
 HISTORY = 256  # collectives remembered per rank for the comparison (ranks never drift far apart: they sync)
 DEADLOCK_HEAD = "not every rank entered the same collective"  # the report's first line (notebook_launcher, nbaccel launch)
@@ -162,15 +163,16 @@ class CollectiveTracker:
         return states
 
     def _raw_wait(self, state: RankCollectives) -> dict[str, Any] | None:
-        """The raw collective `state`'s rank waits in, if its rank saw it there recently and after every other
-        rank's end: a sample older than that may be of a call the rank has left since (the sample saying so
-        is still on its way, while a rank's end is sent at once)."""
+        """The raw collective `state`'s rank waits in, if its rank saw it there recently and well after every
+        other rank's end: a sample older than that may be of a call the rank has left since (the sample
+        saying so is still on its way, while a rank's end is sent at once), and a rank of a loaded machine
+        may take a moment to return from a collective its peer already left."""
         raw = state.raw
         if raw is None or raw.get("started") is None:
             return None
         seen = float(raw.get("seen") or 0.0)
         last_end = max((other.finished_at for other in self.ranks.values()), default=0.0)
-        if seen <= last_end or seen < time.time() - RAW_FRESH:
+        if seen <= last_end + RAW_SETTLE or seen < time.time() - RAW_FRESH:
             return None
         return raw
 

@@ -246,7 +246,7 @@ def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
         for proc in alive:
             proc.join(max(0.0, deadline - time.monotonic()))
         while time.monotonic() < deadline and groups_alive(leaders):
-            time.sleep(0.01)
+            time.sleep(0.02)
     finally:  # also when interrupted again while waiting: nothing may outlive the launch
         for proc in alive:
             if proc.is_alive():
@@ -284,7 +284,7 @@ def stop_groups(leaders: Iterable[int], grace: float = STOP_GRACE) -> None:
     signal_groups(leaders, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and groups_alive(leaders):
-        time.sleep(0.01)
+        time.sleep(0.02)
     signal_groups(leaders, signal.SIGKILL)
 
 
