@@ -41,7 +41,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, rounds: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: bool = False) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -94,6 +94,12 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue) -> None:
     Thread(target=drain, daemon=True).start()
     sink = WorkerSink(worker_end, rank)
     traced = "gather: nbaccel, launch telemetry on"
+    if raw_watch:  # what a launch's rank runs besides: the thread sampling its stack for raw torch.distributed calls
+        from functools import partial
+
+        from nbaccel.launch.worker.raw_calls import watch_raw_collectives
+
+        watch_raw_collectives(partial(sink.send, "collective"))
 
     variants = {
         "gather: nbaccel": lambda: ops.gather(data),
@@ -144,12 +150,14 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1500)
+    parser.add_argument("--raw-watch", action="store_true",
+                        help="run each rank's raw torch.distributed watch (worker/raw_calls.py), as a launch does")
     args = parser.parse_args()
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, queue, args.raw_watch)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -160,7 +168,8 @@ def main() -> None:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    print(f"{world} gloo processes, torch {torch.__version__}, {args.rounds} rounds of one call per variant "
+    print(f"{world} gloo processes, torch {torch.__version__}, {args.rounds} rounds of one call per variant, "
+          f"raw-call watch {'on' if args.raw_watch else 'off'} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"  {'':<40} {'wall (median)':>13} {'CPU (rank 0, mean)':>19}")
     for name, (wall, cpu) in medians.items():

@@ -297,3 +297,22 @@ def test_a_rank_stopped_in_its_teardown_still_finished():
     watch.close()
     diagnosis = watch.after_failure({0: "exit code 1", 1: "signal 15"})
     assert diagnosis is not None and "rank 1 finished the script" in diagnosis.summary, diagnosis
+
+
+def test_raw_torch_distributed_calls_are_named(tmp_path):
+    """The script's own torch.distributed calls, which nbaccel does not trace, are sampled where they block
+    (launch/worker/raw_calls.py)."""
+    code, out, err, elapsed = launch(tmp_path, """
+        import torch.distributed as dist
+        t = torch.ones(3)
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=1)
+        print("unreachable", flush=True)
+    """)
+    assert code == 1, err
+    assert "unreachable" not in out
+    assert "nbaccel launch: not every rank entered the same collective:" in err
+    assert f"rank 0 waits in torch.distributed.all_reduce at {line_of(tmp_path, 'dist.all_reduce(t)')}" in err
+    assert f"rank 1 waits in torch.distributed.broadcast at {line_of(tmp_path, 'dist.broadcast(t')}" in err

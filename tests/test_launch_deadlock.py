@@ -248,3 +248,82 @@ def test_tracker_rules():
     tracker.on_message(0, {"event": "exit", "op": "reduce"})
     tracker.on_message(0, _enter("reduce", [[3]], 95.0))
     assert "rank 1 finished the function" in tracker.check([0, 1], now).summary
+
+
+def raw_different_operations():
+    import torch.distributed as dist
+
+    state = _state()
+    t = torch.ones(3)
+    if state.process_index == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=1)
+
+
+def raw_slow_but_matching():
+    import torch.distributed as dist
+
+    state = _state()
+    total = torch.ones(2)
+    if state.process_index == 1:
+        time.sleep(4)  # rank 0 waits alone in the same raw all_reduce, sampled there, longer than the grace
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def test_raw_torch_distributed_calls_are_named_with_their_lines():
+    """Raw `torch.distributed` calls are not traced: the ranks' own watch samples where they block
+    (launch/worker/raw_calls.py)."""
+    message, elapsed, error = _launch(raw_different_operations)
+    assert elapsed < BOUND, message
+    assert message.startswith("not every rank entered the same collective"), message
+    assert (f"rank 0 waits in torch.distributed.all_reduce at {_line(raw_different_operations, 'dist.all_reduce(t)')}"
+            in message), message
+    assert (f"rank 1 waits in torch.distributed.broadcast at {_line(raw_different_operations, 'dist.broadcast(t')}"
+            in message), message
+    assert "rank 0, main thread" in message and "dist.all_reduce(t)" in message  # its stack
+    assert sorted(error.failures) == [0, 1]
+
+
+def test_raw_matching_calls_that_are_only_slow_complete():
+    assert notebook_launcher(raw_slow_but_matching, num_processes=2, dashboard=False) == [[2.0, 2.0]] * 2
+
+
+def test_tracker_raw_rules():
+    """Sampled raw calls (`event` raw): compared by operation only, believed only while fresh and, against a
+    rank that finished, only when seen well after its end (a rank may take a moment to leave a call that met)."""
+    now = time.time()
+
+    def raw(op, started=now - 3, seen=now, site="train.py:12"):
+        return {"event": "raw", "op": op, "site": site, "started": started, "seen": seen, "stack": ""}
+
+    tracker = CollectiveTracker()
+    tracker.on_message(0, raw("torch.distributed.all_reduce"))
+    tracker.on_message(1, raw("torch.distributed.broadcast", site="train.py:14"))
+    found = tracker.check([0, 1], now)
+    assert found is not None and "rank 0 waits in torch.distributed.all_reduce at train.py:12" in found.summary
+    assert "rank 1 waits in torch.distributed.broadcast at train.py:14" in found.summary
+
+    same = CollectiveTracker()  # one operation, slow: never a deadlock, whatever the lines
+    same.on_message(0, raw("torch.distributed.all_reduce"))
+    same.on_message(1, raw("torch.distributed.all_reduce", site="train.py:20"))
+    assert same.check([0, 1], now) is None
+
+    ended = CollectiveTracker()  # rank 1 finished; rank 0's sample is from just after its end: not yet believed
+    ended.finished(1)
+    end = ended.ranks[1].finished_at
+    ended.on_message(0, raw("torch.distributed.all_reduce", seen=end + 0.1))
+    assert ended.check([0, 1], end + 0.2) is None
+    ended.on_message(0, raw("torch.distributed.all_reduce", seen=end + 0.6))
+    assert ended.check([0, 1], end + 0.7) is not None
+
+    stale = CollectiveTracker()  # samples stop (the rank left the call and the news is late): not believed
+    stale.on_message(0, raw("torch.distributed.all_reduce", seen=now - 5))
+    stale.on_message(1, raw("torch.distributed.broadcast", seen=now - 5))
+    assert stale.check([0, 1], now) is None
+
+    left = CollectiveTracker()
+    left.on_message(0, raw("torch.distributed.all_reduce"))
+    left.on_message(0, {"event": "raw", "op": None, "seen": now})
+    assert not left.active()

@@ -51,8 +51,8 @@ class RankProgress:
             return record.describe(), max(0.0, now - record.started)
         raw = self.snapshot.get("raw_call")
         if raw:
-            line = self.snapshot.get("line")
-            where = f"{raw} at cell line {line}" if line else raw
+            line, site = self.snapshot.get("line"), self.snapshot.get("site")
+            where = f"{raw} at cell line {line}" if line else f"{raw} at {site}" if site else raw
             return where, max(0.0, now - (self.raw_since or now))
         return None
 

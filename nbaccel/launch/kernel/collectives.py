@@ -30,6 +30,8 @@ from ..messages import RankState
 
 GRACE = 2.0  # seconds every rank must be stuck before differing collectives count as a deadlock
 CHECK_INTERVAL = 0.25  # seconds between checks while some rank is inside a collective
+RAW_FRESH = 2.0  # seconds a rank's sample of a raw torch.distributed call stays believed (it samples every 0.5 s)
+RAW_SETTLE = 0.5  # seconds after a peer's end from which such a sample counts against that peer
 RECORD_FIELDS = ("op", "call", "shapes", "dtypes", "site", "started")
 HISTORY = 256  # collectives remembered per rank for the comparison (ranks never drift far apart: they sync)
 DEADLOCK_HEAD = "not every rank entered the same collective"  # the report's first line (notebook_launcher, nbaccel launch)
@@ -49,6 +51,8 @@ class RankCollectives:
     error: str = ""
     entered: int = 0  # collectives entered so far: the next one's sequence number is entered + 1
     history: dict[int, dict[str, Any]] = field(default_factory=dict)  # the last HISTORY records, by seq
+    raw: dict[str, Any] | None = None  # the raw torch.distributed collective it was last seen blocked in
+    finished_at: float = 0.0  # when the kernel heard it finished (time.time())
 
 
 class CollectiveTracker:
@@ -71,6 +75,9 @@ class CollectiveTracker:
     def on_message(self, rank: int, message: dict[str, Any]) -> None:
         """A `collective` message of `rank`."""
         state = self._rank(rank)
+        if message.get("event") == "raw":  # sampled by the rank (worker/raw_calls.py): not numbered, not compared
+            state.raw = message if message.get("op") else None
+            return
         if message.get("event") == "enter":
             state.entered += 1
             record = {name: message.get(name) for name in RECORD_FIELDS}
@@ -115,7 +122,8 @@ class CollectiveTracker:
 
     def finished(self, rank: int) -> None:
         """`rank` returned from the function."""
-        self._rank(rank).phase = RankState.FINISHED
+        state = self._rank(rank)
+        state.phase, state.finished_at = RankState.FINISHED, time.time()
 
     def failed(self, rank: int, error: str) -> None:
         """`rank` failed. A rank that finished keeps that: stopped in its teardown (torch elastic stops every
@@ -133,7 +141,7 @@ class CollectiveTracker:
     # ------------------------------------------------------------------ what the supervisor asks
     def active(self) -> bool:
         """Some rank is inside a collective (the only time `check` can find anything)."""
-        return self._open > 0
+        return self._open > 0 or any(state.raw is not None for state in self.ranks.values())
 
     def states(self, ranks: Iterable[int], failure_view: bool = False) -> list[RankProgress]:
         """hang_report's picture of `ranks`. `failure_view`: a rank whose error came out of a collective is
@@ -144,11 +152,29 @@ class CollectiveTracker:
             record = state.inside[-1] if state.inside else None
             if failure_view and record is None and state.phase == RankState.FAILED:
                 record = state.failed_in
-            if state.phase == RankState.RUNNING or (failure_view and record is not None):
+            if state.phase == RankState.RUNNING and record is None and (raw := self._raw_wait(state)) is not None:
+                states.append(RankProgress(rank, RankState.RUNNING, work=self.work, raw_since=raw["started"],
+                                           snapshot={"raw_call": raw["op"], "site": raw.get("site"),
+                                                     "stack": raw.get("stack", "")}))
+            elif state.phase == RankState.RUNNING or (failure_view and record is not None):
                 states.append(RankProgress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work))
             else:
                 states.append(RankProgress(rank, state.phase, state.error, work=self.work))
         return states
+
+    def _raw_wait(self, state: RankCollectives) -> dict[str, Any] | None:
+        """The raw collective `state`'s rank waits in, if its rank saw it there recently and well after every
+        other rank's end: a sample older than that may be of a call the rank has left since (the sample
+        saying so is still on its way, while a rank's end is sent at once), and a rank of a loaded machine
+        may take a moment to return from a collective its peer already left."""
+        raw = state.raw
+        if raw is None or raw.get("started") is None:
+            return None
+        seen = float(raw.get("seen") or 0.0)
+        last_end = max((other.finished_at for other in self.ranks.values()), default=0.0)
+        if seen <= last_end + RAW_SETTLE or seen < time.time() - RAW_FRESH:
+            return None
+        return raw
 
     def check(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """A deadlock to report now, or None (also for matching collectives that are only slow)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import signal
 from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
@@ -10,7 +11,7 @@ from ..errors import WorkerFailure
 from ..worker.entry import run_worker
 from .fork_thread import start_process
 from .pipes import Pipes
-from .processes import get_context, main_module_hidden, stop_processes
+from .processes import get_context, main_module_hidden, signal_groups, stop_processes
 from .supervisor import WorkerHandle
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class LocalBackend:
             if code is not None:
                 self._reported.add(i)
                 exits.append((i, code))
+                # what it started and left running (re-parented to pid 1, holding its output pipes) ends too
+                signal_groups([proc.pid], signal.SIGTERM)
         return exits
 
     def finished(self) -> bool:
@@ -83,7 +86,9 @@ class LocalBackend:
         return {}
 
     def close(self) -> None:
-        """Release the process objects (each holds a sentinel pipe until garbage collection otherwise)."""
+        """Kill what the ranks started and left (their process groups), and release the process objects (each
+        holds a sentinel pipe until garbage collection otherwise)."""
+        signal_groups([proc.pid for proc in self.processes if proc.pid is not None], signal.SIGKILL)
         for proc in self.processes:
             try:
                 if proc.exitcode is None:

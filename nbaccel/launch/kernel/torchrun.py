@@ -27,7 +27,7 @@ from ...utils.constants import COLLECTIVE_WATCH_ENV, LINE_LOCK_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
-from .processes import signal_name
+from .processes import signal_name, stop_groups
 from .threaded import ThreadedBackend, _children
 
 if TYPE_CHECKING:
@@ -243,8 +243,12 @@ class TorchrunBackend(ThreadedBackend):
         return None if self.watch is None else self.watch.after_failure(failed)
 
     def close(self) -> None:
-        """Close the watch (after reading what the ranks sent last), the rendezvous and the log folder."""
+        """Stop what the ranks left running, then close the watch (after reading what the ranks sent last), the
+        rendezvous and the log folder. torch elastic starts each rank in a session of its own and signals the
+        sessions of live ranks only, so a dead rank's children (re-parented to pid 1, holding the launch's
+        stdout) would outlive the launch: each rank's process group goes, as notebook_launcher's."""
         if self.watch is not None:
+            stop_groups(self.watch.rank_pids)
             self.watch.close()
         self._cleanup.close()
         if self._done_read >= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,11 @@ from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages
 from ..channel import WorkerSink, close_quietly
-from ..messages import PRELOADABLE_MODULES, Failure, RankState, Result, Status
+from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
-from .parent_death import die_with_parent
+from .parent_death import die_with_parent, lead_own_group
+from .raw_calls import watch_raw_collectives
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -36,6 +38,7 @@ def run_worker(
 ) -> None:
     """Run the pickled `(function, args, kwargs)` with `env` set; exit code 1 after reporting a failure."""
     die_with_parent()  # even a SIGKILLed kernel leaves no rank running
+    lead_own_group()  # what the rank starts is stopped with it, even after the rank died (kernel/processes.py)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)
@@ -79,12 +82,17 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
         sink(Status(sink.rank, RankState.RUNNING, device=device).to_wire())
         start_memory_reports(telemetry, sink)
+        # which raw torch.distributed collective the function is blocked in, if any (sampled, costs no call)
+        raw = None if thread_rank else watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value))
         try:
             value = function(*args, **kwargs)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
             value = None
+        finally:
+            if raw is not None:
+                raw.stop()
         rank_display.finish()  # figures still open are shown, as at the end of a notebook cell
         try:
             data = shared_tensors.dumps_value(value)  # large tensors through shared memory

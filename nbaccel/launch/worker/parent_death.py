@@ -1,4 +1,5 @@
-"""A launched rank never outlives the process that launched it, even when that one is SIGKILLed.
+"""A launched rank never outlives the process that launched it, even when that one is SIGKILLed; and what
+the rank starts stays in the rank's own process group, which the launcher stops as one (kernel/processes.py).
 
 Linux: `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes the OS kill the rank the moment its parent dies (no thread,
 no polling). Elsewhere (macOS) a daemon thread checks every half second whether the parent is gone (the
@@ -43,3 +44,18 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_INTERVAL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lead_own_group() -> None:
+    """Make this rank the leader of a process group of its own, called before it starts anything.
+
+    Every process the rank starts (a `subprocess.Popen`, a data loader worker, their children) joins the
+    group and stays in it after the rank dies (re-parented to pid 1), so the launcher stops all of them with
+    one `killpg(rank's pid)`, dead rank or alive (kernel/processes.py `stop_processes`). It also keeps a
+    terminal's or Jupyter's SIGINT to the launcher's group from reaching the rank: the launcher stops it.
+    """
+    if hasattr(os, "setpgid"):
+        try:
+            os.setpgid(0, 0)
+        except OSError:  # already a session leader (torch elastic's subprocesses): its group is its own
+            pass

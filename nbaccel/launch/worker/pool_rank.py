@@ -34,7 +34,7 @@ from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
 from . import rank_display
 from .entry import _destroy_process_group, apply_cpu_threads
-from .parent_death import die_with_parent
+from .parent_death import die_with_parent, lead_own_group
 
 CELL_PREFIX = "<rank-cell-"
 # the commands by their wire strings, and the members the loop compares with: module constants, because an Enum
@@ -62,8 +62,8 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         die_with_parent()  # the kernel's death (even SIGKILL) kills this rank too
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
         close_quietly(fd)
-    if hasattr(os, "setpgid"):
-        os.setpgid(0, 0)  # a terminal's or Jupyter's SIGINT reaches the kernel only; the pool forwards it
+    lead_own_group()  # a terminal's or Jupyter's SIGINT reaches the kernel only (the pool forwards it); the
+    # rank's children stay in its group, stopped with it
     signal.signal(signal.SIGINT, _on_interrupt)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)

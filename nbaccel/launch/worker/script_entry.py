@@ -32,6 +32,7 @@ from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
 from .line_relay import relay_whole_lines
 from .parent_death import die_with_parent
+from .raw_calls import watch_raw_collectives
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +107,7 @@ def _connect() -> WorkerSink | None:
         sink.send(MessageKind.COLLECTIVE.value, **telemetry.collective_fields(event, record))
 
     collective_trace.add_listener(report)
+    watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))  # the script's own calls
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
     return sink

@@ -1,0 +1,108 @@
+"""A launched rank's watch on raw `torch.distributed` collectives: which one its main thread is blocked in.
+
+nbaccel's own collectives are traced exactly (`utils/collective_trace.py`); a script's own
+`dist.all_reduce(...)` is not, and wrapping every torch.distributed function would make every call pay.
+Instead a daemon thread looks at the main thread's stack (`sys._current_frames()`) every SAMPLE seconds: a
+frame of one of torch.distributed's collectives, outside any traced collective, is reported as a
+`collective` message with `event` "raw" (the torch function, the user's line that called it, when the rank
+was first seen in it, when it was last seen, and the stack down to it), again at each sample while the rank
+stays there, and once with `op` None when it left. A call shorter than a sample is seen now and then or
+never: it costs nothing, and only a call that blocks matters. The kernel (kernel/collectives.py) treats a
+rank seen in a raw collective as waiting there, for hang_report's rules. RankPool's ranks answer the same
+question from their status snapshots (worker/pool_rank.py `snapshot`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import FrameType
+
+SAMPLE = 0.5  # seconds between looks at the main thread's stack
+# torch.distributed's collectives (distributed_c10d): point-to-point calls (send/recv) are left out, since a
+# matching pair has different names
+COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
+    "all_gather_into_tensor", "all_gather_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
+    "monitored_barrier",
+})
+_TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the rank entries' folder (worker/)
+
+
+def raw_collective(frame: FrameType | None) -> tuple[str, list[traceback.FrameSummary]] | None:
+    """(the torch.distributed collective the stack of `frame` is in, the stack from the outermost frame down
+    to it), or None. The outermost such frame counts: torch's collectives call each other inside."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for index in range(len(frames) - 1, -1, -1):
+        code = frames[index].f_code
+        if code.co_name in COLLECTIVES and _TORCH_DISTRIBUTED in code.co_filename:
+            stack = traceback.StackSummary.extract(
+                ((f, f.f_lineno) for f in reversed(frames[index:])), lookup_lines=True)
+            return f"torch.distributed.{code.co_name}", list(stack)
+    return None
+
+
+class RawCollectiveWatch:
+    """The sampling thread (see the module docstring); `send(**fields)` gets each report; `stop()` ends it."""
+
+    def __init__(self, send: Callable[..., None], main_ident: int | None = None,
+                 interval: float = SAMPLE) -> None:
+        self._send = send
+        self._main = threading.main_thread().ident if main_ident is None else main_ident
+        self._interval = interval
+        self._stop = threading.Event()
+        self._inside: tuple[str, str] | None = None  # (op, site) of the raw collective the rank is in
+        self._started = 0.0
+        self._thread = threading.Thread(target=self._run, name="nbaccel-raw-collectives", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        from ...utils import collective_trace
+
+        try:
+            while not self._stop.wait(self._interval):
+                frame = sys._current_frames().get(self._main)
+                found = None if frame is None or collective_trace.current() is not None else raw_collective(frame)
+                del frame
+                self._report(found)
+        except Exception:  # the watch must never disturb the rank
+            pass
+
+    def _report(self, found: tuple[str, list[traceback.FrameSummary]] | None) -> None:
+        now = time.time()
+        if found is None:
+            if self._inside is not None:
+                self._inside = None
+                self._send(event="raw", op=None, seen=now)
+            return
+        op, stack = found
+        # the line that called into torch.distributed: the innermost frame outside it
+        caller = next((entry for entry in reversed(stack) if _TORCH_DISTRIBUTED not in entry.filename), stack[-1])
+        site = f"{caller.filename}:{caller.lineno}"
+        # the user's part: below the last frame of the rank's entry (this folder), as in a traceback
+        start = next((i + 1 for i in range(len(stack) - 1, -1, -1) if stack[i].filename.startswith(_HERE)), 0)
+        stack = stack[start:]
+        if self._inside != (op, site):
+            self._inside, self._started = (op, site), now
+        self._send(event="raw", op=op, site=site, started=self._started, seen=now,
+                   stack="".join(traceback.format_list(stack[-10:])))
+
+
+def watch_raw_collectives(send: Callable[..., None]) -> RawCollectiveWatch | None:
+    """Start the watch for the calling thread (the one that runs the rank's function or script); None where
+    the interpreter has no `sys._current_frames` (it is CPython's)."""
+    if not hasattr(sys, "_current_frames"):
+        return None
+    return RawCollectiveWatch(send, threading.get_ident())

@@ -1,0 +1,156 @@
+"""Issue 32: every process a rank started is stopped with the launch, the rank dead or alive, through each
+front door (notebook_launcher, RankPool, `nbaccel launch`); and a child holding a dead rank's output pipe
+does not delay the error (it would wait out the supervisor's drain)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (imported here so forked workers inherit it)
+from process_helpers import is_alive, live_children
+
+from nbaccel.launch import LaunchError, notebook_launcher
+from nbaccel.launch.kernel.supervisor import DRAIN
+from nbaccel.launch.pool import RankPool
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _child_then_killed(folder: str, with_child: bool) -> None:
+    """Rank 1 starts `sleep 300` (its pid into `folder`) and SIGKILLs itself; rank 0 waits to be stopped."""
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+        return
+    if with_child:
+        child = subprocess.Popen(["sleep", "300"])
+        Path(folder, "child").write_text(str(child.pid))
+    Path(folder, "killed").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _error_delay(folder: Path, with_child: bool) -> float:
+    """Seconds from rank 1's SIGKILL to notebook_launcher's error."""
+    with pytest.raises(LaunchError) as info:
+        notebook_launcher(_child_then_killed, args=(str(folder), with_child), num_processes=2, dashboard=False,
+                          timeout=120)
+    delay = time.time() - float((folder / "killed").read_text())
+    assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value), str(info.value)
+    return delay
+
+
+def test_notebook_launcher_stops_the_child_of_a_killed_rank_at_once(tmp_path: Path) -> None:
+    plain, child = tmp_path / "plain", tmp_path / "child"
+    plain.mkdir()
+    child.mkdir()
+    delays = {"plain": _error_delay(plain, False)}
+    delays["child"] = _error_delay(child, True)
+    pid = int((child / "child").read_text())
+    assert not is_alive(pid), "the sleep started by the killed rank outlived the launch"
+    assert live_children() == []
+    # the same failure without a child is the yardstick: a child holding the pipe would add the whole drain
+    assert delays["child"] < delays["plain"] + 0.75 * DRAIN, delays
+
+
+def _finishes_leaving_a_child(folder: str) -> int:
+    child = subprocess.Popen(["sleep", "300"])
+    Path(folder, f"child-{os.environ['RANK']}").write_text(str(child.pid))
+    return child.pid
+
+
+def test_notebook_launcher_stops_what_a_finished_rank_left_running(tmp_path: Path) -> None:
+    start = time.monotonic()
+    pids = notebook_launcher(_finishes_leaving_a_child, args=(str(tmp_path),), num_processes=2, dashboard=False,
+                             timeout=120)
+    took = time.monotonic() - start
+    assert not any(is_alive(pid) for pid in pids), "a rank's child outlived the launch"
+    assert live_children() == []
+    assert took < 60  # generous: only a guard against waiting for the children to end by themselves
+
+
+def test_rank_pool_stops_the_child_of_a_killed_rank(tmp_path: Path) -> None:
+    source = textwrap.dedent(f"""
+        import os, signal, subprocess
+        from pathlib import Path
+        if os.environ["RANK"] == "1":
+            child = subprocess.Popen(["sleep", "300"])
+            Path({str(tmp_path)!r}, "child").write_text(str(child.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    with RankPool(2, timeout=60) as pool:
+        start = time.monotonic()
+        results = pool.exec(source, ranks=[1])
+        took = time.monotonic() - start
+        died = [result for result in results if result.error is not None]
+        assert len(died) == 1 and "SIGKILL" in died[0].error.message, results
+        pid = int((tmp_path / "child").read_text())
+        assert not is_alive(pid), "the sleep started by the dead rank outlived the call"
+        assert took < 60  # generous: only a guard against waiting for the child
+    assert live_children() == []
+
+
+def test_rank_pool_stop_ends_what_a_live_rank_started(tmp_path: Path) -> None:
+    source = textwrap.dedent(f"""
+        import os, subprocess
+        from pathlib import Path
+        child = subprocess.Popen(["sleep", "300"])
+        Path({str(tmp_path)!r}, "child-" + os.environ["RANK"]).write_text(str(child.pid))
+    """)
+    with RankPool(2, timeout=60) as pool:
+        pool.exec(source)
+        pids = [int(path.read_text()) for path in tmp_path.glob("child-*")]
+        assert len(pids) == 2 and all(is_alive(pid) for pid in pids)
+    assert not any(is_alive(pid) for pid in pids), "a rank's child outlived the pool"
+    assert live_children() == []
+
+
+SCRIPT = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    time.sleep(60)
+elif sys.argv[2] == "child":
+    child = subprocess.Popen(["sleep", "300"])
+    (folder / "child").write_text(str(child.pid))
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _launch(script: Path, folder: Path, variant: str) -> tuple[float, subprocess.CompletedProcess, bool]:
+    """Run the script under `nbaccel launch`: (seconds it took, the run, whether rank 1's child outlived it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    child = folder / "child"
+    try:
+        run = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", str(script),
+                              str(folder), variant], capture_output=True, text=True, timeout=200, env=env,
+                             cwd=folder)
+    finally:  # the child is no child of this process: nothing else would end one left behind
+        survived = child.exists() and is_alive(int(child.read_text()))
+        if survived:
+            os.kill(int(child.read_text()), signal.SIGKILL)
+    return time.monotonic() - start, run, survived
+
+
+def test_nbaccel_launch_stops_the_child_of_a_killed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "kill.py"
+    script.write_text(SCRIPT)
+    plain, run, _ = _launch(script, tmp_path, "plain")
+    assert run.returncode == 1, run.stdout + run.stderr
+    with_child, run, survived = _launch(script, tmp_path, "child")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "rank 1 failed" in run.stderr and "SIGKILL" in run.stderr, run.stderr
+    assert not survived, "the sleep started by the killed rank outlived nbaccel launch"
+    assert live_children() == []
+    # the child shares the launch's stdout: alive, it would hold `capture_output` open for its 300 s
+    assert with_child < 3 * plain, (plain, with_child)
