@@ -245,6 +245,11 @@ def _drive_notebook(lab, page) -> None:
     page.screenshot(path=str(OUTPUT / "config_widget.png"), full_page=True)
     data = yaml.safe_load(config_path.read_text())
     assert data["num_processes"] == 3 and data["main_process_port"] == 29517
+    # the table kept for a reopened notebook is not shown under the live form, nor its output row
+    config_cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+    assert config_cell.locator(".nbaccel-config-saved").count() == 1
+    assert not config_cell.locator(".jp-OutputArea-child:has(.nbaccel-config-saved)").is_visible()
+    assert config_cell.locator(".jp-OutputArea-child:has(.nbaccel-config)").is_visible()
 
     # Saved, its kernel gone, reopened: the static summary (HTML + SVG) still renders.
     page.keyboard.press("Control+s")
@@ -258,6 +263,15 @@ def _drive_notebook(lab, page) -> None:
     first_cell = page.locator(".jp-Notebook .jp-Cell").first
     _check_summary(first_cell)
     assert "model not found" not in first_cell.inner_text()  # the live view left no dead widget behind
+    # the form, saved without widget state (JupyterLab's default): no "model not found" box (hidden once
+    # ipywidgets gives up on the model, ~2 s), the configuration as a table instead
+    config_cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+    config_cell.locator(".nbaccel-config-saved table").wait_for(state="visible", timeout=30_000)
+    text = config_cell.inner_text()
+    assert "model not found" not in text and "num_processes" in text and "Run this cell to edit" in text, text
+    assert not config_cell.locator(".jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets)").is_visible()
+    config_cell.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUTPUT / "config_reopened.png"))
     page.locator(".nbaccel-summary").first.scroll_into_view_if_needed()
     page.screenshot(path=str(OUTPUT / "reopened.png"))
 
@@ -403,6 +417,8 @@ def test_a_notebook_run_headless_reads_well_untrusted_in_jupyterlab_and_exported
             view.goto((root / f"headless-{name}.html").as_uri())
             cells = view.locator(".jp-Cell")
             _check_saved_page(cells.nth(0), cells.nth(1), config_fallback=not keep_state)
+            if keep_state:  # the widget's output (a script here) hidden, the configuration's table shown
+                cells.nth(1).locator(".nbaccel-config-saved table").wait_for(state="visible", timeout=30_000)
             view.screenshot(path=str(OUTPUT / f"headless_nbconvert_{name}.png"), full_page=True)
     except Exception as error:
         view.screenshot(path=str(OUTPUT / "headless_failure.png"), full_page=True)
@@ -424,5 +440,6 @@ def _check_saved_page(launch_cell, config_cell, config_fallback: bool = True) ->
         config_cell.locator(".nbaccel-config-fallback table").wait_for(state="visible", timeout=30_000)
         text = config_cell.inner_text()
         assert "num_processes" in text and "Run this cell to edit" in text
+        assert not config_cell.locator(".nbaccel-config-saved").is_visible()  # the table once, not twice
     text = config_cell.inner_text()
     assert "VBox(" not in text and "model not found" not in text

@@ -146,3 +146,25 @@ def test_readable_fallback_for_a_notebook_shown_without_the_kernel(config_path):
     page = bundle["text/html"]
     assert "<td style='padding:2px 8px;border-bottom:1px solid #ddd;text-align:left;font-family:monospace'>2</td>" in page
     assert "Run this cell to edit" in page and str(config_path) in page
+
+
+def test_displayed_as_the_form_and_a_table_kept_for_a_reopened_notebook(config_path):
+    """The second output: the table, hidden by an inline style (kept by an untrusted notebook's sanitizer),
+    and the stylesheet that shows it only in place of ipywidgets' error box (tests/test_browser.py)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    config_file.LaunchConfig(num_processes=2, use_cpu=True).save(config_path)
+    form = config_widget()
+    shell = InteractiveShell.instance()
+    try:
+        with capture_output() as captured:
+            shell.display_formatter.format(form)  # what a cell ending with config_widget() does
+    finally:
+        InteractiveShell.clear_instance()
+    first, second = [output.data for output in captured.outputs]
+    assert "application/vnd.jupyter.widget-view+json" in first and "nbaccel-config-fallback" in first["text/html"]
+    assert set(second) == {"text/html"}
+    page = second["text/html"]
+    assert "<div class='nbaccel-config-saved' style='display:none'>" in page and "num_processes" in page
+    assert page.startswith("<style>") and ".jp-OutputArea-output.jupyter-widgets" in page

@@ -57,7 +57,26 @@ def test_config_values_fill_the_defaults(config_file):
         assert env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] == env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "3"
         assert env["MASTER_PORT"] == str(port) and env["WORLD_SIZE"] == "2"
     started = [m for m in seen if m["kind"] == "launch" and m["state"] == "started"]
-    assert started[0]["start_method"] == "fork" and started[0]["port"] == port
+    # the group meets in the launch's private FileStore: the header says so and names no port (MASTER_PORT is
+    # still set, above, for code that reads it)
+    assert started[0]["start_method"] == "fork" and started[0]["rendezvous"] == "file store (private)"
+    assert "port" not in started[0] and str(port) not in str(started[0])
+
+
+def test_the_header_names_the_rendezvous_each_kind_of_launch_really_uses(config_file):
+    from nbaccel.launch.kernel.plan import LaunchRequest, Mode, build_plan
+
+    local = build_plan(LaunchRequest(function=print, num_processes=2, use_port=29511, start_method="spawn"))
+    assert local.mode is Mode.LOCAL and local.info()["rendezvous"] == "127.0.0.1:29511"  # before its folders
+    assert local.with_folders("/tmp/x-store").info()["rendezvous"] == "file store (private)"
+    one_node = build_plan(LaunchRequest(function=print, num_processes=2, use_port=29512, max_restarts=1))
+    assert one_node.mode is Mode.ELASTIC and one_node.info()["rendezvous"] == "loopback store, port 29512"
+    nodes = build_plan(LaunchRequest(function=print, num_processes=2, num_nodes=2, node_rank=1,
+                                     master_addr="10.1.2.3", use_port=29513))
+    assert nodes.info()["rendezvous"] == "static at 10.1.2.3:29513" and nodes.info()["num_nodes"] == 2
+    c10d = build_plan(LaunchRequest(function=print, num_processes=2, num_nodes=2, rdzv_backend="c10d",
+                                    rdzv_endpoint="head:29400"))
+    assert c10d.info()["rendezvous"] == "c10d at head:29400"
 
 
 def test_arguments_given_win_even_when_equal_to_the_default(config_file):

@@ -47,6 +47,7 @@ def _run(cells: list[str], tmp_path: Path) -> list[str]:
     client = nbclient.NotebookClient(notebook, timeout=90, allow_errors=True, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
+    assert [cell.execution_count for cell in notebook.cells] == list(range(1, len(cells) + 1))
     return [_text(cell) for cell in notebook.cells]
 
 
@@ -73,9 +74,15 @@ def test_ranks_magics_in_a_kernel(tmp_path):
     assert "<b>rank 0</b>" in out[1]  # the HTML view: one column per rank
     assert "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in out[2]
     assert "CollectiveMismatchError" in out[3]
-    assert re.search(r"^rank 0 waits in gather\(all_gather_into_tensor, shape \[3\], int64\) at cell line 2 "
+    assert re.search(r"^rank 0 waits in gather\(all_gather_into_tensor, shape \[3\], int64\) at cell line 3 "
                      r"for [\d.]+ s; rank 1 finished the cell", out[3], re.M)
     assert "restarted" in out[3]
+    # the user's frames only, the cell named as JupyterLab numbers it ([4]), its lines counted from the
+    # %%ranks line as the user sees them; torch's frames on request
+    assert 'File "Cell In[4]", line 4, in <module>\n    dist.all_gather_into_tensor(out, x)' in out[3]
+    assert "c10d_logger" not in out[3] and "distributed_c10d" not in out[3] and "rank-cell" not in out[3]
+    assert "inside nbaccel and torch hidden" in out[3] and "NBACCEL_INTERNAL_FRAMES=1" in out[3]
+    assert 'File "Cell In[6]", line 2, in <module>' in out[5]  # a rank's own traceback names its cell too
     assert "rank 0: 0" in out[4] and "rank 1: 1" in out[4]  # the next cell works (on new ranks)
     assert "RankFailedError: rank 1 raised; first: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
     assert "Pushed value to 2 ranks" in out[6]

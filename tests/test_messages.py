@@ -72,3 +72,45 @@ def test_telemetry_emits_only_known_kinds():
     source = (ROOT / "nbaccel" / "telemetry.py").read_text(encoding="utf-8")
     emitted = set(re.findall(r"""_?emit\([^"']*["'](\w+)["']""", source))
     assert emitted and emitted <= {kind.value for kind in MessageKind}, emitted
+
+
+_WORDS = {kind.value for kind in MessageKind} | {state.value for state in RankState}
+# the views and a rank's display publisher (nbaccel/telemetry.py, below launch/, keeps its strings)
+_VIEW_FILES = [*sorted((ROOT / "nbaccel" / "notebook").glob("*.py")),
+               ROOT / "nbaccel" / "launch" / "worker" / "rank_display.py"]
+
+
+def literal_vocabulary(source: str) -> list[tuple[int, str]]:
+    """(line, word) for each message kind or rank state written as a string literal where the enums are
+    meant: compared (`state == "running"`, `in ("failed", ...)`), as the keys of a table of states or kinds,
+    or as the value of a dict's `kind`/`state`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found += [(node.lineno, item.value) for item in items
+                          if isinstance(item, ast.Constant) and item.value in _WORDS]
+        elif isinstance(node, ast.Dict):
+            keys = [key for key in node.keys if isinstance(key, ast.Constant)]
+            if len(keys) >= 2 and all(key.value in _WORDS for key in keys):
+                found += [(node.lineno, key.value) for key in keys]
+            found += [(node.lineno, value.value) for key, value in zip(node.keys, node.values)
+                      if isinstance(key, ast.Constant) and key.value in ("kind", "state")
+                      and isinstance(value, ast.Constant) and value.value in _WORDS]
+    return found
+
+
+def test_the_views_name_states_and_kinds_through_the_enums():
+    found = {path.name: hits for path in _VIEW_FILES if (hits := literal_vocabulary(path.read_text(encoding="utf-8")))}
+    assert not found, f"use RankState / MessageKind instead of these literals: {found}"
+
+
+def test_the_literal_checker_finds_each_form():
+    source = ('if s.state == "running": pass\nok = kind in ("display", "x")\n'
+              'STYLES = {"failed": 1, "finished": 2}\nsend({"kind": "clear_output"})\n'
+              'fine = {"rank": 0, "device": "cpu"} if s.state == RankState.RUNNING else None\n')
+    assert literal_vocabulary(source) == [(1, "running"), (2, "display"), (3, "failed"), (3, "finished"),
+                                          (4, "clear_output")]

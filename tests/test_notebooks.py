@@ -75,6 +75,9 @@ def test_debug_collectives(tmp_path):
     assert re.search(r"rank 0 waits in gather\(.*shape \[3\], int64", mismatch.text), mismatch.text
     assert "rank 1 finished" in mismatch.text
     assert "restarted" in mismatch.text
+    # the user's frame, in the cell as JupyterLab numbers it (the 7th code cell: [7]) and at the editor's line
+    assert 'File "Cell In[7]", line 3, in <module>\n    gather(x)' in mismatch.text, mismatch.text
+    assert "_call_checked" not in mismatch.text and "c10d_logger" not in mismatch.text
     back = run.cell("is back")
     assert back.error is None
     assert "rank 0 is back" in back.text and "rank 1 is back" in back.text

@@ -172,11 +172,16 @@ def test_mismatch_timeout_and_raw_collective_are_reported_and_the_pool_recovers(
         assert results.values == [0, 1]
         assert pool.exec("x")[0].error.exc_type == "NameError"
 
-        # a raw torch.distributed call that only rank 0 makes is seen through its stack
+        # a raw torch.distributed call that only rank 0 makes is seen through its stack; the report shows the
+        # user's frames under the cell's given name, torch's on request
         pool.exec(SETUP)
         with pytest.raises(CollectiveMismatchError, match=r"rank 0 waits in torch\.distributed\.all_reduce at "
-                                                          r"cell line 3 for [\d.]+ s; rank 1 finished the cell"):
-            pool.exec("t = torch.ones(1)\nif state.process_index == 0:\n    dist.all_reduce(t)\n")
+                                                          r"cell line 3 for [\d.]+ s; rank 1 finished the cell") as caught:
+            pool.exec("t = torch.ones(1)\nif state.process_index == 0:\n    dist.all_reduce(t)\n", name="Cell In[7]")
+        message = str(caught.value)
+        assert 'File "Cell In[7]", line 3, in <module>\n    dist.all_reduce(t)' in message
+        assert "distributed_c10d" not in message and "NBACCEL_INTERNAL_FRAMES=1" in message
+        assert 'File "Cell In[7]", line 3' in caught.value.full_stacks and "distributed_c10d" in caught.value.full_stacks
 
         # a rank that does not finish (nor enter the collective) within the timeout: RankTimeoutError
         pool.exec(SETUP)
@@ -284,6 +289,35 @@ def test_diagnose_rules():
     assert diagnose([waiting, busy], now, timeout=30, grace=2) is None  # rank 1 may still get there
     assert diagnose([RankProgress(0, "running", snapshot={"collective": dict(record, started=99.0)}), done], now,
                     timeout=30, grace=2) is None
+
+
+def test_hang_reports_show_the_users_frames_and_the_internals_on_request(monkeypatch):
+    record = {"op": "gather", "call": "all_gather_single", "shapes": [[3]], "dtypes": ["int64"], "site": "cell line 2",
+              "started": 90.0}
+    user = '  File "Cell In[7]", line 2, in <module>\n    gather(x)\n'
+    full = user + '  File "/x/nbaccel/utils/collectives.py", line 198, in _call_checked\n    fn(*args)\n'
+    waiting = RankProgress(0, "running", snapshot={"collective": record, "stack": user, "full_stack": full,
+                                                   "hidden_frames": 1})
+    monkeypatch.delenv("NBACCEL_INTERNAL_FRAMES", raising=False)
+    diagnosis = diagnose([waiting, RankProgress(1, "finished")], 100.0, timeout=30, grace=2)
+    assert user.rstrip() in diagnosis.details and "_call_checked" not in diagnosis.details
+    assert diagnosis.details.endswith("(1 frame inside nbaccel and torch hidden: the error's .full_stacks has them; "
+                                      "set NBACCEL_INTERNAL_FRAMES=1 to show them here)")
+    assert diagnosis.full_details == "rank 0, main thread (most recent call last):\n" + full.rstrip()
+    monkeypatch.setenv("NBACCEL_INTERNAL_FRAMES", "1")
+    shown = diagnose([waiting, RankProgress(1, "finished")], 100.0, timeout=30, grace=2)
+    assert shown.details == shown.full_details and "_call_checked" in shown.details and "hidden" not in shown.details
+
+
+def test_a_given_cell_name_names_the_cell_and_a_new_name_recompiles_it():
+    with RankPool(2, timeout=20) as pool:
+        failing = "y = 1\nraise KeyError(y)"
+        assert 'File "Cell In[3]", line 2, in <module>' in pool.exec(failing, name="Cell In[3]")[0].error.traceback
+        assert 'File "Cell In[4]", line 2, in <module>' in pool.exec(failing, name="Cell In[4]")[0].error.traceback
+        assert _cell_file(pool.exec(failing)[0].error.traceback).startswith("<rank-cell-")
+        assert pool.exec("y = 5\ny", name="Cell In[4]").values == [5, 5]  # same name, new source: run as it is
+        with pytest.raises(ValueError, match="name must be a non-empty str"):
+            pool.exec("1", name="")
 
 
 def test_rank_view_shows_equal_values_once_and_columns():

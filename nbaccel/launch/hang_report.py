@@ -15,11 +15,13 @@ the cell line); raw `torch.distributed` calls are recognised from the main threa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
+from ..utils.constants import INTERNAL_FRAMES_ENV
 from .messages import RankState
 
 
@@ -85,8 +87,9 @@ class RankProgress:
 class Diagnosis:
     kind: str  # "mismatch" or "timeout"
     summary: str  # one line: "rank 0 waits in gather(...) at cell line 2 for 2.0 s; rank 1 finished the cell"
-    details: str  # stacks of the waiting ranks
+    details: str  # stacks of the waiting ranks: the user's frames (every frame with NBACCEL_INTERNAL_FRAMES=1)
     reason: str = ""  # what differs between the waiting ranks' collectives, when they differ
+    full_details: str = ""  # the same stacks with nbaccel's and torch's own frames
 
 
 def diagnose(states: list[RankProgress], now: float, timeout: float, grace: float,
@@ -122,12 +125,22 @@ def describe_ranks(kind: str, states: list[RankProgress], now: float) -> Diagnos
     """The report of `states` as they are now (also used for a launch's timeout and failures)."""
     summary = "; ".join(state.describe(now) for state in sorted(states, key=lambda s: s.rank))
     waiting = [state for state in states if state.waiting(now) is not None]
-    details = []
+    details, full_details, hidden = [], [], 0
     for state in waiting:
-        stack = (state.snapshot or {}).get("stack", "").rstrip()
+        snapshot = state.snapshot or {}
+        stack, full = snapshot.get("stack", "").rstrip(), snapshot.get("full_stack", "").rstrip()
+        title = f"rank {state.rank}, main thread (most recent call last):"
         if stack:
-            details.append(f"rank {state.rank}, main thread (most recent call last):\n{stack}")
-    return Diagnosis(kind, summary, "\n".join(details), difference(waiting))
+            details.append(f"{title}\n{stack}")
+            full_details.append(f"{title}\n{full or stack}")
+            hidden += snapshot.get("hidden_frames", 0)
+    shown, everything = "\n".join(details), "\n".join(full_details)
+    if os.environ.get(INTERNAL_FRAMES_ENV, "").strip() not in ("", "0"):
+        shown = everything
+    elif hidden:
+        shown += (f"\n({hidden} frame{'s' if hidden > 1 else ''} inside nbaccel and torch hidden: the error's "
+                  f".full_stacks has them; set {INTERNAL_FRAMES_ENV}=1 to show them here)")
+    return Diagnosis(kind, summary, shown, difference(waiting), full_details=everything)
 
 
 def difference(waiting: list[RankProgress]) -> str:

@@ -6,8 +6,12 @@ file in use; Save validates with `LaunchConfig.validate()` and writes the same Y
 machine cannot run (a GPU setting without a GPU) is saved with a warning.
 
 Displayed, the form also carries a text/html and a text/plain form of the configuration: a notebook
-reopened without the running kernel (nbconvert's HTML, GitHub, VS Code) shows the values as a table and
-says to run the cell to edit them, instead of ipywidgets' `VBox(children=...)` repr.
+reopened without the running kernel (nbconvert's HTML, GitHub, VS Code, JupyterLab untrusted) shows the
+values as a table and says to run the cell to edit them, instead of ipywidgets' `VBox(children=...)` repr.
+Trusted JupyterLab always picks the widget view, and with no widget state saved (its default) ipywidgets
+(jupyterlab_widgets 3.0) draws "Error displaying widget: model not found" instead of falling back. So a
+second output follows the form: the same table, hidden by an inline style, and a stylesheet that hides the
+form's output and shows the table only when the form's output is ipywidgets' error box (see `SAVED_VIEW_CSS`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,20 @@ PLACEHOLDERS = {
     "main_process_ip": "e.g. 10.0.0.1",
     "main_process_port": "a free port",
 }
+
+
+# For the second output (`ConfigWidget.saved_view_html`), applied where a stylesheet in an output is (trusted
+# JupyterLab, nbconvert's HTML). ipywidgets' renderer adds the class `jupyter-widgets` to the output node only
+# when it cannot draw the widget (a live view is a child node of its own): then that output is hidden and the
+# table below it shown; otherwise the table's output row is hidden too, leaving no empty row under the form.
+SAVED_VIEW_CSS = (
+    ".jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets)"
+    ":has(+ .jp-OutputArea-child .nbaccel-config-saved) {display: none}"
+    ".jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets) + .jp-OutputArea-child"
+    " .nbaccel-config-saved {display: block !important}"
+    ".jp-OutputArea-child:not(:has(> .jp-OutputArea-output.jupyter-widgets)) + .jp-OutputArea-child"
+    ":has(.nbaccel-config-saved) {display: none}"
+)
 
 
 def _config_module():
@@ -222,6 +240,19 @@ class ConfigWidget:
         data["text/plain"] = self.fallback_text()
         return data
 
+    def _ipython_display_(self) -> None:
+        """Two outputs: the form (with its fallbacks), then the table that replaces ipywidgets' error box in
+        a trusted notebook reopened without widget state (module docstring)."""
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
+        display({"text/html": self.saved_view_html()}, raw=True)
+
+    def saved_view_html(self) -> str:
+        """The second output: hidden unless `SAVED_VIEW_CSS` finds the form's output to be an error box."""
+        return (f"<style>{SAVED_VIEW_CSS}</style><div class='nbaccel-config-saved' style='display:none'>"
+                f"{self.fallback_html(css_class='nbaccel-config-saved-table')}</div>")
+
     def shown_values(self) -> list[tuple[str, str]]:
         """(field, value as the form shows it) for every field; empty fields say what they mean."""
         shown = []
@@ -231,13 +262,13 @@ class ConfigWidget:
             shown.append((name, text))
         return shown
 
-    def fallback_html(self) -> str:
+    def fallback_html(self, css_class: str = "nbaccel-config-fallback") -> str:
         """The configuration as a table, for a notebook shown without the running kernel."""
         cell = "padding:2px 8px;border-bottom:1px solid #ddd;text-align:left"
         rows = "".join(f"<tr><td style='{cell};font-weight:600'>{html.escape(name)}</td>"
                        f"<td style='{cell};font-family:monospace'>{html.escape(value)}</td></tr>"
                        for name, value in self.shown_values())
-        return (f"<div class='nbaccel-config-fallback'><b>nbaccel launch configuration</b> · "
+        return (f"<div class='{css_class}'><b>nbaccel launch configuration</b> · "
                 f"<code>{html.escape(str(self.target))}</code><table style='border-collapse:collapse'>{rows}</table>"
                 "<i>Run this cell to edit and save it (the form needs the running kernel).</i></div>")
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ..launch.messages import RankState
 from .dashboard_model import (
     DashboardModel,
     device_memory_text,
@@ -27,7 +28,8 @@ from .dashboard_model import (
 )
 from .render import summary_text
 
-_STYLES = {"starting": "dim", "running": "bold blue", "finished": "bold green", "failed": "bold red"}
+_STYLES = {RankState.STARTING: "dim", RankState.RUNNING: "bold blue", RankState.FINISHED: "bold green",
+           RankState.FAILED: "bold red"}
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -147,7 +149,7 @@ class PlainView:
         if now - self._last_progress >= self.interval:
             self._last_progress = now
             for s in model.ranks:
-                if s.state == "running":
+                if s.state == RankState.RUNNING:
                     self._write(self._progress_line(model, s))
 
     @staticmethod

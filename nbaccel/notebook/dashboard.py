@@ -84,7 +84,7 @@ class Dashboard:
     `observe(message)` (or calling the instance) feeds it a channel message, `finish(results, failures)`
     leaves a static summary, `close()` ends it (idempotent; a started dashboard is finished first, with
     `close(results=..., failures=...)` as the launcher calls it). Other keyword
-    arguments (the launcher passes `start_method`, `world_size`, `device`) are shown in the header.
+    arguments (the launcher passes `start_method`, `world_size`, `rendezvous`, `device`) are shown in the header.
     """
 
     def __init__(

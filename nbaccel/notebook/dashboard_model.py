@@ -314,7 +314,7 @@ class DashboardModel:
         return max(0.0, end - self.start_time)
 
     @property
-    def overall_state(self) -> str:
+    def overall_state(self) -> RankState:
         states = {s.state for s in self.ranks}
         if RankState.FAILED in states:
             return RankState.FAILED

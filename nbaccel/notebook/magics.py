@@ -169,7 +169,10 @@ class RankMagics(Magics):
         pool = self._require()
         live = _LiveView()
         try:
-            results = pool.exec(cell, ranks=options.ranks, timeout=options.timeout, on_progress=live.update)
+            # a blank first line stands for the `%%ranks` line: line numbers in reports and tracebacks are the
+            # ones the user sees in the cell
+            results = pool.exec("\n" + cell, ranks=options.ranks, timeout=options.timeout,
+                                on_progress=live.update, name=self._cell_label())
         except RankPoolError as exc:
             shown = RankResults(exc.results)
             if live.handle is not None or any(r.stdout or r.stderr or r.text is not None for r in shown):
@@ -189,6 +192,15 @@ class RankMagics(Magics):
         if any(result.stdout or result.stderr or result.text is not None for result in results):
             return results
         return None
+
+    def _cell_label(self) -> str | None:
+        """The running cell as the user sees it, `Cell In[7]` (JupyterLab's `[7]`; IPython's name for it in
+        tracebacks): IPython counts the cell before running it, so its number is the count less one, as
+        IPython's displayhook (`Out[7]`) takes it. None (the pool's `<rank-cell-N>`) outside a counted cell."""
+        count = getattr(self.shell, "execution_count", None)
+        if not isinstance(count, int) or count < 2:
+            return None
+        return f"Cell In[{count - 1}]"
 
     def close(self) -> None:
         if self.pool is not None:

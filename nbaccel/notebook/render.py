@@ -15,6 +15,7 @@ import html
 import io
 import math
 
+from ..launch.messages import RankState
 from .dashboard_model import (
     DashboardModel,
     device_memory_text,
@@ -27,7 +28,8 @@ from .dashboard_model import (
     status_text,
 )
 
-STATE_COLORS = {"starting": "#8a8a8a", "running": "#1f6feb", "finished": "#1a7f37", "failed": "#cf222e"}
+STATE_COLORS = {RankState.STARTING: "#8a8a8a", RankState.RUNNING: "#1f6feb", RankState.FINISHED: "#1a7f37",
+                RankState.FAILED: "#cf222e"}
 _TABLE_STYLE = (
     "border-collapse:collapse;font-family:var(--jp-code-font-family,monospace);font-size:12px;"
 )

@@ -17,6 +17,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from ..launch.messages import RankState
 from . import render
 from .dashboard_model import DashboardModel
 
@@ -103,7 +104,7 @@ class WidgetView:
         if progress is not None:
             self.progress.layout.display = self.progress_text.layout.display = None
             self.progress.value = progress
-            self.progress.bar_style = {"failed": "danger", "finished": "success"}.get(model.overall_state, "info")
+            self.progress.bar_style = {RankState.FAILED: "danger", RankState.FINISHED: "success"}.get(model.overall_state, "info")
             self.progress_text.value = model.progress_text()
         for name in model.metrics:
             if name not in self.panels:

@@ -82,13 +82,20 @@ def remove_listener(listener: CollectiveListener) -> None:
             _listeners.remove(listener)
 
 
+def internal_frame(filename: str) -> bool:
+    """Whether a frame's file is nbaccel's or torch's own code (or contextlib's, which wraps them): not the
+    user's. Hang reports hide these frames; the first frame that is not one is the user's call site."""
+    return filename.startswith(_PACKAGE_DIR) or _TORCH_MARKER in filename or "contextlib" in filename
+
+
 def _caller_site() -> str:
     """The first frame outside nbaccel and torch: the user's line that started the collective."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_PACKAGE_DIR) and _TORCH_MARKER not in filename and "contextlib" not in filename:
-            if filename.startswith("<") or "ipykernel" in filename:
+        if not internal_frame(filename):
+            # a notebook cell: the kernel's, a RankPool cell (`<rank-cell-3>`) or a %%ranks cell (`Cell In[7]`)
+            if filename.startswith(("<", "Cell In[")) or "ipykernel" in filename:
                 return f"cell line {frame.f_lineno}"
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back

@@ -26,6 +26,9 @@ LOOPBACK_RDZV_BACKEND = "nbaccel-loopback"  # torch elastic's name for nbaccel's
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("fork", "spawn", "forkserver")  # multiprocessing start methods a launch may use
 
+# A variable the user sets: 1 makes RankPool's hang reports show nbaccel's and torch's frames too
+INTERNAL_FRAMES_ENV = "NBACCEL_INTERNAL_FRAMES"
+
 # Variables the launcher sets in a worker besides torch's (docs/internals.md)
 LAUNCH_DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"  # the device string a worker shows in its status messages
 MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"  # seconds between memory messages (0: none)

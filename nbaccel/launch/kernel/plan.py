@@ -166,17 +166,31 @@ class LaunchPlan:
         return dataclasses.replace(self, environ=MappingProxyType(environ))
 
     def info(self) -> dict[str, Any]:
-        """What the `launch` message and the dashboard are told about this launch."""
+        """What the `launch` message and the dashboard are told about this launch, the header's fields."""
         device = self.device.split(":")[0]
         if self.mode is Mode.LOCAL:
-            return dict(start_method=self.start_method, world_size=self.world_size, port=self.port, device=device)
+            return dict(start_method=self.start_method, world_size=self.world_size,
+                        rendezvous=self.rendezvous_text(), device=device)
         if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
-            assert self.rendezvous is not None
             return dict(start_method=self.start_method, world_size=self.world_size, node_rank=self.node_rank,
-                        num_nodes=self.num_nodes, rdzv_backend=self.rendezvous.backend, device=device)
+                        num_nodes=self.num_nodes, rendezvous=self.rendezvous_text(), device=device)
         if self.mode is Mode.XLA:
             return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
         return dict(start_method="in-process")
+
+    def rendezvous_text(self) -> str:
+        """Where the ranks' process group really meets: the private FileStore (`with_folders`; nothing listens
+        on the network, MASTER_PORT is only set for code that reads it), torch elastic's store on loopback
+        (one node) or its rendezvous endpoint (several nodes), else master_addr:port."""
+        if INIT_METHOD_ENV in self.environ:
+            return "file store (private)"
+        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
+            assert self.rendezvous is not None
+            if self.num_nodes == 1:  # kernel/elastic.py: one agent, every store on loopback
+                host, colon, port = self.rendezvous.endpoint.rpartition(":")
+                return f"loopback store, port {port}" if colon and port.isdigit() else "loopback store"
+            return f"{self.rendezvous.backend} at {self.rendezvous.endpoint}"
+        return f"{self.master_addr}:{self.port}"
 
 
 # ------------------------------------------------------------------------------------------ validation

@@ -97,7 +97,7 @@ class RankPool:
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
-        self._cell_names: dict[str, tuple[str, bool]] = {}  # source -> _cell_name's answer (sources that parsed)
+        self._cell_names: dict[tuple[str, str | None], tuple[str, bool]] = {}  # (source, name) -> _cell_name's answer
         self._lock = threading.RLock()
         self._workers: RankProcesses | None = None
         self._finalizer: weakref.finalize | None = None
@@ -245,7 +245,7 @@ class RankPool:
 
     # ------------------------------------------------------------------------------------------ calls
     def exec(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
-             on_progress: Callable[[RankResults], None] | None = None) -> RankResults:
+             on_progress: Callable[[RankResults], None] | None = None, name: str | None = None) -> RankResults:
         """Run a cell's source on each rank (in its own namespace); return the per-rank results.
 
         Like IPython, the value of a last expression statement is returned (not when the cell ends with
@@ -253,26 +253,32 @@ class RankPool:
         CollectiveMismatchError / RankTimeoutError (after restarting the ranks). `on_progress(partial)` is
         called with the results so far (output, finished ranks) when a cell that runs longer than
         PROGRESS_DELAY seconds prints something, at most every PROGRESS_INTERVAL seconds (live views).
+        `name`: the cell's name in tracebacks and hang reports (%%ranks passes IPython's, `Cell In[7]`);
+        by default `<rank-cell-N>`.
         """
         if not isinstance(source, str):
             raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
-        filename, ends_with_expression = self._cell_name(source)
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise ValueError(f"name must be a non-empty str naming the cell in tracebacks, got {name!r}")
+        filename, ends_with_expression = self._cell_name(source, name)
         return self._call(lambda call_id: (PoolCommand.EXEC.value, call_id, source, filename, ends_with_expression), ranks,
                           timeout, on_progress, report=True)
 
-    def _cell_name(self, source: str) -> tuple[str, bool]:
-        """The cell's file name in tracebacks, and whether it ends with an expression (whose value the ranks
-        return). A SyntaxError is raised here, before any rank sees the cell. A source run again keeps its
-        name, so neither the kernel nor a rank parses and compiles it twice (a third of a trivial cell's
-        time: a loop of `pool.exec("step()")` pays it once)."""
-        known = self._cell_names.get(source)
+    def _cell_name(self, source: str, given: str | None = None) -> tuple[str, bool]:
+        """The cell's file name in tracebacks (`given`, else `<rank-cell-N>`), and whether it ends with an
+        expression (whose value the ranks return). A SyntaxError is raised here, before any rank sees the
+        cell. A source run again under the same given name keeps its name, so neither the kernel nor a rank
+        parses and compiles it twice (a third of a trivial cell's time: a loop of `pool.exec("step()")`
+        pays it once)."""
+        key = (source, given)
+        known = self._cell_names.get(key)
         if known is None:
-            name = f"<rank-cell-{next(self._cells)}>"
+            name = given or f"<rank-cell-{next(self._cells)}>"
             tree = ast.parse(source, name, "exec")
             known = (name, bool(tree.body) and isinstance(tree.body[-1], ast.Expr))
             if len(self._cell_names) >= CELL_NAMES_KEPT:
                 del self._cell_names[next(iter(self._cell_names))]  # the oldest
-            self._cell_names[source] = known
+            self._cell_names[key] = known
         return known
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -378,7 +384,9 @@ class RankPool:
                       f"{', '.join(map(str, stuck))} stayed inside a collective, which cannot be undone. Variables "
                       "defined on the ranks are lost: re-run the cells that define them."]
         cls = CollectiveMismatchError if diagnosis.kind == "mismatch" else RankTimeoutError
-        return cls("\n".join(lines), call.partial_results(), restarted=True)
+        error = cls("\n".join(lines), call.partial_results(), restarted=True)
+        error.full_stacks = diagnosis.full_details
+        return error
 
 
 class _DisplayTarget:

@@ -14,7 +14,10 @@ from ..messages import RankState
 # ---------------------------------------------------------------------------------------------- errors
 class RankPoolError(LaunchError):
     """A pool call failed. `.results` holds what each rank returned (partial on a hang), `.restarted` says
-    whether the pool restarted its ranks (their variables are then lost)."""
+    whether the pool restarted its ranks (their variables are then lost). A hang's `.full_stacks`: the
+    waiting ranks' stacks with nbaccel's and torch's frames, which the message leaves out."""
+
+    full_stacks: str = ""
 
     def __init__(self, message: str, results: list[RankResult] | None = None, restarted: bool = False,
                  failures: dict[int, WorkerFailure] | None = None) -> None:

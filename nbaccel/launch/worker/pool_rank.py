@@ -36,7 +36,6 @@ from . import rank_display
 from .entry import _destroy_process_group, apply_cpu_threads
 from .parent_death import die_with_parent, lead_own_group
 
-CELL_PREFIX = "<rank-cell-"
 # the commands by their wire strings, and the members the loop compares with: module constants, because an Enum
 # call (PoolCommand("exec")) and a member or `.value` lookup on the class cost 0.1-0.3 us each, per call and rank
 _COMMANDS = {command.value: command for command in PoolCommand}
@@ -374,7 +373,7 @@ def snapshot(main_ident: int | None) -> dict[str, Any]:
         return info
     stack = traceback.extract_stack(frame)
     for entry in reversed(stack):
-        if entry.filename.startswith(CELL_PREFIX):
+        if entry.filename in _compiled:  # a cell run on this rank (`<rank-cell-3>`, or `Cell In[7]` from %%ranks)
             info["line"] = entry.lineno
             break
     for entry in stack:  # the outermost torch.distributed function the user's code called
@@ -389,5 +388,10 @@ def snapshot(main_ident: int | None) -> dict[str, Any]:
         shown.append(entry)
         if "/torch/distributed/" in entry.filename.replace(os.sep, "/") and entry.name not in ("wrapper", "inner"):
             break
-    info["stack"] = "".join(traceback.format_list(shown[-10:]))
+    shown = shown[-10:]
+    info["full_stack"] = "".join(traceback.format_list(shown))
+    # the report shows the user's frames (nbaccel's and torch's own are on request: hang_report.py)
+    user = [entry for entry in shown if not collective_trace.internal_frame(entry.filename)]
+    info["stack"] = "".join(traceback.format_list(user)) if user else info["full_stack"]
+    info["hidden_frames"] = len(shown) - len(user) if user else 0
     return info

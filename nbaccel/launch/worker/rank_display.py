@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...utils.constants import RICH_DISPLAY_ENV
+from ..messages import MessageKind
 from ..screen import MARK
 
 Send = Callable[[dict[str, Any]], None]
@@ -114,11 +115,11 @@ def publisher_class() -> type:
         class ChannelDisplayPublisher(DisplayPublisher):
             def publish(self, data: dict, metadata: dict | None = None, source: Any = None, *,
                         transient: dict | None = None, update: bool = False, **kwargs: Any) -> None:
-                send({"kind": "display", "data": _plain(data), "metadata": _plain(metadata or {}),
+                send({"kind": MessageKind.DISPLAY.value, "data": _plain(data), "metadata": _plain(metadata or {}),
                       "transient": dict(transient or {}), "update": bool(update)})
 
             def clear_output(self, wait: bool = False) -> None:
-                send({"kind": "clear_output", "wait": bool(wait)})
+                send({"kind": MessageKind.CLEAR_OUTPUT.value, "wait": bool(wait)})
 
         _publisher = ChannelDisplayPublisher
     return _publisher
