@@ -8,8 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import psutil
 import pytest
+from process_helpers import started_children
 
 from nbaccel.utils.process_limits import (
     MAX_PROCESSES_ENV,
@@ -37,23 +37,25 @@ def test_notebook_launcher_refuses_a_million_processes_before_starting_any(monke
     from nbaccel import debug_launcher, notebook_launcher
 
     monkeypatch.delenv(MAX_PROCESSES_ENV, raising=False)
+    before = started_children()
     for launch in (lambda: notebook_launcher(never_called, num_processes=HUGE),
                    lambda: debug_launcher(never_called, num_processes=HUGE)):
         with pytest.raises(ProcessCountError) as info:
             launch()
         assert_names_limits(str(info.value), "num_processes")
         assert isinstance(info.value, ValueError)
-        assert psutil.Process().children() == []
+        assert {p.pid for p in started_children()} <= {p.pid for p in before}  # started none
 
 
 def test_rank_pool_refuses_a_million_processes_before_starting_any(monkeypatch):
     from nbaccel.launch.pool.rank_pool import RankPool
 
     monkeypatch.delenv(MAX_PROCESSES_ENV, raising=False)
+    before = started_children()
     with pytest.raises(ProcessCountError) as info:
         RankPool(num_processes=HUGE)
     assert_names_limits(str(info.value), "num_processes")
-    assert psutil.Process().children() == []
+    assert {p.pid for p in started_children()} <= {p.pid for p in before}  # started none
 
 
 def test_nbaccel_launch_refuses_a_million_processes_as_a_usage_error(capsys, monkeypatch):
@@ -61,12 +63,13 @@ def test_nbaccel_launch_refuses_a_million_processes_as_a_usage_error(capsys, mon
 
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv(MAX_PROCESSES_ENV, raising=False)
+    before = started_children()
     with pytest.raises(SystemExit) as info:
         main(["launch", "--cpu", "--num_processes", str(HUGE), "examples/hello_ranks.py"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.startswith("nbaccel launch: error: "), err
     assert_names_limits(err, "--num_processes")
-    assert psutil.Process().children() == []
+    assert {p.pid for p in started_children()} <= {p.pid for p in before}  # started none
 
 
 def test_each_limit_is_named_and_the_override_is_deliberate(monkeypatch):
