@@ -48,8 +48,14 @@ def _persistent() -> type:
     return PersistentBackend
 
 
+def _ssh() -> type:
+    from .ssh_backend import SshBackend
+
+    return SshBackend
+
+
 BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
-                                            Mode.PERSISTENT: _persistent}
+                                            Mode.PERSISTENT: _persistent, Mode.SSH: _ssh}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 
