@@ -1,0 +1,215 @@
+"""notebook_launcher on several hosts, for real: a session sshd on 127.0.0.1 (tests/ssh_server.py) and two
+aliases of this machine, 2 ranks each. Results by global rank, world size 4, `[host rank N]` lines, a
+failure on the second host, a killed agent, an interrupted kernel, the checks before anything starts, and no
+process of a launch left when it returns."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+from process_helpers import all_gone
+from ssh_server import HOSTS
+
+from nbaccel.launch.errors import LaunchError
+from nbaccel.launch.host_protocol import AGENT_MODULE
+from nbaccel.launch.kernel.hosts import HostError, resolve_hosts
+from nbaccel.launch.kernel.launcher import notebook_launcher
+
+pytestmark = pytest.mark.timeout(240)
+# the functions below travel by value, as a notebook's do: the hosts' Python does not have tests/ on its path
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def ssh_config(ssh_server, monkeypatch):
+    monkeypatch.setenv("NBACCEL_SSH_CONFIG", str(ssh_server.config))
+    return ssh_server
+
+
+def agents_of(server) -> list[int]:
+    """The host agents running under the test sshd (each launch's own: sessions of this server only)."""
+    found = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if AGENT_MODULE in " ".join(proc.cmdline()):
+                found.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def assert_nothing_left(server, pids: list[int]) -> None:
+    assert pids, "the ranks reported no pid"
+    assert all_gone(pids, within=5), f"ranks still running: {[p for p in pids if psutil.pid_exists(p)]}"
+    assert all_gone(agents_of(server), within=5), "a host agent outlived its launch"
+
+
+def rank_pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("pid-*")]
+
+
+# ------------------------------------------------------------------------------------------ functions run
+def meet(tag):
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import PartialState
+
+    state = PartialState()
+    value = torch.tensor([state.process_index + 1])
+    dist.all_reduce(value)
+    print(f"hello {tag} from {state.process_index}", flush=True)
+    return state.process_index, state.num_processes, state.local_process_index, int(value), os.getpid()
+
+
+def fail_on_second_host(folder):
+    rank = int(os.environ["RANK"])
+    Path(folder, f"pid-{rank}").write_text(str(os.getpid()))
+    if rank == 3:
+        time.sleep(1)
+        raise ValueError("boom on the second host")
+    time.sleep(120)
+
+
+def kill_my_agent(folder):
+    rank = int(os.environ["RANK"])
+    Path(folder, f"pid-{rank}").write_text(str(os.getpid()))
+    if rank == 2:
+        time.sleep(1)
+        os.kill(os.getppid(), signal.SIGKILL)  # this host's agent
+    time.sleep(120)
+
+
+def sleep_long(folder):
+    Path(folder, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+# ------------------------------------------------------------------------------------------ launches
+def test_two_hosts_two_ranks_each(ssh_config, capsys):
+    statuses = []
+    results = notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard=False,
+                                observers=[statuses.append])
+    assert [r[:4] for r in results] == [(0, 4, 0, 10), (1, 4, 1, 10), (2, 4, 0, 10), (3, 4, 1, 10)]
+    out = capsys.readouterr().out
+    for rank in range(4):
+        host = HOSTS[rank // 2]
+        assert f"[{host} rank {rank}] hello x from {rank}\n" in out
+    launch = next(m for m in statuses if m.get("kind") == "launch" and m.get("state") == "started")
+    assert launch["hosts"] == list(HOSTS) and launch["world_size"] == 4 and launch["num_processes"] == 4
+    assert_nothing_left(ssh_config, [r[4] for r in results])
+
+
+def test_failure_on_the_second_host_stops_every_host(ssh_config, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        notebook_launcher(fail_on_second_host, (str(tmp_path),), num_processes=2, hosts=list(HOSTS),
+                          dashboard=False)
+    assert time.monotonic() - start < 60  # the others sleep 120 s: they were stopped
+    assert info.value.failures[3].exc_type == "ValueError"
+    assert "boom on the second host" in str(info.value)
+    assert_nothing_left(ssh_config, rank_pids(tmp_path))
+
+
+def test_a_killed_agent_fails_the_launch(ssh_config, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        notebook_launcher(kill_my_agent, (str(tmp_path),), num_processes=2, hosts=list(HOSTS), dashboard=False)
+    assert time.monotonic() - start < 60
+    assert "nbaccel-host-b" in str(info.value) and "agent" in str(info.value)
+    assert set(info.value.failures) & {2, 3}
+    assert_nothing_left(ssh_config, rank_pids(tmp_path))
+
+
+def test_interrupting_the_kernel_stops_every_host(ssh_config, tmp_path):
+    running = set()
+
+    def interrupt_once_all_run(message):
+        if message.get("kind") == "status" and message.get("state") == "running":
+            running.add(message["rank"])
+            if len(running) == 4:
+                _thread.interrupt_main()
+
+    with pytest.raises(KeyboardInterrupt):
+        notebook_launcher(sleep_long, (str(tmp_path),), num_processes=2, hosts=list(HOSTS), dashboard=False,
+                          observers=[interrupt_once_all_run])
+    assert_nothing_left(ssh_config, rank_pids(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ checks first
+def test_unreachable_host_is_named(ssh_config):
+    with pytest.raises(HostError, match="'nbaccel-no-such-host.invalid' is unreachable") as info:
+        notebook_launcher(meet, ("x",), num_processes=1, hosts=[HOSTS[0], "nbaccel-no-such-host.invalid"],
+                          dashboard=False)
+    assert info.value.host == "nbaccel-no-such-host.invalid"
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+def test_refused_host_key_is_named(ssh_config, tmp_path, monkeypatch):
+    text = ssh_config.config.read_text()
+    block = text[text.index(f"Host {HOSTS[1]}"):].replace(HOSTS[1], "nbaccel-host-stranger")
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")  # this alias knows no host key
+    config = tmp_path / "ssh_config"
+    config.write_text(text + block.replace(str(ssh_config.folder / "known_hosts"), str(empty)))
+    monkeypatch.setenv("NBACCEL_SSH_CONFIG", str(config))
+    with pytest.raises(HostError, match="SSH refused the host key of 'nbaccel-host-stranger'"):
+        notebook_launcher(meet, ("x",), num_processes=1, hosts=[HOSTS[0], "nbaccel-host-stranger"],
+                          dashboard=False)
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+def test_different_versions_on_a_host_are_named(ssh_config, tmp_path, monkeypatch):
+    python = tmp_path / "older-nbaccel-python"
+    python.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import sys, runpy, nbaccel; nbaccel.__version__ = \"0.0.1\"; "
+        f"sys.argv = sys.argv[:1]; runpy.run_module(\"{AGENT_MODULE}\", run_name=\"__main__\")'\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("NBACCEL_SSH_PYTHON", str(python))
+    with pytest.raises(HostError, match=r"host 'nbaccel-host-a' runs different versions: nbaccel 0\.0\.1 there"):
+        notebook_launcher(meet, ("x",), num_processes=1, hosts=list(HOSTS), dashboard=False)
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+def test_a_rendezvous_port_the_first_host_cannot_open_is_named(ssh_config):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(HostError, match=f"rendezvous cannot listen on 'nbaccel-host-a': port {port}"):
+            notebook_launcher(meet, ("x",), num_processes=1, hosts=list(HOSTS), use_port=port, dashboard=False)
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def test_bad_hosts_arguments_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="non-empty list"):
+        resolve_hosts([])
+    with pytest.raises(ValueError, match="appear more than once"):
+        resolve_hosts(["a", "a"])
+    with pytest.raises(ValueError, match="is not a host name"):
+        resolve_hosts(["-oProxyCommand=x"])
+    assert resolve_hosts("a, b").names == ("a", "b")
+    with pytest.raises(ValueError, match="leave num_nodes"):
+        notebook_launcher(meet, ("x",), num_processes=1, hosts=["a"], num_nodes=2)
+
+
+def test_slurm_outside_an_allocation_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    with pytest.raises(HostError, match="needs a SLURM allocation, and SLURM_JOB_NODELIST is not set"):
+        notebook_launcher(meet, ("x",), num_processes=1, hosts="slurm")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol there
+    with pytest.raises(HostError, match="`scontrol` is not on PATH"):
+        resolve_hosts("slurm")
