@@ -213,3 +213,33 @@ def test_slurm_outside_an_allocation_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol there
     with pytest.raises(HostError, match="`scontrol` is not on PATH"):
         resolve_hosts("slurm")
+
+
+KERNEL = """
+import sys, cloudpickle
+sys.path.insert(0, {tests!r})
+import test_hosts_launch as t
+cloudpickle.register_pickle_by_value(t)
+from nbaccel.launch.kernel.launcher import notebook_launcher
+notebook_launcher(t.sleep_long, ({folder!r},), num_processes=2, hosts=list(t.HOSTS), dashboard=False)
+"""
+
+
+def test_a_killed_kernel_leaves_nothing_on_any_host(ssh_config, tmp_path):
+    import subprocess
+
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.format(tests=str(Path(__file__).parent),
+                                                                   folder=str(tmp_path))],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(rank_pids(tmp_path)) < 4 and time.monotonic() < deadline and kernel.poll() is None:
+        time.sleep(0.2)
+    try:
+        assert len(rank_pids(tmp_path)) == 4, kernel.stderr.read().decode() if kernel.poll() is not None else ""
+        sessions = [p.pid for p in psutil.Process(kernel.pid).children()]  # the ssh clients
+    finally:
+        kernel.kill()  # SIGKILL: no clean-up of its own; the SSH sessions end, and each agent stops its ranks
+        kernel.wait()
+        kernel.stderr.close()
+    assert_nothing_left(ssh_config, rank_pids(tmp_path))
+    assert all_gone(sessions, within=10)

@@ -248,7 +248,7 @@ class SshBackend:
             except subprocess.TimeoutExpired:
                 pass
             said = agent.said()
-            agent.lost = (f"the agent on {agent.host!r} ended (exit code {agent.process.returncode})"
+            agent.lost = (f"the agent on {agent.host!r} ended (ssh exit code {agent.process.returncode})"
                           + (f": {said}" if said else "") + "; its ranks were lost with it")
         for i in running:
             rank = agent.first_rank + i
