@@ -5,8 +5,12 @@ multiprocessing's `Connection` (length-prefixed pickles): no port is opened on t
 are processes of the same user, authenticated by SSH; nothing is unpickled from anyone else.
 
 Kernel -> agent: `Probe` (what the kernel needs to know first), then `Start` (the host's plan and the
-cloudpickled function), then `STOP` (or just the end of the session: the agent stops its ranks and exits).
+cloudpickled function, none for RankPool's ranks), then frames `(kind, ...)` of KernelFrame, then `STOP` (or
+just the end of the session: the agent stops its ranks and exits).
 Agent -> kernel: one `Hello`, then frames `(kind, ...)` of FrameKind.
+
+A rank's pipes are named: a launch's rank has "channel" (to the kernel), "stdout" and "stderr"; a RankPool
+rank has "commands" and "status" (both ways), "telemetry", "stdout" and "stderr".
 """
 
 from __future__ import annotations
@@ -23,12 +27,20 @@ STOP = "stop"
 class FrameKind(str, Enum):
     """The agent's frames after its hello; `i` is the rank's local rank on that host."""
 
-    MESSAGE = "msg"  # (kind, i, pickled channel message bytes, as the rank sent them)
+    MESSAGE = "msg"  # (kind, i, pipe name, one message's pickled bytes, as the rank sent them)
     OUTPUT = "out"  # (kind, i, "stdout" | "stderr", bytes)
-    END = "end"  # (kind, i, "channel" | "stdout" | "stderr"): that stream of the rank reached its end
+    END = "end"  # (kind, i, pipe name): that pipe of the rank reached its end
     EXIT = "exit"  # (kind, i, exit code)
     STARTED = "started"  # (kind, [pid of each rank])
     ERROR = "error"  # (kind, text): the agent could not start the ranks
+
+
+class KernelFrame(str, Enum):
+    """The kernel's frames to a started agent (RankPool's ranks)."""
+
+    SEND = "send"  # (kind, i, pipe name, one message's pickled bytes): for the rank's end of that pipe
+    CLOSE = "close"  # (kind, i, pipe name): close the agent's end of that pipe (the rank sees its end)
+    SIGNAL = "signal"  # (kind, i, signal number): e.g. SIGINT, a kernel interrupt forwarded to a busy rank
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,7 @@ class Start:
     index, master address and port of the first host), `payload` the cloudpickled (function, args, kwargs)."""
 
     plan: Any
-    payload: bytes
+    payload: bytes | None
 
 
 def versions() -> dict[str, str]:

@@ -1,8 +1,9 @@
 """The host agent: `python -m nbaccel.launch.agent.host_agent`, started by the kernel on each host over SSH.
 
 It answers the kernel's probe (versions, address, a free rendezvous port), starts this host's ranks with the
-same LocalBackend that starts a one-machine launch's (each rank runs worker/entry.py's run_worker), and
-relays their channel messages, output and exits to the kernel over its stdin/stdout (host_protocol.py). It
+backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
+RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
+exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
 dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself.
 """
@@ -18,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import close_quietly
-from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
+from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
@@ -53,31 +54,38 @@ def hello(probe: Probe) -> Hello:
 
 
 class Relay:
-    """This host's ranks, relayed to the kernel until they all exited and the kernel said stop."""
+    """This host's ranks, relayed to the kernel until the kernel says stop or goes away."""
 
     def __init__(self, kernel: Connection, commands: Connection) -> None:
         self.kernel = kernel
         self.commands = commands
         self.backend: Any = None
-        self.handles: list[Any] = []
         self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
-        self.channels: dict[int, Any] = {}  # local rank -> channel still open
-        self.exited: set[int] = set()
+        self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
 
     def start(self, start: Start) -> None:
         from ..kernel.backends import select_backend
+        from ..kernel.plan import Mode
         from ..kernel.processes import choose_start_method, preload_worker_modules
 
         method, _ = choose_start_method(None)
         plan = dataclasses.replace(start.plan, start_method=method)
-        preload_worker_modules(method, launch=True)
+        preload_worker_modules(method, launch=plan.mode is Mode.LOCAL)
         self.backend = select_backend(plan)
-        self.handles = self.backend.start(plan, Payload(data=start.payload))
-        for i, handle in enumerate(self.handles):
-            self.fds[handle.stdout_fd] = (i, "stdout")
-            self.fds[handle.stderr_fd] = (i, "stderr")
-            self.channels[i] = handle.channel
+        if start.payload is None:  # RankPool's ranks: commands and status both ways, telemetry
+            for i, ends in enumerate(self.backend.start(plan)):
+                self._add(i, ends.out_fd, ends.err_fd, commands=ends.commands, status=ends.status,
+                          telemetry=ends.telemetry)
+        else:
+            for i, handle in enumerate(self.backend.start(plan, Payload(data=start.payload))):
+                self._add(i, handle.stdout_fd, handle.stderr_fd, channel=handle.channel)
         self.send(FrameKind.STARTED, [proc.pid for proc in self.backend.processes])
+
+    def _add(self, i: int, out_fd: int, err_fd: int, **pipes: Connection) -> None:
+        self.fds[out_fd] = (i, "stdout")
+        self.fds[err_fd] = (i, "stderr")
+        for name, conn in pipes.items():
+            self.pipes[(i, name)] = conn
 
     def send(self, kind: FrameKind, *fields: Any) -> None:
         self.kernel.send((kind.value, *fields))
@@ -86,16 +94,18 @@ class Relay:
         """Relay until the kernel says stop or goes away; stop the ranks then."""
         try:
             while True:
-                objects: list[Any] = [self.commands, *self.channels.values(), *self.fds]
+                readers = {id(conn): key for key, conn in self.pipes.items()}
+                objects: list[Any] = [self.commands, *self.pipes.values(), *self.fds]
                 objects += self.backend.wait_objects()
                 for obj in wait(objects, timeout=1.0):
                     if obj is self.commands:
-                        if self._kernel_says_stop():
+                        if not self._from_kernel():
                             return
                     elif isinstance(obj, int):
-                        self._read_fd(obj)
-                    else:
-                        self._read_channel(next(i for i, c in self.channels.items() if c is obj))
+                        if obj in self.fds:
+                            self._read_fd(obj)
+                    elif id(obj) in readers and readers[id(obj)] in self.pipes:
+                        self._read_pipe(readers[id(obj)])
                 self._report_exits()
         finally:
             self.backend.stop()
@@ -104,12 +114,36 @@ class Relay:
             except OSError:
                 pass  # the kernel is gone: nobody to tell
             self.backend.close()
+            close_quietly(*self.pipes.values(), *self.fds)
 
-    def _kernel_says_stop(self) -> bool:
+    def _from_kernel(self) -> bool:
+        """Handle what the kernel sent; False when it says stop or the SSH session closed."""
         try:
-            return self.commands.recv() == STOP
+            while self.commands.poll(0):
+                frame = self.commands.recv()
+                if frame == STOP:
+                    return False
+                self._kernel_frame(frame)
         except (EOFError, OSError):
-            return True  # the SSH session closed: the kernel is gone or done
+            return False  # the SSH session closed: the kernel is gone or done
+        return True
+
+    def _kernel_frame(self, frame: tuple) -> None:
+        kind, i = frame[0], frame[1]
+        if kind == KernelFrame.SEND:
+            conn = self.pipes.get((i, frame[2]))
+            if conn is not None:
+                try:
+                    conn.send_bytes(frame[3])
+                except OSError:
+                    pass  # the rank is gone: its exit is reported
+        elif kind == KernelFrame.CLOSE:
+            conn = self.pipes.pop((i, frame[2]), None)
+            close_quietly(conn)
+        elif kind == KernelFrame.SIGNAL:
+            process = self.backend.processes[i]
+            if process.is_alive():
+                os.kill(process.pid, frame[2])
 
     def _read_fd(self, fd: int) -> None:
         i, stream = self.fds[fd]
@@ -124,29 +158,28 @@ class Relay:
             close_quietly(fd)
             self.send(FrameKind.END, i, stream)
 
-    def _read_channel(self, i: int) -> None:
-        channel = self.channels[i]
+    def _read_pipe(self, key: tuple[int, str]) -> None:
+        conn = self.pipes[key]
         try:
-            while channel.poll(0):
-                self.send(FrameKind.MESSAGE, i, channel.recv_bytes())
+            while conn.poll(0):
+                self.send(FrameKind.MESSAGE, key[0], key[1], conn.recv_bytes())
         except (EOFError, OSError):
-            del self.channels[i]
-            close_quietly(channel)
-            self.send(FrameKind.END, i, "channel")
+            del self.pipes[key]
+            close_quietly(conn)
+            self.send(FrameKind.END, key[0], key[1])
 
     def _report_exits(self, limit: float = DRAIN) -> None:
         """Each rank that exited: what it left in its pipes first, then its exit code."""
         for i, code in self.backend.poll_exits():
             deadline = time.monotonic() + limit
             while time.monotonic() < deadline:
+                for key in [key for key in self.pipes if key[0] == i]:
+                    self._read_pipe(key)
                 mine = [fd for fd, (rank, _) in self.fds.items() if rank == i]
-                if i in self.channels:
-                    self._read_channel(i)
                 if not mine:
                     break
                 for fd in wait(mine, timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
                     self._read_fd(fd)
-            self.exited.add(i)
             self.send(FrameKind.EXIT, i, code)
 
 

@@ -29,6 +29,7 @@ from ..errors import WorkerFailure
 from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
 from ..messages import Failure
 from .hosts import HostError, agent_command, check_versions, diagnose
+from .plan import Mode
 from .processes import is_loopback_address
 from .supervisor import WorkerHandle
 
@@ -65,7 +66,9 @@ class Agent:
         self.writers: list[dict[str, Any]] = []  # per local rank: channel/stdout/stderr write ends
         self.exited: set[int] = set()
         self.pids: list[int] = []
+        self.started = threading.Event()  # the agent said which pids its ranks have (or why it could not start)
         self.lost: str | None = None
+        self._lock = threading.Lock()  # the relay threads and the caller both send
         self.relay: threading.Thread | None = None
 
     def _read_stderr(self) -> None:
@@ -78,15 +81,17 @@ class Agent:
         return "\n".join(self.stderr)
 
     def send(self, message: Any) -> None:
-        self.to_agent.send(message)
+        with self._lock:
+            self.to_agent.send(message)
 
     def close_session(self) -> None:
         """Say stop and close the session's stdin: the agent stops its ranks and exits."""
         try:
-            self.to_agent.send(STOP)
-        except OSError:
+            self.send(STOP)
+        except (OSError, ValueError):
             pass
-        close_quietly(self.to_agent)
+        with self._lock:
+            close_quietly(self.to_agent)
 
 
 class SshBackend:
@@ -108,8 +113,14 @@ class SshBackend:
         self.world_size = 0
 
     # ------------------------------------------------------------------ start
+    host_mode = Mode.LOCAL  # what each agent runs: a launch's ranks (RankPool's: kernel/ssh_pool_backend.py)
+
     def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         assert payload.data is not None, "the SSH backend sends cloudpickled payloads"
+        return self._start(plan, payload.data)
+
+    def _start(self, plan: LaunchPlan, payload: bytes | None) -> list[Any]:
+        """Start the agents, check them, have each start its host's ranks; the kernel's ends, by global rank."""
         try:
             assert plan.hosts is not None
             for index, host in enumerate(plan.hosts.names):
@@ -120,17 +131,21 @@ class SshBackend:
             self._wait_hellos(plan)
             master = self._master_address(plan)
             port = self.agents[0].hello.port  # type: ignore[union-attr]
-            handles = self._make_pipes(plan)
+            ends = self._make_ends(plan)
             for agent in self.agents:
-                agent.send(Start(self._host_plan(plan, agent, master, port), payload.data))
+                agent.send(Start(self._host_plan(plan, agent, master, port), payload))
                 agent.relay = threading.Thread(target=self._relay, args=(agent,), daemon=True,
                                                name=f"nbaccel-ssh-relay-{agent.host}")
                 agent.relay.start()
-            return handles
+            self._started(ends)
+            return ends
         except BaseException:
             self.stop()
             self.close()
             raise
+
+    def _started(self, ends: list[Any]) -> None:
+        """Called once every agent was told to start (RankPool's backend waits for the ranks' pids)."""
 
     def _wait_hellos(self, plan: LaunchPlan) -> None:
         deadline = time.monotonic() + HELLO_TIMEOUT
@@ -166,15 +181,14 @@ class SshBackend:
         return hello.address or hello.hostname
 
     def _host_plan(self, plan: LaunchPlan, agent: Agent, master: str, port: int | None) -> Any:
-        from .plan import Mode
-
         environ = dict(plan.environ)
         if is_loopback_address(master) and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
-        return dataclasses.replace(plan, mode=Mode.LOCAL, node_rank=agent.index, num_nodes=len(self.agents),
+        return dataclasses.replace(plan, mode=self.host_mode, node_rank=agent.index, num_nodes=len(self.agents),
                                    master_addr=master, port=port, hosts=None, environ=environ)
 
-    def _make_pipes(self, plan: LaunchPlan) -> list[WorkerHandle]:
+    def _make_ends(self, plan: LaunchPlan) -> list[Any]:
+        """Local pipes of the usual shape for every rank: the supervisor reads them, the relay writes them."""
         handles = []
         for agent in self.agents:
             agent.first_rank = agent.index * plan.num_processes
@@ -205,37 +219,42 @@ class SshBackend:
     def _on_frame(self, agent: Agent, frame: tuple) -> None:
         kind = frame[0]
         if kind == FrameKind.MESSAGE:
-            self._write(agent, frame[1], "channel", frame[2])
+            self._write(agent, frame[1], frame[2], frame[3])
         elif kind == FrameKind.OUTPUT:
             self._write(agent, frame[1], frame[2], frame[3])
         elif kind == FrameKind.END:
             self._close_writer(agent, frame[1], frame[2])
         elif kind == FrameKind.EXIT:
-            agent.exited.add(frame[1])
-            for stream in ("channel", "stdout", "stderr"):
-                self._close_writer(agent, frame[1], stream)
-            self._exits.put((agent.first_rank + frame[1], frame[2]))
+            self._rank_exited(agent, frame[1], frame[2])
         elif kind == FrameKind.STARTED:
             agent.pids = list(frame[1])
+            agent.started.set()
         elif kind == FrameKind.ERROR:
             agent.lost = f"the agent on {agent.host!r} could not start its ranks:\n{frame[1]}"
+            agent.started.set()
 
-    def _write(self, agent: Agent, i: int, stream: str, data: bytes) -> None:
-        target = agent.writers[i].get(stream)
+    def _rank_exited(self, agent: Agent, i: int, code: int) -> None:
+        agent.exited.add(i)
+        for name in list(agent.writers[i]):
+            self._close_writer(agent, i, name)
+        self._exits.put((agent.first_rank + i, code))
+
+    def _write(self, agent: Agent, i: int, name: str, data: bytes) -> None:
+        target = agent.writers[i].get(name)
         if target is None:
             return
         try:
-            if stream == "channel":
-                target.send_bytes(data)
-            else:
+            if isinstance(target, int):
                 view = memoryview(data)
                 while view:
                     view = view[os.write(target, view):]
+            else:
+                target.send_bytes(data)
         except OSError:
-            self._close_writer(agent, i, stream)
+            self._close_writer(agent, i, name)
 
-    def _close_writer(self, agent: Agent, i: int, stream: str) -> None:
-        target = agent.writers[i].pop(stream, None)
+    def _close_writer(self, agent: Agent, i: int, name: str) -> None:
+        target = agent.writers[i].pop(name, None)
         if target is not None:
             close_quietly(target)
 
@@ -255,9 +274,7 @@ class SshBackend:
             if agent.lost and not self._stopping and "channel" in agent.writers[i]:
                 failure = Failure(rank, "HostLost", agent.lost, local_rank=i)
                 self._write(agent, i, "channel", _pickled(failure.to_wire()))
-            for stream in ("channel", "stdout", "stderr"):
-                self._close_writer(agent, i, stream)
-            self._exits.put((rank, LOST_EXIT))
+            self._rank_exited(agent, i, LOST_EXIT)
 
     # ------------------------------------------------------------------ the Backend protocol
     def wait_objects(self) -> list[Any]:
