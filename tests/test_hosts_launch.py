@@ -243,3 +243,50 @@ def test_a_killed_kernel_leaves_nothing_on_any_host(ssh_config, tmp_path):
         kernel.stderr.close()
     assert_nothing_left(ssh_config, rank_pids(tmp_path))
     assert all_gone(sessions, within=10)
+
+
+# ------------------------------------------------------------------------------------------ RankPool, %ranks
+POOL_CELL = """
+import torch, torch.distributed as dist
+from nbaccel import PartialState
+state = PartialState()
+x = torch.tensor([state.process_index + 1])
+dist.all_reduce(x)
+print("on", state.process_index, "of", state.num_processes)
+int(x)
+"""
+
+
+def test_rank_pool_on_two_hosts(ssh_config):
+    from nbaccel.launch import CollectiveMismatchError, RankPool
+
+    with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
+        assert pool.num_processes == 2 and "hosts=['nbaccel-host-a', 'nbaccel-host-b'] x 1" in repr(pool)
+        results = pool.exec(POOL_CELL)
+        assert [r.value for r in results] == [3, 3]
+        assert [r.stdout for r in results] == ["on 0 of 2\n", "on 1 of 2\n"]
+        pids = pool.pids
+        assert agents_of(ssh_config) and all(psutil.pid_exists(pid) for pid in pids)
+        # the same hang report as on one machine: only rank 0 enters the collective
+        with pytest.raises(CollectiveMismatchError, match="rank 0 waits in"):
+            pool.exec("if state.process_index == 0:\n    dist.all_reduce(x)")
+        assert all_gone(pids, within=10)  # the pool restarted its ranks on both hosts
+        assert pool.exec("from nbaccel import PartialState\nPartialState().num_processes").values == [2, 2]
+        pids = pool.pids
+    assert_nothing_left(ssh_config, pids)
+
+
+def test_ranks_magic_with_hosts(ssh_config, tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    cells = ["%load_ext nbaccel\n%ranks start -n 1 --hosts " + ",".join(HOSTS),
+             "%%ranks\nfrom nbaccel import PartialState\nPartialState().num_processes", "%ranks stop"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    nbclient.NotebookClient(notebook, timeout=90, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    texts = ["".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+             for cell in notebook.cells]
+    assert f"Started 2 ranks on {HOSTS[0]}, {HOSTS[1]}" in texts[0], texts
+    assert "2" in texts[1], texts
+    assert all_gone(agents_of(ssh_config), within=10)

@@ -54,8 +54,15 @@ def _ssh() -> type:
     return SshBackend
 
 
+def _ssh_persistent() -> type:
+    from .ssh_pool_backend import SshPoolBackend
+
+    return SshPoolBackend
+
+
 BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
-                                            Mode.PERSISTENT: _persistent, Mode.SSH: _ssh}
+                                            Mode.PERSISTENT: _persistent, Mode.SSH: _ssh,
+                                            Mode.SSH_PERSISTENT: _ssh_persistent}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 

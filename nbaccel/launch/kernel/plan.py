@@ -55,6 +55,7 @@ class Mode(str, Enum):
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
     PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
     SSH = "ssh"  # ranks on several hosts, started by one agent per host over SSH (kernel/ssh_backend.py)
+    SSH_PERSISTENT = "ssh-persistent"  # RankPool's ranks on several hosts (kernel/ssh_pool_backend.py)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class LaunchPlan:
     @property
     def supervised_ranks(self) -> int:
         """The ranks the kernel watches: every rank of every host over SSH, else this node's."""
-        return self.world_size if self.mode is Mode.SSH else self.num_processes
+        return self.world_size if self.mode in (Mode.SSH, Mode.SSH_PERSISTENT) else self.num_processes
 
     @property
     def world_size(self) -> int:
