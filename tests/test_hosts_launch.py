@@ -107,6 +107,8 @@ def test_two_hosts_two_ranks_each(ssh_config, capsys):
         assert f"[{host} rank {rank}] hello x from {rank}\n" in out
     launch = next(m for m in statuses if m.get("kind") == "launch" and m.get("state") == "started")
     assert launch["hosts"] == list(HOSTS) and launch["world_size"] == 4 and launch["num_processes"] == 4
+    devices = {m["rank"]: m["device"] for m in statuses if m.get("kind") == "status" and m.get("device")}
+    assert devices == {rank: f"cpu@{HOSTS[rank // 2]}" for rank in range(4)}  # the dashboard's device column
     assert_nothing_left(ssh_config, [r[4] for r in results])
 
 

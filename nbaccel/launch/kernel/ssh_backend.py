@@ -184,7 +184,9 @@ class SshBackend:
         environ = dict(plan.environ)
         if is_loopback_address(master) and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
-        return dataclasses.replace(plan, mode=self.host_mode, node_rank=agent.index, num_nodes=len(self.agents),
+        # a launch's ranks show their device as "cpu@gpu-b": the dashboard's device column names the host
+        device = f"{plan.device}@{agent.host}" if self.host_mode is Mode.LOCAL else plan.device
+        return dataclasses.replace(plan, mode=self.host_mode, device=device, node_rank=agent.index, num_nodes=len(self.agents),
                                    master_addr=master, port=port, hosts=None, environ=environ)
 
     def _make_ends(self, plan: LaunchPlan) -> list[Any]:
