@@ -292,3 +292,30 @@ def test_ranks_magic_with_hosts(ssh_config, tmp_path, monkeypatch):
     assert f"Started 2 ranks on {HOSTS[0]}, {HOSTS[1]}" in texts[0], texts
     assert "2" in texts[1], texts
     assert all_gone(agents_of(ssh_config), within=10)
+
+
+def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
+    # No SLURM cluster here (docs/launcher.md says why): stand-ins with SLURM's command lines. `scontrol show
+    # hostnames LIST` expands the allocation's list; `srun ... --nodelist=NODE CMD` runs CMD on NODE, here over
+    # the session's sshd, its stdin/stdout being the agent's channel as under the real srun.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames nbaccel-host-[a-b]" ] || { echo "bad call: $*" >&2; exit 1; }\n'
+        f'printf "{HOSTS[0]}\\n{HOSTS[1]}\\n"\n')
+    calls = tmp_path / "srun-calls"
+    (bin_dir / "srun").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\nnode=""\nwhile [ "${{1#--}}" != "$1" ]; do\n'
+        '  case "$1" in --nodelist=*) node="${1#--nodelist=}";; esac\n  shift\ndone\n'
+        f'exec ssh -F {ssh_config.config} -T "$node" -- "$*"\n')
+    for script in ("scontrol", "srun"):
+        (bin_dir / script).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "nbaccel-host-[a-b]")
+    monkeypatch.delenv("NBACCEL_SSH_CONFIG")  # srun, not ssh, reaches the nodes
+    results = notebook_launcher(meet, ("slurm",), num_processes=1, hosts="slurm", dashboard=False)
+    assert [r[:2] for r in results] == [(0, 2), (1, 2)]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and all("--overlap" in line and AGENT_MODULE in line for line in lines), lines
+    assert [line.split("--nodelist=")[1].split()[0] for line in lines] == list(HOSTS)
+    assert_nothing_left(ssh_config, [r[4] for r in results])
