@@ -186,8 +186,9 @@ class SshBackend:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
         # a launch's ranks show their device as "cpu@gpu-b": the dashboard's device column names the host
         device = f"{plan.device}@{agent.host}" if self.host_mode is Mode.LOCAL else plan.device
-        return dataclasses.replace(plan, mode=self.host_mode, device=device, node_rank=agent.index, num_nodes=len(self.agents),
-                                   master_addr=master, port=port, hosts=None, environ=environ)
+        return dataclasses.replace(plan, mode=self.host_mode, device=device, node_rank=agent.index,
+                                   num_nodes=len(self.agents), master_addr=master, port=port, hosts=None,
+                                   environ=environ)
 
     def _make_ends(self, plan: LaunchPlan) -> list[Any]:
         """Local pipes of the usual shape for every rank: the supervisor reads them, the relay writes them."""
