@@ -20,9 +20,10 @@ import pytest
 from process_helpers import all_gone
 from ssh_server import HOSTS
 
+from nbaccel.launch import HostError
 from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.host_protocol import AGENT_MODULE
-from nbaccel.launch.kernel.hosts import HostError, resolve_hosts
+from nbaccel.launch.kernel.hosts import resolve_hosts
 from nbaccel.launch.kernel.launcher import notebook_launcher
 
 pytestmark = pytest.mark.timeout(240)
