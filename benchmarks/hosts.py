@@ -81,6 +81,7 @@ def main(rounds: int = 5) -> None:
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("TORCHRUNX_LOG_DIR", "")  # no log files in the working folder (nbaccel writes none either)
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-bench-sshd-"))
     server = ssh_server.start_server(folder)
     try:
