@@ -66,3 +66,26 @@ def ssh_server(tmp_path_factory):
     yield server
     server.stop()
     SESSION_HELPERS.discard(server.process.pid)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster on this machine (tests/slurm_cluster.py), one per session; skipped, with the
+    reason, where its daemons cannot run."""
+    import psutil
+    import slurm_cluster as cluster_module
+    from process_helpers import SESSION_HELPERS
+
+    reason = cluster_module.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        cluster = cluster_module.start_cluster(tmp_path_factory.mktemp("slurm"))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot start a SLURM cluster: {exc}")
+    daemons = {process.pid for process in cluster.processes}
+    daemons |= {child.pid for pid in daemons for child in psutil.Process(pid).children()}  # slurmscriptd
+    SESSION_HELPERS.update(daemons)
+    yield cluster
+    cluster.stop()
+    SESSION_HELPERS.difference_update(daemons)

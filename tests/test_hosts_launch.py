@@ -17,7 +17,7 @@ from pathlib import Path
 import cloudpickle
 import psutil
 import pytest
-from process_helpers import all_gone
+from process_helpers import all_gone, run_in_session
 from ssh_server import HOSTS
 
 from nbaccel.launch import HostError
@@ -320,3 +320,29 @@ def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
     assert len(lines) == 2 and all("--overlap" in line and AGENT_MODULE in line for line in lines), lines
     assert [line.split("--nodelist=")[1].split()[0] for line in lines] == list(HOSTS)
     assert_nothing_left(ssh_config, [r[4] for r in results])
+
+
+SLURM_KERNEL = """
+from nbaccel.launch.kernel.launcher import notebook_launcher
+
+def where():
+    import os
+    from nbaccel import PartialState
+    state = PartialState()
+    print("in the allocation", state.process_index, flush=True)
+    return state.process_index, state.num_processes, os.environ.get("SLURM_STEP_ID") is not None
+
+print("results", notebook_launcher(where, num_processes=2, hosts="slurm", dashboard=False))
+"""
+
+
+def test_slurm_allocation_for_real(slurm_cluster, tmp_path):
+    # a kernel started inside `salloc` (as a JupyterLab in an allocation is): the hosts come from the
+    # allocation and the agents start as job steps with srun
+    env = dict(os.environ, SLURM_CONF=str(slurm_cluster.conf))
+    env.pop("NBACCEL_SSH_CONFIG", None)
+    script = tmp_path / "kernel.py"
+    script.write_text(SLURM_KERNEL)
+    done = run_in_session(["salloc", "-N1", "-n1", sys.executable, str(script)], env, tmp_path, timeout=120)
+    assert "results [(0, 2, True), (1, 2, True)]" in done.stdout, done.stdout
+    assert f"[{slurm_cluster.node} rank 1] in the allocation 1" in done.stdout, done.stdout

@@ -114,7 +114,9 @@ def agent_command(host: str, via: str = "ssh") -> list[str]:
     if root is not None:  # nbaccel runs from a checkout here: the same path there (a shared filesystem)
         remote = ["env", f"PYTHONPATH={root}", *remote]
     if via == "srun":
-        return ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={host}", "--kill-on-bad-exit=1",
+        # --unbuffered: srun forwards the output line by line otherwise, and the channel is binary frames
+        return ["srun", "--nodes=1", "--ntasks=1", "--overlap", "--unbuffered", f"--nodelist={host}",
+                "--kill-on-bad-exit=1",
                 *remote]
     command = ["ssh"]
     config = os.environ.get(SSH_CONFIG_ENV)
