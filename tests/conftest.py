@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,3 +46,46 @@ def no_process_left_behind():
         for child in children:
             child.kill()
         pytest.fail("test left processes running: " + "; ".join(described))
+
+
+@pytest.fixture(scope="session")
+def ssh_server(tmp_path_factory):
+    """A real sshd on a free port of 127.0.0.1 (tests/ssh_server.py), one per session, and the SSH config with
+    two aliases of this machine; skipped, with the reason, where sshd cannot run."""
+    import ssh_server as server_module
+    from process_helpers import SESSION_HELPERS
+
+    reason = server_module.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        server = server_module.start_server(tmp_path_factory.mktemp("sshd"))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot start sshd: {exc}")
+    SESSION_HELPERS.add(server.process.pid)
+    yield server
+    server.stop()
+    SESSION_HELPERS.discard(server.process.pid)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster on this machine (tests/slurm_cluster.py), one per session; skipped, with the
+    reason, where its daemons cannot run."""
+    import psutil
+    import slurm_cluster as cluster_module
+    from process_helpers import SESSION_HELPERS
+
+    reason = cluster_module.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        cluster = cluster_module.start_cluster(tmp_path_factory.mktemp("slurm"))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot start a SLURM cluster: {exc}")
+    daemons = {process.pid for process in cluster.processes}
+    daemons |= {child.pid for pid in daemons for child in psutil.Process(pid).children()}  # slurmscriptd
+    SESSION_HELPERS.update(daemons)
+    yield cluster
+    cluster.stop()
+    SESSION_HELPERS.difference_update(daemons)

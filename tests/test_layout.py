@@ -67,9 +67,11 @@ def _targets(node: ast.Import | ast.ImportFrom, module_parts: tuple[str, ...], i
     return [base]
 
 
-# Inside nbaccel/launch, by the process that runs the code: worker/ (a rank) imports nothing of kernel/ or pool/,
-# kernel/ nothing of pool/ (RankPool builds on the launch machinery, not the other way round).
-_LAUNCH_SIDES_BELOW = {"worker": {"kernel", "pool"}, "kernel": {"pool"}}
+# Inside nbaccel/launch, by the process that runs the code: worker/ (a rank) imports nothing of kernel/, pool/ or
+# agent/, kernel/ nothing of pool/ (RankPool builds on the launch machinery, not the other way round) nor of agent/
+# (the host agent on each machine of a several-host launch starts ranks with kernel/'s backends; the kernel talks
+# to it only through launch/host_protocol.py), agent/ nothing of pool/.
+_LAUNCH_SIDES_BELOW = {"worker": {"kernel", "pool", "agent"}, "kernel": {"pool", "agent"}, "agent": {"pool"}}
 
 
 def _launch_side(parts: tuple[str, ...]) -> str | None:

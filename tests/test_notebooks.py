@@ -16,12 +16,13 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from notebook_outputs import Executed, check_quickstart, read_outputs
+from ssh_server import HOSTS
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume", "04_distributed_inference",
-            "05_config_and_scripts", "07_big_models", "08_live_output")
+            "05_config_and_scripts", "07_big_models", "08_live_output", "09_several_machines")
 
 
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
@@ -162,6 +163,23 @@ def test_live_output(tmp_path):
     ranks = run.cell("display(Markdown(")
     assert ranks.error is None and "text/markdown" in ranks.mimetypes, ranks.text
     assert re.search(r"\[rank 1\] rank 1: 100%.*10/10", ranks.text) and "\r" not in ranks.text, ranks.text
+
+
+@pytest.mark.timeout(300)
+def test_several_machines(tmp_path, ssh_server, monkeypatch):
+    # the kernel inherits these: two aliases of this machine behind the session's sshd (tests/ssh_server.py)
+    monkeypatch.setenv("NBACCEL_SSH_CONFIG", str(ssh_server.config))
+    monkeypatch.setenv("NBACCEL_HOSTS", ",".join(HOSTS))
+    run = run_notebook("09_several_machines.ipynb", tmp_path)
+    launch = run.cell("hosts=hosts")
+    assert "world size: 2" in launch.text, launch.text
+    ranks = re.findall(r"rank (\d+) on cpu: final accuracy ([0-9.]+)", launch.text)
+    assert [rank for rank, _ in ranks] == ["0", "1"], launch.text
+    epochs = re.findall(rf"\[{HOSTS[0]} rank 0\] epoch (\d+): accuracy [0-9.]+ on 397 test images", launch.text)
+    assert [int(epoch) for epoch in epochs] == list(range(8)), launch.text
+    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes, "the live dashboard was not shown"
+    final = run.cell('print("final accuracy:"')
+    assert final.error is None and float(re.search(r"final accuracy: ([0-9.]+)", final.text).group(1)) > 0.85
 
 
 def test_tpu_recipe_is_marked_not_executed():

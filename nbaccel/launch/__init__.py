@@ -13,6 +13,7 @@ _EXPORTS = {
     **dict.fromkeys(["LaunchError", "LaunchTimeout", "PortInUseError", "UnpicklableError", "WorkerFailure"],
                     ".errors"),
     **dict.fromkeys(["debug_launcher", "notebook_launcher"], ".kernel.launcher"),
+    "HostError": ".kernel.hosts",  # a host of a several-machine launch cannot take part (checked before it starts)
     # persistent ranks live in .pool (built on this package's modules)
     **dict.fromkeys(["RankPool", "CollectiveMismatchError", "RankTimeoutError", "RankFailedError", "RankPoolError"],
                     ".pool"),

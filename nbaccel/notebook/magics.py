@@ -22,7 +22,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..launch.pool import RankFailedError, RankPool, RankPoolError, RankResults, results_equal
 
-USAGE = """%ranks start [-n N] [--spawn] [--timeout S] | status | restart | stop | push NAME... | pull NAME...
+USAGE = """%ranks start [-n N] [--spawn] [--timeout S] [--hosts A,B] | status | restart | stop | push NAME... | pull NAME...
 %%ranks [--ranks 0,1] [--timeout S]  (cell magic: run the cell on the ranks)"""
 
 
@@ -61,6 +61,8 @@ def _start_parser() -> _Parser:
     parser.add_argument("--spawn", action="store_true", help="start the ranks with spawn instead of fork")
     parser.add_argument("--timeout", type=_positive, default=30.0)
     parser.add_argument("--mixed_precision", "--mixed-precision", default="no")
+    # several machines: -n ranks on each, started over SSH (names as ssh knows them, comma-separated, or slurm)
+    parser.add_argument("--hosts", default=None)
     return parser
 
 
@@ -100,8 +102,9 @@ class RankMagics(Magics):
             print(f"Stopping the running ranks first ({self.pool.num_processes} ranks).")
             self.pool.shutdown()
         self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
-                             mixed_precision=options.mixed_precision, timeout=options.timeout)
-        print(f"Started {self.pool.num_processes} ranks ({self.pool.start_method}, devices "
+                             mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
+        where = f" on {', '.join(self.pool.hosts.names)}" if self.pool.hosts else ""
+        print(f"Started {self.pool.num_processes} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")
 
     def _status(self, args: list[str]) -> None:

@@ -54,8 +54,21 @@ def _persistent() -> type:
     return PersistentBackend
 
 
+def _ssh() -> type:
+    from .ssh_backend import SshBackend
+
+    return SshBackend
+
+
+def _ssh_persistent() -> type:
+    from .ssh_pool_backend import SshPoolBackend
+
+    return SshPoolBackend
+
+
 BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
-                                            Mode.PERSISTENT: _persistent, Mode.SCRIPT: _torchrun}
+                                            Mode.PERSISTENT: _persistent, Mode.SCRIPT: _torchrun, Mode.SSH: _ssh,
+                                            Mode.SSH_PERSISTENT: _ssh_persistent}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 

@@ -24,6 +24,7 @@ from ..private_dirs import make_store_dir, remove_dir
 from ..serialize import make_payload
 from ..shared_tensors import make_result_dir, remove_result_dir
 from .backends import select_backend
+from .host_plan import build_host_plan
 from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
@@ -57,6 +58,7 @@ def notebook_launcher(
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
+    hosts: Sequence[str] | str | None = None,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
 
@@ -69,6 +71,9 @@ def notebook_launcher(
 
     Arguments left at their defaults take the saved launch configuration's values (`nbaccel config`,
     `config_widget()`; see docs/launcher.md), as does the workers' gradient accumulation.
+
+    `hosts=["gpu-a", "gpu-b"]` (names as your ssh knows them) or `hosts="slurm"`: `num_processes` ranks on
+    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank.
     """
     check_dashboard(dashboard)
     request = LaunchRequest(
@@ -77,8 +82,10 @@ def notebook_launcher(
         num_nodes=num_nodes, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
+        hosts=hosts,
     )
-    return launch(build_plan(request), request, Reporting(dashboard, tuple(observers)))
+    plan = build_plan(request) if hosts is None else build_host_plan(request)
+    return launch(plan, request, Reporting(dashboard, tuple(observers)))
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
@@ -142,7 +149,7 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
     """Run the supervisor with the dashboard and observers; report the launch's start and end to them."""
     info = plan.info()
     try:
-        handle = make_dashboard(reporting.dashboard, plan.num_processes, **info)
+        handle = make_dashboard(reporting.dashboard, plan.supervised_ranks, **info)
     except BaseException:
         backend.stop()
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
@@ -151,7 +158,7 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
     supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout)  # streams looked up per write
     if handle:
         handle.start()
-    supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.num_processes, **info))
+    supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.supervised_ranks, **info))
     results: list[Any] | None = None
     failures: dict[int, Any] = {}
     state = LaunchState.FAILED

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType, SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
 from ...utils.process_limits import check_process_count
@@ -38,6 +38,9 @@ from .processes import (
 )
 from .saved_config import apply_saved_config, default, plain
 
+if TYPE_CHECKING:
+    from .hosts import HostSet
+
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
 PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
 assert set(PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
@@ -52,6 +55,8 @@ class Mode(str, Enum):
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
     PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
     SCRIPT = "script"  # `nbaccel launch`: torchrun's agent runs a script on each rank (kernel/torchrun.py)
+    SSH = "ssh"  # ranks on several hosts, started by one agent per host over SSH (kernel/ssh_backend.py)
+    SSH_PERSISTENT = "ssh-persistent"  # RankPool's ranks on several hosts (kernel/ssh_pool_backend.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class LaunchRequest:
     log_line_prefix_template: str | None = None
     start_method: str | None = None
     timeout: float | None = None
+    hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/host_plan.py)
     debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
 
 
@@ -126,6 +132,12 @@ class LaunchPlan:
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
     timeout: float | None = None  # seconds the whole launch may run (None: no limit)
     script: ScriptTarget | None = None  # Mode.SCRIPT: the script every rank runs
+    hosts: HostSet | None = None  # Mode.SSH: the hosts, num_processes ranks on each
+
+    @property
+    def supervised_ranks(self) -> int:
+        """The ranks the kernel watches: every rank of every host over SSH, else this node's."""
+        return self.world_size if self.mode in (Mode.SSH, Mode.SSH_PERSISTENT) else self.num_processes
 
     @property
     def world_size(self) -> int:
@@ -176,6 +188,10 @@ class LaunchPlan:
                         num_nodes=self.num_nodes, rendezvous=self.rendezvous_text(), device=device)
         if self.mode is Mode.XLA:
             return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
+        if self.mode is Mode.SSH:
+            assert self.hosts is not None
+            return dict(start_method=self.hosts.via, world_size=self.world_size, hosts=list(self.hosts.names),
+                        device=device)
         return dict(start_method="in-process")
 
     def rendezvous_text(self) -> str:

@@ -128,6 +128,7 @@ class WorkerHandle:
     reports_memory: bool = False  # the worker sends its own `memory` messages
     rss_peak: int = 0
     last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
+    label: str | None = None  # how its output lines are labelled (default "rank N"; over SSH "host rank N")
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
@@ -200,7 +201,7 @@ class Supervisor:
             # A finished progress bar (tqdm writes to stderr) is shown as it was while live, not as an error.
             target = self.stdout if stream == "stdout" or redrawing[0] else self.stderr
             try:
-                target.write(f"[rank {worker.rank}] {line}\n")
+                target.write(f"[{worker.label or f'rank {worker.rank}'}] {line}\n")
             except Exception:
                 pass
             self.notify(messages.output(worker.rank, worker.local_rank, stream, line))

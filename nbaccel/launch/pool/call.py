@@ -7,10 +7,8 @@ and hands the picture to `hang_report.diagnose`; a hang ends the wait with `Hang
 
 from __future__ import annotations
 
-import os
 import pickle
 import select
-import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -232,7 +230,7 @@ class Call:
         """Forward the interrupt to the busy ranks and give them INTERRUPT_GRACE seconds to reply."""
         for index in self.pending:
             try:
-                os.kill(self.ranks[index].pid, signal.SIGINT)
+                self.ranks[index].interrupt()
             except OSError:
                 pass
         deadline = time.monotonic() + INTERRUPT_GRACE

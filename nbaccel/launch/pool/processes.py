@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.util
+import os
 import select
+import signal
 import time
 import weakref
 from collections.abc import Callable
@@ -61,6 +63,14 @@ class RankProcess:
         if self._output_poll is not None:
             for fd in (out_fd, err_fd):
                 self._output_poll.register(fd, select.POLLIN)
+
+    def interrupt(self) -> None:
+        """SIGINT to the rank (a rank on another host: through its agent)."""
+        send = getattr(self.process, "send_signal", None)  # kernel/ssh_pool_backend.py's RemoteRank
+        if send is not None:
+            send(signal.SIGINT)
+        else:
+            os.kill(self.pid, signal.SIGINT)
 
     def drain(self, fd: int) -> None:
         if fd in self.closed_fds:

@@ -23,7 +23,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -32,6 +32,7 @@ from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
+from ..kernel.hosts import resolve_hosts
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
 from ..kernel.processes import choose_start_method, free_port
 from ..messages import MessageKind, PoolCommand, RankState
@@ -71,10 +72,12 @@ class RankPool:
     """
 
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
-                 timeout: float = 30, observers: Iterable[Any] = ()) -> None:
+                 timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None) -> None:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
+        # several machines: num_processes ranks on each host, started over SSH (docs/ranks.md)
+        self.hosts = resolve_hosts(hosts) if hosts is not None else None
         self.timeout = _check_timeout(timeout, "timeout")
         precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
@@ -87,13 +90,16 @@ class RankPool:
             gpus = 0
         if note:
             print(note, file=sys.stderr)
-        self.num_processes = num_processes
+        self._per_host = num_processes
+        self.num_processes = num_processes * (len(self.hosts.names) if self.hosts else 1)  # every rank
         self.mixed_precision = precision
         self.restarts = 0
         # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
         self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
                                                     nproc_per_node=num_processes, fork_launched=True,
-                                                    pg_timeout=self.timeout + PG_TIMEOUT_MARGIN))
+                                                    pg_timeout=self.timeout + PG_TIMEOUT_MARGIN,
+                                                    loopback=self.hosts is None,
+                                                    num_nodes=len(self.hosts.names) if self.hosts else 1))
         self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
@@ -115,7 +121,13 @@ class RankPool:
             self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
 
     def _plan(self) -> LaunchPlan:
-        """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one)."""
+        """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one); on
+        several hosts, the first host finds the port."""
+        if self.hosts is not None:
+            return LaunchPlan(mode=Mode.SSH_PERSISTENT, num_processes=self._per_host,
+                              mixed_precision=self.mixed_precision, start_method=self.hosts.via, device=self._device,
+                              environ=MappingProxyType(self._env), num_nodes=len(self.hosts.names), master_addr="",
+                              timeout=self.timeout, hosts=self.hosts)
         return LaunchPlan(mode=Mode.PERSISTENT, num_processes=self.num_processes, mixed_precision=self.mixed_precision,
                           start_method=self.start_method, device=self._device, environ=MappingProxyType(self._env),
                           port=free_port(), timeout=self.timeout)
@@ -233,7 +245,8 @@ class RankPool:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return (f"RankPool(num_processes={self.num_processes}, start_method={self.start_method!r}, "
+        where = f"hosts={list(self.hosts.names)!r} x {self._per_host}, " if self.hosts else ""
+        return (f"RankPool(num_processes={self.num_processes}, {where}start_method={self.start_method!r}, "
                 f"timeout={self.timeout:g}, {state})")
 
     def status(self) -> list[dict[str, Any]]:

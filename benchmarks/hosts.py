@@ -1,0 +1,113 @@
+"""Launch latency on 2 hosts x 2 ranks over SSH: nbaccel's `notebook_launcher(hosts=...)` against torchrunx's
+`Launcher(hostnames=...).run`, interleaved, on the same sshd.
+
+Both "hosts" are this machine: a private sshd on a free port of 127.0.0.1 with generated keys (the tests'
+tests/ssh_server.py), reached under the names `localhost` and `nbaccel-bench-b` through a generated SSH config.
+torchrunx never uses SSH for a name that resolves to this machine (it starts its agent with a local shell
+instead); so that both tools pay for an SSH login per host, its launcher is told that these two names resolve
+to a non-local documentation address (192.0.2.1) when it decides, and only then. Its agents and workers
+resolve the names normally. Each run: the function returns its rank after joining the process group
+(gloo); the time is the call's wall time in the caller.
+
+    python benchmarks/hosts.py [rounds]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import ssh_server  # noqa: E402
+
+NAMES = ("localhost", "nbaccel-bench-b")  # not IP literals: torchrunx never uses SSH for a loopback one
+
+
+def bench_config(server: ssh_server.SshServer) -> Path:
+    """The server's client config, with its two aliases renamed to NAMES."""
+    text = server.config.read_text()
+    for alias, name in zip(ssh_server.HOSTS, NAMES):
+        text = text.replace(f"Host {alias}\n", f"Host {name}\n")
+    path = server.folder / "bench_config"
+    path.write_text(text)
+    return path
+
+
+def rank_of() -> int:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # nbaccel: PartialState builds the group from the launcher's environment
+        from nbaccel import PartialState
+
+        return PartialState().process_index
+    return dist.get_rank()
+
+
+def run_nbaccel() -> list[int]:
+    from nbaccel import notebook_launcher
+
+    return notebook_launcher(rank_of, num_processes=2, hosts=list(NAMES), dashboard=False)
+
+
+def run_torchrunx(config: Path) -> list[int]:
+    import torchrunx
+
+    result = torchrunx.Launcher(hostnames=list(NAMES), workers_per_host=2, backend="gloo",
+                                ssh_config_file=str(config)).run(rank_of)
+    return [result.rank(i) for i in range(4)]
+
+
+def force_torchrunx_over_ssh() -> None:
+    """torchrunx's launcher decides "this machine: no SSH" by resolving the host name; make that one decision
+    see a remote address, so it logs in over SSH as it would to another machine."""
+    import socket
+
+    from torchrunx.utils import environment
+
+    fake = types.SimpleNamespace(**{name: getattr(socket, name) for name in dir(socket) if not name.startswith("__")})
+    fake.gethostbyname = lambda name: "192.0.2.1" if name in NAMES else socket.gethostbyname(name)
+    environment.socket = fake
+
+
+def main(rounds: int = 5) -> None:
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("TORCHRUNX_LOG_DIR", "")  # no log files in the working folder (nbaccel writes none either)
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-bench-sshd-"))
+    server = ssh_server.start_server(folder)
+    try:
+        config = bench_config(server)
+        os.environ["NBACCEL_SSH_CONFIG"] = str(config)
+        force_torchrunx_over_ssh()
+        assert sorted(run_nbaccel()) == [0, 1, 2, 3]  # warm-up of each (imports, page cache)
+        assert sorted(run_torchrunx(config)) == [0, 1, 2, 3]
+        times: dict[str, list[float]] = {"nbaccel": [], "torchrunx": []}
+        for _ in range(rounds):
+            for name, run in (("nbaccel", run_nbaccel), ("torchrunx", lambda: run_torchrunx(config))):
+                start = time.perf_counter()
+                assert sorted(run()) == [0, 1, 2, 3]
+                times[name].append(time.perf_counter() - start)
+        load = os.getloadavg()[0]
+        print(f"2 hosts x 2 ranks over SSH (both hosts this machine), {rounds} interleaved rounds, "
+              f"load average {load:.1f}")
+        for name, values in times.items():
+            print(f"  {name:9s} median {statistics.median(values):.2f} s  min {min(values):.2f} s  "
+                  f"all {', '.join(f'{v:.2f}' for v in values)}")
+        ratio = statistics.median(times["nbaccel"]) / statistics.median(times["torchrunx"])
+        paired = statistics.median(a / b for a, b in zip(times["nbaccel"], times["torchrunx"]))
+        print(f"  nbaccel / torchrunx: {ratio:.2f}x (medians), {paired:.2f}x (median of the rounds' ratios)")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

@@ -1,0 +1,224 @@
+"""The host agent: `python -m nbaccel.launch.agent.host_agent`, started by the kernel on each host over SSH.
+
+It answers the kernel's probe (versions, address, a free rendezvous port), starts this host's ranks with the
+backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
+RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
+exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
+stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
+dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..channel import close_quietly
+from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
+from ..serialize import Payload
+
+DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
+
+
+def connection_address() -> str | None:
+    """This host's address on the kernel's SSH connection (SSH_CONNECTION's server address), which the other
+    hosts can most likely reach too."""
+    parts = os.environ.get("SSH_CONNECTION", "").split()
+    return parts[2] if len(parts) == 4 else None
+
+
+def probe_port(port: int | None) -> tuple[int | None, str | None]:
+    """(the port, None) when the rendezvous can listen on it here (0: a free one), else (port, why not)."""
+    if port is None:
+        return None, None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return port, f"port {port} cannot be opened on {socket.gethostname()} ({exc.strerror})"
+        return sock.getsockname()[1], None
+
+
+def hello(probe: Probe) -> Hello:
+    import torch
+
+    port, error = probe_port(probe.port)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return Hello(hostname=socket.gethostname(), pid=os.getpid(), versions=versions(),
+                 address=connection_address(), gpus=gpus, port=port, port_error=error)
+
+
+class Relay:
+    """This host's ranks, relayed to the kernel until the kernel says stop or goes away."""
+
+    def __init__(self, kernel: Connection, commands: Connection) -> None:
+        self.kernel = kernel
+        self.commands = commands
+        self.backend: Any = None
+        self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
+        self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
+
+    def start(self, start: Start) -> None:
+        from ..kernel.backends import select_backend
+        from ..kernel.plan import Mode
+        from ..kernel.processes import choose_start_method, preload_worker_modules
+
+        method, _ = choose_start_method(None)
+        plan = dataclasses.replace(start.plan, start_method=method)
+        preload_worker_modules(method, launch=plan.mode is Mode.LOCAL)
+        self.backend = select_backend(plan)
+        if start.payload is None:  # RankPool's ranks: commands and status both ways, telemetry
+            for i, ends in enumerate(self.backend.start(plan)):
+                self._add(i, ends.out_fd, ends.err_fd, commands=ends.commands, status=ends.status,
+                          telemetry=ends.telemetry)
+        else:
+            for i, handle in enumerate(self.backend.start(plan, Payload(data=start.payload))):
+                self._add(i, handle.stdout_fd, handle.stderr_fd, channel=handle.channel)
+        self.send(FrameKind.STARTED, [proc.pid for proc in self.backend.processes])
+
+    def _add(self, i: int, out_fd: int, err_fd: int, **pipes: Connection) -> None:
+        self.fds[out_fd] = (i, "stdout")
+        self.fds[err_fd] = (i, "stderr")
+        for name, conn in pipes.items():
+            self.pipes[(i, name)] = conn
+
+    def send(self, kind: FrameKind, *fields: Any) -> None:
+        self.kernel.send((kind.value, *fields))
+
+    def serve(self) -> None:
+        """Relay until the kernel says stop or goes away; stop the ranks then."""
+        try:
+            while True:
+                readers = {id(conn): key for key, conn in self.pipes.items()}
+                objects: list[Any] = [self.commands, *self.pipes.values(), *self.fds]
+                objects += self.backend.wait_objects()
+                for obj in wait(objects, timeout=1.0):
+                    if obj is self.commands:
+                        if not self._from_kernel():
+                            return
+                    elif isinstance(obj, int):
+                        if obj in self.fds:
+                            self._read_fd(obj)
+                    elif id(obj) in readers and readers[id(obj)] in self.pipes:
+                        self._read_pipe(readers[id(obj)])
+                self._report_exits()
+        finally:
+            self.backend.stop()
+            try:
+                self._report_exits(limit=0.5)
+            except OSError:
+                pass  # the kernel is gone: nobody to tell
+            self.backend.close()
+            close_quietly(*self.pipes.values(), *self.fds)
+
+    def _from_kernel(self) -> bool:
+        """Handle what the kernel sent; False when it says stop or the SSH session closed."""
+        try:
+            while self.commands.poll(0):
+                frame = self.commands.recv()
+                if frame == STOP:
+                    return False
+                self._kernel_frame(frame)
+        except (EOFError, OSError):
+            return False  # the SSH session closed: the kernel is gone or done
+        return True
+
+    def _kernel_frame(self, frame: tuple) -> None:
+        kind, i = frame[0], frame[1]
+        if kind == KernelFrame.SEND:
+            conn = self.pipes.get((i, frame[2]))
+            if conn is not None:
+                try:
+                    conn.send_bytes(frame[3])
+                except OSError:
+                    pass  # the rank is gone: its exit is reported
+        elif kind == KernelFrame.CLOSE:
+            conn = self.pipes.pop((i, frame[2]), None)
+            close_quietly(conn)
+        elif kind == KernelFrame.SIGNAL:
+            process = self.backend.processes[i]
+            if process.is_alive():
+                os.kill(process.pid, frame[2])
+
+    def _read_fd(self, fd: int) -> None:
+        i, stream = self.fds[fd]
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if data:
+            self.send(FrameKind.OUTPUT, i, stream, data)
+        else:
+            del self.fds[fd]
+            close_quietly(fd)
+            self.send(FrameKind.END, i, stream)
+
+    def _read_pipe(self, key: tuple[int, str]) -> None:
+        conn = self.pipes[key]
+        try:
+            while conn.poll(0):
+                self.send(FrameKind.MESSAGE, key[0], key[1], conn.recv_bytes())
+        except (EOFError, OSError):
+            del self.pipes[key]
+            close_quietly(conn)
+            self.send(FrameKind.END, key[0], key[1])
+
+    def _report_exits(self, limit: float = DRAIN) -> None:
+        """Each rank that exited: what it left in its pipes first, then its exit code."""
+        for i, code in self.backend.poll_exits():
+            deadline = time.monotonic() + limit
+            while time.monotonic() < deadline:
+                for key in [key for key in self.pipes if key[0] == i]:
+                    self._read_pipe(key)
+                mine = [fd for fd, (rank, _) in self.fds.items() if rank == i]
+                if not mine:
+                    break
+                for fd in wait(mine, timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                    self._read_fd(fd)
+            self.send(FrameKind.EXIT, i, code)
+
+
+def main() -> int:
+    # the kernel's channel is this process's stdout: keep it to ourselves, and let anything else printed here
+    # (and by the ranks, which inherit fds) go to stderr; stdin likewise
+    kernel = Connection(os.dup(1), readable=False)
+    commands = Connection(os.dup(0), writable=False)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        probe = commands.recv()
+    except (EOFError, OSError):
+        return 0
+    kernel.send(hello(probe))
+    try:
+        start = commands.recv()
+    except (EOFError, OSError):
+        return 0
+    if not isinstance(start, Start):
+        return 0  # STOP before anything started (another host failed its checks)
+    relay = Relay(kernel, commands)
+    try:
+        relay.start(start)
+    except BaseException as exc:  # say why, then leave: the kernel stops every other host
+        import traceback
+
+        try:
+            relay.send(FrameKind.ERROR, "".join(traceback.format_exception(exc)))
+        except OSError:
+            pass
+        if relay.backend is not None:
+            relay.backend.stop()
+        return 1
+    relay.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
