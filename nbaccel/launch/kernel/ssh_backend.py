@@ -314,6 +314,10 @@ class SshBackend:
     def exit_failures(self) -> dict[int, WorkerFailure]:
         return {}
 
+    def verdict(self) -> None:
+        """Nothing but the supervisor watches these ranks (the agents report every rank's messages to it)."""
+        return None
+
     def lost_reason(self) -> str | None:
         return next((agent.lost for agent in self.agents if agent.lost), None)
 
