@@ -177,7 +177,10 @@ def test_several_machines(tmp_path, ssh_server, monkeypatch):
     assert [rank for rank, _ in ranks] == ["0", "1"], launch.text
     epochs = re.findall(rf"\[{HOSTS[0]} rank 0\] epoch (\d+): accuracy [0-9.]+ on 397 test images", launch.text)
     assert [int(epoch) for epoch in epochs] == list(range(8)), launch.text
-    assert "application/vnd.jupyter.widget-view+json" in launch.mimetypes, "the live dashboard was not shown"
+    # the live dashboard became its summary (no widget left in the file), every rank finished
+    assert "application/vnd.jupyter.widget-view+json" not in launch.mimetypes, "a dead widget box when reopened"
+    assert "class='nbaccel-summary' data-state='finished'" in launch.html, launch.html
+    assert re.findall(r"data-rank='\d+' data-state='(\w+)'", launch.html) == ["finished", "finished"], launch.html
     final = run.cell('print("final accuracy:"')
     assert final.error is None and float(re.search(r"final accuracy: ([0-9.]+)", final.text).group(1)) > 0.85
 
