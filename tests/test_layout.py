@@ -258,10 +258,7 @@ def long_private_signatures(source: str, relative: str) -> list[str]:
             continue
         if not node.name.startswith("_") or node.name.startswith("__"):
             continue
-        args = node.args
-        names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
-        if names and names[0] in ("self", "cls"):
-            names = names[1:]
+        names = _parameter_names(node)
         if len(names) > MAX_PRIVATE_PARAMETERS:
             found.append(f"{relative}:{node.lineno} {node.name} takes {len(names)} parameters")
     return found
@@ -303,10 +300,7 @@ def long_signatures(source: str, relative: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            args = node.args
-            names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
-            if names and names[0] in ("self", "cls"):
-                names = names[1:]
+            names = _parameter_names(node)
             if len(names) > MAX_PRIVATE_PARAMETERS:
                 found.append(f"{relative}:{node.lineno} {node.name} takes {len(names)} parameters")
     return found
@@ -361,3 +355,10 @@ def test_the_pool_starts_no_process_by_itself():
 
 def test_process_start_checker_finds_a_start():
     assert starts_processes("p = ctx.Process(target=f)\np.start()\nimport os\nos.fork()\nx = f()") == [1, 4]
+
+
+def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A function's parameters as a caller passes them (a method's self/cls left out)."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    return names[1:] if names and names[0] in ("self", "cls") else names
