@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import signal
 import socket
 import stat
@@ -97,9 +98,20 @@ def sleep_long(folder):
 
 
 # ------------------------------------------------------------------------------------------ launches
-def test_two_hosts_two_ranks_each(ssh_config, capsys):
+def test_two_hosts_two_ranks_each(ssh_config, capsys, monkeypatch):
+    import nbaccel.notebook
+    from nbaccel.notebook.render import summary_html
+
+    boards = []
+    real = nbaccel.notebook.Dashboard
+
+    def recording(num_processes, **options):  # the launcher's own dashboard, built with the launch's info
+        boards.append(real(num_processes, **options))
+        return boards[-1]
+
+    monkeypatch.setattr(nbaccel.notebook, "Dashboard", recording)
     statuses = []
-    results = notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard=False,
+    results = notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard="plain",
                                 observers=[statuses.append])
     assert [r[:4] for r in results] == [(0, 4, 0, 10), (1, 4, 1, 10), (2, 4, 0, 10), (3, 4, 1, 10)]
     out = capsys.readouterr().out
@@ -108,8 +120,15 @@ def test_two_hosts_two_ranks_each(ssh_config, capsys):
         assert f"[{host} rank {rank}] hello x from {rank}\n" in out
     launch = next(m for m in statuses if m.get("kind") == "launch" and m.get("state") == "started")
     assert launch["hosts"] == list(HOSTS) and launch["world_size"] == 4 and launch["num_processes"] == 4
-    devices = {m["rank"]: m["device"] for m in statuses if m.get("kind") == "status" and m.get("device")}
-    assert devices == {rank: f"cpu@{HOSTS[rank // 2]}" for rank in range(4)}  # the dashboard's device column
+    where = {m["rank"]: (m["host"], m["device"]) for m in statuses if m.get("kind") == "status" and m.get("device")}
+    assert where == {rank: (HOSTS[rank // 2], "cpu") for rank in range(4)}  # each status names its host
+    # the summary the dashboard leaves: every rank in its own row, its host in the host column, the device alone
+    html = summary_html(boards[0].model)
+    assert ">host</th>" in html
+    for rank in range(4):
+        row = html.split(f"data-rank='{rank}'")[1].split("</tr>")[0]
+        assert re.search(r'<td class="nbaccel-host"[^>]*>([^<]*)</td>', row).group(1) == HOSTS[rank // 2], row
+        assert "@" not in row and ">cpu</td>" in row and ">finished</td>" in row
     assert_nothing_left(ssh_config, [r[4] for r in results])
 
 
@@ -265,8 +284,12 @@ def test_rank_pool_on_two_hosts(ssh_config):
 
     with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
         assert pool.num_processes == 2 and "hosts=['nbaccel-host-a', 'nbaccel-host-b'] x 1" in repr(pool)
+        seen = []
+        pool.attach(seen.append)  # a dashboard attached to the pool: each rank's status names its host
         results = pool.exec(POOL_CELL)
+        pool.detach(seen.append)
         assert [r.value for r in results] == [3, 3]
+        assert {m["rank"]: m.get("host") for m in seen if m.get("kind") == "status"} == dict(enumerate(HOSTS))
         # (the cell's printed lines are not asserted: over SSH a reply can overtake the rank's output; see the
         # issue note)
         pids = pool.pids

@@ -24,6 +24,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from ...utils.constants import LAUNCH_HOST_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
@@ -184,9 +185,8 @@ class SshBackend:
         environ = dict(plan.environ)
         if is_loopback_address(master) and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
-        # a launch's ranks show their device as "cpu@gpu-b": the dashboard's device column names the host
-        device = f"{plan.device}@{agent.host}" if self.host_mode is Mode.LOCAL else plan.device
-        return dataclasses.replace(plan, mode=self.host_mode, device=device, node_rank=agent.index,
+        environ[LAUNCH_HOST_ENV] = agent.host  # the ranks' status messages name their host (the dashboard's column)
+        return dataclasses.replace(plan, mode=self.host_mode, node_rank=agent.index,
                                    num_nodes=len(self.agents), master_addr=master, port=port, hosts=None,
                                    environ=environ)
 
