@@ -213,6 +213,57 @@ def test_a_rendezvous_port_the_first_host_cannot_open_is_named(ssh_config):
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def test_a_module_the_hosts_cannot_import_is_named_before_any_rank_starts(ssh_config, tmp_path, monkeypatch):
+    # a training function in a .py file next to the notebook: importable in the kernel (its folder is on the
+    # kernel's path), so cloudpickle sends it by name; the hosts' Python does not have that folder on its path
+    module = f"nbaccel_train_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text("def train(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    train = __import__(module).train
+    seen = []
+    try:
+        with pytest.raises(HostError) as info:
+            notebook_launcher(train, (1,), num_processes=1, hosts=list(HOSTS), dashboard=False,
+                              observers=[seen.append])
+    finally:
+        sys.modules.pop(module, None)
+    text = str(info.value)
+    assert info.value.host == HOSTS[0] and f"host {HOSTS[0]!r} cannot import {module!r}" in text
+    assert "define the function in the notebook" in text and f"install that module on {HOSTS[0]!r}" in text
+    assert not [m for m in seen if m.get("kind") == "status"]  # no rank started
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+def test_the_modules_a_pickled_function_needs_are_read_from_the_pickle(tmp_path, monkeypatch):
+    from nbaccel.launch.serialize import dumps_payload, missing_modules, referenced_modules
+
+    (tmp_path / "nbaccel_refmod_a.py").write_text("def train():\n    return 1\n")
+    (tmp_path / "nbaccel_refmod_b.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nbaccel_refmod_a
+    import nbaccel_refmod_b
+
+    def uses_module():  # travels by value (this test module is registered so), the module object by name
+        return nbaccel_refmod_b.X
+
+    try:
+        names = referenced_modules(dumps_payload(nbaccel_refmod_a.train, (uses_module,), {}))
+        assert "nbaccel_refmod_a" in names and "nbaccel_refmod_b" in names and "__main__" not in names
+        assert "test_hosts_launch" not in names  # registered by value: nothing to import
+        assert missing_modules(names) == []  # this Python has them
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+        for name in ("nbaccel_refmod_a", "nbaccel_refmod_b"):
+            del sys.modules[name]
+        assert [name for name, _ in missing_modules(names)] == ["nbaccel_refmod_a", "nbaccel_refmod_b"]
+        __import__("json")  # a package already imported: its missing submodule is named too
+        assert missing_modules(["json", "json.no_such_part"]) == [("json.no_such_part",
+                                                                  "'json' has no module 'json.no_such_part'")]
+    finally:
+        sys.modules.pop("nbaccel_refmod_a", None)
+        sys.modules.pop("nbaccel_refmod_b", None)
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def test_bad_hosts_arguments_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="non-empty list"):
