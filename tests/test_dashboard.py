@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import pytest
@@ -342,6 +343,65 @@ def test_rows_follow_local_rank_and_error_messages():
                   "message": "'x'\nsecond line", "traceback": "..."})
     assert len(model.ranks) == 2 and model.ranks[1].rank == 5
     assert model.ranks[1].state == "failed" and model.ranks[1].error == "KeyError: 'x'"
+
+
+def _hosts_stream() -> list[dict]:
+    """Two hosts with two ranks each, as their statuses reach the kernel: every rank's local rank is 0 or 1."""
+    stream = []
+    for rank in range(4):
+        host, local = ("gpu-a", "gpu-b")[rank // 2], rank % 2
+        stream += [
+            {"kind": "status", "rank": rank, "local_rank": local, "time": T0 + rank, "state": "starting",
+             "device": f"cuda:{local}", "host": host, "pid": 100 + rank},
+            {"kind": "step", "rank": rank, "local_rank": local, "time": T0 + 5, "step": 3 + rank, "total": 10},
+            {"kind": "status", "rank": rank, "local_rank": local, "time": T0 + 9, "state": "finished",
+             "device": f"cuda:{local}", "host": host},
+        ]
+    return stream
+
+
+def test_ranks_on_several_hosts_get_a_host_column_and_their_own_rows():
+    model = replay(_hosts_stream(), num_processes=4)
+    assert [(s.rank, s.host, s.device, s.step) for s in model.ranks] == [
+        (0, "gpu-a", "cuda:0", 3), (1, "gpu-a", "cuda:1", 4), (2, "gpu-b", "cuda:0", 5), (3, "gpu-b", "cuda:1", 6)]
+    assert model.shows_hosts and model.summary()["ranks"][2]["host"] == "gpu-b"
+    model.finish(results=[0, 1, 2, 3])
+    for html in (rank_table_html(model), summary_html(model)):
+        assert ">host</th>" in html
+        for rank, host, device in ((0, "gpu-a", "cuda:0"), (3, "gpu-b", "cuda:1")):
+            row = html.split(f"data-rank='{rank}'")[1].split("</tr>")[0]
+            # the host in its own column, right after the rank; the device column is the device alone
+            assert re.findall(r">([^<]*)</td>", row)[:3] == [str(rank), host, device]
+            assert '<td class="nbaccel-host"' in row and "@" not in row
+    assert "rank 2 [gpu-b cuda:0] finished" in summary_text(model)
+    lines = io.StringIO()
+    PlainView(model, stream=lines)
+    assert "rank 3 on gpu-b (cuda:1): finished" in lines.getvalue()
+    from rich.console import Console
+
+    console = Console(record=True, width=200, color_system=None)
+    console.print(rich_renderable(model))
+    rows = [[cell.strip() for cell in line.replace("┃", "│").split("│")] for line in
+            console.export_text().splitlines()]
+    assert ["rank", "host", "device"] in [row[:3] for row in rows] and ["2", "gpu-b", "cuda:0"] in [row[:3] for row in rows]
+
+
+def test_the_launch_info_names_the_hosts_before_any_rank_reports():
+    model = DashboardModel(4, info={"hosts": ["gpu-a", "gpu-b"], "world_size": 4})
+    assert [s.host for s in model.ranks] == ["gpu-a", "gpu-a", "gpu-b", "gpu-b"] and model.shows_hosts
+    # a rank's own messages carry its local rank on its host: the row is still its global rank
+    model.update({"kind": "step", "rank": 3, "local_rank": 1, "time": T0, "step": 7})
+    assert model.ranks[3].step == 7 and model.ranks[1].step == 0
+    assert "gpu-a, gpu-b" in summary_html(model)  # the header's hosts, as a list of names
+
+
+def test_a_launch_on_this_machine_has_no_host_column():
+    model = replay(scripted_stream())
+    model.finish()
+    assert not model.shows_hosts
+    for html in (rank_table_html(model), summary_html(model)):
+        assert ">host</th>" not in html and "nbaccel-host" not in html
+    assert "rank 0 [cpu:0] finished" in summary_text(model)
 
 
 def test_close_with_results_finishes_like_the_launcher_does(capsys):

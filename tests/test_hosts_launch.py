@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import signal
 import socket
 import stat
@@ -97,9 +98,20 @@ def sleep_long(folder):
 
 
 # ------------------------------------------------------------------------------------------ launches
-def test_two_hosts_two_ranks_each(ssh_config, capsys):
+def test_two_hosts_two_ranks_each(ssh_config, capsys, monkeypatch):
+    import nbaccel.notebook
+    from nbaccel.notebook.render import summary_html
+
+    boards = []
+    real = nbaccel.notebook.Dashboard
+
+    def recording(num_processes, **options):  # the launcher's own dashboard, built with the launch's info
+        boards.append(real(num_processes, **options))
+        return boards[-1]
+
+    monkeypatch.setattr(nbaccel.notebook, "Dashboard", recording)
     statuses = []
-    results = notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard=False,
+    results = notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard="plain",
                                 observers=[statuses.append])
     assert [r[:4] for r in results] == [(0, 4, 0, 10), (1, 4, 1, 10), (2, 4, 0, 10), (3, 4, 1, 10)]
     out = capsys.readouterr().out
@@ -108,8 +120,15 @@ def test_two_hosts_two_ranks_each(ssh_config, capsys):
         assert f"[{host} rank {rank}] hello x from {rank}\n" in out
     launch = next(m for m in statuses if m.get("kind") == "launch" and m.get("state") == "started")
     assert launch["hosts"] == list(HOSTS) and launch["world_size"] == 4 and launch["num_processes"] == 4
-    devices = {m["rank"]: m["device"] for m in statuses if m.get("kind") == "status" and m.get("device")}
-    assert devices == {rank: f"cpu@{HOSTS[rank // 2]}" for rank in range(4)}  # the dashboard's device column
+    where = {m["rank"]: (m["host"], m["device"]) for m in statuses if m.get("kind") == "status" and m.get("device")}
+    assert where == {rank: (HOSTS[rank // 2], "cpu") for rank in range(4)}  # each status names its host
+    # the summary the dashboard leaves: every rank in its own row, its host in the host column, the device alone
+    html = summary_html(boards[0].model)
+    assert ">host</th>" in html
+    for rank in range(4):
+        row = html.split(f"data-rank='{rank}'")[1].split("</tr>")[0]
+        assert re.search(r'<td class="nbaccel-host"[^>]*>([^<]*)</td>', row).group(1) == HOSTS[rank // 2], row
+        assert "@" not in row and ">cpu</td>" in row and ">finished</td>" in row
     assert_nothing_left(ssh_config, [r[4] for r in results])
 
 
@@ -194,6 +213,57 @@ def test_a_rendezvous_port_the_first_host_cannot_open_is_named(ssh_config):
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def test_a_module_the_hosts_cannot_import_is_named_before_any_rank_starts(ssh_config, tmp_path, monkeypatch):
+    # a training function in a .py file next to the notebook: importable in the kernel (its folder is on the
+    # kernel's path), so cloudpickle sends it by name; the hosts' Python does not have that folder on its path
+    module = f"nbaccel_train_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text("def train(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    train = __import__(module).train
+    seen = []
+    try:
+        with pytest.raises(HostError) as info:
+            notebook_launcher(train, (1,), num_processes=1, hosts=list(HOSTS), dashboard=False,
+                              observers=[seen.append])
+    finally:
+        sys.modules.pop(module, None)
+    text = str(info.value)
+    assert info.value.host == HOSTS[0] and f"host {HOSTS[0]!r} cannot import {module!r}" in text
+    assert "define the function in the notebook" in text and f"install that module on {HOSTS[0]!r}" in text
+    assert not [m for m in seen if m.get("kind") == "status"]  # no rank started
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
+def test_the_modules_a_pickled_function_needs_are_read_from_the_pickle(tmp_path, monkeypatch):
+    from nbaccel.launch.serialize import dumps_payload, missing_modules, referenced_modules
+
+    (tmp_path / "nbaccel_refmod_a.py").write_text("def train():\n    return 1\n")
+    (tmp_path / "nbaccel_refmod_b.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nbaccel_refmod_a
+    import nbaccel_refmod_b
+
+    def uses_module():  # travels by value (this test module is registered so), the module object by name
+        return nbaccel_refmod_b.X
+
+    try:
+        names = referenced_modules(dumps_payload(nbaccel_refmod_a.train, (uses_module,), {}))
+        assert "nbaccel_refmod_a" in names and "nbaccel_refmod_b" in names and "__main__" not in names
+        assert "test_hosts_launch" not in names  # registered by value: nothing to import
+        assert missing_modules(names) == []  # this Python has them
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+        for name in ("nbaccel_refmod_a", "nbaccel_refmod_b"):
+            del sys.modules[name]
+        assert [name for name, _ in missing_modules(names)] == ["nbaccel_refmod_a", "nbaccel_refmod_b"]
+        __import__("json")  # a package already imported: its missing submodule is named too
+        assert missing_modules(["json", "json.no_such_part"]) == [("json.no_such_part",
+                                                                  "'json' has no module 'json.no_such_part'")]
+    finally:
+        sys.modules.pop("nbaccel_refmod_a", None)
+        sys.modules.pop("nbaccel_refmod_b", None)
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def test_bad_hosts_arguments_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="non-empty list"):
@@ -265,8 +335,12 @@ def test_rank_pool_on_two_hosts(ssh_config):
 
     with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
         assert pool.num_processes == 2 and "hosts=['nbaccel-host-a', 'nbaccel-host-b'] x 1" in repr(pool)
+        seen = []
+        pool.attach(seen.append)  # a dashboard attached to the pool: each rank's status names its host
         results = pool.exec(POOL_CELL)
+        pool.detach(seen.append)
         assert [r.value for r in results] == [3, 3]
+        assert {m["rank"]: m.get("host") for m in seen if m.get("kind") == "status"} == dict(enumerate(HOSTS))
         # (the cell's printed lines are not asserted: over SSH a reply can overtake the rank's output; see the
         # issue note)
         pids = pool.pids

@@ -57,7 +57,10 @@ def test_typed_messages_make_the_wire_dicts_and_read_them_back():
     wire = messages.Status(2, RankState.RUNNING, device="cpu", pid=7).to_wire()
     assert {key: wire[key] for key in ("kind", "rank", "state", "device", "pid")} == {
         "kind": "status", "rank": 2, "state": "running", "device": "cpu", "pid": 7}
-    assert type(wire["state"]) is str and "error" not in wire and "restart" not in wire
+    assert type(wire["state"]) is str and "error" not in wire and "restart" not in wire and "host" not in wire
+    on_host = messages.Status(3, RankState.RUNNING, device="cpu", host="gpu-b").to_wire()
+    assert on_host["host"] == "gpu-b" and messages.Status.from_wire(on_host).host == "gpu-b"
+    assert messages.status(3, 1, RankState.STOPPED, host="gpu-b")["host"] == "gpu-b"
     back = messages.Status.from_wire(dict(wire, local_rank=1, extra_field="kept"))
     assert back.state is RankState.RUNNING and back.local_rank == 1 and back.extra == {"extra_field": "kept"}
     failure = messages.Failure(0, "ValueError", "bad value\nsecond line", "tb")

@@ -181,6 +181,7 @@ def test_several_machines(tmp_path, ssh_server, monkeypatch):
     assert "application/vnd.jupyter.widget-view+json" not in launch.mimetypes, "a dead widget box when reopened"
     assert "class='nbaccel-summary' data-state='finished'" in launch.html, launch.html
     assert re.findall(r"data-rank='\d+' data-state='(\w+)'", launch.html) == ["finished", "finished"], launch.html
+    assert re.findall(r'class="nbaccel-host"[^>]*>([^<]*)<', launch.html) == list(HOSTS), launch.html  # its column
     final = run.cell('print("final accuracy:"')
     assert final.error is None and float(re.search(r"final accuracy: ([0-9.]+)", final.text).group(1)) > 0.85
 

@@ -46,9 +46,11 @@ class KernelFrame(str, Enum):
 @dataclass(frozen=True)
 class Probe:
     """The kernel's first message: `port` is the rendezvous port to check on this host (the first host
-    only; 0: pick a free one), None on the other hosts."""
+    only; 0: pick a free one), None on the other hosts; `modules`, the modules the pickled function refers to
+    by name (serialize.referenced_modules), to check that this host can import them."""
 
     port: int | None = None
+    modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Hello:
     gpus: int
     port: int | None = None  # the rendezvous port, free on this host (answer to Probe.port)
     port_error: str | None = None  # why the asked port cannot be opened here
+    missing: tuple[tuple[str, str], ...] = ()  # (module, why) for each of Probe.modules this host cannot import
 
 
 @dataclass(frozen=True)

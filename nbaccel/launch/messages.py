@@ -160,6 +160,7 @@ class Status(_Typed):
     pid: int | None = None
     restart: int | None = None  # torch elastic's restart count
     error: str | None = None  # the first line, for FAILED
+    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's launch)
     time: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -207,6 +208,7 @@ class Ready(_Typed):
     device: str | None = None
     pid: int | None = None
     error: Mapping[str, str] | None = None  # exc_type, message, traceback
+    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's pool)
     time: float | None = None  # not stamped: a rank's first message was never timed
 
 
@@ -216,9 +218,9 @@ def message(kind: MessageKind, rank: int | None, **fields: Any) -> Message:
 
 
 def status(rank: int, local_rank: int, state: RankState, device: str | None = None, *, pid: int | None = None,
-           error: str | None = None) -> Message:
+           error: str | None = None, host: str | None = None) -> Message:
     """A rank's `status` message (e.g. made in the kernel when a rank was stopped or killed)."""
-    return Status(rank, state, device=device, local_rank=local_rank, pid=pid, error=error).to_wire()
+    return Status(rank, state, device=device, local_rank=local_rank, pid=pid, error=error, host=host).to_wire()
 
 
 def output(rank: int, local_rank: int, stream: str, text: str) -> Message:

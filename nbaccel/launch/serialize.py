@@ -8,12 +8,20 @@ Manager proxies, open files) reaches them, and every elastic restart inherits th
 something cannot be pickled, `find_culprit` walks closures, referenced globals, defaults, containers and
 attributes to name the object and the path that led to it (e.g. "train -> closure variable 'lock' ->
 _thread.lock").
+
+What cloudpickle takes from an importable module (a function of `mytrain.py` next to the notebook, a class of an
+installed package) travels by reference: its module's name, imported where it is unpickled. On one machine the
+ranks have the kernel's path; on other hosts (`hosts=`) `referenced_modules` lists those names from the pickle
+and each host's agent checks them with `missing_modules` before any rank starts.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import pickletools
+import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +88,67 @@ def dumps_value(value: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     return cloudpickle.loads(data)
+
+
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
+                         "STRING"})
+_SUBIMPORT = ("cloudpickle.cloudpickle", "subimport")  # how cloudpickle sends a module object by reference
+
+
+def referenced_modules(data: bytes) -> list[str]:
+    """The modules a pickle imports when it is loaded, in order: those of every global it refers to by name
+    (functions and classes of importable modules) and of every module object it refers to (cloudpickle's
+    `subimport`). Read from the opcodes (pickletools): nothing is loaded."""
+    memo: dict[int, Any] = {}
+    last: list[Any] = [None, None]  # the two values pushed last (a string, or None for anything else)
+    modules: dict[str, None] = {}
+    subimport = False  # the next string pushed is the name of a module object
+    for opcode, arg, _ in pickletools.genops(data):
+        name = opcode.name
+        if name == "MEMOIZE":
+            memo[len(memo)] = last[-1]
+            continue
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = last[-1]
+            continue
+        if name in ("PROTO", "FRAME", "STOP"):
+            continue
+        value = None
+        if name in _STRING_OPS:
+            value = arg
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            value = memo.get(arg)
+        elif name in ("GLOBAL", "INST"):  # protocols 0-3: "module qualname"
+            modules[str(arg).split(" ", 1)[0]] = None
+        elif name == "STACK_GLOBAL" and isinstance(last[-2], str):
+            modules[last[-2]] = None
+            subimport = (last[-2], last[-1]) == _SUBIMPORT
+        if subimport and isinstance(value, str):
+            modules[value] = None
+            subimport = False
+        last = [last[-1], value]
+    modules.pop("__main__", None)  # what a notebook defines travels by value
+    return list(modules)
+
+
+def missing_modules(names: Iterable[str]) -> list[tuple[str, str]]:
+    """(module, why) for each of `names` that this Python cannot import, found without importing anything:
+    a top-level name its path does not have, or a submodule its already imported package does not have.
+    Where that cannot be told without running the module's code, the module counts as present."""
+    missing = []
+    for name in names:
+        if name in sys.modules:
+            continue
+        top = name.split(".", 1)[0]
+        parent = name.rpartition(".")[0]
+        try:
+            if top not in sys.modules and importlib.util.find_spec(top) is None:
+                missing.append((name, f"no module named {top!r} on its Python path"))
+            elif parent in sys.modules and importlib.util.find_spec(name) is None:
+                missing.append((name, f"{parent!r} has no module {name!r}"))
+        except (ImportError, ValueError, AttributeError):
+            continue
+    return missing
 
 
 def find_culprit(obj: Any, label: str) -> str | None:

@@ -58,14 +58,16 @@ def rich_renderable(model: DashboardModel):
         f" · {len(model.ranks)} processes · wall time {format_duration(model.wall_time)}",
     )
     table = Table(expand=False, show_edge=False, pad_edge=False)
-    columns = ("rank", "device", "status", "host now/peak", "device alloc/reserved/peak", "step", "steps/s",
-               "last output")
+    hosts = model.shows_hosts  # a launch on several hosts (hosts=): a host column
+    columns = ("rank", *(("host",) if hosts else ()), "device", "status", "host now/peak",
+               "device alloc/reserved/peak", "step", "steps/s", "last output")
     for column in columns:
         table.add_column(column, no_wrap=column != "last output", overflow="ellipsis",
                          max_width=40 if column == "last output" else None)
     for s in model.ranks:
         table.add_row(
-            str(s.rank), s.device or "–", Text(status_text(s), style=_STYLES.get(s.state, "")),
+            str(s.rank), *((s.host or "–",) if hosts else ()), s.device or "–",
+            Text(status_text(s), style=_STYLES.get(s.state, "")),
             _compact(s.rss, s.rss_peak),
             _compact(s.device_allocated, s.device_reserved if s.device_reserved is not None else s.device_limit,
                      s.device_peak),
@@ -144,6 +146,8 @@ class PlainView:
             if self._states.get(s.rank) != s.state:
                 self._states[s.rank] = s.state
                 device = f" on {s.device}" if s.device else ""
+                if s.host:
+                    device = f" on {s.host}" + (f" ({s.device})" if s.device else "")
                 self._write(f"[{model.title}] rank {s.rank}{device}: {status_text(s)}")
         now = self.clock()
         if now - self._last_progress >= self.interval:

@@ -24,6 +24,7 @@ class RankRow:
 
     rank: int
     device: str = ""
+    host: str = ""  # a launch on several hosts (hosts=): the host, as named there
     state: RankState = RankState.STARTING
     error: str | None = None
     rss: int | None = None
@@ -94,6 +95,13 @@ class DashboardModel:
         self.info = {key: value for key, value in (info or {}).items() if value is not None}
         self.total_steps = total_steps
         self.ranks = [RankRow(rank) for rank in range(num_processes)]
+        # hosts=: rows are the global ranks of every host (rank r on the r // (ranks per host)-th host until
+        # its own status names its host); a launch on this machine shows no host
+        hosts = self.info.get("hosts")
+        self.on_hosts = bool(hosts)
+        if hosts and num_processes % len(hosts) == 0:
+            for row in self.ranks:
+                row.host = str(hosts[row.rank // (num_processes // len(hosts))])
         self.metrics: dict[str, MetricSeries] = {}
         self.start_time: float | None = None
         self.end_time: float | None = None
@@ -109,9 +117,12 @@ class DashboardModel:
         rank = message.get("rank")
         if handler is None or not isinstance(rank, int) or rank < 0:
             return False
-        # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too.
+        # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too. A
+        # launch on several hosts (its ranks' status names their host) shows every host's ranks: by global rank.
+        self.on_hosts = self.on_hosts or bool(message.get("host"))
         local_rank = message.get("local_rank")
-        state = self._rank(local_rank if isinstance(local_rank, int) and local_rank >= 0 else rank)
+        by_local = isinstance(local_rank, int) and local_rank >= 0 and not self.on_hosts
+        state = self._rank(local_rank if by_local else rank)
         state.rank = rank
         now = message.get("time")
         if isinstance(now, (int, float)):
@@ -165,6 +176,8 @@ class DashboardModel:
             state.busy = False
         if message.get("device"):
             state.device = str(message["device"])
+        if message.get("host"):
+            state.host = str(message["host"])
         if new == RankState.FAILED:
             state.error = _first_line(message.get("error")) or state.error or "failed"
         if new in (RankState.FINISHED, RankState.FAILED) and all(s.done for s in self.ranks):
@@ -314,6 +327,11 @@ class DashboardModel:
         return max(0.0, end - self.start_time)
 
     @property
+    def shows_hosts(self) -> bool:
+        """Whether views show a host column: the launch was given hosts= (a launch on this machine: no)."""
+        return self.on_hosts or any(s.host for s in self.ranks)
+
+    @property
     def overall_state(self) -> RankState:
         states = {s.state for s in self.ranks}
         if RankState.FAILED in states:
@@ -333,7 +351,7 @@ class DashboardModel:
             "total": self.total,
             "ranks": [
                 {
-                    "rank": s.rank, "device": s.device, "state": s.state, "error": s.error, "step": s.step,
+                    "rank": s.rank, "host": s.host or None, "device": s.device, "state": s.state, "error": s.error, "step": s.step,
                     "steps_per_second": s.steps_per_second, "rss_peak": s.rss_peak,
                     "device_peak": s.device_peak, "metrics": dict(s.metrics),
                 }

@@ -45,15 +45,28 @@ def _state_cell(state) -> str:
     return _cell(status_text(state), f"color:{color};font-weight:600;white-space:normal;max-width:28em")
 
 
+def _host_cell(model: DashboardModel, s) -> str:
+    """The host column's cell of rank row `s`: only for a launch on several hosts (hosts=)."""
+    if not model.shows_hosts:
+        return ""
+    return f'<td class="nbaccel-host" style="{_CELL}">{html.escape(s.host or "–")}</td>'
+
+
+def _host_head(model: DashboardModel) -> list[str]:
+    return ["host"] if model.shows_hosts else []
+
+
 def rank_table_html(model: DashboardModel) -> str:
-    """The live per-rank table: device, status, host and device memory, step and rate, last output."""
+    """The live per-rank table: (host,) device, status, host and device memory, step and rate, last output."""
     total = model.total
-    heads = ["rank", "device", "status", "host memory", "device memory", "step", "steps/s", "last output"]
+    heads = ["rank", *_host_head(model), "device", "status", "host memory", "device memory", "step", "steps/s",
+             "last output"]
     rows = []
     for s in model.ranks:
         rows.append(
             f"<tr class='nbaccel-rank' data-rank='{s.rank}' data-state='{s.state}'>"
             + _cell(str(s.rank))
+            + _host_cell(model, s)
             + _cell(s.device or "–")
             + _state_cell(s)
             + _cell(host_memory_text(s))
@@ -98,10 +111,15 @@ def header_html(model: DashboardModel) -> str:
     parts = [f"<b>{html.escape(model.title)}</b>",
              f"<span style='color:{color};font-weight:600'>{state}</span>",
              f"{len(model.ranks)} process{'es' if len(model.ranks) != 1 else ''}"]
-    parts += [f"{html.escape(str(key))} {html.escape(str(value))}" for key, value in model.info.items()]
+    parts += [f"{html.escape(str(key))} {html.escape(_info_text(value))}" for key, value in model.info.items()]
     if model.wall_time is not None:
         parts.append(f"wall time {format_duration(model.wall_time)}")
     return "<div class='nbaccel-header' style='font-family:sans-serif'>" + " · ".join(parts) + "</div>"
+
+
+def _info_text(value) -> str:
+    """A header field's value: a list (the hosts) as `a, b`."""
+    return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def metrics_png(model: DashboardModel, *, width: float = 4.0, height: float = 2.6, dpi: int = 100) -> bytes | None:
@@ -181,13 +199,15 @@ def summary_html(model: DashboardModel) -> str:
     """The end-of-run summary table: final status, wall time, steps, peak memory per rank, last metrics (the
     charts are a PNG output of their own: `metrics_png`)."""
     summary = model.summary()
-    heads = ["rank", "device", "status", "steps", "steps/s", "peak host memory", "peak device memory"]
+    heads = ["rank", *_host_head(model), "device", "status", "steps", "steps/s", "peak host memory",
+             "peak device memory"]
     names = sorted(summary["metrics"])
     heads += names
     rows = []
     for s, info in zip(model.ranks, summary["ranks"]):
         cells = [
-            _cell(str(s.rank)), _cell(s.device or "–"), _state_cell(s), _cell(format_step(s, model.total)),
+            _cell(str(s.rank)), _host_cell(model, s), _cell(s.device or "–"), _state_cell(s),
+            _cell(format_step(s, model.total)),
             _cell(format_rate(s.steps_per_second)), _cell(format_bytes(s.rss_peak)),
             _cell(format_bytes(s.device_peak)),
         ]
@@ -196,7 +216,7 @@ def summary_html(model: DashboardModel) -> str:
     if names and len(model.ranks) > 1:
         means = [summary["metrics"][name]["mean"] for name in names]
         rows.append(
-            "<tr>" + _cell("mean", "font-weight:600") + _cell("") * 6
+            "<tr>" + _cell("mean", "font-weight:600") + _cell("") * (len(heads) - len(names) - 1)
             + "".join(_cell(format_value(None if math.isnan(m) else m)) for m in means) + "</tr>"
         )
     table = (
@@ -213,8 +233,9 @@ def summary_text(model: DashboardModel) -> str:
     lines = [f"{model.title}: {model.overall_state}, wall time {format_duration(model.wall_time)}"]
     for s in model.ranks:
         metrics = " ".join(f"{k}={format_value(v)}" for k, v in sorted(s.metrics.items()))
+        where = f"{s.host} " if s.host else ""
         lines.append(
-            f"  rank {s.rank} [{s.device or '?'}] {status_text(s)}; step {format_step(s, model.total)}; "
+            f"  rank {s.rank} [{where}{s.device or '?'}] {status_text(s)}; step {format_step(s, model.total)}; "
             f"peak host {format_bytes(s.rss_peak)}; peak device {format_bytes(s.device_peak)}"
             + (f"; {metrics}" if metrics else "")
         )

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
-from ..serialize import Payload
+from ..serialize import Payload, missing_modules
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
 
@@ -50,7 +50,8 @@ def hello(probe: Probe) -> Hello:
     port, error = probe_port(probe.port)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Hello(hostname=socket.gethostname(), pid=os.getpid(), versions=versions(),
-                 address=connection_address(), gpus=gpus, port=port, port_error=error)
+                 address=connection_address(), gpus=gpus, port=port, port_error=error,
+                 missing=tuple(missing_modules(probe.modules)))
 
 
 class Relay:

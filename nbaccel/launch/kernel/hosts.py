@@ -147,5 +147,20 @@ def check_versions(host: str, theirs: dict[str, str], ours: dict[str, str]) -> N
                         "pickled in this kernel and must load there: install the same versions on every host.")
 
 
+def check_modules(host: str, missing: Sequence[tuple[str, str]]) -> None:
+    """HostError naming the modules the pickled function needs that `host` cannot import ((module, why) pairs
+    from its agent): its ranks would fail to load the function."""
+    if not missing:
+        return
+    names = ", ".join(repr(name) for name, _ in missing)
+    why = "; ".join(reason for _, reason in missing)
+    raise HostError(host, f"host {host!r} cannot import {names}, which the function needs ({why}). The function is "
+                    "cloudpickled in this kernel, and what it takes from an importable module (a .py file next to "
+                    f"the notebook, a package installed here) travels by name and is imported on each host: install "
+                    f"that module on {host!r} or make it importable there (on the Python path of the agent's Python, "
+                    "e.g. a shared folder), or define the function in the notebook (or call "
+                    "cloudpickle.register_pickle_by_value(module) here) so that it travels by value.")
+
+
 def describe(hosts: Sequence[str]) -> str:
     return ", ".join(hosts)

@@ -2,7 +2,8 @@
 
 The kernel runs `ssh HOST python -m nbaccel.launch.agent.host_agent` per host; the SSH session's stdin and
 stdout are the channel (host_protocol.py). Before any rank starts, every agent answers a probe: its
-versions (compared with the kernel's), its address and, on the first host, a rendezvous port it can open.
+versions (compared with the kernel's), the modules the pickled function refers to by name that it cannot
+import, its address and, on the first host, a rendezvous port it can open.
 Then each agent starts its host's ranks, which meet through torch's TCPStore on the first host
 (`MASTER_ADDR`/`MASTER_PORT`, init_method env://). A relay thread per agent turns the agent's frames back
 into local pipes of the usual shape (a channel Connection and two output fds per rank), so the supervisor
@@ -24,11 +25,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from ...utils.constants import LAUNCH_HOST_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
 from ..messages import Failure
-from .hosts import HostError, agent_command, check_versions, diagnose
+from ..serialize import referenced_modules
+from .hosts import HostError, agent_command, check_modules, check_versions, diagnose
 from .plan import Mode
 from .processes import is_loopback_address
 from .supervisor import WorkerHandle
@@ -126,8 +129,10 @@ class SshBackend:
             for index, host in enumerate(plan.hosts.names):
                 self.agents.append(Agent(host, index, plan.hosts.via))
             first_port = plan.port or 0
+            # what the pickled function takes from importable modules is imported there: each host checks
+            modules = tuple(referenced_modules(payload)) if payload is not None else ()
             for agent in self.agents:
-                agent.send(Probe(port=first_port if agent.index == 0 else None))
+                agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
             self._wait_hellos(plan)
             master = self._master_address(plan)
             port = self.agents[0].hello.port  # type: ignore[union-attr]
@@ -163,6 +168,7 @@ class SshBackend:
             if not isinstance(hello, Hello):
                 raise HostError(agent.host, f"the agent on {agent.host!r} answered {hello!r} instead of its hello")
             check_versions(agent.host, hello.versions, ours)
+            check_modules(agent.host, hello.missing)
             if hello.port_error:
                 raise HostError(agent.host, f"the rendezvous cannot listen on {agent.host!r}: {hello.port_error}. "
                                 "Pass another use_port, or None for a free one.")
@@ -184,9 +190,8 @@ class SshBackend:
         environ = dict(plan.environ)
         if is_loopback_address(master) and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
-        # a launch's ranks show their device as "cpu@gpu-b": the dashboard's device column names the host
-        device = f"{plan.device}@{agent.host}" if self.host_mode is Mode.LOCAL else plan.device
-        return dataclasses.replace(plan, mode=self.host_mode, device=device, node_rank=agent.index,
+        environ[LAUNCH_HOST_ENV] = agent.host  # the ranks' status messages name their host (the dashboard's column)
+        return dataclasses.replace(plan, mode=self.host_mode, node_rank=agent.index,
                                    num_nodes=len(self.agents), master_addr=master, port=port, hosts=None,
                                    environ=environ)
 

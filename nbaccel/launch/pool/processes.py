@@ -55,6 +55,7 @@ class RankProcess:
         self.out = bytearray()
         self.err = bytearray()
         self.device = "cpu"
+        self.host: str | None = None  # RankPool(hosts=...): the host it runs on, as named there
         self.pid = process.pid
         self.closed_fds: set[int] = set()
         # one poll object for the output pipes, kept for the rank's life: take_output runs twice per rank in
@@ -162,6 +163,7 @@ class RankProcesses:
                         problem = f"rank {rank.rank} failed to start:\n{ready.error['traceback'].rstrip()}"
                         break
                     rank.device = ready.device or "cpu"
+                    rank.host = ready.host
                 elif obj in sentinels and sentinels[obj].commands in pending:
                     rank = sentinels[obj]
                     if not rank.commands.poll(0):

@@ -158,7 +158,8 @@ class RankPool:
                 self._telemetry_on()
             else:
                 for rank in self._workers.ranks:
-                    self._deliver_to(function, status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
+                    self._deliver_to(function, status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid,
+                                                              host=rank.host))
 
     def detach(self, observer: Any) -> None:
         """Stop sending messages to `observer` (the ranks stop reporting once nothing is attached)."""
@@ -178,7 +179,7 @@ class RankPool:
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
         self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
-            self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid))
+            self._notify(status_message(rank.rank, RankState.RUNNING, rank.device, pid=rank.pid, host=rank.host))
 
     def _telemetry_off(self) -> None:
         self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, False), None, None)
@@ -335,7 +336,8 @@ class RankPool:
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:
                 for index in selected:
-                    self._notify(status_message(index, RankState.RUNNING, self._workers.ranks[index].device))
+                    worker = self._workers.ranks[index]
+                    self._notify(status_message(index, RankState.RUNNING, worker.device, host=worker.host))
             try:
                 results = call.run(make)
                 if report:
@@ -359,13 +361,14 @@ class RankPool:
 
     def _report_results(self, results: RankResults) -> None:
         for result in results:
-            device = self._workers.ranks[result.rank].device if self._workers is not None else "cpu"
+            worker = self._workers.ranks[result.rank] if self._workers is not None else None
+            device, host = (worker.device, worker.host) if worker is not None else ("cpu", None)
             if result.error is None:
-                self._notify(status_message(result.rank, RankState.FINISHED, device))
+                self._notify(status_message(result.rank, RankState.FINISHED, device, host=host))
             else:
                 error = result.error
                 first = (f"{error.exc_type}: {error.message}" if error.exc_type else error.summary()).splitlines()[0]
-                self._notify(status_message(result.rank, RankState.FAILED, device, error=first))
+                self._notify(status_message(result.rank, RankState.FAILED, device, error=first, host=host))
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from types import CodeType
 from typing import Any
 
+from ...utils.constants import LAUNCH_HOST_ENV
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
@@ -78,7 +79,8 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         _send(commands, Ready(rank, error=_error_info(exc)).to_wire())
         os._exit(1)
     flush_std()
-    _send(commands, Ready(rank, device=device, pid=os.getpid()).to_wire())
+    host = os.environ.get(LAUNCH_HOST_ENV) or None  # RankPool(hosts=...): the host, as named there
+    _send(commands, Ready(rank, device=device, pid=os.getpid(), host=host).to_wire())
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     serve(commands, namespace, rank)
     _destroy_process_group()
