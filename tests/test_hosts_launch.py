@@ -267,8 +267,11 @@ def test_rank_pool_on_two_hosts(ssh_config):
         assert pool.num_processes == 2 and "hosts=['nbaccel-host-a', 'nbaccel-host-b'] x 1" in repr(pool)
         results = pool.exec(POOL_CELL)
         assert [r.value for r in results] == [3, 3]
-        # (the cell's printed lines are not asserted: over SSH a reply can overtake the rank's output; see the
-        # issue note)
+        assert [r.stdout for r in results] == ["on 0 of 2\n", "on 1 of 2\n"]  # output before its reply
+        for cell in range(5):  # short cells: each one's output, all of it, and no other's
+            results = pool.exec(f"print('cell {cell} on', state.process_index)\n{cell}")
+            assert [r.stdout for r in results] == [f"cell {cell} on 0\n", f"cell {cell} on 1\n"]
+            assert [r.value for r in results] == [cell, cell]
         pids = pool.pids
         assert agents_of(ssh_config) and all(psutil.pid_exists(pid) for pid in pids)
         # the same hang report as on one machine: only rank 0 enters the collective

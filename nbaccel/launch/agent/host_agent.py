@@ -6,6 +6,13 @@ RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and r
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
 dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself.
+
+Order: everything goes to the kernel on one stream (this process's stdout), and a rank's output that came
+before one of its messages goes before it. A rank flushes its stdout/stderr before it sends a message (a
+RankPool reply, a launch's result), so once the message can be read here, the output written before it is in
+the rank's output pipes: `_read_pipe` reads those pipes empty (they are non-blocking: reading never waits)
+and only then forwards the message. The kernel's relay writes the frames into its local pipes in the order
+they came, so the kernel holds a cell's output once it holds the cell's reply.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, v
 from ..serialize import Payload
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
+READ_SIZE = 65536
+READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 
 
 def connection_address() -> str | None:
@@ -82,8 +91,9 @@ class Relay:
         self.send(FrameKind.STARTED, [proc.pid for proc in self.backend.processes])
 
     def _add(self, i: int, out_fd: int, err_fd: int, **pipes: Connection) -> None:
-        self.fds[out_fd] = (i, "stdout")
-        self.fds[err_fd] = (i, "stderr")
+        for fd, stream in ((out_fd, "stdout"), (err_fd, "stderr")):
+            os.set_blocking(fd, False)  # a read never waits, also one of a pipe already read empty
+            self.fds[fd] = (i, stream)
         for name, conn in pipes.items():
             self.pipes[(i, name)] = conn
 
@@ -145,24 +155,48 @@ class Relay:
             if process.is_alive():
                 os.kill(process.pid, frame[2])
 
-    def _read_fd(self, fd: int) -> None:
+    def _read_fd(self, fd: int, limit: int = READ_LIMIT) -> None:
+        """Forward what the output pipe holds now (up to `limit` bytes), without waiting; at its end, END."""
+        if fd not in self.fds:
+            return  # read to its end already (a stale readiness from the same wait)
         i, stream = self.fds[fd]
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            data = b""
-        if data:
-            self.send(FrameKind.OUTPUT, i, stream, data)
-        else:
+        chunks: list[bytes] = []
+        size = 0
+        at_end = False
+        while size < limit:
+            try:
+                data = os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                at_end = True
+                break
+            chunks.append(data)
+            size += len(data)
+        if chunks:
+            self.send(FrameKind.OUTPUT, i, stream, b"".join(chunks))
+        if at_end:
             del self.fds[fd]
             close_quietly(fd)
             self.send(FrameKind.END, i, stream)
+
+    def _drain_output(self, i: int) -> None:
+        """Forward everything rank i's output pipes hold now (before a message of the rank): up to READ_LIMIT,
+        more than a pipe holds, so all the rank wrote before the message, whatever it writes meanwhile."""
+        for fd in [fd for fd, (rank, _) in self.fds.items() if rank == i]:
+            self._read_fd(fd)
 
     def _read_pipe(self, key: tuple[int, str]) -> None:
         conn = self.pipes[key]
         try:
             while conn.poll(0):
-                self.send(FrameKind.MESSAGE, key[0], key[1], conn.recv_bytes())
+                message = conn.recv_bytes()
+                # the rank flushed its output before it sent this: all of that output is in its pipes now,
+                # and goes to the kernel first (a cell's printed lines before the cell's reply)
+                self._drain_output(key[0])
+                self.send(FrameKind.MESSAGE, key[0], key[1], message)
         except (EOFError, OSError):
             del self.pipes[key]
             close_quietly(conn)
