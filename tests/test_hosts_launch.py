@@ -18,7 +18,7 @@ from pathlib import Path
 import cloudpickle
 import psutil
 import pytest
-from process_helpers import all_gone, run_in_session
+from process_helpers import all_gone, is_alive, run_in_session
 from ssh_server import HOSTS
 
 from nbaccel.launch import HostError
@@ -95,6 +95,24 @@ def kill_my_agent(folder):
 def sleep_long(folder):
     Path(folder, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def session_pipes_held():
+    """(how many pipes the agent shares with its sshd: its SSH session, those of them this rank holds)."""
+    def pipes(pid):
+        found = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("pipe:"):
+                found.add(target)
+        return found
+
+    agent = psutil.Process(os.getppid())
+    session = pipes(agent.pid) & pipes(agent.ppid())
+    return len(session), sorted(session & pipes(os.getpid()))
 
 
 # ------------------------------------------------------------------------------------------ launches
@@ -341,8 +359,13 @@ def test_rank_pool_on_two_hosts(ssh_config):
         pool.detach(seen.append)
         assert [r.value for r in results] == [3, 3]
         assert {m["rank"]: m.get("host") for m in seen if m.get("kind") == "status"} == dict(enumerate(HOSTS))
-        # (the cell's printed lines are not asserted: over SSH a reply can overtake the rank's output; see the
-        # issue note)
+        assert [r.stdout for r in results] == ["on 0 of 2\n", "on 1 of 2\n"]  # output before its reply
+        for cell in range(5):  # short cells: each one's output, all of it, and no other's
+            results = pool.exec(f"print('cell {cell} on', state.process_index)\n{cell}")
+            assert [r.stdout for r in results] == [f"cell {cell} on 0\n", f"cell {cell} on 1\n"]
+            assert [r.value for r in results] == [cell, cell]
+        # a rank holds no end of its agent's SSH session (the session ends when the agent does)
+        assert [(count > 0, held) for count, held in pool.run(session_pipes_held)] == [(True, [])] * 2
         pids = pool.pids
         assert agents_of(ssh_config) and all(psutil.pid_exists(pid) for pid in pids)
         # the same hang report as on one machine: only rank 0 enters the collective
@@ -352,6 +375,63 @@ def test_rank_pool_on_two_hosts(ssh_config):
         assert pool.exec("from nbaccel import PartialState\nPartialState().num_processes").values == [2, 2]
         pids = pool.pids
     assert_nothing_left(ssh_config, pids)
+
+
+POOL_KERNEL = """
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from ssh_server import HOSTS
+from nbaccel.launch import RankPool
+folder = Path({folder!r})
+pool = RankPool(num_processes=1, hosts=list(HOSTS), timeout=600)
+agents = [agent.hello.pid for agent in pool._workers._backend.agents]
+(folder / "pids.json").write_text(json.dumps({{"ranks": pool.pids, "agents": agents}}))
+if {stuck!r}:
+    import threading, time
+
+    def clog():  # 8 MB for rank 0's command pipe while its cell runs: its agent blocks writing it to the rank
+        while not list(folder.glob("running-*")):
+            time.sleep(0.05)
+        pool._workers.ranks[0].commands.send_bytes(bytes(8 << 20))
+        (folder / "clogged").write_text("")
+
+    threading.Thread(target=clog, daemon=True).start()
+pool.exec("import os, time, pathlib\\n"
+          f"pathlib.Path({{str(folder)!r}}, 'running-' + os.environ['RANK']).write_text('')\\n"
+          "time.sleep(300)")
+"""
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["agents-idle", "agent-loop-stuck"])
+def test_a_killed_kernel_leaves_no_rank_pool_on_any_host(ssh_config, tmp_path, stuck):
+    # the kernel dies while a long cell runs on every rank: each agent sees its SSH session end and stops its
+    # ranks, also one whose relay loop is stuck writing to a busy rank; the test looks only at the agents and
+    # ranks this kernel started
+    import json
+    import subprocess
+
+    kernel = subprocess.Popen([sys.executable, "-c", POOL_KERNEL.format(tests=str(Path(__file__).parent),
+                                                                        folder=str(tmp_path), stuck=stuck)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("running-*"))) < 2 and time.monotonic() < deadline and kernel.poll() is None:
+        time.sleep(0.2)
+    if stuck:
+        time.sleep(2)  # the 8 MB are on their way: the relay loop of host a's agent blocks in them
+    try:
+        assert len(list(tmp_path.glob("running-*"))) == 2, \
+            kernel.stderr.read().decode() if kernel.poll() is not None else "the cell did not start on every rank"
+        pids = json.loads((tmp_path / "pids.json").read_text())
+        sessions = [p.pid for p in psutil.Process(kernel.pid).children()]  # the ssh clients
+    finally:
+        kernel.kill()  # SIGKILL, mid-call
+        kernel.wait()
+        kernel.stderr.close()
+    assert len(pids["ranks"]) == 2 and len(pids["agents"]) == 2
+    ours = pids["ranks"] + pids["agents"]
+    assert all_gone(ours, within=20), f"still running: {[p for p in ours if is_alive(p)]}"
+    assert all_gone(sessions, within=10)
 
 
 def test_ranks_magic_with_hosts(ssh_config, tmp_path, monkeypatch):

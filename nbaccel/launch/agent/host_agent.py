@@ -6,14 +6,29 @@ RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and r
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
 dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself.
+
+Order: everything goes to the kernel on one stream (this process's stdout), and a rank's output that came
+before one of its messages goes before it. A rank flushes its stdout/stderr before it sends a message (a
+RankPool reply, a launch's result), so once the message can be read here, the output written before it is in
+the rank's output pipes: `_read_pipe` reads those pipes empty (they are non-blocking: reading never waits)
+and only then forwards the message. The kernel's relay writes the frames into its local pipes in the order
+they came, so the kernel holds a cell's output once it holds the cell's reply.
+
+The end of the SSH session is watched by a thread of its own (`KernelReader`, the only reader of stdin): the
+relay loop learns of it through a wake-up pipe, and if that loop is stuck (a rank that does not read what it
+is sent), the thread kills the ranks and this process itself after SESSION_END_GRACE seconds. The ranks
+forked here do not keep this process's ends of the SSH session open (`_release_session_in_child`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -23,6 +38,9 @@ from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, v
 from ..serialize import Payload, missing_modules
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
+SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
+READ_SIZE = 65536
+READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 
 
 def connection_address() -> str | None:
@@ -54,12 +72,69 @@ def hello(probe: Probe) -> Hello:
                  missing=tuple(missing_modules(probe.modules)))
 
 
+class KernelReader:
+    """The one reader of the kernel's frames (stdin), in a thread: each frame goes into `frames` and wakes the
+    relay loop through a pipe (`wake_fd`); the end of the session puts STOP there. The session's end is thus
+    seen whatever the relay loop is doing, and if that loop has not finished within SESSION_END_GRACE
+    seconds, `on_stuck` runs (it kills the ranks and this process)."""
+
+    def __init__(self, commands: Connection, on_stuck: Any) -> None:
+        self.commands = commands
+        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+        _SESSION_FDS.extend((self.wake_fd, self._wake_w))
+        self.done = threading.Event()  # set by the relay loop once its ranks are stopped
+        self._on_stuck = on_stuck
+        self._thread = threading.Thread(target=self._read, name="nbaccel-agent-kernel-reader", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                frame = self.commands.recv()
+            except (EOFError, OSError):
+                frame = STOP  # the SSH session closed: the kernel is gone or done
+            self.frames.put(frame)
+            self._wake()
+            if frame == STOP:
+                break
+        if not self.done.wait(SESSION_END_GRACE):
+            self._on_stuck()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the loop has wake-ups enough to read
+        except OSError:
+            pass
+
+    def take(self) -> list[Any]:
+        """The frames that came, in order (the wake-up bytes read too)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        frames = []
+        while True:
+            try:
+                frames.append(self.frames.get_nowait())
+            except queue.Empty:
+                return frames
+
+
 class Relay:
     """This host's ranks, relayed to the kernel until the kernel says stop or goes away."""
 
     def __init__(self, kernel: Connection, commands: Connection) -> None:
         self.kernel = kernel
         self.commands = commands
+        self.reader = KernelReader(commands, self._stuck)
         self.backend: Any = None
         self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
         self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
@@ -83,8 +158,9 @@ class Relay:
         self.send(FrameKind.STARTED, [proc.pid for proc in self.backend.processes])
 
     def _add(self, i: int, out_fd: int, err_fd: int, **pipes: Connection) -> None:
-        self.fds[out_fd] = (i, "stdout")
-        self.fds[err_fd] = (i, "stderr")
+        for fd, stream in ((out_fd, "stdout"), (err_fd, "stderr")):
+            os.set_blocking(fd, False)  # a read never waits, also one of a pipe already read empty
+            self.fds[fd] = (i, stream)
         for name, conn in pipes.items():
             self.pipes[(i, name)] = conn
 
@@ -93,13 +169,15 @@ class Relay:
 
     def serve(self) -> None:
         """Relay until the kernel says stop or goes away; stop the ranks then."""
+        self.reader.start()
+        wake = self.reader.wake_fd
         try:
             while True:
                 readers = {id(conn): key for key, conn in self.pipes.items()}
-                objects: list[Any] = [self.commands, *self.pipes.values(), *self.fds]
+                objects: list[Any] = [wake, *self.pipes.values(), *self.fds]
                 objects += self.backend.wait_objects()
                 for obj in wait(objects, timeout=1.0):
-                    if obj is self.commands:
+                    if obj == wake:
                         if not self._from_kernel():
                             return
                     elif isinstance(obj, int):
@@ -115,19 +193,30 @@ class Relay:
             except OSError:
                 pass  # the kernel is gone: nobody to tell
             self.backend.close()
+            self.reader.done.set()
             close_quietly(*self.pipes.values(), *self.fds)
 
     def _from_kernel(self) -> bool:
         """Handle what the kernel sent; False when it says stop or the SSH session closed."""
-        try:
-            while self.commands.poll(0):
-                frame = self.commands.recv()
-                if frame == STOP:
-                    return False
-                self._kernel_frame(frame)
-        except (EOFError, OSError):
-            return False  # the SSH session closed: the kernel is gone or done
+        for frame in self.reader.take():
+            if frame == STOP:
+                return False
+            self._kernel_frame(frame)
         return True
+
+    def _stuck(self) -> None:
+        """The session ended and the relay loop did not stop the ranks in time: kill them (and whatever they
+        started, in their process groups) and leave."""
+        from ..kernel.processes import signal_groups
+
+        pids = [proc.pid for proc in getattr(self.backend, "processes", []) if proc.pid is not None]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        signal_groups(pids, signal.SIGKILL)
+        os._exit(1)
 
     def _kernel_frame(self, frame: tuple) -> None:
         kind, i = frame[0], frame[1]
@@ -146,24 +235,48 @@ class Relay:
             if process.is_alive():
                 os.kill(process.pid, frame[2])
 
-    def _read_fd(self, fd: int) -> None:
+    def _read_fd(self, fd: int, limit: int = READ_LIMIT) -> None:
+        """Forward what the output pipe holds now (up to `limit` bytes), without waiting; at its end, END."""
+        if fd not in self.fds:
+            return  # read to its end already (a stale readiness from the same wait)
         i, stream = self.fds[fd]
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            data = b""
-        if data:
-            self.send(FrameKind.OUTPUT, i, stream, data)
-        else:
+        chunks: list[bytes] = []
+        size = 0
+        at_end = False
+        while size < limit:
+            try:
+                data = os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                at_end = True
+                break
+            chunks.append(data)
+            size += len(data)
+        if chunks:
+            self.send(FrameKind.OUTPUT, i, stream, b"".join(chunks))
+        if at_end:
             del self.fds[fd]
             close_quietly(fd)
             self.send(FrameKind.END, i, stream)
+
+    def _drain_output(self, i: int) -> None:
+        """Forward everything rank i's output pipes hold now (before a message of the rank): up to READ_LIMIT,
+        more than a pipe holds, so all the rank wrote before the message, whatever it writes meanwhile."""
+        for fd in [fd for fd, (rank, _) in self.fds.items() if rank == i]:
+            self._read_fd(fd)
 
     def _read_pipe(self, key: tuple[int, str]) -> None:
         conn = self.pipes[key]
         try:
             while conn.poll(0):
-                self.send(FrameKind.MESSAGE, key[0], key[1], conn.recv_bytes())
+                message = conn.recv_bytes()
+                # the rank flushed its output before it sent this: all of that output is in its pipes now,
+                # and goes to the kernel first (a cell's printed lines before the cell's reply)
+                self._drain_output(key[0])
+                self.send(FrameKind.MESSAGE, key[0], key[1], message)
         except (EOFError, OSError):
             del self.pipes[key]
             close_quietly(conn)
@@ -184,11 +297,32 @@ class Relay:
             self.send(FrameKind.EXIT, i, code)
 
 
+_SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
+
+
+def _release_session_in_child() -> None:
+    """In a process forked here (a rank): point the session's fds at /dev/null. A rank holding the session's
+    stdout would keep the SSH session open after this agent ended; the numbers stay taken, so nothing else
+    reuses them while the copied Connection objects still name them."""
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    for fd in _SESSION_FDS:
+        try:
+            os.dup2(devnull, fd, inheritable=False)
+        except OSError:
+            pass
+    os.close(devnull)
+
+
 def main() -> int:
     # the kernel's channel is this process's stdout: keep it to ourselves, and let anything else printed here
     # (and by the ranks, which inherit fds) go to stderr; stdin likewise
     kernel = Connection(os.dup(1), readable=False)
     commands = Connection(os.dup(0), writable=False)
+    _SESSION_FDS.extend((kernel.fileno(), commands.fileno()))
+    os.register_at_fork(after_in_child=_release_session_in_child)
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
