@@ -1,6 +1,7 @@
 """The host agent: `python -m nbaccel.launch.agent.host_agent`, started by the kernel on each host over SSH.
 
-It answers the kernel's probe (versions, address, a free rendezvous port), starts this host's ranks with the
+It answers the kernel's probe (versions, address, a free rendezvous port, and which of the modules the
+pickled function names by reference this host's Python cannot find), starts this host's ranks with the
 backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
 RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
