@@ -154,3 +154,123 @@ def test_nbaccel_launch_stops_the_child_of_a_killed_rank(tmp_path: Path) -> None
     assert live_children() == []
     # the child shares the launch's stdout: alive, it would hold `capture_output` open for its 300 s
     assert with_child < 3 * plain, (plain, with_child)
+
+
+def _popen_then_killed_once(folder: str) -> int:
+    """First attempt: rank 1 starts `sleep 300` (its pid into `folder`) and SIGKILLs itself, which makes torch
+    elastic restart the ranks. The restarted ranks return their attempt number."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and os.environ["RANK"] == "1":
+        child = subprocess.Popen(["sleep", "300"])
+        Path(folder, "child").write_text(str(child.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if attempt == 0:
+        time.sleep(60)  # stopped by the agent when rank 1 dies
+    return attempt
+
+
+def test_restarted_launch_stops_the_child_of_the_killed_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    try:
+        results = notebook_launcher(_popen_then_killed_once, args=(str(tmp_path),), num_processes=2,
+                                    max_restarts=1, dashboard=False, timeout=120)
+        took = time.monotonic() - start
+        pid = int((tmp_path / "child").read_text())
+        alive = is_alive(pid)
+    finally:
+        _kill_recorded(tmp_path / "child")
+    assert results == [1, 1]
+    assert not alive, "the sleep started by the killed rank outlived the restarted launch"
+    assert live_children() == []
+    assert took < 60, took  # generous: only a guard against waiting for the child
+
+
+NO_PYTHON_SCRIPT = """#!/bin/sh
+# rank 1 puts `sleep 300` in the background, records its pid, then SIGKILLs itself or exits 0
+if [ "$RANK" = "1" ]; then
+    sleep 300 &
+    echo $! > "$1/child"
+    if [ "$2" = "kill" ]; then kill -KILL $$; fi
+fi
+exit 0
+"""
+
+
+def _kill_recorded(path: Path) -> None:
+    """A process the test recorded and that outlived the call: no child of this process, so end it here."""
+    if path.exists() and is_alive(int(path.read_text())):
+        os.kill(int(path.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("ending", ["kill", "exit"])
+def test_nbaccel_launch_no_python_stops_what_a_rank_left(tmp_path: Path, ending: str) -> None:
+    """`nbaccel launch --no_python` runs an executable, not nbaccel's Python entry: what its rank leaves behind
+    (killed, or after a normal exit 0) is stopped all the same."""
+    script = tmp_path / "rank.sh"
+    script.write_text(NO_PYTHON_SCRIPT)
+    script.chmod(0o755)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    try:
+        run = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--no_python",
+                              str(script), str(tmp_path), ending], capture_output=True, text=True, timeout=200,
+                             env=env, cwd=tmp_path)
+        took = time.monotonic() - start
+        alive = is_alive(int((tmp_path / "child").read_text()))
+    finally:
+        _kill_recorded(tmp_path / "child")
+    assert run.returncode == (1 if ending == "kill" else 0), run.stdout + run.stderr
+    assert not alive, "the sleep started by the rank outlived nbaccel launch --no_python"
+    # the sleep shares the launch's stdout: alive, it would hold `capture_output` open for its 300 s
+    assert took < 100, took
+
+
+KERNEL = """
+import os, subprocess, sys, time
+from pathlib import Path
+import torch  # noqa: F401
+from nbaccel import notebook_launcher
+
+def rank(folder):
+    child = subprocess.Popen(["sleep", "300"])
+    Path(folder, "pids-" + os.environ["RANK"]).write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(300)
+
+notebook_launcher(rank, args=(sys.argv[1],), num_processes=2, dashboard=False, max_restarts=int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_restarts: int) -> None:
+    """SIGKILL of the process that called notebook_launcher (a kernel the OOM killer or a timeout ends): its
+    ranks and what they started end within seconds, though nothing of the kernel could stop them."""
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    kernel = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(max_restarts)], env=env,
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    recorded = [tmp_path / "pids-0", tmp_path / "pids-1"]
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(path.exists() and len(path.read_text().split()) == 2 for path in recorded):
+            assert time.monotonic() < deadline and kernel.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        pids = [int(pid) for path in recorded for pid in path.read_text().split()]
+        assert all(is_alive(pid) for pid in pids)
+        kernel.kill()
+        kernel.wait()
+        killed = time.monotonic()
+        while any(is_alive(pid) for pid in pids) and time.monotonic() < killed + 20:
+            time.sleep(0.1)
+        left = [pid for pid in pids if is_alive(pid)]
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+        for pid in pids:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert left == [], f"still running 20 s after the kernel's SIGKILL: {left} (ranks and their sleeps {pids})"

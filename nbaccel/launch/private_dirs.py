@@ -15,6 +15,7 @@ import tempfile
 
 STORE_PREFIX = "store-"
 WATCH_PREFIX = "watch-"  # `nbaccel launch`'s collective watch (its Unix socket)
+GROUPS_PREFIX = "groups-"  # where a launch's ranks register their process groups (kernel/rank_groups.py)
 ELASTIC_LOGS_PREFIX = "elastic-"  # torch elastic's log folder of one launch (torch's own is /tmp/torchelastic_*)
 
 

@@ -37,6 +37,9 @@ RICH_DISPLAY_ENV = "NBACCEL_RICH_DISPLAY"  # a notebook launched the ranks: send
 INIT_METHOD_ENV = "NBACCEL_INIT_METHOD"  # the process group's rendezvous, when a launcher gives a private one
 COLLECTIVE_WATCH_ENV = "NBACCEL_COLLECTIVE_WATCH"  # `nbaccel launch`: the socket its ranks report collectives to
 SCRIPT_ENTRY = "nbaccel.launch.worker.script_entry"  # `nbaccel launch`: each rank's entry (reports its collectives)
+EXEC_ENTRY = "nbaccel.launch.worker.exec_entry"  # `nbaccel launch --no_python`: registers the rank, execs the program
+# the launch's folder where each rank registers the process group it leads (kernel/rank_groups.py)
+RANK_GROUPS_ENV = "NBACCEL_RANK_GROUPS"
 LINE_LOCK_ENV = "NBACCEL_LINE_LOCK"  # `nbaccel launch`: the file its ranks lock to write whole lines (worker/line_relay.py)
 # a launch of one process that Accelerate runs without a launcher (`accelerate launch` without --use_fsdp,
 # notebook_launcher): no process group of one, even on a GPU where torchrun started the process

@@ -7,7 +7,9 @@ reads instead of asking for the mode:
   will import are imported here first (processes.preload_worker_modules) and gc is frozen around the forks
   when `freezes_gc`;
 - `private_store`: the ranks' process group meets in a FileStore in an owner-only folder of the launch;
-- `result_folder`: large tensors of the results come back through the launch's /dev/shm folder.
+- `result_folder`: large tensors of the results come back through the launch's /dev/shm folder;
+- `rank_groups`: the ranks run on this machine and register the process groups they lead in the launch's
+  folder (rank_groups.py), which the launch stops when it ends (and its keeper if the kernel dies first).
 
 Each backend module is imported when a plan needs it (torch elastic's and torch_xla's are heavy).
 """

@@ -86,7 +86,6 @@ class CollectiveWatch:
         self._on_exit_hang = on_exit_hang
         self.exit_hang: ExitHang | None = None
         self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
-        self.rank_pids: set[int] = set()  # every rank process that said hello (each leads its own session)
         self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -161,8 +160,6 @@ class CollectiveWatch:
             return
         if kind == MessageKind.STATUS and message.get("state") == RankState.RUNNING:  # a rank's first word
             peer.rank, peer.attempt = int(message.get("rank", 0)), int(message.get("restart") or 0)
-            if message.get("pid"):
-                self.rank_pids.add(int(message["pid"]))
             if peer.attempt > self._attempt:  # torch elastic started the ranks again: the old attempt is over
                 for rank in list(self.tracker.ranks):
                     self.tracker.restarted(rank)

@@ -29,6 +29,7 @@ from .inprocess import run_in_process
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
 from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
+from .rank_groups import RankGroups
 from .saved_config import default
 from .supervisor import Backend, Supervisor, WorkerHandle
 
@@ -125,18 +126,24 @@ def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, report
     # the launch's private folders, named in the plan before any process starts; removed when it ends
     store_dir = make_store_dir() if backend.private_store else None
     result_dir = make_result_dir() if backend.result_folder else None
-    plan = plan.with_folders(store_dir, result_dir)
+    # where each rank registers the process group it leads: every one is stopped before this call returns
+    groups = RankGroups() if getattr(backend, "rank_groups", False) else None
+    plan = plan.with_folders(store_dir, result_dir, groups.folder if groups else None)
     try:
         with resource_tracker_scope():
             try:
                 with gc_frozen(plan.start_method if backend.freezes_gc else "none"):
                     handles = backend.start(plan, payload)
-                    return supervise(plan, handles, backend, reporting)
+                    return supervise(plan, handles, backend, reporting, groups)
             finally:
-                # before a resource tracker this launch started stops: it would unlink the semaphores of the
-                # queues the backend still holds (torch elastic's, under spawn)
-                backend.close()
-                remove_dir(store_dir)
+                try:
+                    if groups is not None:  # what any rank, dead or alive, left running
+                        groups.close()
+                finally:
+                    # before a resource tracker this launch started stops: it would unlink the semaphores of
+                    # the queues the backend still holds (torch elastic's, under spawn)
+                    backend.close()
+                    remove_dir(store_dir)
     finally:
         remove_result_dir(result_dir)
 
@@ -145,7 +152,8 @@ def function_name(function: Callable[..., Any]) -> str:
     return getattr(function, "__name__", None) or type(function).__name__
 
 
-def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, reporting: Reporting) -> list[Any]:
+def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, reporting: Reporting,
+              groups: RankGroups | None = None) -> list[Any]:
     """Run the supervisor with the dashboard and observers; report the launch's start and end to them."""
     info = plan.info()
     try:
@@ -155,7 +163,7 @@ def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, r
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
         raise
     listeners = list(reporting.observers) + ([handle.observer] if handle else [])
-    supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout)  # streams looked up per write
+    supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout, groups=groups)  # streams looked up per write
     if handle:
         handle.start()
     supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.supervised_ranks, **info))

@@ -29,6 +29,7 @@ class LocalBackend:
     freezes_gc = True
     private_store = True
     result_folder = True
+    rank_groups = True
 
     def __init__(self) -> None:
         self.processes: list[Any] = []

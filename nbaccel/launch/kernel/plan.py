@@ -21,7 +21,13 @@ from enum import Enum
 from types import MappingProxyType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV, MIXED_PRECISION_CHOICES, RDZV_BACKENDS
+from ...utils.constants import (
+    INIT_METHOD_ENV,
+    LAUNCH_DEVICE_ENV,
+    MIXED_PRECISION_CHOICES,
+    RANK_GROUPS_ENV,
+    RDZV_BACKENDS,
+)
 from ...utils.process_limits import check_process_count
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
@@ -166,11 +172,15 @@ class LaunchPlan:
         itself): the launch's variables and the device, whose `{local_rank}` the rank fills in."""
         return {**self.environ, LAUNCH_DEVICE_ENV: self.device}
 
-    def with_folders(self, store_dir: str | None = None, result_dir: str | None = None) -> LaunchPlan:
+    def with_folders(self, store_dir: str | None = None, result_dir: str | None = None,
+                     groups_dir: str | None = None) -> LaunchPlan:
         """This plan with its private folders in the workers' environment: the FileStore's folder (the ranks'
-        process group meets there, `NBACCEL_INIT_METHOD`) and the folder of large results
-        (`NBACCEL_RESULT_DIR`). Called once, by the launcher, before any process starts."""
+        process group meets there, `NBACCEL_INIT_METHOD`), the folder of large results (`NBACCEL_RESULT_DIR`)
+        and the folder where each rank registers its process group (`NBACCEL_RANK_GROUPS`, rank_groups.py).
+        Called once, by the launcher, before any process starts."""
         environ = dict(self.environ)
+        if groups_dir is not None:
+            environ[RANK_GROUPS_ENV] = groups_dir
         if store_dir is not None:
             environ[INIT_METHOD_ENV] = "file://" + os.path.join(store_dir, "store")
         if result_dir is not None:

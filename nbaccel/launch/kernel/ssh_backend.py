@@ -107,6 +107,7 @@ class SshBackend:
     freezes_gc = False
     private_store = False  # the ranks meet through torch's TCPStore on the first host
     result_folder = False  # results come back through the channel
+    rank_groups = False  # the ranks run on other machines: each host's agent stops its own
 
     def __init__(self) -> None:
         self.agents: list[Agent] = []

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..serialize import Payload
     from .collective_watch import ExitHang
     from .plan import LaunchPlan
+    from .rank_groups import RankGroups
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
@@ -68,6 +69,7 @@ class Backend(Protocol):
     freezes_gc: bool
     private_store: bool
     result_folder: bool
+    rank_groups: bool
 
     def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
         """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
@@ -147,9 +149,11 @@ class Supervisor:
         timeout: float | None = None,
         world_rank_of: Callable[[int], int] | None = None,
         cell: Any = None,
+        groups: RankGroups | None = None,
     ) -> None:
         self.workers = list(workers)
         self.backend = backend
+        self.groups = groups  # the ranks' process groups: an ended rank's is stopped at once (rank_groups.py)
         self.observers = list(observers)
         # None: look sys.stdout/sys.stderr up at each write, so a dashboard started after this object
         # (rich's Live redirects them) still gets the worker lines above its table.
@@ -371,6 +375,8 @@ class Supervisor:
         self.cell.tick()
         for local_rank, exitcode in self.backend.poll_exits():
             self._on_exit(local_rank, exitcode)
+        if self.groups is not None:  # e.g. a rank torch elastic restarts: what it started goes now
+            self.groups.stop_orphans()
         if self._memory_interval > 0 and time.monotonic() >= self._next_sample:
             self._next_sample = time.monotonic() + self._memory_interval
             self._sample_memory()
@@ -551,6 +557,8 @@ class Supervisor:
                 self._read_fd(fd)
             for local_rank, exitcode in self.backend.poll_exits():
                 self._on_exit(local_rank, exitcode)
+            if self.groups is not None:  # a dead rank's child holding its output pipe: stopped, not waited for
+                self.groups.stop_orphans()
         for worker in self.workers:
             if worker.channel_open:
                 self._read_channel(worker)

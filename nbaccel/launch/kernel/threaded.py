@@ -36,6 +36,7 @@ class ThreadedBackend:
     freezes_gc = False
     private_store = False
     result_folder = False
+    rank_groups = True  # the other launcher's ranks run here (each registers its group)
     thread_name = "nbaccel-launcher"
     stop_grace = STOP_GRACE  # seconds a stopped worker gets between SIGTERM and SIGKILL
 

@@ -19,15 +19,16 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ...utils.constants import COLLECTIVE_WATCH_ENV, LINE_LOCK_ENV, SCRIPT_ENTRY
+from ...utils.constants import COLLECTIVE_WATCH_ENV, EXEC_ENTRY, LINE_LOCK_ENV, RANK_GROUPS_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
-from .processes import signal_name, stop_groups
+from .processes import signal_name
 from .threaded import ThreadedBackend, _children
 
 if TYPE_CHECKING:
@@ -41,11 +42,14 @@ if TYPE_CHECKING:
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
 
 
-def torchrun_arguments(plan: LaunchPlan, watched: bool = False) -> list[str]:
+def torchrun_arguments(plan: LaunchPlan, watched: bool = False, registered: bool = False) -> list[str]:
     """The torch.distributed.run command line of a script plan (this machine's part of the run).
 
     `watched`: each rank runs the script through nbaccel's entry, which reports its collectives to the
-    launch's collective watch (not with --no_python: there is no Python to enter)."""
+    launch's collective watch (not with --no_python: there is no Python to enter).
+    `registered`: a rank that is not watched (--no_python, or no watch) starts as worker/exec_entry.py, which
+    registers the rank's session in the launch's folder of rank groups (RANK_GROUPS_ENV) and then becomes the
+    program: what the program starts is stopped with the launch (script_entry.py registers a watched one)."""
     script, rdzv = plan.script, plan.rendezvous
     if script is None or rdzv is None:
         raise ValueError(f"a plan of mode {plan.mode.value!r} runs no script through torchrun")
@@ -62,12 +66,17 @@ def torchrun_arguments(plan: LaunchPlan, watched: bool = False) -> list[str]:
         argv.append(f"--rdzv-endpoint={rdzv.endpoint}")
     if script.role != "default":
         argv.append(f"--role={script.role}")
-    if script.no_python:
-        argv.append("--no-python")
     if watched and not script.no_python:  # torchrun runs nbaccel's entry as a module; the entry runs the script
         argv.append("--module")
         program = [SCRIPT_ENTRY, *(["--module"] if script.module else []), script.script]
+    elif registered:  # the entry registers the rank's session, then execs what torchrun would have run
+        argv.append("--no-python")
+        python = [] if script.no_python else [os.environ.get("PYTHON_EXEC", sys.executable), "-u",
+                                              *(["-m"] if script.module else [])]
+        program = [sys.executable, "-m", EXEC_ENTRY, *python, script.script]
     else:
+        if script.no_python:
+            argv.append("--no-python")
         if script.module:
             argv.append("--module")
         program = [script.script]
@@ -127,7 +136,8 @@ class TorchrunBackend(ThreadedBackend):
             self.watch = None if plan.script.no_python else self._start_watch()
             if not plan.script.no_python:
                 self._share_line_lock()
-            args = torchrun.get_args_parser().parse_args(torchrun_arguments(plan, watched=self.watch is not None))
+            args = torchrun.get_args_parser().parse_args(torchrun_arguments(
+                plan, watched=self.watch is not None, registered=RANK_GROUPS_ENV in plan.environ))
             self._target = lambda: torchrun.run(args)
             self._before = set(_children())
             self._thread.start()
@@ -243,12 +253,11 @@ class TorchrunBackend(ThreadedBackend):
         return None if self.watch is None else self.watch.after_failure(failed)
 
     def close(self) -> None:
-        """Stop what the ranks left running, then close the watch (after reading what the ranks sent last), the
-        rendezvous and the log folder. torch elastic starts each rank in a session of its own and signals the
-        sessions of live ranks only, so a dead rank's children (re-parented to pid 1, holding the launch's
-        stdout) would outlive the launch: each rank's process group goes, as notebook_launcher's."""
+        """Close the watch (after reading what the ranks sent last), the rendezvous and the log folder. What the
+        ranks left running is gone by now: torch elastic starts each rank in a session of its own and signals
+        the sessions of live ranks only, but each rank registered its session (script_entry.py; exec_entry.py
+        under --no_python), which the launch stops as notebook_launcher's groups (rank_groups.py)."""
         if self.watch is not None:
-            stop_groups(self.watch.rank_pids)
             self.watch.close()
         self._cleanup.close()
         if self._done_read >= 0:

@@ -27,6 +27,7 @@ from ..kernel.processes import (
     resource_tracker_scope,
     signal_name,
 )
+from ..kernel.rank_groups import RankGroups
 from ..messages import PoolCommand, Ready
 from ..output import read_available
 from ..private_dirs import make_store_dir, remove_dir
@@ -129,7 +130,9 @@ class RankProcesses:
             preload_worker_modules(plan.start_method)  # forked ranks inherit PartialState's modules
         # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
         self._store_dir = make_store_dir() if self._backend.private_store else None  # a killed kernel's: removed
-        plan = plan.with_folders(self._store_dir)
+        # each rank registers the process group it leads: all are stopped with the pool, even if the kernel dies
+        self._groups = RankGroups() if getattr(self._backend, "rank_groups", False) else None
+        plan = plan.with_folders(self._store_dir, groups_dir=self._groups.folder if self._groups else None)
         try:
             for ends in self._backend.start(plan):
                 self.ranks.append(RankProcess(ends.rank, ends.process, ends.commands, ends.status, ends.out_fd,
@@ -196,7 +199,11 @@ class RankProcesses:
         deadline = time.monotonic() + 1.0
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        self._backend.stop()
+        try:
+            self._backend.stop()
+        finally:
+            if self._groups is not None:
+                self._groups.close()
         for rank in self.ranks:
             rank.close()
         remove_dir(self._store_dir)

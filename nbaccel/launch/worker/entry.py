@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import LAUNCH_HOST_ENV as HOST_ENV
-from ...utils.constants import MEMORY_INTERVAL_ENV
+from ...utils.constants import MEMORY_INTERVAL_ENV, RANK_GROUPS_ENV
 from .. import messages
 from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
@@ -39,7 +39,7 @@ def run_worker(
 ) -> None:
     """Run the pickled `(function, args, kwargs)` with `env` set; exit code 1 after reporting a failure."""
     die_with_parent()  # even a SIGKILLed kernel leaves no rank running
-    lead_own_group()  # what the rank starts is stopped with it, even after the rank died (kernel/processes.py)
+    lead_own_group(env.get(RANK_GROUPS_ENV))  # what it starts is stopped with it, dead or alive (kernel/rank_groups.py)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
     os.environ.update(env)

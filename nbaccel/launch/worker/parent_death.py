@@ -46,16 +46,31 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def lead_own_group() -> None:
-    """Make this rank the leader of a process group of its own, called before it starts anything.
+def lead_own_group(registry: str | None = None) -> None:
+    """Make this rank the leader of a process group of its own, called before it starts anything, and register
+    the group in the launch's `registry` folder (RANK_GROUPS_ENV) when there is one.
 
     Every process the rank starts (a `subprocess.Popen`, a data loader worker, their children) joins the
     group and stays in it after the rank dies (re-parented to pid 1), so the launcher stops all of them with
-    one `killpg(rank's pid)`, dead rank or alive (kernel/processes.py `stop_processes`). It also keeps a
-    terminal's or Jupyter's SIGINT to the launcher's group from reaching the rank: the launcher stops it.
+    one `killpg(rank's pid)`, dead rank or alive (kernel/rank_groups.py); the registry is how the launcher, and
+    its keeper process after the launcher's own death, know every group, also of ranks that another launcher
+    (torch elastic) started and restarted. It also keeps a terminal's or Jupyter's SIGINT to the launcher's
+    group from reaching the rank: the launcher stops it.
     """
     if hasattr(os, "setpgid"):
         try:
             os.setpgid(0, 0)
         except OSError:  # already a session leader (torch elastic's subprocesses): its group is its own
             pass
+    register_group(registry)
+
+
+def register_group(registry: str | None) -> None:
+    """Put this process's group in the launch's folder of rank groups (an empty file named by the group's
+    number), if this process leads it: never the launcher's own group (a rank that could not make one)."""
+    if not registry or not hasattr(os, "getpgrp") or os.getpgrp() != os.getpid():
+        return
+    try:
+        os.close(os.open(os.path.join(registry, str(os.getpid())), os.O_WRONLY | os.O_CREAT, 0o600))
+    except OSError:  # the folder is gone (the launch ended) or not on this machine: nothing to register in
+        pass

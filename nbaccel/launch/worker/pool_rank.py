@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from types import CodeType
 from typing import Any
 
-from ...utils.constants import LAUNCH_HOST_ENV
+from ...utils.constants import LAUNCH_HOST_ENV, RANK_GROUPS_ENV
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
@@ -62,7 +62,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         die_with_parent()  # the kernel's death (even SIGKILL) kills this rank too
     for fd in inherited_fds:  # a forked rank holds copies of the kernel's pipe ends: drop them (EOF detection)
         close_quietly(fd)
-    lead_own_group()  # a terminal's or Jupyter's SIGINT reaches the kernel only (the pool forwards it); the
+    lead_own_group(env.get(RANK_GROUPS_ENV))  # a terminal's or Jupyter's SIGINT reaches the kernel only (the pool forwards it); the
     # rank's children stay in its group, stopped with it
     signal.signal(signal.SIGINT, _on_interrupt)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())

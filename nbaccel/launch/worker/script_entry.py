@@ -27,11 +27,11 @@ from typing import NoReturn
 
 from ... import telemetry
 from ...utils import collective_trace
-from ...utils.constants import COLLECTIVE_WATCH_ENV
+from ...utils.constants import COLLECTIVE_WATCH_ENV, RANK_GROUPS_ENV
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
 from .line_relay import relay_whole_lines
-from .parent_death import die_with_parent
+from .parent_death import die_with_parent, register_group
 from .raw_calls import watch_raw_collectives
 
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run `[--module] TARGET ARGS...` (the command line torchrun passes) as the rank's `__main__`."""
     relay_whole_lines()  # through a pipe, each line the rank writes arrives whole (line_relay.py)
     die_with_parent()  # torch elastic starts each rank in its own session: a SIGKILLed launch would leave it running
+    register_group(os.environ.pop(RANK_GROUPS_ENV, None))  # its session: stopped with the launch, dead or alive
     argv = list(sys.argv[1:] if argv is None else argv)
     as_module = argv[:1] == ["--module"]
     if as_module:
