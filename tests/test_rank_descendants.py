@@ -237,14 +237,21 @@ def rank(folder):
     Path(folder, "pids-" + os.environ["RANK"]).write_text(f"{os.getpid()} {child.pid}")
     time.sleep(300)
 
-notebook_launcher(rank, args=(sys.argv[1],), num_processes=2, dashboard=False, max_restarts=int(sys.argv[2]))
+if sys.argv[2] == "pool":  # persistent ranks (RankPool, %ranks) in the middle of a call
+    from nbaccel import RankPool
+
+    with RankPool(num_processes=2) as pool:
+        pool.run(rank, sys.argv[1])
+else:
+    notebook_launcher(rank, args=(sys.argv[1],), num_processes=2, dashboard=False, max_restarts=int(sys.argv[2]))
 """
 
 
-@pytest.mark.parametrize("max_restarts", [0, 1])
-def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_restarts: int) -> None:
-    """SIGKILL of the process that called notebook_launcher (a kernel the OOM killer or a timeout ends): its
-    ranks and what they started end within seconds, though nothing of the kernel could stop them."""
+@pytest.mark.parametrize("max_restarts", [0, 1, "pool"])
+def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_restarts: int | str) -> None:
+    """SIGKILL of the process that called notebook_launcher, or that holds a RankPool in the middle of a call (a
+    kernel the OOM killer or a timeout ends): its ranks and what they started end within seconds, though
+    nothing of the kernel could stop them."""
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL)
     env = dict(os.environ)
