@@ -253,6 +253,31 @@ def test_a_module_the_hosts_cannot_import_is_named_before_any_rank_starts(ssh_co
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def test_a_module_the_hosts_cannot_import_fails_one_rank_pool_call_naming_the_host(ssh_config, tmp_path,
+                                                                                  monkeypatch):
+    # RankPool receives its functions cell by cell, after its ranks started: the call fails on each rank, naming
+    # the module, the host and what to do, and the pool stays usable
+    module = f"nbaccel_pooltrain_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text("def train(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    train = __import__(module).train
+    from nbaccel.launch import RankFailedError, RankPool
+
+    try:
+        with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
+            with pytest.raises(RankFailedError) as info:
+                pool.run(train, 1)
+            assert pool.run(len, "ab") == [2, 2]
+    finally:
+        sys.modules.pop(module, None)
+    text = str(info.value)
+    for host in HOSTS:
+        assert f"No module named {module!r} on host {host!r}" in text
+    assert "define the function in the notebook" in text
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
 def test_the_modules_a_pickled_function_needs_are_read_from_the_pickle(tmp_path, monkeypatch):
     from nbaccel.launch.serialize import dumps_payload, missing_modules, referenced_modules
 

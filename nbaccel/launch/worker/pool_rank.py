@@ -125,6 +125,26 @@ def serve(commands: Connection, namespace: dict[str, Any], rank: int) -> None:
             return
 
 
+def _load_sent(data: bytes) -> Any:
+    """Unpickle what the kernel sent (`run`'s function and arguments, `push`'s value). On another host, a module
+    the kernel has and this host lacks is named with the host and what to do: cloudpickle sends what an
+    importable module defines by name, so it must be importable here too."""
+    from .. import serialize
+
+    try:
+        return serialize.loads(data)
+    except ModuleNotFoundError as exc:
+        host = os.environ.get(LAUNCH_HOST_ENV)
+        if not host:
+            raise
+        raise ModuleNotFoundError(
+            f"{exc} on host {host!r}: what was sent refers to that module by name (a .py file next to the "
+            f"notebook, a package installed in the kernel's environment); install it on {host!r} or make it "
+            "importable there, or define the function in the notebook (or call "
+            "cloudpickle.register_pickle_by_value(module) in the kernel) so that it travels by value",
+            name=exc.name) from exc
+
+
 def _handle(command: PoolCommand, message: tuple, namespace: dict[str, Any], rank: int) -> dict[str, Any]:
     global _interruptible
     started = time.perf_counter()
@@ -158,15 +178,11 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
             reply.update(describe(value))
             reply["value"] = _dumps_value(value, reply)
     elif command is _RUN:
-        from .. import serialize
-
-        function, args, kwargs = serialize.loads(message[2])
+        function, args, kwargs = _load_sent(message[2])
         value = function(*args, **kwargs)  # run() hands back values only: no preview text to make
         reply["value"] = _dumps_value(value, reply, required=True)
     elif command is _PUSH:
-        from .. import serialize
-
-        namespace[message[2]] = serialize.loads(message[3])
+        namespace[message[2]] = _load_sent(message[3])
     elif command is _TELEMETRY:
         from .pool_telemetry import set_worker_telemetry
 
