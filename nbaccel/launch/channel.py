@@ -43,14 +43,16 @@ class WorkerSink:
     sender thread (started at the first telemetry message, so a launch pays no thread start), so a training step pays for a deque append, not a pickle and a system call; the kernel
     unpacks batches before observers see them. Every other message (status, result, error, ...) first
     flushes the queue, then goes out at once, so the order is kept. If the kernel end is gone the sink goes
-    quiet instead of failing the training.
+    quiet instead of failing the training. `defer((build, *args))` queues a telemetry message that is made
+    (`build(*args)`) only when the queue is sent, in the sender thread: the collective trace's way, which
+    runs around every collective.
     """
 
     def __init__(self, conn: Connection, rank: int, local_rank: int | None = None,
                  interval: float = BATCH_INTERVAL) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._pending: collections.deque[Message] = collections.deque()
+        self._pending: collections.deque[Message | tuple[Any, ...]] = collections.deque()  # tuples: `defer`
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,6 +73,17 @@ class WorkerSink:
             return
         with self._lock:
             self._flush_locked(message)
+
+    def defer(self, item: tuple[Any, ...]) -> None:
+        """Queue the telemetry message `item[0](*item[1:])`, made when the queue is sent."""
+        if self.closed:
+            return
+        if self._interval <= 0:  # no batching: made and sent now
+            self(item[0](*item[1:]))
+            return
+        self._pending.append(item)
+        if self._thread is None:
+            self._start_sender()
 
     def queue(self, message: Message) -> None:
         """Hold `message` until the next send or flush (e.g. a status that need not wake the kernel alone)."""
@@ -130,9 +143,13 @@ class WorkerSink:
         batch = []
         while True:
             try:
-                batch.append(self._pending.popleft())
+                message = self._pending.popleft()
             except IndexError:
                 break
+            if type(message) is tuple:  # deferred (`defer`): made now
+                message = message[0](*message[1:])
+                message["local_rank"] = self.local_rank
+            batch.append(message)
         if last is not None:
             if not batch:
                 self._send_locked(last)
