@@ -190,8 +190,8 @@ def collective_item(event: str, trace: collective_trace.in_collective, rank: int
 
 def _enter_message(rank: int, op: str, call: str, shapes: list[Any], dtypes: list[Any], site: str, started: float,
                    seq: int) -> Message:
-    return {"op": op, "call": call, "shapes": [list(shape) for shape in shapes],
-            "dtypes": [collective_trace.dtype_name(dtype) for dtype in dtypes], "site": site, "started": started,
+    return {"op": op, "call": call, "shapes": list(map(list, shapes)),
+            "dtypes": list(map(collective_trace.dtype_name, dtypes)), "site": site, "started": started,
             "seq": seq, "event": "enter", "kind": "collective", "rank": rank, "time": started}
 
 

@@ -176,8 +176,8 @@ class in_collective:  # noqa: N801 - used as a function: `with in_collective("ga
             record = self._record = CollectiveRecord(
                 op=self.op,
                 call=self.call,
-                shapes=[list(shape) for shape in shapes],
-                dtypes=[dtype_name(dtype) for dtype in dtypes],
+                shapes=list(map(list, shapes)),
+                dtypes=list(map(dtype_name, dtypes)),
                 site=self.site,
                 started=self.started,
                 seq=self.seq,
