@@ -40,7 +40,7 @@ class _Reporter:
 
     def __init__(self, sink: Sink | None = None, rank: int = 0) -> None:
         self.sink: Sink | None = None
-        self.defer: Callable[[Deferred], None] | None = None  # the sink's `defer`, when it has one
+        self.deferring: Any = None  # the sink again when it has `defer(item)`: collectives are queued as tuples
         self.plug(sink, rank)
         self.sampler: _Sampler | None = None
         self.pending_step: tuple[int, int | None, EpochPosition | None] | None = None
@@ -48,7 +48,7 @@ class _Reporter:
 
     def plug(self, sink: Sink | None, rank: int) -> None:
         self.sink, self.rank = sink, rank
-        self.defer = getattr(sink, "defer", None) if sink is not None else None
+        self.deferring = sink if hasattr(sink, "defer") else None
 
 
 _process = _Reporter()  # the reporter of a process that runs one rank (every launcher but torch_xla's threads)
@@ -204,16 +204,16 @@ def _on_collective(event: str, trace: collective_trace.in_collective) -> None:
     launcher's sink defers the message (`collective_item`, written out here: this runs twice per collective,
     between calls that leave the caches cold, where each Python call counts); any other sink gets it at once."""
     reporter = (_threads.reporter or _process) if _thread_ranks else _process
-    defer = reporter.defer
-    if defer is None:
+    sink = reporter.deferring  # one read: another thread may detach meanwhile
+    if sink is None:
         if reporter.sink is not None:
             _emit(reporter, "collective", collective_fields(event, trace.record()))
     elif event == "enter":
         shapes, dtypes = trace.layout()
-        defer((_enter_message, reporter.rank, trace.op, trace.call, shapes, dtypes, trace.site, trace.started,
-               trace.seq))
+        sink.defer((_enter_message, reporter.rank, trace.op, trace.call, shapes, dtypes, trace.site, trace.started,
+                    trace.seq))
     else:
-        defer((_end_message, reporter.rank, event, trace.op, trace.seq, time.time()))
+        sink.defer((_end_message, reporter.rank, event, trace.op, trace.seq, time.time()))
 
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------

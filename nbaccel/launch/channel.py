@@ -58,7 +58,10 @@ class WorkerSink:
         self._thread: threading.Thread | None = None
         self.rank = rank
         self.local_rank = rank if local_rank is None else local_rank
-        self.closed = False
+        self._closed = False
+        # `defer`: this method, or while the sender thread runs and the sink is open, the queue's own append
+        # (no Python call: the collective trace defers twice per collective)
+        self.defer: Callable[[tuple[Any, ...]], None] = self._defer
         self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
         self.tick_interval = 1.0
 
@@ -74,9 +77,20 @@ class WorkerSink:
         with self._lock:
             self._flush_locked(message)
 
-    def defer(self, item: tuple[Any, ...]) -> None:
-        """Queue the telemetry message `item[0](*item[1:])`, made when the queue is sent."""
-        if self.closed:
+    @property
+    def closed(self) -> bool:
+        """True once the sink sends nothing more (closed, the kernel end gone, or a forked child's copy)."""
+        return self._closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed = value
+        if value:
+            self.defer = self._defer
+
+    def _defer(self, item: tuple[Any, ...]) -> None:
+        """`defer(item)`: queue the telemetry message `item[0](*item[1:])`, made when the queue is sent."""
+        if self._closed:
             return
         if self._interval <= 0:  # no batching: made and sent now
             self(item[0](*item[1:]))
@@ -100,6 +114,7 @@ class WorkerSink:
             self._flush_locked()
 
     def close(self) -> None:
+        self.defer = self._defer
         self._stop.set()
         self.flush()
         self.closed = True
@@ -114,12 +129,15 @@ class WorkerSink:
                 self._thread = threading.Thread(target=self._sender, args=(self._stop,), name="nbaccel-telemetry",
                                                 daemon=True)
                 self._thread.start()
+                if not self._closed:
+                    self.defer = self._pending.append  # the thread sends what is appended
 
     def stop_sender(self) -> None:
         """Send what is queued and end the sender thread (the next telemetry message starts a new one)."""
         with self._lock:
             thread, self._thread = self._thread, None
             stop, self._stop = self._stop, threading.Event()
+            self.defer = self._defer  # the next deferred message starts a new thread
         stop.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
