@@ -20,6 +20,9 @@ from .utils.xla import runtime_started as xla_runtime_started
 
 Message = dict[str, Any]
 Sink = Callable[[Message], None]
+# What a sink with a `defer(item)` method (the launcher's WorkerSink) queues instead of a message: a
+# function and its arguments, called when the sink sends its queue, which returns the message.
+Deferred = tuple[Any, ...]
 
 
 class EpochPosition(NamedTuple):
@@ -36,40 +39,56 @@ class _Reporter:
     """Where one rank's reports go: its sink, its rank, and the sampler batching them."""
 
     def __init__(self, sink: Sink | None = None, rank: int = 0) -> None:
-        self.sink = sink
-        self.rank = rank
+        self.sink: Sink | None = None
+        self.deferring: Any = None  # the sink again when it has `defer(item)`: collectives are queued as tuples
+        self.plug(sink, rank)
         self.sampler: _Sampler | None = None
         self.pending_step: tuple[int, int | None, EpochPosition | None] | None = None
         self.queue: collections.deque[Message] = collections.deque()
 
+    def plug(self, sink: Sink | None, rank: int) -> None:
+        self.sink, self.rank = sink, rank
+        self.deferring = sink if hasattr(sink, "defer") else None
+
 
 _process = _Reporter()  # the reporter of a process that runs one rank (every launcher but torch_xla's threads)
-_threads = threading.local()  # `reporter`: set in a thread that runs its own rank (torch_xla on TPU v2/v3, CPU)
+class _ThreadReporter(threading.local):
+    """`reporter`: set in a thread that runs its own rank (torch_xla on TPU v2/v3, CPU); None elsewhere.
+    The class default matters: a missing attribute of a thread-local costs a raised and caught
+    AttributeError on every look-up (microseconds; the collective trace looks twice per collective)."""
+
+    reporter: _Reporter | None = None
+
+
+_threads = _ThreadReporter()
+_thread_ranks = False  # set for good once a thread attaches its own reporter: until then no look-up is needed
 
 
 def _current() -> _Reporter:
-    return getattr(_threads, "reporter", None) or _process
+    return (_threads.reporter or _process) if _thread_ranks else _process
 
 
 def attach(sink: Sink, rank: int, *, this_thread: bool = False) -> None:
     """Send every report, tagged with `rank`, to `sink`: those of the whole process, or with
     `this_thread` only those made in the calling thread (torch_xla runs several ranks as threads of one
     process; each attaches its own sink)."""
+    global _thread_ranks
     if this_thread:
         _threads.reporter = _Reporter(sink, rank)
+        _thread_ranks = True
     else:
-        _process.sink, _process.rank = sink, rank
-    collective_trace.add_listener(_on_collective)
+        _process.plug(sink, rank)
+    collective_trace.add_listener(_on_collective, with_record=False)
 
 
 def detach() -> None:
     """Stop reporting (after the sampler, if running, sent what it holds); later calls are no-ops again.
     In a thread attached with `this_thread`, only that thread's reporter is detached."""
     stop_sampler()
-    if getattr(_threads, "reporter", None) is not None:
+    if _threads.reporter is not None:
         _threads.reporter = None
         return
-    _process.sink = None
+    _process.plug(None, _process.rank)
     collective_trace.remove_listener(_on_collective)
 
 
@@ -159,8 +178,42 @@ def collective_fields(event: str, record: collective_trace.CollectiveRecord) -> 
     return {"event": event, "op": record.op, "seq": record.seq}
 
 
-def _on_collective(event: str, record: collective_trace.CollectiveRecord) -> None:
-    _emit(_current(), "collective", collective_fields(event, record))
+def collective_item(event: str, trace: collective_trace.in_collective, rank: int) -> Deferred:
+    """What a deferring sink queues for one collective event of `rank`: the few values the message needs,
+    read now (no tensor is kept), turned into the `collective_fields` message only when the sink sends
+    it, off the training thread. The enter message's `time` is the collective's `started`."""
+    if event == "enter":
+        shapes, dtypes = trace.layout()
+        return _enter_message, rank, trace.op, trace.call, shapes, dtypes, trace.site, trace.started, trace.seq
+    return _end_message, rank, event, trace.op, trace.seq, time.time()
+
+
+def _enter_message(rank: int, op: str, call: str, shapes: list[Any], dtypes: list[Any], site: str, started: float,
+                   seq: int) -> Message:
+    return {"op": op, "call": call, "shapes": list(map(list, shapes)),
+            "dtypes": list(map(collective_trace.dtype_name, dtypes)), "site": site, "started": started,
+            "seq": seq, "event": "enter", "kind": "collective", "rank": rank, "time": started}
+
+
+def _end_message(rank: int, event: str, op: str, seq: int, now: float) -> Message:
+    return {"event": event, "op": op, "seq": seq, "kind": "collective", "rank": rank, "time": now}
+
+
+def _on_collective(event: str, trace: collective_trace.in_collective) -> None:
+    """The collective trace's listener while a sink is attached (registered with_record=False): the
+    launcher's sink defers the message (`collective_item`, written out here: this runs twice per collective,
+    between calls that leave the caches cold, where each Python call counts); any other sink gets it at once."""
+    reporter = (_threads.reporter or _process) if _thread_ranks else _process
+    sink = reporter.deferring  # one read: another thread may detach meanwhile
+    if sink is None:
+        if reporter.sink is not None:
+            _emit(reporter, "collective", collective_fields(event, trace.record()))
+    elif event == "enter":
+        shapes, dtypes = trace.layout()
+        sink.defer((_enter_message, reporter.rank, trace.op, trace.call, shapes, dtypes, trace.site, trace.started,
+                    trace.seq))
+    else:
+        sink.defer((_end_message, reporter.rank, event, trace.op, trace.seq, time.time()))
 
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------

@@ -457,6 +457,49 @@ def test_worker_sink_sender_thread_stops_and_starts_again():
     assert senders() == []  # close ends it too
 
 
+def test_collective_messages_deferred_by_the_worker_sink_are_the_plain_sink_ones():
+    """A launcher's sink queues each collective as a tuple and makes its message when it sends the queue: the
+    kernel gets the same fields as a plain sink does (the enter's `time` is the collective's `started`)."""
+    import multiprocessing
+
+    from nbaccel import telemetry
+    from nbaccel.launch.channel import WorkerSink, recv_all
+    from nbaccel.utils.collective_trace import in_collective
+
+    def collectives() -> None:
+        with in_collective("gather", "all_gather_into_tensor", [torch.ones(2, 3), torch.ones(1, dtype=torch.int64)]):
+            pass
+        with pytest.raises(ValueError), in_collective("reduce", "all_reduce", torch.ones(4)):
+            raise ValueError("left by an error")
+
+    plain: list = []
+    telemetry.attach(plain.append, rank=3)
+    try:
+        collectives()
+    finally:
+        telemetry.detach()
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sink = WorkerSink(writer, rank=3, local_rank=1, interval=0.01)
+    telemetry.attach(sink, rank=3)
+    try:
+        collectives()
+    finally:
+        telemetry.detach()
+    sink.close()
+    sent = [m for batch in recv_all(reader)[0] for m in batch.get("messages", [batch])]
+    reader.close()
+    assert [m["event"] for m in sent] == ["enter", "exit", "enter", "error"]
+    assert sent[0]["time"] == sent[0]["started"]
+    for mine, theirs in zip(sent, plain, strict=True):
+        assert list(mine) == list(theirs) + ["local_rank"]  # the same fields, in the same order
+        assert mine["local_rank"] == 1
+        for name in set(theirs) - {"time", "started", "seq"}:
+            assert mine[name] == theirs[name], name
+    assert sent[0]["shapes"] == [[2, 3], [1]] and sent[0]["dtypes"] == ["float32", "int64"]
+    assert "test_launcher.py:" in sent[0]["site"]  # the line in collectives(), as with the plain sink
+    assert sent[0]["seq"] + 1 == sent[2]["seq"] and sent[1]["seq"] == sent[0]["seq"]
+
+
 
 def barriers_in_partial_state() -> int:
     import torch.distributed as dist

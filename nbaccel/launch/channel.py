@@ -43,20 +43,25 @@ class WorkerSink:
     sender thread (started at the first telemetry message, so a launch pays no thread start), so a training step pays for a deque append, not a pickle and a system call; the kernel
     unpacks batches before observers see them. Every other message (status, result, error, ...) first
     flushes the queue, then goes out at once, so the order is kept. If the kernel end is gone the sink goes
-    quiet instead of failing the training.
+    quiet instead of failing the training. `defer((build, *args))` queues a telemetry message that is made
+    (`build(*args)`) only when the queue is sent, in the sender thread: the collective trace's way, which
+    runs around every collective.
     """
 
     def __init__(self, conn: Connection, rank: int, local_rank: int | None = None,
                  interval: float = BATCH_INTERVAL) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._pending: collections.deque[Message] = collections.deque()
+        self._pending: collections.deque[Message | tuple[Any, ...]] = collections.deque()  # tuples: `defer`
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rank = rank
         self.local_rank = rank if local_rank is None else local_rank
-        self.closed = False
+        self._closed = False
+        # `defer`: this method, or while the sender thread runs and the sink is open, the queue's own append
+        # (no Python call: the collective trace defers twice per collective)
+        self.defer: Callable[[tuple[Any, ...]], None] = self._defer
         self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
         self.tick_interval = 1.0
 
@@ -71,6 +76,28 @@ class WorkerSink:
             return
         with self._lock:
             self._flush_locked(message)
+
+    @property
+    def closed(self) -> bool:
+        """True once the sink sends nothing more (closed, the kernel end gone, or a forked child's copy)."""
+        return self._closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed = value
+        if value:
+            self.defer = self._defer
+
+    def _defer(self, item: tuple[Any, ...]) -> None:
+        """`defer(item)`: queue the telemetry message `item[0](*item[1:])`, made when the queue is sent."""
+        if self._closed:
+            return
+        if self._interval <= 0:  # no batching: made and sent now
+            self(item[0](*item[1:]))
+            return
+        self._pending.append(item)
+        if self._thread is None:
+            self._start_sender()
 
     def queue(self, message: Message) -> None:
         """Hold `message` until the next send or flush (e.g. a status that need not wake the kernel alone)."""
@@ -87,6 +114,7 @@ class WorkerSink:
             self._flush_locked()
 
     def close(self) -> None:
+        self.defer = self._defer
         self._stop.set()
         self.flush()
         self.closed = True
@@ -101,12 +129,15 @@ class WorkerSink:
                 self._thread = threading.Thread(target=self._sender, args=(self._stop,), name="nbaccel-telemetry",
                                                 daemon=True)
                 self._thread.start()
+                if not self._closed:
+                    self.defer = self._pending.append  # the thread sends what is appended
 
     def stop_sender(self) -> None:
         """Send what is queued and end the sender thread (the next telemetry message starts a new one)."""
         with self._lock:
             thread, self._thread = self._thread, None
             stop, self._stop = self._stop, threading.Event()
+            self.defer = self._defer  # the next deferred message starts a new thread
         stop.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
@@ -130,9 +161,13 @@ class WorkerSink:
         batch = []
         while True:
             try:
-                batch.append(self._pending.popleft())
+                message = self._pending.popleft()
             except IndexError:
                 break
+            if type(message) is tuple:  # deferred (`defer`): made now
+                message = message[0](*message[1:])
+                message["local_rank"] = self.local_rank
+            batch.append(message)
         if last is not None:
             if not batch:
                 self._send_locked(last)

@@ -93,8 +93,9 @@ def _set_up() -> str:
     from ...state import PartialState
     from ...utils import collective_trace
 
-    # with a listener registered, every traced collective records its call site ("cell line 4")
-    collective_trace.add_listener(_ignore)
+    # with a listener registered, every traced collective records its call site ("cell line 4"); the hang
+    # report builds the record when it asks (`current()`), so the listener asks for none
+    collective_trace.add_listener(_ignore, with_record=False)
     state = PartialState()
     return str(state.device)
 

@@ -104,10 +104,10 @@ def _connect() -> WorkerSink | None:
     sink(Status(rank, RankState.RUNNING, pid=os.getpid(),
                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
 
-    def report(event: str, record: collective_trace.CollectiveRecord) -> None:
-        sink.send(MessageKind.COLLECTIVE.value, **telemetry.collective_fields(event, record))
+    def report(event: str, trace: collective_trace.in_collective) -> None:
+        sink.defer(telemetry.collective_item(event, trace, rank))  # made into its message when sent
 
-    collective_trace.add_listener(report)
+    collective_trace.add_listener(report, with_record=False)
     watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))  # the script's own calls
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
