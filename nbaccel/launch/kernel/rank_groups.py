@@ -10,22 +10,22 @@ started, saw die and restarted, and of one that died before the launcher saw it.
   left running, holding its output pipes, ends with it);
 - `close()`: when the launch ends, stop every registered group (SIGTERM, SIGKILL after `grace`), then end the
   keeper and remove the folder;
-- the keeper (kernel/group_keeper.py), a small process started first: when the kernel dies before `close`
+- the keeper (kernel/group_keeper.sh), a small shell process started first: when the kernel dies before `close`
   (SIGKILL, the OOM killer), it stops the registered groups itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
-import sys
 
 from ...utils.constants import RANK_GROUPS_ENV
 from ..private_dirs import GROUPS_PREFIX, make_user_dir, remove_dir
 from .processes import STOP_GRACE, signal_groups, stop_groups
 
-KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.py")
+KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.sh")
 
 
 class RankGroups:
@@ -37,7 +37,7 @@ class RankGroups:
         self._keeper: subprocess.Popen | None = None
         try:
             self._keeper = subprocess.Popen(
-                [sys.executable, "-I", "-S", KEEPER, str(os.getpid()), self.folder], stdin=subprocess.DEVNULL,
+                ["/bin/sh", KEEPER, str(os.getpid()), self.folder], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError:  # no keeper: the launch still stops every group, unless the kernel itself is killed
             self._keeper = None
@@ -68,8 +68,9 @@ class RankGroups:
         try:
             self.stop(grace)
         finally:
-            if self._keeper is not None:
-                self._keeper.kill()
+            if self._keeper is not None:  # the script and its `tail`: the session it leads
+                with contextlib.suppress(OSError):
+                    os.killpg(self._keeper.pid, signal.SIGKILL)
                 self._keeper.wait()
                 self._keeper = None
             remove_dir(self.folder)
