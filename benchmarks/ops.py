@@ -35,6 +35,28 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
+def drained_sink(rank: int):
+    """A launcher's telemetry sink for this rank (nbaccel's WorkerSink, as a launched rank has), its pipe read
+    and discarded by a thread as the kernel's supervisor reads it. Imported from whatever nbaccel is first on
+    the path (benchmarks/telemetry_path.py --tree)."""
+    from multiprocessing import Pipe
+    from threading import Thread
+
+    from nbaccel.launch.channel import WorkerSink
+
+    kernel_end, worker_end = Pipe(duplex=False)
+
+    def drain() -> None:
+        try:
+            while True:
+                kernel_end.recv()
+        except (EOFError, OSError):
+            pass
+
+    Thread(target=drain, daemon=True).start()
+    return WorkerSink(worker_end, rank)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -76,23 +98,9 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
         parts = received.view(world, len(keys), -1).transpose(0, 1).reshape(len(keys), -1).unbind(0)
         return dict(zip(keys, parts))
 
-    from multiprocessing import Pipe
-    from threading import Thread
-
     from nbaccel import telemetry
-    from nbaccel.launch.channel import WorkerSink
 
-    kernel_end, worker_end = Pipe(duplex=False)
-
-    def drain() -> None:  # the kernel's side: read what the sink sends, as the supervisor does
-        try:
-            while True:
-                kernel_end.recv()
-        except (EOFError, OSError):
-            pass
-
-    Thread(target=drain, daemon=True).start()
-    sink = WorkerSink(worker_end, rank)
+    sink = drained_sink(rank)
     traced = "gather: nbaccel, launch telemetry on"
     if raw_watch:  # what a launch's rank runs besides: the thread sampling its stack for raw torch.distributed calls
         from functools import partial

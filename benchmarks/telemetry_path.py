@@ -37,28 +37,15 @@ def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from multiprocessing import Pipe
-    from threading import Thread
-
     import torch.distributed as dist
+    from ops import drained_sink  # benchmarks/ops.py, beside this file
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from nbaccel import telemetry
-    from nbaccel.launch.channel import WorkerSink
     from nbaccel.utils import collective_trace
     from nbaccel.utils import operations as ops
 
-    kernel_end, worker_end = Pipe(duplex=False)
-
-    def drain() -> None:
-        try:
-            while True:
-                kernel_end.recv()
-        except (EOFError, OSError):
-            pass
-
-    Thread(target=drain, daemon=True).start()
-    sink = WorkerSink(worker_end, rank)
+    sink = drained_sink(rank)
     spent: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
     variant = "off"
