@@ -48,44 +48,44 @@ def no_process_left_behind():
         pytest.fail("test left processes running: " + "; ".join(described))
 
 
-@pytest.fixture(scope="session")
-def ssh_server(tmp_path_factory):
-    """A real sshd on a free port of 127.0.0.1 (tests/ssh_server.py), one per session, and the SSH config with
-    two aliases of this machine; skipped, with the reason, where sshd cannot run."""
-    import ssh_server as server_module
+def _session_service(module, start, folder: Path, what: str, pids):
+    """A service the tests start once per session (tests/ssh_server.py, tests/slurm_cluster.py): skipped, with
+    the reason, where it cannot run; its processes (`pids(service)`) are not counted as left behind by a test."""
     from process_helpers import SESSION_HELPERS
 
-    reason = server_module.missing_reason()
+    reason = module.missing_reason()
     if reason:
         pytest.skip(reason)
     try:
-        server = server_module.start_server(tmp_path_factory.mktemp("sshd"))
+        service = start(folder)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot start sshd: {exc}")
-    SESSION_HELPERS.add(server.process.pid)
-    yield server
-    server.stop()
-    SESSION_HELPERS.discard(server.process.pid)
+        pytest.skip(f"cannot start {what}: {exc}")
+    helpers = pids(service)
+    SESSION_HELPERS.update(helpers)
+    yield service
+    service.stop()
+    SESSION_HELPERS.difference_update(helpers)
+
+
+@pytest.fixture(scope="session")
+def ssh_server(tmp_path_factory):
+    """A real sshd on a free port of 127.0.0.1 (tests/ssh_server.py), one per session, and the SSH config with
+    two aliases of this machine."""
+    import ssh_server as server_module
+
+    yield from _session_service(server_module, server_module.start_server, tmp_path_factory.mktemp("sshd"), "sshd",
+                                lambda server: {server.process.pid})
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A one-node SLURM cluster on this machine (tests/slurm_cluster.py), one per session; skipped, with the
-    reason, where its daemons cannot run."""
+    """A one-node SLURM cluster on this machine (tests/slurm_cluster.py), one per session."""
     import psutil
     import slurm_cluster as cluster_module
-    from process_helpers import SESSION_HELPERS
 
-    reason = cluster_module.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    try:
-        cluster = cluster_module.start_cluster(tmp_path_factory.mktemp("slurm"))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot start a SLURM cluster: {exc}")
-    daemons = {process.pid for process in cluster.processes}
-    daemons |= {child.pid for pid in daemons for child in psutil.Process(pid).children()}  # slurmscriptd
-    SESSION_HELPERS.update(daemons)
-    yield cluster
-    cluster.stop()
-    SESSION_HELPERS.difference_update(daemons)
+    def daemons(cluster) -> set[int]:
+        pids = {process.pid for process in cluster.processes}
+        return pids | {child.pid for pid in pids for child in psutil.Process(pid).children()}  # slurmscriptd
+
+    yield from _session_service(cluster_module, cluster_module.start_cluster, tmp_path_factory.mktemp("slurm"),
+                                "a SLURM cluster", daemons)

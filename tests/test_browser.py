@@ -12,15 +12,9 @@ through `executable_path`, no browser download. Without it the tests are skipped
 from __future__ import annotations
 
 import copy
-import json
 import os
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
@@ -39,6 +33,8 @@ if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)", allow_module_level=True)
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
+from jupyterlab_server import ACTIVE_NOTEBOOK, run_all_cells, start_jupyterlab  # noqa: E402
+
 TRAIN_WITH_LAUNCHER = """\
 from nbaccel import notebook_launcher
 
@@ -56,12 +52,6 @@ results = notebook_launcher(train, num_processes=2)
 print("results", results)
 """
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     """Replaces conftest's per-test check: the server and browser live for the module (see `lab`)."""
@@ -70,60 +60,14 @@ def no_process_left_behind():
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a temporary root; yields (base url, token, root dir)."""
+    """A JupyterLab server on a temporary root (tests/jupyterlab_server.py), for the module."""
     root = tmp_path_factory.mktemp("lab-root")
-    home = tmp_path_factory.mktemp("lab-home")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"),
-               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "ws"),
-               NBACCEL_CONFIG_FILE=str(root / "nbaccel-config.yaml"))
-    (home / "config").mkdir()
-    # Server extensions the test does not need only slow the start-up down.
-    (home / "config" / "jupyter_server_config.json").write_text(json.dumps(
-        {"ServerApp": {"jpserver_extensions": {"jupyter_lsp": False}}}))
-    # User settings: start the notebook's kernel without asking; no news (no network, no toast).
-    for plugin, values in {"notebook-extension/tracker": {"autoStartDefaultKernel": True},
-                           "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}
-                           }.items():
-        settings = home / "settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
-        settings.parent.mkdir(parents=True, exist_ok=True)
-        settings.write_text(json.dumps(values))
-    log = open(home / "lab.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
-         "jupyterlab.NeverCheckForUpdate", *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
+    server = start_jupyterlab(root, tmp_path_factory.mktemp("lab-home"), timeout=90,
+                              env={"NBACCEL_CONFIG_FILE": str(root / "nbaccel-config.yaml")})
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                pytest.fail("JupyterLab did not start:\n" + (home / "lab.log").read_text()[-3000:])
-            time.sleep(0.5)
-        yield base, token, root
+        yield server
     finally:
-        # Stop kernels first (they are the server's children), then the server.
-        try:
-            _delete_kernels(base, token)
-        except OSError:
-            pass
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        server.stop()
         _check_no_children()
 
 
@@ -176,7 +120,7 @@ def test_dashboard_and_config_widget_in_jupyterlab(lab, page):
 
 
 def _drive_notebook(lab, page) -> None:
-    base, token, root = lab
+    base, token, root = lab.base, lab.token, lab.root
     OUTPUT.mkdir(parents=True, exist_ok=True)
     config_path = root / "saved-config.yaml"
     name = _write_notebook(root, config_path)
@@ -257,7 +201,7 @@ def _drive_notebook(lab, page) -> None:
     while "nbaccel-summary" not in (root / name).read_text() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "nbaccel-summary" in (root / name).read_text(), "the notebook was not saved"
-    _delete_kernels(base, token)
+    lab.delete_kernels()
     page.reload()
     page.wait_for_selector(".jp-Notebook .nbaccel-summary[data-state='finished']", timeout=60_000)
     first_cell = page.locator(".jp-Notebook .jp-Cell").first
@@ -288,26 +232,9 @@ def _check_summary(cell) -> None:
     assert "image/svg+xml" not in text and "Matplotlib v" not in text and "VBox(" not in text
 
 
-ACTIVE_NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # not another test's open tab
-
-
-def _run_all_cells(page) -> None:
-    """Run > Run All Cells on the notebook on show, retrying until its first cell started."""
-    prompt = page.locator(f"{ACTIVE_NOTEBOOK} .jp-Cell .jp-InputPrompt").first
-    for _attempt in range(4):
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-        try:
-            page.wait_for_function("(node) => /\\[[*0-9]+\\]/.test(node.textContent)",
-                                   arg=prompt.element_handle(), timeout=10_000)
-            return
-        except playwright_sync.TimeoutError:
-            page.keyboard.press("Escape")
-
-
 def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
     """Notebook 08's launch: both ranks' tqdm bars drawn live mid-run, then rank 0's figure and the tables."""
-    base, token, root = lab
+    base, token, root = lab.base, lab.token, lab.root
     OUTPUT.mkdir(parents=True, exist_ok=True)
     source = nbformat.read(ROOT / "notebooks" / "08_live_output.ipynb", as_version=4)
     cells = [cell for cell in source.cells if cell.cell_type == "code"][:3]  # data, train, launch
@@ -324,7 +251,7 @@ def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
         select_kernel = page.locator(".jp-Dialog button", has_text="Select")
         if select_kernel.count():
             select_kernel.click()
-        _run_all_cells(page)
+        run_all_cells(page)
         # mid-run: the live area shows both ranks' bars at a position strictly between 0 and 100 %
         page.wait_for_function(
             r"""() => [...document.querySelectorAll(".nbaccel-live")].some(node =>
@@ -352,15 +279,8 @@ def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
         raise AssertionError(f"browser check failed ({error}); screenshot {OUTPUT / 'live_failure.png'}; "
                              f"outputs: {outputs}") from error
     finally:
-        _delete_kernels(base, token)
+        lab.delete_kernels()
         context.close()
-
-
-def _delete_kernels(base: str, token: str) -> None:
-    request = urllib.request.Request(f"{base}/api/kernels?token={token}")
-    for kernel in json.load(urllib.request.urlopen(request, timeout=5)):
-        urllib.request.urlopen(urllib.request.Request(
-            f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE"), timeout=10)
 
 
 HEADLESS_LAUNCH = TRAIN_WITH_LAUNCHER.replace("    return step\n", """\
@@ -381,7 +301,7 @@ def test_a_notebook_run_headless_reads_well_untrusted_in_jupyterlab_and_exported
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
-    base, token, root = lab
+    base, token, root = lab.base, lab.token, lab.root
     OUTPUT.mkdir(parents=True, exist_ok=True)
     config_path = root / "headless-config.yaml"
     yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "num_processes": 2, "use_cpu": True},
@@ -425,7 +345,7 @@ def test_a_notebook_run_headless_reads_well_untrusted_in_jupyterlab_and_exported
         raise AssertionError(f"saved notebook check failed ({error}); screenshot "
                              f"{OUTPUT / 'headless_failure.png'}") from error
     finally:
-        _delete_kernels(base, token)
+        lab.delete_kernels()
         context.close()
 
 
