@@ -267,7 +267,7 @@ def kill_pids(pids: Iterable[int], grace: float = STOP_GRACE) -> None:
         _signal(pid, signal.SIGTERM)
     signal_groups(leaders, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and (any(_alive(pid) for pid in pids) or groups_alive(leaders)):
+    while time.monotonic() < deadline and (any(process_running(pid) for pid in pids) or groups_alive(leaders)):
         time.sleep(0.02)
     for pid in pids:
         _signal(pid, signal.SIGKILL)
@@ -329,7 +329,14 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped by its parent, has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
     try:
         import psutil
 

@@ -23,7 +23,7 @@ import subprocess
 
 from ...utils.constants import RANK_GROUPS_ENV
 from ..private_dirs import GROUPS_PREFIX, make_user_dir, remove_dir
-from .processes import STOP_GRACE, signal_groups, stop_groups
+from .processes import STOP_GRACE, process_running, signal_groups, stop_groups
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.sh")
 
@@ -54,7 +54,7 @@ class RankGroups:
         """SIGTERM the group of every registered rank that has ended, once (its leftovers; the rank's own
         launcher reaps the rank). Cheap enough for every round of the supervisor: one folder listing and a
         signal 0 per rank."""
-        ended = [pid for pid in self.leaders() if pid not in self._stopped and not _running(pid)]
+        ended = [pid for pid in self.leaders() if pid not in self._stopped and not process_running(pid)]
         if ended:
             self._stopped.update(ended)
             signal_groups(ended, signal.SIGTERM)
@@ -84,20 +84,4 @@ def registered(folder: str | None) -> list[int]:
         return [int(name) for name in os.listdir(folder) if name.isdigit()]
     except OSError:
         return []
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended but not yet reaped by its launcher, has ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
 
