@@ -347,7 +347,7 @@ def starts_processes(source: str) -> list[int]:
 
 
 def test_the_pool_starts_no_process_by_itself():
-    """RankPool's ranks are started and owned by a backend of kernel/ (kernel/persistent.py), as a launch's."""
+    """RankPool's ranks are started and owned by the backend of their placement (kernel/local.py, ssh_backend.py), as a launch's."""
     found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted((PACKAGE / "launch" / "pool").rglob("*.py"))
              for line in starts_processes(path.read_text(encoding="utf-8"))]
     assert not found, "process started outside the backends:\n" + "\n".join(found)
@@ -362,3 +362,22 @@ def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     args = node.args
     names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
     return names[1:] if names and names[0] in ("self", "cls") else names
+
+
+# ---------------------------------------------------------------------------------------------- placements
+def test_the_backend_registry_is_keyed_by_placement_one_class_each():
+    """Every placement but this process has one registry entry, a Backend subclass that states its programs;
+    no backend module picks its class by the plan's program (one class per placement serves them all)."""
+    from nbaccel.launch.kernel.placement_base import Backend
+    from nbaccel.launch.kernel.placements import PLACEMENTS
+    from nbaccel.launch.kernel.plan import Placement
+
+    assert set(PLACEMENTS) == set(Placement) - {Placement.IN_PROCESS}
+    classes = {placement: load() for placement, load in PLACEMENTS.items()}
+    for placement, backend in classes.items():
+        assert issubclass(backend, Backend) and backend.programs, f"{placement}: {backend} states no programs"
+    source = (PACKAGE / "launch" / "kernel" / "placements.py").read_text(encoding="utf-8")
+    registry = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PLACEMENTS")
+    keys = [ast.unparse(key) for key in registry.value.keys]  # type: ignore[union-attr]
+    assert all(key.startswith("Placement.") for key in keys), keys

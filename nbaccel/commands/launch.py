@@ -464,7 +464,7 @@ def script_plan(s: LaunchSettings) -> LaunchPlan:
     On one machine the rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
     from types import MappingProxyType
 
-    from ..launch.kernel.plan import LaunchPlan, Mode, Rendezvous, ScriptTarget
+    from ..launch.kernel.plan import LaunchPlan, Placement, Program, Rendezvous, ScriptTarget
 
     if s.num_machines > 1:
         port, address = s.main_process_port or 29500, s.main_process_ip or ""
@@ -478,7 +478,8 @@ def script_plan(s: LaunchSettings) -> LaunchPlan:
     script = ScriptTarget(script=s.script, args=tuple(s.script_args), module=s.module, no_python=s.no_python,
                           role=s.role, log_dir=s.log_dir, tee=s.tee, quiet=s.quiet, same_network=s.same_network)
     device = "cuda:{local_rank}" if not s.use_cpu and _device_count() else "cpu"
-    return LaunchPlan(mode=Mode.SCRIPT, num_processes=s.nproc_per_node, mixed_precision=s.mixed_precision,
+    return LaunchPlan(placement=Placement.ELASTIC, program=Program.SCRIPT, num_processes=s.nproc_per_node,
+                      mixed_precision=s.mixed_precision,
                       start_method="subprocess", device=device, environ=MappingProxyType(worker_environment(s)),
                       num_nodes=s.num_machines, node_rank=s.machine_rank, master_addr=address, port=port,
                       rendezvous=rendezvous, script=script)
@@ -512,9 +513,9 @@ def run_settings(s: LaunchSettings) -> int:
     torchrun's agent) starts the ranks, the supervisor watches them and stops them on a deadlock, ranks stuck
     after their script, or a signal to this process."""
     from ..launch.errors import LaunchError
-    from ..launch.kernel.backends import select_backend
     from ..launch.kernel.launcher import run_plan
     from ..launch.kernel.observers import Reporting
+    from ..launch.kernel.placements import select_backend
 
     plan = script_plan(s)
     backend = select_backend(plan)

@@ -241,3 +241,8 @@ def launch(state: LaunchState, **fields: Any) -> Message:
 def memory(rank: int, local_rank: int, sample: dict[str, Any], **fields: Any) -> Message:
     """A `memory` message from a sample of `telemetry.memory_sample` / `telemetry.process_memory`."""
     return message(MessageKind.MEMORY, rank, local_rank=local_rank, **sample, **fields)
+
+
+def rank_label(rank: int, host: str | None = None) -> str:
+    """How errors and reports name a rank: `rank 3`, or on a host of a several-host launch `rank 3 on gpu-b`."""
+    return f"rank {rank} on {host}" if host else f"rank {rank}"

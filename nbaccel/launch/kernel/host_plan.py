@@ -1,5 +1,5 @@
 """The plan of a launch on several hosts (`notebook_launcher(..., hosts=[...])`): the same checks and defaults
-as one machine's (plan.py), resolved into a LaunchPlan of mode ssh: `num_processes` ranks on each host, the
+as one machine's (plan.py), resolved into a LaunchPlan of placement ssh (or slurm): `num_processes` ranks on each host, the
 shared worker environment, the hosts and how their agents start. What only the hosts can tell (versions,
 addresses, the rendezvous port, GPUs) is checked by the SSH backend before any rank starts.
 """
@@ -7,14 +7,24 @@ addresses, the rendezvous port, GPUs) is checked by the SSH backend before any r
 from __future__ import annotations
 
 from ..environment import WorkerConfig, visible_gpus, worker_environment
+from .addresses import is_loopback_address
 from .hosts import resolve_hosts
-from .plan import LaunchPlan, LaunchRequest, Mode, _frozen, _in_notebook, check_request, is_int, parse_port
-from .processes import check_start_method, is_loopback_address
+from .plan import (
+    LaunchPlan,
+    LaunchRequest,
+    Placement,
+    _frozen,
+    _in_notebook,
+    check_request,
+    is_int,
+    parse_port,
+)
 from .saved_config import apply_saved_config, is_default
+from .start_methods import check_start_method
 
 
 def build_host_plan(request: LaunchRequest) -> LaunchPlan:
-    """Resolve a request with `hosts` into a plan of mode ssh; raise every bad-input error; start nothing."""
+    """Resolve a request with `hosts` into a plan of placement ssh or slurm; raise every bad-input error; start nothing."""
     hosts = resolve_hosts(request.hosts)
     if not is_default(request.num_nodes) or not is_default(request.node_rank):
         raise ValueError("hosts= sets the machines (num_nodes=len(hosts), node_rank by position): leave num_nodes "
@@ -36,7 +46,8 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = saved.master_addr
     # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
-    return LaunchPlan(mode=Mode.SSH, num_processes=num_processes, mixed_precision=precision,
+    placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
+    return LaunchPlan(placement=placement, num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
                       environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,

@@ -1,7 +1,8 @@
 """One launch, resolved: `build_plan(request)` validates and defaults everything once, before anything starts.
 
 `LaunchRequest` is what the caller asked (notebook_launcher's or debug_launcher's arguments); `LaunchPlan`
-is what will run where: the mode (in this process, local processes, torch elastic, torch_xla), the process
+is what will run where: the placement (in this process, local processes, torch elastic, torch_xla, SSH hosts, a
+SLURM allocation) apart from the program (a function, a persistent pool, a script), the process
 counts, the start method, the address and port or rendezvous, the device, and the environment every worker
 shares (built by nbaccel.launch.environment). Every bad-input error is raised here. `plan.ranks()` gives
 each local rank's `RankSpec` (its identity); `plan.rank_environ(i)` is local rank i's whole environment and
@@ -32,17 +33,10 @@ from ...utils.process_limits import check_process_count
 from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
+from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address
 from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
-from .processes import (
-    bind_address,
-    check_port_free,
-    check_start_method,
-    choose_start_method,
-    free_port,
-    is_local_address,
-    is_loopback_address,
-)
 from .saved_config import apply_saved_config, default, plain
+from .start_methods import check_start_method, choose_start_method
 
 if TYPE_CHECKING:
     from .hosts import HostSet
@@ -52,17 +46,23 @@ PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
 assert set(PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
 
 
-class Mode(str, Enum):
-    """How the ranks run."""
+class Placement(str, Enum):
+    """Where the ranks run: the key of the backend registry (kernel/placements.py), one class each."""
 
     IN_PROCESS = "in-process"  # one process: the function runs in the kernel, as Accelerate does
     LOCAL = "local"  # processes started here (fork/spawn/forkserver)
-    ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
+    ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, restarts; torchrun for scripts)
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
-    PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
-    SCRIPT = "script"  # `nbaccel launch`: torchrun's agent runs a script on each rank (kernel/torchrun.py)
-    SSH = "ssh"  # ranks on several hosts, started by one agent per host over SSH (kernel/ssh_backend.py)
-    SSH_PERSISTENT = "ssh-persistent"  # RankPool's ranks on several hosts (kernel/ssh_pool_backend.py)
+    SSH = "ssh"  # several hosts, one agent per host started over SSH (kernel/ssh_backend.py)
+    SLURM = "slurm"  # the hosts of a SLURM allocation, one agent per host started by srun
+
+
+class Program(str, Enum):
+    """What the ranks run, whatever the placement."""
+
+    FUNCTION = "function"  # notebook_launcher's function: each rank returns its result, then exits
+    POOL = "pool"  # RankPool's rank loop (worker/pool_rank.py): each rank serves commands until stopped
+    SCRIPT = "script"  # `nbaccel launch`: a script, module or program on each rank (`LaunchPlan.script`)
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ class ScriptTarget:
 class LaunchPlan:
     """What runs where, with which environment; frozen once built."""
 
-    mode: Mode
-    num_processes: int  # ranks on this node
+    placement: Placement
+    num_processes: int  # ranks on this node (over SSH/SLURM: on each host)
     mixed_precision: str
     start_method: str
     device: str  # "cpu", "xla" or "cuda:{local_rank}" (filled per rank)
@@ -137,13 +137,14 @@ class LaunchPlan:
     start_note: str | None = None  # why the start method was chosen, shown to the user
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
     timeout: float | None = None  # seconds the whole launch may run (None: no limit)
-    script: ScriptTarget | None = None  # Mode.SCRIPT: the script every rank runs
-    hosts: HostSet | None = None  # Mode.SSH: the hosts, num_processes ranks on each
+    script: ScriptTarget | None = None  # Program.SCRIPT: the script every rank runs
+    hosts: HostSet | None = None  # Placement.SSH/SLURM: the hosts, num_processes ranks on each
+    program: Program = Program.FUNCTION
 
     @property
     def supervised_ranks(self) -> int:
         """The ranks the kernel watches: every rank of every host over SSH, else this node's."""
-        return self.world_size if self.mode in (Mode.SSH, Mode.SSH_PERSISTENT) else self.num_processes
+        return self.world_size if self.hosts is not None else self.num_processes
 
     @property
     def world_size(self) -> int:
@@ -190,15 +191,15 @@ class LaunchPlan:
     def info(self) -> dict[str, Any]:
         """What the `launch` message and the dashboard are told about this launch, the header's fields."""
         device = self.device.split(":")[0]
-        if self.mode is Mode.LOCAL:
+        if self.placement is Placement.LOCAL:
             return dict(start_method=self.start_method, world_size=self.world_size,
                         rendezvous=self.rendezvous_text(), device=device)
-        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
+        if self.placement is Placement.ELASTIC:
             return dict(start_method=self.start_method, world_size=self.world_size, node_rank=self.node_rank,
                         num_nodes=self.num_nodes, rendezvous=self.rendezvous_text(), device=device)
-        if self.mode is Mode.XLA:
+        if self.placement is Placement.XLA:
             return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
-        if self.mode is Mode.SSH:
+        if self.hosts is not None:
             assert self.hosts is not None
             return dict(start_method=self.hosts.via, world_size=self.world_size, hosts=list(self.hosts.names),
                         device=device)
@@ -210,7 +211,7 @@ class LaunchPlan:
         (one node) or its rendezvous endpoint (several nodes), else master_addr:port."""
         if INIT_METHOD_ENV in self.environ:
             return "file store (private)"
-        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
+        if self.placement is Placement.ELASTIC:
             assert self.rendezvous is not None
             if self.num_nodes == 1:  # kernel/elastic.py: one agent, every store on loopback
                 host, colon, port = self.rendezvous.endpoint.rpartition(":")
@@ -345,20 +346,20 @@ def _resolve(request: LaunchRequest) -> LaunchPlan:
     environ = worker_environment(worker)
     device = "cuda:{local_rank}" if gpus else "cpu"
     if num_processes == 1 and not elastic:
-        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+        return LaunchPlan(placement=Placement.IN_PROCESS, num_processes=1, mixed_precision=precision,
                           start_method="in-process", device="cpu", environ=_frozen(environ))
     method, note = choose_start_method(saved.start_method)
     common = dict(num_processes=num_processes, mixed_precision=precision, start_method=method, device=device,
                   environ=_frozen(environ), num_nodes=num_nodes, node_rank=node_rank, master_addr=master_addr,
                   start_note=note)
     if elastic:
-        return LaunchPlan(mode=Mode.ELASTIC, port=port,
+        return LaunchPlan(placement=Placement.ELASTIC, port=port,
                           rendezvous=_rendezvous(request, saved, port), **common)
     if port is None:
         port = free_port(bind_address(master_addr) if is_local_address(master_addr) else "127.0.0.1")
     elif is_local_address(master_addr):
         check_port_free(port, bind_address(master_addr))
-    return LaunchPlan(mode=Mode.LOCAL, port=port, **common)
+    return LaunchPlan(placement=Placement.LOCAL, port=port, **common)
 
 
 def _frozen(environ: dict[str, str]) -> Mapping[str, str]:
@@ -405,9 +406,9 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
                                      rich_display=_in_notebook(), fork_launched=nprocs != 1)  # as Accelerate on TPU
     environ = worker_environment(worker)
     if nprocs == 1:
-        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+        return LaunchPlan(placement=Placement.IN_PROCESS, num_processes=1, mixed_precision=precision,
                           start_method="in-process", device="cpu", environ=_frozen(environ))
-    return LaunchPlan(mode=Mode.XLA, num_processes=nprocs, mixed_precision=precision,
+    return LaunchPlan(placement=Placement.XLA, num_processes=nprocs, mixed_precision=precision,
                       start_method=saved.start_method or "fork", device="xla", environ=_frozen(environ),
                       xla_count_known=count is not None)
 
@@ -425,5 +426,5 @@ def _debug_plan(request: LaunchRequest) -> LaunchPlan:
     method, note = choose_start_method(None)
     environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes,
                                               rich_display=_in_notebook(), fork_launched=True))  # as Accelerate's
-    return LaunchPlan(mode=Mode.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
+    return LaunchPlan(placement=Placement.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
                       device="cpu", environ=_frozen(environ), port=free_port(), start_note=note)

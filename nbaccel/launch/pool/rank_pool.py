@@ -32,9 +32,10 @@ from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
+from ..kernel.addresses import free_port
 from ..kernel.hosts import resolve_hosts
-from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
-from ..kernel.processes import choose_start_method, free_port
+from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Placement, Program, normalize_precision
+from ..kernel.start_methods import choose_start_method
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
@@ -123,14 +124,16 @@ class RankPool:
     def _plan(self) -> LaunchPlan:
         """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one); on
         several hosts, the first host finds the port."""
+        # no plan.timeout: a pool lives until it is stopped; its `timeout` bounds each collective (the calls')
         if self.hosts is not None:
-            return LaunchPlan(mode=Mode.SSH_PERSISTENT, num_processes=self._per_host,
+            placement = Placement.SLURM if self.hosts.via == "srun" else Placement.SSH
+            return LaunchPlan(placement=placement, program=Program.POOL, num_processes=self._per_host,
                               mixed_precision=self.mixed_precision, start_method=self.hosts.via, device=self._device,
                               environ=MappingProxyType(self._env), num_nodes=len(self.hosts.names), master_addr="",
-                              timeout=self.timeout, hosts=self.hosts)
-        return LaunchPlan(mode=Mode.PERSISTENT, num_processes=self.num_processes, mixed_precision=self.mixed_precision,
-                          start_method=self.start_method, device=self._device, environ=MappingProxyType(self._env),
-                          port=free_port(), timeout=self.timeout)
+                              hosts=self.hosts)
+        return LaunchPlan(placement=Placement.LOCAL, program=Program.POOL, num_processes=self.num_processes,
+                          mixed_precision=self.mixed_precision, start_method=self.start_method, device=self._device,
+                          environ=MappingProxyType(self._env), port=free_port())
 
     def _start_once(self) -> None:
         workers = RankProcesses(self._plan())
