@@ -1,5 +1,5 @@
 """One worker environment: notebook_launcher, RankPool and `nbaccel launch` build it with the same function
-(nbaccel.launch.environment.worker_environment) and give the same variables for the same configuration."""
+(nbaccel.launch.rank_environment.worker_environment) and give the same variables for the same configuration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from nbaccel.commands.launch import resolve_settings
 from nbaccel.commands.launch import worker_environment as command_environment
 from nbaccel.commands.main import build_parser
 from nbaccel.launch import RankPool, notebook_launcher
-from nbaccel.launch.environment import RankSpec, WorkerConfig, worker_environment
 from nbaccel.launch.kernel.plan import LaunchRequest, Placement, build_plan
+from nbaccel.launch.rank_environment import RankSpec, WorkerConfig, worker_environment
 from nbaccel.utils.config_file import LaunchConfig, load_config
 
 pytestmark = pytest.mark.timeout(120)

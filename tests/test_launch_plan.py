@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from nbaccel.launch.environment import WorkerConfig, worker_environment
 from nbaccel.launch.kernel import placements
 from nbaccel.launch.kernel.plan import LaunchPlan, LaunchRequest, Placement, Program, build_plan
+from nbaccel.launch.rank_environment import WorkerConfig, worker_environment
 from nbaccel.launch.shared_tensors import RESULT_DIR_ENV
 from nbaccel.utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV
 

@@ -364,6 +364,31 @@ def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return names[1:] if names and names[0] in ("self", "cls") else names
 
 
+# ---------------------------------------------------------------------------------------------- module names
+def shared_module_names(paths: list[Path], root: Path) -> dict[str, list[str]]:
+    """File name -> the modules under root that use it, for names of nbaccel/launch that another module of
+    nbaccel also uses (`__init__.py` and `__main__.py` aside)."""
+    homes: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name not in ("__init__.py", "__main__.py"):
+            homes.setdefault(path.name, []).append(str(path.relative_to(root)))
+    return {name: sorted(where) for name, where in homes.items()
+            if len(where) > 1 and any(place.startswith("launch/") for place in where)}
+
+
+def test_module_names_in_launch_are_unique_across_nbaccel():
+    """A module of nbaccel/launch is named for its job: no other nbaccel module has its file name."""
+    found = shared_module_names(sorted(PACKAGE.rglob("*.py")), PACKAGE)
+    assert not found, "one name, one module (rename one):\n" + "\n".join(f"{n}: {', '.join(p)}" for n, p in found.items())
+
+
+def test_shared_module_name_checker_finds_a_repeated_name():
+    root = Path("/x")
+    paths = [root / "utils" / "xla.py", root / "launch" / "kernel" / "xla.py", root / "utils" / "a.py",
+             root / "notebook" / "a.py", root / "launch" / "__init__.py", root / "__init__.py"]
+    assert shared_module_names(paths, root) == {"xla.py": ["launch/kernel/xla.py", "utils/xla.py"]}
+
+
 # ---------------------------------------------------------------------------------------------- placements
 def test_the_backend_registry_is_keyed_by_placement_one_class_each():
     """Every placement but this process has one registry entry, a Backend subclass that states its programs;

@@ -36,9 +36,9 @@ from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
-    from ..launch.environment import WorkerConfig
     from ..launch.hang_report import Diagnosis
     from ..launch.kernel.plan import LaunchPlan
+    from ..launch.rank_environment import WorkerConfig
 
 
 class LaunchOptionError(ValueError):
@@ -278,7 +278,7 @@ def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.
                 s.gradient_accumulation_steps = int(value)
     unused = [f"{key} ({reason})" for key, (default, reason) in _UNUSED_KEYS.items()
               if getattr(cfg, key, default) not in (default, None, {}, [], "no", False)]
-    from ..launch.environment import DYNAMO_ENV, FSDP_ENV  # here: `nbaccel --help` does not load launch
+    from ..launch.rank_environment import DYNAMO_ENV, FSDP_ENV  # here: `nbaccel --help` does not load launch
 
     for section, known in (("fsdp_config", FSDP_ENV), ("dynamo_config", DYNAMO_ENV)):
         unknown = sorted(set(getattr(cfg, section) or {}) - set(known))
@@ -438,8 +438,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
 
 
 def worker_config(s: LaunchSettings) -> WorkerConfig:
-    """The settings that reach the workers, for the one environment builder (nbaccel.launch.environment)."""
-    from ..launch.environment import WorkerConfig  # here: `nbaccel --help` does not load the launch package
+    """The settings that reach the workers, for the one environment builder (nbaccel.launch.rank_environment)."""
+    from ..launch.rank_environment import (
+        WorkerConfig,  # here: `nbaccel --help` does not load the launch package
+    )
 
     return WorkerConfig(
         mixed_precision=s.mixed_precision, use_cpu=s.use_cpu, loopback=s.num_machines == 1, num_nodes=s.num_machines,
@@ -453,7 +455,7 @@ def worker_config(s: LaunchSettings) -> WorkerConfig:
 
 def worker_environment(s: LaunchSettings) -> dict[str, str]:
     """The variables (besides torchrun's) every worker gets; each nbaccel one also under its ACCELERATE_ name."""
-    from ..launch.environment import worker_environment as build
+    from ..launch.rank_environment import worker_environment as build
 
     return build(worker_config(s))
 

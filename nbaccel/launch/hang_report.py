@@ -3,7 +3,7 @@
 Shared by both kinds of watch, so they report hangs alike. The pool asks busy ranks for a status snapshot
 (see `worker/pool_rank.py snapshot`) while a cell runs longer than
 a moment; a launch's supervisor builds the same picture from the `collective` telemetry messages
-(`kernel/collectives.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
+(`kernel/collective_tracker.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
 - a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
   (it finished or failed the cell, does not run the cell, or waits in a different collective: another
   operation, another sequence number, or other shapes);

@@ -44,7 +44,7 @@ class MessageKind(str, Enum):
 
 # Modules that cost seconds to import in every rank of every launch and that a forked rank inherits when the
 # kernel holds them. A rank's `result` message names those it imported (`imported`); the kernel imports them
-# before its next fork launch (kernel/processes.py preload_worker_modules).
+# before its next fork launch (kernel/process_trees.py preload_worker_modules).
 PRELOADABLE_MODULES = ("torch._dynamo",)  # every torch optimizer imports it when the first one is built
 
 

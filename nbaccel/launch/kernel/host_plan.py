@@ -6,7 +6,7 @@ addresses, the rendezvous port, GPUs) is checked by the SSH backend before any r
 
 from __future__ import annotations
 
-from ..environment import WorkerConfig, visible_gpus, worker_environment
+from ..rank_environment import WorkerConfig, visible_gpus, worker_environment
 from .addresses import is_loopback_address
 from .hosts import resolve_hosts
 from .plan import (

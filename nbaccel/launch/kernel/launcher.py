@@ -3,7 +3,7 @@
 Accelerate's arguments keep their names, defaults (except `use_port`: None picks a free port) and meaning.
 One launch: the arguments become a `LaunchRequest`; `build_plan` (plan.py) resolves and checks it into a
 frozen `LaunchPlan` before anything starts; the function is cloudpickled once, here in the kernel; the backend
-of the plan's placement (placements.py: local.py, elastic.py, xla.py, ssh_backend.py) starts the workers and
+of the plan's placement (placements.py: local.py, elastic.py, xla_backend.py, ssh_backend.py) starts the workers and
 owns them inside a launch session (launch_session.py); the supervisor (supervisor.py) forwards
 output, gathers return values and stops all workers on the first failure, an interrupt or the timeout.
 With one process the function runs in the kernel (inprocess.py). `nbaccel launch` hands its plan (program script,

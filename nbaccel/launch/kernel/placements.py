@@ -50,7 +50,7 @@ def _elastic() -> type[Backend]:
 
 
 def _xla() -> type[Backend]:
-    from .xla import XlaBackend
+    from .xla_backend import XlaBackend
 
     return XlaBackend
 

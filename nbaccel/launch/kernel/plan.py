@@ -4,7 +4,7 @@
 is what will run where: the placement (in this process, local processes, torch elastic, torch_xla, SSH hosts, a
 SLURM allocation) apart from the program (a function, a persistent pool, a script), the process
 counts, the start method, the address and port or rendezvous, the device, and the environment every worker
-shares (built by nbaccel.launch.environment). Every bad-input error is raised here. `plan.ranks()` gives
+shares (built by nbaccel.launch.rank_environment). Every bad-input error is raised here. `plan.ranks()` gives
 each local rank's `RankSpec` (its identity); `plan.rank_environ(i)` is local rank i's whole environment and
 `plan.agent_environ()` the one torch elastic's agent hands every rank it starts. The launch's private folders
 (its FileStore, its large results) are named once, before any process starts, by `with_folders`.
@@ -30,7 +30,7 @@ from ...utils.constants import (
     RDZV_BACKENDS,
 )
 from ...utils.process_limits import check_process_count
-from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
+from ..rank_environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
 from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address

@@ -3,7 +3,7 @@
 The supervisor runs in the thread that called the launcher (in Jupyter: the cell's thread), so forwarded
 output lands in the calling cell and a kernel interrupt (KeyboardInterrupt) arrives right here. One
 `multiprocessing.connection.wait` watches the channels, the output pipes and the process sentinels.
-The ranks' `collective` messages go to a `CollectiveTracker` (collectives.py): ranks deadlocked in
+The ranks' `collective` messages go to a `CollectiveTracker` (collective_tracker.py): ranks deadlocked in
 collectives that cannot meet are stopped within seconds and named with their operations and source lines.
 """
 
@@ -27,7 +27,7 @@ from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
 from ..views import views
-from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
+from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
 from .module_preload import learn_rank_imports
 from .placement_base import Backend, StartedRank
 from .process_trees import signal_name

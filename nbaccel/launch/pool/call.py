@@ -18,7 +18,7 @@ from ..errors import WorkerFailure
 from ..hang_report import Diagnosis, RankProgress, diagnose
 from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
-from .processes import RankProcess, exit_text
+from .rank_processes import RankProcess, exit_text
 from .results import RankResult, RankResults
 
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)

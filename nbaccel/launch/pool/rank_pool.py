@@ -29,7 +29,6 @@ from typing import Any
 
 from ...utils.constants import MIXED_PRECISION_CHOICES
 from ...utils.process_limits import check_process_count
-from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
@@ -37,10 +36,11 @@ from ..kernel.hosts import resolve_hosts
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Placement, Program, normalize_precision
 from ..kernel.start_methods import choose_start_method
 from ..messages import MessageKind, PoolCommand, RankState
+from ..rank_environment import WorkerConfig, visible_gpus, worker_environment
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
 from .call import MISMATCH_GRACE, Call, Hang
-from .processes import START_TIMEOUT, RankProcesses
+from .rank_processes import START_TIMEOUT, RankProcesses
 from .results import (
     CollectiveMismatchError,
     RankFailedError,
@@ -51,7 +51,7 @@ from .results import (
     RankTimeoutError,
     results_equal,
 )
-from .telemetry import OutputLines, TelemetryReader, observer_of, status_message
+from .telemetry_reader import OutputLines, TelemetryReader, observer_of, status_message
 
 __all__ = [
     "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
