@@ -419,7 +419,8 @@ def test_rank_pool_on_two_hosts(ssh_config):
     from nbaccel.launch import CollectiveMismatchError, RankPool
 
     with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
-        assert pool.num_processes == 2 and "hosts=['nbaccel-host-a', 'nbaccel-host-b'] x 1" in repr(pool)
+        assert pool.num_processes == 1 and pool.world_size == 2  # per host going in and coming out; every rank
+        assert "num_processes=1, hosts=['nbaccel-host-a', 'nbaccel-host-b'], world_size=2" in repr(pool)
         seen = []
         pool.attach(seen.append)  # a dashboard attached to the pool: each rank's status names its host
         results = pool.exec(POOL_CELL)

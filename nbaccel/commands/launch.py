@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import (
-    LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RDZV_BACKENDS,
 )
@@ -461,30 +460,19 @@ def worker_environment(s: LaunchSettings) -> dict[str, str]:
 
 
 def script_plan(s: LaunchSettings) -> LaunchPlan:
-    """The launch's plan (nbaccel.launch.kernel.plan, mode script): this machine's ranks, the rendezvous, the
-    script and every rank's environment, final before anything starts (as notebook_launcher's and RankPool's).
-    On one machine the rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
-    from types import MappingProxyType
+    """The launch's plan, from the one plan builder (nbaccel.launch.kernel.plan `build_plan`, program script):
+    this machine's ranks, the rendezvous, the script and every rank's environment, final before anything starts
+    (as notebook_launcher's and RankPool's)."""
+    from ..launch.kernel.plan import LaunchRequest, Program, ScriptTarget, build_plan
 
-    from ..launch.kernel.plan import LaunchPlan, Placement, Program, Rendezvous, ScriptTarget
-
-    if s.num_machines > 1:
-        port, address = s.main_process_port or 29500, s.main_process_ip or ""
-        backend, endpoint, run_id = s.rdzv_backend, f"{address}:{port}", f"nbaccel-{port}"
-    else:
-        port, address = s.main_process_port, "127.0.0.1"
-        backend, endpoint, run_id = LOOPBACK_RDZV_BACKEND, f"127.0.0.1:{port or 0}", "none"
-    rendezvous = Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(_rdzv_conf(s.rdzv_conf)),
-                            run_id=run_id, max_restarts=s.max_restarts, monitor_interval=s.monitor_interval,
-                            log_line_prefix_template=None)
     script = ScriptTarget(script=s.script, args=tuple(s.script_args), module=s.module, no_python=s.no_python,
                           role=s.role, log_dir=s.log_dir, tee=s.tee, quiet=s.quiet, same_network=s.same_network)
-    device = "cuda:{local_rank}" if not s.use_cpu and _device_count() else "cpu"
-    return LaunchPlan(placement=Placement.ELASTIC, program=Program.SCRIPT, num_processes=s.nproc_per_node,
-                      mixed_precision=s.mixed_precision,
-                      start_method="subprocess", device=device, environ=MappingProxyType(worker_environment(s)),
-                      num_nodes=s.num_machines, node_rank=s.machine_rank, master_addr=address, port=port,
-                      rendezvous=rendezvous, script=script)
+    return build_plan(LaunchRequest(
+        function=None, program=Program.SCRIPT, script=script, worker=worker_config(s), use_cpu=s.use_cpu,
+        num_processes=s.nproc_per_node, mixed_precision=s.mixed_precision, num_nodes=s.num_machines,
+        node_rank=s.machine_rank, master_addr=s.main_process_ip or "", use_port=s.main_process_port,
+        rdzv_backend=s.rdzv_backend, rdzv_conf=_rdzv_conf(s.rdzv_conf), max_restarts=s.max_restarts,
+        monitor_interval=s.monitor_interval))
 
 
 def _rdzv_conf(text: str) -> dict[str, str]:

@@ -160,7 +160,7 @@ class Status(_Typed):
     pid: int | None = None
     restart: int | None = None  # torch elastic's restart count
     error: str | None = None  # the first line, for FAILED
-    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's launch)
+    host: str | None = None  # hosts=: the rank's host, as named there; stamped by the kernel, never sent by a rank
     time: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -208,7 +208,6 @@ class Ready(_Typed):
     device: str | None = None
     pid: int | None = None
     error: Mapping[str, str] | None = None  # exc_type, message, traceback
-    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's pool)
     time: float | None = None  # not stamped: a rank's first message was never timed
 
 

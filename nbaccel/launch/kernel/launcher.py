@@ -22,7 +22,6 @@ from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
 from ..serialize import make_payload
-from .host_plan import build_host_plan
 from .inprocess import run_in_process
 from .launch_session import LaunchSession
 from .observers import Reporting, check_dashboard, make_dashboard
@@ -84,7 +83,7 @@ def notebook_launcher(
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
         hosts=hosts,
     )
-    plan = build_plan(request) if hosts is None else build_host_plan(request)
+    plan = build_plan(request)
     return launch(plan, request, Reporting(dashboard, tuple(observers)))
 
 

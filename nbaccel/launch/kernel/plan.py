@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import (
     INIT_METHOD_ENV,
     LAUNCH_DEVICE_ENV,
+    LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RANK_GROUPS_ENV,
     RDZV_BACKENDS,
@@ -35,7 +36,8 @@ from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
 from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address
 from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
-from .saved_config import apply_saved_config, default, plain
+from .hosts import resolve_hosts
+from .saved_config import apply_saved_config, default, is_default, plain
 from .start_methods import check_start_method, choose_start_method
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
 PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
+POOL_PG_MARGIN = 10.0  # RankPool: the process group's own timeout is the pool's timeout plus this (a backstop)
 assert set(PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
 
 
@@ -67,9 +70,10 @@ class Program(str, Enum):
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """The arguments of one `notebook_launcher` (or `debug_launcher`) call, as given."""
+    """The arguments of one `notebook_launcher` (or `debug_launcher`) call, or of one `RankPool` (`program`
+    POOL, no function), as given."""
 
-    function: Callable[..., Any]
+    function: Callable[..., Any] | None
     args: Any = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
@@ -87,8 +91,14 @@ class LaunchRequest:
     log_line_prefix_template: str | None = None
     start_method: str | None = None
     timeout: float | None = None
-    hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/host_plan.py)
+    hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/hosts.py)
     debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
+    program: Program = Program.FUNCTION  # POOL: RankPool's ranks (its `timeout` bounds each collective)
+    # Program.SCRIPT (`nbaccel launch`, its options already checked and merged with the config file by
+    # commands/launch.py): what each rank runs, and the settings that reach the ranks (their environment)
+    script: ScriptTarget | None = None
+    worker: WorkerConfig | None = None
+    use_cpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,11 @@ class LaunchPlan:
     rendezvous: Rendezvous | None = None
     start_note: str | None = None  # why the start method was chosen, shown to the user
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
-    timeout: float | None = None  # seconds the whole launch may run (None: no limit)
+    # the supervision policy, one meaning per front door: notebook_launcher's `timeout`, the seconds the whole
+    # launch may run before every rank is stopped (None: no limit); RankPool: None, a pool lives until it is
+    # stopped (its `timeout` bounds each collective of a call: pool/call.py, and sets the process group's
+    # timeout in `environ`); `nbaccel launch`: None (torch elastic's own rendezvous and process group timeouts)
+    timeout: float | None = None
     script: ScriptTarget | None = None  # Program.SCRIPT: the script every rank runs
     hosts: HostSet | None = None  # Placement.SSH/SLURM: the hosts, num_processes ranks on each
     program: Program = Program.FUNCTION
@@ -310,7 +324,15 @@ def parse_port(use_port: Any) -> int | None:
 # ------------------------------------------------------------------------------------------ the plan
 def build_plan(request: LaunchRequest) -> LaunchPlan:
     """Resolve `request` into a frozen plan: saved configuration, device counts, start method, port or
-    rendezvous, elastic or local, XLA, the timeout. Raises every bad-input error; starts nothing."""
+    rendezvous, the placement (this process, local, elastic, XLA, SSH hosts, SLURM) and the program, the
+    timeout. Raises every bad-input error; starts nothing. notebook_launcher's (with or without hosts) and
+    RankPool's and `nbaccel launch`'s (program script, from its checked settings: commands/launch.py) too."""
+    if request.program is Program.POOL:
+        return _pool_plan(request)
+    if request.program is Program.SCRIPT:
+        return _script_plan(request)
+    if request.hosts is not None:
+        return _host_plan(request)
     return dataclasses.replace(_resolve(request), timeout=request.timeout)
 
 
@@ -360,6 +382,91 @@ def _resolve(request: LaunchRequest) -> LaunchPlan:
     elif is_local_address(master_addr):
         check_port_free(port, bind_address(master_addr))
     return LaunchPlan(placement=Placement.LOCAL, port=port, **common)
+
+
+def _host_plan(request: LaunchRequest) -> LaunchPlan:
+    """Resolve a request with `hosts` into a plan of placement ssh or slurm; raise every bad-input error; start nothing."""
+    hosts = resolve_hosts(request.hosts)
+    if not is_default(request.num_nodes) or not is_default(request.node_rank):
+        raise ValueError("hosts= sets the machines (num_nodes=len(hosts), node_rank by position): leave num_nodes "
+                         "and node_rank out")
+    if request.max_restarts:
+        raise ValueError("hosts= does not restart ranks (max_restarts must be 0): use nbaccel launch on each "
+                         "machine for torch elastic's restarts")
+    gpus = visible_gpus()
+    saved = apply_saved_config(request, gpus)
+    saved.num_nodes, saved.node_rank = 1, 0  # checked as one node; the hosts multiply it
+    precision = check_request(request, saved)
+    check_start_method(saved.start_method)
+    if saved.use_cpu:
+        gpus = 0
+    num_processes = saved.num_processes if is_int(saved.num_processes) else (gpus or 1)
+    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=not gpus, loopback=False,
+                                     num_nodes=len(hosts.names), nproc_per_node=num_processes,
+                                     rich_display=_in_notebook())
+    master_addr = saved.master_addr
+    # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
+    master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
+    placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
+    return LaunchPlan(placement=placement, num_processes=num_processes, mixed_precision=precision,
+                      start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
+                      environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
+                      master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,
+                      hosts=hosts)
+
+
+def _script_plan(request: LaunchRequest) -> LaunchPlan:
+    """`nbaccel launch`: torchrun's agent runs the script on this machine's ranks. On one machine the
+    rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
+    assert request.script is not None and request.worker is not None, "a script plan needs its script and settings"
+    num_nodes, port = request.num_nodes, parse_port(request.use_port)
+    if num_nodes > 1:
+        port, address = port or 29500, request.master_addr or ""
+        backend, endpoint, run_id = request.rdzv_backend, f"{address}:{port}", f"nbaccel-{port}"
+    else:
+        address = "127.0.0.1"
+        backend, endpoint, run_id = LOOPBACK_RDZV_BACKEND, f"127.0.0.1:{port or 0}", "none"
+    rendezvous = Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(dict(request.rdzv_conf or {})),
+                            run_id=run_id, max_restarts=request.max_restarts,
+                            monitor_interval=request.monitor_interval, log_line_prefix_template=None)
+    device = "cuda:{local_rank}" if not request.use_cpu and visible_gpus() else "cpu"
+    return LaunchPlan(placement=Placement.ELASTIC, program=Program.SCRIPT, num_processes=request.num_processes,
+                      mixed_precision=request.mixed_precision, start_method="subprocess", device=device,
+                      environ=_frozen(worker_environment(request.worker)), num_nodes=num_nodes,
+                      node_rank=request.node_rank, master_addr=address, port=port, rendezvous=rendezvous,
+                      script=request.script)
+
+
+def _pool_plan(request: LaunchRequest) -> LaunchPlan:
+    """RankPool's ranks: `num_processes` on this machine (or on each host), no function, no saved configuration;
+    the pool's `timeout` (each collective's limit) sets the process group's timeout (plus a margin)."""
+    num_processes = request.num_processes
+    if not is_int(num_processes) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
+    hosts = resolve_hosts(request.hosts) if request.hosts is not None else None
+    if isinstance(request.timeout, bool) or not isinstance(request.timeout, (int, float)) or not request.timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {request.timeout!r}")
+    precision = check_precision(request.mixed_precision)
+    method, note = choose_start_method(request.start_method)
+    gpus = visible_gpus()
+    if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
+        print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+              f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+        gpus = 0
+    num_nodes = len(hosts.names) if hosts else 1
+    # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
+    environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
+                                              nproc_per_node=num_processes, fork_launched=True,
+                                              pg_timeout=float(request.timeout) + POOL_PG_MARGIN,
+                                              loopback=hosts is None, num_nodes=num_nodes))
+    common = dict(program=Program.POOL, num_processes=num_processes, mixed_precision=precision,
+                  device="cuda:{local_rank}" if gpus else "cpu", environ=_frozen(environ))
+    if hosts is not None:  # the first host finds the port; each agent picks its start method
+        placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
+        return LaunchPlan(placement=placement, start_method=hosts.via, num_nodes=num_nodes, master_addr="",
+                          hosts=hosts, **common)
+    return LaunchPlan(placement=Placement.LOCAL, start_method=method, port=free_port(), start_note=note, **common)
 
 
 def _frozen(environ: dict[str, str]) -> Mapping[str, str]:

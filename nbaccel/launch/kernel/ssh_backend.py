@@ -254,7 +254,7 @@ class SshBackend(Backend):
         environ[LAUNCH_HOST_ENV] = agent.host
         # each agent runs its host's ranks as local processes (its LocalBackend), the same program
         return dataclasses.replace(plan, placement=Placement.LOCAL, node_rank=agent.index,
-                                   num_nodes=len(self.agents), master_addr=master, port=port, hosts=None,
+                                   num_nodes=len(self.agents), master_addr=master, port=port, hosts=None, timeout=None,
                                    environ=environ)
 
     def _make_ends(self, plan: LaunchPlan) -> list[StartedRank]:
