@@ -30,6 +30,7 @@ from .process_trees import signal_name
 from .threaded import ThreadedBackend
 
 if TYPE_CHECKING:
+    from .placement_base import Backend
     from .plan import LaunchPlan
 
 
@@ -43,7 +44,7 @@ class ElasticBackend(ThreadedBackend):
     preloads_modules = True
 
     @classmethod
-    def for_plan(cls, plan: LaunchPlan) -> ThreadedBackend:
+    def for_plan(cls, plan: LaunchPlan) -> Backend:
         """The backend of this placement for the plan's program."""
         if plan.program is Program.SCRIPT:
             from .torchrun import TorchrunBackend

@@ -83,6 +83,11 @@ class Backend:
     result_folder: ClassVar[bool] = False
     rank_groups: ClassVar[bool] = False
 
+    @classmethod
+    def for_plan(cls, plan: LaunchPlan) -> Backend:
+        """A new backend for `plan` (placement elastic hands a script to torchrun's agent: torchrun.py)."""
+        return cls()
+
     def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:
         """Start the plan's ranks running `plan.program`; return the ranks the kernel watches."""
         raise NotImplementedError

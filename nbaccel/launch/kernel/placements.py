@@ -19,8 +19,7 @@ launch, a pool and a script:
 `start(plan, payload)` returns one `StartedRank` per rank it supervises (a function's payload; None for a pool
 or a script); both types live in placement_base.py. Adding a placement: a `Placement` member (plan.py), one
 subclass of `Backend` in a module of its own, one entry in `PLACEMENTS` below (docs/internals.md, "Adding a
-placement"). Each class is imported when a plan needs it (torch elastic's and
-torch_xla's are heavy).
+placement"). Each class is imported when a plan needs it (torch elastic's and torch_xla's are heavy).
 """
 
 from __future__ import annotations
@@ -87,6 +86,5 @@ def backend_type(plan: LaunchPlan) -> type[Backend]:
 
 
 def select_backend(plan: LaunchPlan) -> Backend:
-    """A new backend that starts and owns the plan's ranks (`for_plan`: the class may pick its helper)."""
-    backend = backend_type(plan)
-    return backend.for_plan(plan) if hasattr(backend, "for_plan") else backend()
+    """A new backend that starts and owns the plan's ranks."""
+    return backend_type(plan).for_plan(plan)
