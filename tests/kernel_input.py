@@ -22,6 +22,7 @@ class Execution:
 
     stdout: str = ""
     stderr: str = ""
+    shown: str = ""  # the text/plain of displays and the cell's value (e.g. %%ranks' side-by-side view)
     prompts: list[str] = field(default_factory=list)
     error: dict[str, Any] | None = None  # the execute reply's ename/evalue/traceback when it failed
     status: str = ""
@@ -92,6 +93,8 @@ def _read_iopub(client: Any, msg_id: str, result: Execution, settle: float = 0.0
                 result.stdout += content["text"]
             else:
                 result.stderr += content["text"]
+        elif kind in ("display_data", "update_display_data", "execute_result"):
+            result.shown += content.get("data", {}).get("text/plain", "") + "\n"
         elif kind == "error":
             result.error = content
         elif kind == "status":

@@ -149,3 +149,55 @@ def test_torch_distributed_breakpoint_prompts_the_chosen_rank(kernel):
     run = _ok(execute(client, DIST_BREAKPOINT.format(method="spawn"), scripted("up", "p value", "c")))
     assert run.prompts == ["[rank 1] (Pdb) "] * 3, run.prompts
     assert "[rank 1] tensor([2.])" in run.stdout.splitlines() and "dist [3.0, 3.0]" in run.stdout, run.stdout
+
+
+POOL_START = """
+%load_ext nbaccel
+%ranks start -n 2 --timeout 3
+"""
+# rank 0 waits in the all_reduce while rank 1 sits at the prompt longer than the pool's timeout=3
+POOL_BREAK = """%%ranks
+import torch, torch.distributed as dist
+t = torch.tensor([float(dist.get_rank() + 1)])
+if dist.get_rank() == 1:
+    breakpoint()
+dist.all_reduce(t)
+print("sum", t.item())
+"""
+POOL_FAIL = """%%ranks
+scale = 7 * (dist.get_rank() + 1)
+if dist.get_rank() == 1:
+    1 / (scale - 14)
+"""
+POOL_RUN = """
+from nbaccel.notebook.magics import RankMagics
+pool = get_ipython().magics_manager.registry["RankMagics"].pool
+print("names", pool.run(lambda: input("who? ")))
+"""
+
+
+def test_ranks_cells_breakpoint_input_and_post_mortem(kernel):
+    _, client = kernel
+    _ok(execute(client, POOL_START))
+
+    def answer(prompt: str, so_far: Execution) -> str:
+        if len(so_far.prompts) == 1:
+            time.sleep(4)  # longer than the pool's timeout=3: no hang report, the cell goes on
+        return ["p t", "c"][len(so_far.prompts) - 1]
+
+    stepped = _ok(execute(client, POOL_BREAK, answer))
+    assert stepped.prompts == ["[rank 1] (Pdb) "] * 2, stepped.prompts
+    assert "[rank 1] tensor([2.])" in stepped.stdout.splitlines(), stepped.stdout
+    assert "[rank 1] -> dist.all_reduce(t)" in stepped.stdout.splitlines(), stepped.stdout  # the cell's source
+    assert stepped.shown.count("sum 3.0") == 2 and "did not complete" not in stepped.shown + stepped.stderr, stepped
+
+    failed = execute(client, POOL_FAIL)
+    assert failed.error is not None and "ZeroDivisionError" in str(failed.error), failed
+    post = _ok(execute(client, "%ranks debug", scripted("p scale", "q")))
+    assert post.prompts == ["[rank 1] (Pdb) "] * 2, post.prompts
+    assert "[rank 1] 14" in post.stdout.splitlines(), post.stdout
+    assert "MagicUsageError" in str(execute(client, "%ranks debug 5").error)
+
+    names = _ok(execute(client, POOL_RUN, lambda prompt, _: prompt.split("]")[0][1:]))
+    assert sorted(names.prompts) == ["[rank 0] who? ", "[rank 1] who? "] and "names ['rank 0', 'rank 1']" in names.stdout
+    _ok(execute(client, "%ranks stop"))
