@@ -201,3 +201,28 @@ def test_ranks_cells_breakpoint_input_and_post_mortem(kernel):
     names = _ok(execute(client, POOL_RUN, lambda prompt, _: prompt.split("]")[0][1:]))
     assert sorted(names.prompts) == ["[rank 0] who? ", "[rank 1] who? "] and "names ['rank 0', 'rank 1']" in names.stdout
     _ok(execute(client, "%ranks stop"))
+
+
+POST_MORTEM_LAUNCH = """
+def fails(limit):
+    rank = int(os.environ["RANK"])
+    total = sum(range(limit)) + rank
+    if rank == 1:
+        raise ValueError(f"bad total {{total}}")
+    return total
+try:
+    notebook_launcher(fails, (5,), num_processes=2, dashboard=False, start_method={method!r}, debug=True)
+except LaunchError as exc:
+    print("failed:", exc.failures[1].exc_type)
+"""
+
+
+def test_launch_with_debug_opens_the_post_mortem_of_the_failing_rank(kernel):
+    _, client = kernel
+    run = _ok(execute(client, POST_MORTEM_LAUNCH.format(method="fork"), scripted("p total", "p rank", "c")))
+    assert run.prompts == ["[rank 1] (Pdb) "] * 3, run.prompts
+    lines = run.stdout.splitlines()
+    assert "[rank 1] 11" in lines and "[rank 1] 1" in lines and "failed: ValueError" in run.stdout, run.stdout
+    assert "[rank 1] [nbaccel] rank 1 failed: ValueError: bad total 11; post-mortem" in run.stdout, run.stdout
+    bad = execute(client, "notebook_launcher(print, num_processes=2, debug='yes')")
+    assert bad.error is not None and "debug must be True or False" in bad.error["evalue"], bad.error

@@ -18,6 +18,7 @@ before it asks, and the kernel reads it before it shows the prompt, so the two s
 
 from __future__ import annotations
 
+import bdb
 import builtins
 import io
 import os
@@ -188,3 +189,21 @@ def _breakpoint(*args: Any, **kwargs: Any) -> Any:
 
     pdb.Pdb().set_trace(sys._getframe(1))
     return None
+
+
+def post_mortem_on_error(function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`; on its exception, pdb's post-mortem at it (asked in the cell like any prompt of
+    the rank), then the exception goes on as it would have (notebook_launcher(debug=True))."""
+    try:
+        return function(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, bdb.BdbQuit, RankInputUnavailable):
+        raise
+    except BaseException as exc:
+        import pdb
+
+        rank = _installed.rank if _installed is not None else os.environ.get("RANK", "0")
+        print(f"[nbaccel] rank {rank} failed: {type(exc).__name__}: {exc}".splitlines()[0]
+              + "; post-mortem (pdb): 'c' or 'q' ends it and the launch fails as usual", flush=True)
+        tb = exc.__traceback__
+        pdb.post_mortem(tb.tb_next if tb is not None and tb.tb_next is not None else tb)  # at the function's frames
+        raise
