@@ -29,10 +29,10 @@ NOTICE = ("[nbaccel] {label} waits for input: the timeout and the hang watch are
 NO_INPUT_REQUESTS = (
     "this notebook client does not send input requests (e.g. nbclient/nbconvert/papermill without "
     "allow_stdin); run the cell in JupyterLab, Notebook, VS Code or Colab, or remove the breakpoint()/input()")
-NO_MORE_INPUT = ("the kernel's stdin is not a terminal and has no more input; run on a terminal (or in a "
-                 "notebook) to answer, or remove the breakpoint()/input()")
-NO_STDIN = ("the kernel's process has no stdin to read from; run it on a terminal or in a notebook, or "
-            "remove the breakpoint()/input()")
+NO_MORE_INPUT = ("the stdin of the process that launched the ranks is not a terminal and has no more input; run "
+                 "it on a terminal (or in a notebook) to answer, or remove the breakpoint()/input()")
+NO_STDIN = ("the process that launched the ranks has no stdin to read from; run it on a terminal or in a "
+            "notebook, or remove the breakpoint()/input()")
 
 
 class PromptRelay:
