@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
 import subprocess
 import threading
 import time
 from collections import deque
+from functools import partial
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import LAUNCH_HOST_ENV
 from ..channel import close_quietly
 from ..errors import WorkerFailure
-from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
+from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..messages import Failure
 from ..serialize import referenced_modules
 from .hosts import HostError, agent_command, check_modules, check_versions, diagnose
@@ -95,6 +97,11 @@ class Agent:
             pass
         with self._lock:
             close_quietly(self.to_agent)
+
+
+def _answer(agent: Agent, local_rank: int, message: Any) -> None:
+    """The answer to a rank's prompt (kernel/prompt_relay.py): through its agent to the rank's channel."""
+    agent.send((KernelFrame.SEND.value, local_rank, "channel", pickle.dumps(message, pickle.HIGHEST_PROTOCOL)))
 
 
 class SshBackend:
@@ -209,7 +216,7 @@ class SshBackend:
                 rank = agent.first_rank + i
                 # reports_memory: the kernel cannot sample another host's processes (its pids are not ours)
                 handles.append(WorkerHandle(rank, rank, channel_r, out_r, err_r, reports_memory=True,
-                                            label=f"{agent.host} rank {rank}"))
+                                            label=f"{agent.host} rank {rank}", reply=partial(_answer, agent, i)))
         self.world_size = len(handles)
         return handles
 

@@ -132,6 +132,7 @@ class WorkerHandle:
     rss_peak: int = 0
     last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
     label: str | None = None  # how its output lines are labelled (default "rank N"; over SSH "host rank N")
+    reply: Callable[[Message], Any] | None = None  # sends the answer to a prompt (default: channel.send; over SSH the agent)
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
@@ -328,7 +329,7 @@ class Supervisor:
             while fd in worker.open_fds and wait([fd], 0):
                 self._read_fd(fd)
         self._flush()
-        self.prompts.serve(worker.label or f"rank {worker.rank}", message, worker.channel.send)
+        self.prompts.serve(worker.label or f"rank {worker.rank}", message, worker.reply or worker.channel.send)
 
     def _fail(self, failure: WorkerFailure) -> None:
         known = self.failures.get(failure.rank)
