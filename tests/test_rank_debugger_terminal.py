@@ -27,6 +27,7 @@ name = input(f"name of rank {rank}? ")
 print("done", rank, name, flush=True)
 """
 PROMPT = re.compile(r"\[rank (\d)\] (\(Pdb\)|name of rank \d\?) $")
+CTRL_C = "\x03"  # what the terminal turns into SIGINT for the launch
 COMMAND = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "script.py"]
 
 
@@ -53,7 +54,8 @@ def _drive(tmp_path, answer, timeout: float = 120) -> tuple[str, int, list[str]]
             if found and output.count("[rank ") > answered and found.end() == len(output):
                 prompts.append(found.group(0))
                 answered = output.count("[rank ")
-                os.write(fd, (answer(found.group(0)) + "\n").encode())
+                line = answer(found.group(0))
+                os.write(fd, (line if line == CTRL_C else line + "\n").encode())
         else:
             os.kill(pid, 9)
             pytest.fail(f"nbaccel launch did not end within {timeout} s:\n{output}")
@@ -76,6 +78,12 @@ def test_breakpoint_and_input_prompt_on_the_launch_terminal(tmp_path):
     lines = output.splitlines()
     assert "done 0 user0" in lines and "done 1 user1" in lines, output
     assert "11" in lines and "22" in lines, output  # p x, then p y after `n`
+
+
+def test_ctrl_c_at_a_rank_prompt_stops_the_launch(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    output, code, prompts = _drive(tmp_path, lambda prompt: CTRL_C)
+    assert len(prompts) == 1 and code == 130 and "stopped by SIGINT" in output, (code, output)
 
 
 def test_without_a_terminal_the_rank_says_why_it_cannot_ask(tmp_path):

@@ -192,7 +192,7 @@ class CollectiveWatch:
         self._stop.set()
         with contextlib.suppress(OSError):
             self._waker.send(b"x")
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0.2 if self.prompts.active else 5)  # a thread at a prompt waits for the user
         with self._lock:
             deadline = time.monotonic() + CLOSE_WAIT
             with contextlib.suppress(Exception):  # the ranks have exited: what they sent waits, then end of file
