@@ -38,10 +38,8 @@ NO_STDIN = ("the process that launched the ranks has no stdin to read from; run 
 class PromptRelay:
     """Serve rank prompts with the kernel's input(), one at a time; `paused`: seconds spent at prompts."""
 
-    def __init__(self, stderr: Callable[[], TextIO] | None = None,
-                 read_line: Callable[[str], str] | None = None) -> None:
+    def __init__(self, stderr: Callable[[], TextIO] | None = None) -> None:
         self._stderr = stderr or (lambda: sys.stderr)
-        self._read_line = read_line
         self.paused = 0.0
         self.active = False  # a prompt is being answered now
         self._told = False
@@ -72,7 +70,7 @@ class PromptRelay:
 
     def _answer(self, label: str, text: str) -> dict[str, Any]:
         if self._unavailable is None:
-            self._unavailable = _why_no_input() if self._read_line is None else None
+            self._unavailable = _why_no_input()
         if self._unavailable is not None:
             self._say(f"[nbaccel] {label} asked for input ({text.strip() or 'a line'}), but nobody can answer: "
                       f"{self._unavailable}")
@@ -81,9 +79,9 @@ class PromptRelay:
             self._told = True
             self._say(NOTICE.format(label=label))
         try:
-            return {"text": (self._read_line or builtins.input)(f"[{label}] {text}")}
+            return {"text": builtins.input(f"[{label}] {text}")}
         except EOFError:
-            if self._read_line is None and not _on_terminal():  # e.g. `< /dev/null`, a pipe that ran dry
+            if not _on_terminal():  # e.g. `< /dev/null`, a pipe that ran dry
                 self._unavailable = NO_MORE_INPUT
                 return self._answer(label, text)
             self._say(f"[nbaccel] end of input: {label} gets EOFError")

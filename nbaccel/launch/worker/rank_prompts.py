@@ -49,7 +49,6 @@ class PromptLine:
         self.rank = rank
         self._lock = threading.Lock()
         self._count = 0
-        self.waiting = False  # a prompt is out and unanswered (status snapshots say so)
 
     def ask(self, prompt: str) -> str:
         """The line the user typed (no newline); EOFError at the end of input; RankInputUnavailable when
@@ -57,14 +56,9 @@ class PromptLine:
         with self._lock:
             flush_std()  # what the rank printed (pdb's listing) is in the pipe before the prompt is read
             self._count += 1
-            sent = Prompt(self.rank, str(prompt), self._count).to_wire()
-            self.waiting = True
-            try:
-                if self._send(sent) is False:
-                    raise RankInputUnavailable(f"rank {self.rank} asked for input ({prompt!r}) but the kernel is gone")
-                answer = self._wait(self._count)
-            finally:
-                self.waiting = False
+            if self._send(Prompt(self.rank, str(prompt), self._count).to_wire()) is False:
+                raise RankInputUnavailable(f"rank {self.rank} asked for input ({prompt!r}) but the kernel is gone")
+            answer = self._wait(self._count)
         if answer.unavailable:
             raise RankInputUnavailable(f"rank {self.rank} asked for input ({prompt!r}) but nobody can answer: "
                                        f"{answer.unavailable}")
@@ -136,11 +130,6 @@ def install(send: Callable[[dict[str, Any]], Any], receive: Callable[[], Any], r
     sys.breakpointhook = _breakpoint
     _standard_pdb()
     return line
-
-
-def waiting() -> bool:
-    """True while this rank waits at a prompt."""
-    return _installed is not None and _installed.waiting
 
 
 def _stdin_to_devnull() -> None:
