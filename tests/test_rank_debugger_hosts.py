@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 import sys
 
 import cloudpickle
@@ -65,4 +66,6 @@ def test_rank_pool_on_hosts_asks_in_the_kernel(ssh_config, user):
     lines += ["a", "b"]
     with RankPool(1, hosts=list(HOSTS)) as pool:
         assert pool.run(asks) == ["a", "b"]
-    assert asked == ["[rank 0] rank 0 name? ", "[rank 1] rank 1 name? "], asked
+    # labelled with the rank (and its host, once the pool knows it)
+    assert [re.sub(r"^\[(\S+ )?rank", "[rank", prompt) for prompt in asked] == [
+        "[rank 0] rank 0 name? ", "[rank 1] rank 1 name? "], asked
