@@ -17,7 +17,7 @@ import os, pdb, time
 import torch
 from nbaccel import notebook_launcher, LaunchError
 """
-# rank 1 stops at breakpoint(), then both ranks ask input(); under fork timeout=4 while the user takes longer
+# rank 1 stops at breakpoint(), then both ranks ask input(); under fork timeout=8 while the user takes longer
 BREAK = """
 def train(base):
     rank = int(os.environ["RANK"])
@@ -95,7 +95,7 @@ def _ok(run: Execution) -> Execution:
 
 def _check_breakpoint_cell(client, method: str) -> None:
     """pdb commands on rank 1 (values checked), input() on both, served one rank at a time, each labelled; the
-    user takes longer than the launch's timeout=4 at the prompts, which the timeout does not count (fork: a
+    user takes longer than the launch's timeout=8 at the prompts, which the timeout does not count (fork: a
     spawned rank's start alone may take longer than that on a busy machine)."""
     pause = method == "fork"
 
@@ -103,12 +103,12 @@ def _check_breakpoint_cell(client, method: str) -> None:
         if prompt.startswith("[rank 1] (Pdb)"):
             pdb_prompts = sum(p.startswith("[rank 1] (Pdb)") for p in so_far.prompts)
             if pdb_prompts == 1:
-                time.sleep(5)  # longer than timeout=4: the launch must not give up
+                time.sleep(9)  # longer than timeout=8: the launch must not give up
             return ["p x", "n", "p y", "c"][pdb_prompts - 1]
         assert prompt in ("[rank 0] name of rank 0? ", "[rank 1] name of rank 1? "), prompt
         return f"user{prompt[6]}"
 
-    run = _ok(execute(client, BREAK.format(method=method, timeout=4 if pause else 120), answer))
+    run = _ok(execute(client, BREAK.format(method=method, timeout=8 if pause else 120), answer))
     assert "results [(0, 'user0', 10), (1, 'user1', 11)]" in run.stdout, run.stdout
     assert sum(p == "[rank 1] (Pdb) " for p in run.prompts) == 4, run.prompts
     lines = run.stdout.splitlines()
