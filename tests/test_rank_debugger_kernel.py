@@ -191,6 +191,8 @@ def test_ranks_cells_breakpoint_input_and_post_mortem(kernel):
     assert "[rank 1] -> dist.all_reduce(t)" in stepped.stdout.splitlines(), stepped.stdout  # the cell's source
     assert stepped.shown.count("sum 3.0") == 2 and "did not complete" not in stepped.shown + stepped.stderr, stepped
 
+    nothing = execute(client, "%ranks debug")  # no cell failed yet
+    assert nothing.error is not None and "no rank failed" in nothing.error["evalue"], nothing.error
     failed = execute(client, POOL_FAIL)
     assert failed.error is not None and "ZeroDivisionError" in str(failed.error), failed
     post = _ok(execute(client, "%ranks debug", scripted("p scale", "q")))
