@@ -18,9 +18,9 @@ from typing import Any
 from ..errors import WorkerFailure
 from ..hang_report import Diagnosis, RankProgress, diagnose
 from ..kernel.prompt_relay import PromptRelay
-from ..messages import MessageKind, RankState
+from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
-from .processes import RankProcess, exit_text
+from .rank_processes import RankProcess, exit_text
 from .results import RankResult, RankResults
 
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
@@ -168,20 +168,22 @@ class Call:
         self.outputs[index] = rank.take_output()
         self.pending.discard(index)
         if message.get("pg_broken") and message.get("error") and self.broken is None:
-            self.broken = f"rank {index}: {message['error']['exc_type']}: {message['error']['message']}".splitlines()[0]
+            error = message["error"]
+            self.broken = f"{rank_label(index, rank.host)}: {error['exc_type']}: {error['message']}".splitlines()[0]
 
     def _serve_prompt(self, index: int, message: dict[str, Any]) -> None:
         """Show what the rank printed so far (pdb's listing), labelled, then ask the user (prompt_relay.py).
         That output is shown here instead of in the cell's results, so it comes once, before its prompt."""
         rank = self.ranks[index]
+        label = f"{rank.host} rank {index}" if rank.host else f"rank {index}"  # as a launch labels its lines
         for fd in (rank.out_fd, rank.err_fd):
             while fd not in rank.closed_fds and wait([fd], 0):
                 rank.drain(fd)
         for text, stream in zip(rank.take_output(), (sys.stdout, sys.stderr)):
             for line in text.splitlines():
-                stream.write(f"[rank {index}] {line}\n")
+                stream.write(f"[{label}] {line}\n")
             stream.flush()
-        self.prompts.serve(f"rank {index}", message, rank.commands.send)
+        self.prompts.serve(label, message, rank.commands.send)
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
@@ -191,7 +193,7 @@ class Call:
         self.replies[index] = {"error": {"exc_type": "RankDied", "message": f"the rank process ended ({how})",
                                          "traceback": ""}}
         self.pending.discard(index)
-        self.broken = f"rank {index} died ({how})"
+        self.broken = f"{rank_label(index, rank.host)} died ({how})"
 
     def _ask_status(self) -> set[int]:
         asked = set()
@@ -221,23 +223,23 @@ class Call:
             self.raw_seen[index] = (raw, snapshot.get("time", time.time()))
 
     def states(self) -> list[RankProgress]:
-        states = []
-        for index in range(len(self.ranks)):
-            if index not in self.selected:
-                states.append(RankProgress(index, RankState.IDLE))
-            elif index in self.pending:
-                seen = self.raw_seen.get(index)
-                states.append(RankProgress(index, RankState.RUNNING, snapshot=self.snapshots.get(index),
-                                           raw_since=seen[1] if seen else None))
-            else:
-                error = self.replies[index].get("error")
-                if error is None:
-                    states.append(RankProgress(index, RankState.FINISHED))
-                else:
-                    first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
-                    dead = error["exc_type"] == "RankDied"
-                    states.append(RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first))
-        return states
+        return [self._progress(index) for index in range(len(self.ranks))]
+
+    def _progress(self, index: int) -> RankProgress:
+        """Where rank `index` is in this call (named with its host on a pool over several hosts)."""
+        host = self.ranks[index].host
+        if index not in self.selected:
+            return RankProgress(index, RankState.IDLE, host=host)
+        if index in self.pending:
+            seen = self.raw_seen.get(index)
+            return RankProgress(index, RankState.RUNNING, snapshot=self.snapshots.get(index),
+                                raw_since=seen[1] if seen else None, host=host)
+        error = self.replies[index].get("error")
+        if error is None:
+            return RankProgress(index, RankState.FINISHED, host=host)
+        first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
+        dead = error["exc_type"] == "RankDied"
+        return RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first, host=host)
 
     def _check(self) -> None:
         states = self.states()
@@ -284,7 +286,8 @@ class Call:
             result.meta["value_error"] = reply["value_error"]
         error = reply.get("error")
         if error is not None:
-            result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"])
+            result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"],
+                                         host=self.ranks[index].host)
             result.status = RankState.FAILED
         return result
 
