@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
-from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan
+from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan, check_seconds
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
@@ -319,7 +319,7 @@ class RankPool:
     def _call(self, make: Callable[[int], tuple], ranks: Iterable[int] | None,
               timeout: float | None, on_progress: Callable[[RankResults], None] | None = None,
               report: bool = False) -> RankResults:
-        timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+        timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout")
         with self._lock:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
@@ -413,12 +413,6 @@ class _DisplayTarget:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))
-
-
-def _check_timeout(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _check_name(name: Any) -> None:
