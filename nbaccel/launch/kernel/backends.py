@@ -68,9 +68,22 @@ def _ssh_persistent() -> type:
     return SshPoolBackend
 
 
+def _ray() -> type:
+    from .ray_backend import RayBackend
+
+    return RayBackend
+
+
+def _ray_persistent() -> type:
+    from .ray_backend import RayPoolBackend
+
+    return RayPoolBackend
+
+
 BACKENDS: dict[Mode, Callable[[], type]] = {Mode.LOCAL: _local, Mode.ELASTIC: _elastic, Mode.XLA: _xla,
                                             Mode.PERSISTENT: _persistent, Mode.SCRIPT: _torchrun, Mode.SSH: _ssh,
-                                            Mode.SSH_PERSISTENT: _ssh_persistent}
+                                            Mode.SSH_PERSISTENT: _ssh_persistent, Mode.RAY: _ray,
+                                            Mode.RAY_PERSISTENT: _ray_persistent}
 """Mode -> the backend class (loaded on first use). Mode.IN_PROCESS has none: the function runs right here."""
 
 

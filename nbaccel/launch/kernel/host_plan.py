@@ -7,7 +7,7 @@ addresses, the rendezvous port, GPUs) is checked by the SSH backend before any r
 from __future__ import annotations
 
 from ..environment import WorkerConfig, visible_gpus, worker_environment
-from .hosts import resolve_hosts
+from .hosts import RAY, resolve_hosts
 from .plan import LaunchPlan, LaunchRequest, Mode, _frozen, _in_notebook, check_request, is_int, parse_port
 from .processes import check_start_method, is_loopback_address
 from .saved_config import apply_saved_config, is_default
@@ -22,7 +22,7 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     if request.max_restarts:
         raise ValueError("hosts= does not restart ranks (max_restarts must be 0): use nbaccel launch on each "
                          "machine for torch elastic's restarts")
-    gpus = visible_gpus()
+    gpus = hosts.gpus if hosts.gpus is not None else visible_gpus()  # Ray: the nodes' GPUs, not the kernel's
     saved = apply_saved_config(request, gpus)
     saved.num_nodes, saved.node_rank = 1, 0  # checked as one node; the hosts multiply it
     precision = check_request(request, saved)
@@ -36,7 +36,7 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = saved.master_addr
     # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
-    return LaunchPlan(mode=Mode.SSH, num_processes=num_processes, mixed_precision=precision,
+    return LaunchPlan(mode=Mode.RAY if hosts.via == RAY else Mode.SSH, num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
                       environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,

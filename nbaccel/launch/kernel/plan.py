@@ -63,6 +63,11 @@ class Mode(str, Enum):
     SCRIPT = "script"  # `nbaccel launch`: torchrun's agent runs a script on each rank (kernel/torchrun.py)
     SSH = "ssh"  # ranks on several hosts, started by one agent per host over SSH (kernel/ssh_backend.py)
     SSH_PERSISTENT = "ssh-persistent"  # RankPool's ranks on several hosts (kernel/ssh_pool_backend.py)
+    RAY = "ray"  # ranks on the nodes of a Ray cluster, one agent per node in a Ray actor (kernel/ray_backend.py)
+    RAY_PERSISTENT = "ray-persistent"  # RankPool's ranks on a Ray cluster (kernel/ray_backend.py)
+
+
+HOST_MODES = frozenset({Mode.SSH, Mode.SSH_PERSISTENT, Mode.RAY, Mode.RAY_PERSISTENT})  # one agent per host
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,12 @@ class LaunchPlan:
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
     timeout: float | None = None  # seconds the whole launch may run (None: no limit)
     script: ScriptTarget | None = None  # Mode.SCRIPT: the script every rank runs
-    hosts: HostSet | None = None  # Mode.SSH: the hosts, num_processes ranks on each
+    hosts: HostSet | None = None  # HOST_MODES: the hosts, num_processes ranks on each
 
     @property
     def supervised_ranks(self) -> int:
         """The ranks the kernel watches: every rank of every host over SSH, else this node's."""
-        return self.world_size if self.mode in (Mode.SSH, Mode.SSH_PERSISTENT) else self.num_processes
+        return self.world_size if self.mode in HOST_MODES else self.num_processes
 
     @property
     def world_size(self) -> int:
@@ -198,7 +203,7 @@ class LaunchPlan:
                         num_nodes=self.num_nodes, rendezvous=self.rendezvous_text(), device=device)
         if self.mode is Mode.XLA:
             return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
-        if self.mode is Mode.SSH:
+        if self.mode in (Mode.SSH, Mode.RAY):
             assert self.hosts is not None
             return dict(start_method=self.hosts.via, world_size=self.world_size, hosts=list(self.hosts.names),
                         device=device)

@@ -32,7 +32,7 @@ from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
-from ..kernel.hosts import resolve_hosts
+from ..kernel.hosts import RAY, resolve_hosts
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
 from ..kernel.processes import choose_start_method, free_port
 from ..messages import MessageKind, PoolCommand, RankState
@@ -83,7 +83,7 @@ class RankPool:
         if precision not in MIXED_PRECISION_CHOICES:
             raise ValueError(f"mixed_precision must be one of {list(PRECISION_MESSAGE_ORDER)}, got {mixed_precision!r}")
         self.start_method, note = choose_start_method(start_method)
-        gpus = visible_gpus()
+        gpus = self.hosts.gpus if self.hosts and self.hosts.gpus is not None else visible_gpus()
         if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
             print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
                   f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
@@ -124,7 +124,8 @@ class RankPool:
         """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one); on
         several hosts, the first host finds the port."""
         if self.hosts is not None:
-            return LaunchPlan(mode=Mode.SSH_PERSISTENT, num_processes=self._per_host,
+            mode = Mode.RAY_PERSISTENT if self.hosts.via == RAY else Mode.SSH_PERSISTENT
+            return LaunchPlan(mode=mode, num_processes=self._per_host,
                               mixed_precision=self.mixed_precision, start_method=self.hosts.via, device=self._device,
                               environ=MappingProxyType(self._env), num_nodes=len(self.hosts.names), master_addr="",
                               timeout=self.timeout, hosts=self.hosts)
