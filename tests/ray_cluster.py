@@ -8,9 +8,10 @@ the cluster inside it (`nsenter --net`): the head node (`ray start --head --bloc
 test's Jupyter kernel, which talks to the test over Unix sockets (jupyter_client's ipc transport), since the
 namespace has no other way out. Nothing of it can be reached from beyond the machine.
 
-Both nodes are stopped by pid (never `ray stop`, which stops every Ray cluster of the user): SIGTERM to each
-`ray start --block`, which stops the daemons of its node, then SIGKILL to any process still in the namespace,
-then the namespace's holder.
+The nodes are started detached (not children of the test process: Ray's workers come and go, they are the
+cluster's, not a test's) and stopped by pid, never by `ray stop` (which stops every Ray cluster of the user):
+SIGTERM to each `ray start --block`, which stops its node's daemons, then SIGKILL to any process still in the
+namespace, then the namespace's holder.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RAY = Path(sys.executable).with_name("ray")
 GCS_PORT = 6379  # inside the private namespace: no other cluster on this machine shares its ports
 SECOND_NODE_RESOURCE = "nbaccel_node_b"
-CPUS_PER_NODE = 4
-STARTUP_NICENESS = -10
-# a busy 2-core machine: the raylet waits 15 s by default for its dashboard agent, which may take longer
-SLOW_MACHINE = {"RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"}
+CPUS_PER_NODE = 4  # logical CPUs: 2 ranks per node and Ray Train's coordinator fit on a 2-core machine
+STARTUP_NICENESS = -10  # a raylet gives its agents little time to come up on a busy machine; reset once up
 
 
 def missing_reason() -> str | None:
@@ -43,7 +42,7 @@ def missing_reason() -> str | None:
         import ray  # noqa: F401
     except ImportError:
         return "ray is not installed (pip install nbaccel[ray]; ./run.sh installs it with the dev extra)"
-    for tool in ("unshare", "nsenter", "ip"):
+    for tool in ("unshare", "nsenter", "ip", "setsid"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (apt-get install util-linux iproute2)"
     if os.geteuid() != 0:
@@ -57,21 +56,20 @@ def _netns(pid: int) -> int:
 
 @dataclass
 class RayCluster:
-    holder: subprocess.Popen  # `sleep` holding the namespace open
+    holder: int  # the pid of the `sleep` holding the namespace open
     folder: Path
-    nodes: list[subprocess.Popen] = field(default_factory=list)  # `ray start --block`: head, second node
+    nodes: list[int] = field(default_factory=list)  # the pids of `ray start --block`: head, second node
     address: str = f"127.0.0.1:{GCS_PORT}"
 
-    # ------------------------------------------------------------------ inside the namespace
     def inside(self, command: list[str]) -> list[str]:
         """`command`, run in the cluster's network namespace."""
-        return ["nsenter", f"--target={self.holder.pid}", "--net", "--", *command]
+        return ["nsenter", f"--target={self.holder}", "--net", "--", *command]
 
     def environ(self) -> dict[str, str]:
         """The environment of the cluster's processes and of the test's kernel: this checkout importable,
         the cluster's address, no usage reports."""
         return dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=self.address, RAY_USAGE_STATS_ENABLED="0",
-                    OMP_NUM_THREADS="1", **SLOW_MACHINE)
+                    OMP_NUM_THREADS="1")
 
     def python(self, code: str, timeout: float = 120) -> str:
         """Run Python code in the namespace (with this venv), return its stdout; RuntimeError if it fails."""
@@ -85,23 +83,22 @@ class RayCluster:
         """What the cluster's GCS lists as alive: named actors (nbaccel names its agents' actors), placement
         groups not removed; asked by a driver of its own (the caller's kernel may be gone). The dashboard,
         which `ray.util.state` needs, is left out: its start times out on a busy 2-core machine."""
-        out = self.python(STATE_SCRIPT)
-        return json.loads(out.strip().splitlines()[-1])
+        return json.loads(self.python(STATE_SCRIPT).strip().splitlines()[-1])
 
     def processes(self) -> list[psutil.Process]:
         """Every process in the cluster's namespace but its holder."""
-        ns = _netns(self.holder.pid)
+        ns = _netns(self.holder)
         found = []
         for proc in psutil.process_iter():
             try:
-                if proc.pid != self.holder.pid and _netns(proc.pid) == ns:
+                if proc.pid != self.holder and _netns(proc.pid) == ns:
                     found.append(proc)
             except (OSError, psutil.Error):
                 pass
         return found
 
     def kernel_spec(self, folder: Path) -> str:
-        """A kernelspec (in `folder`, for JUPYTER_PATH) whose kernel runs in the namespace; its name."""
+        """A kernelspec (in `folder`) whose kernel runs in the namespace; its name."""
         spec = folder / "kernels" / "nbaccel-ray"
         spec.mkdir(parents=True, exist_ok=True)
         env = {key: value for key, value in self.environ().items()
@@ -111,26 +108,23 @@ class RayCluster:
             "display_name": "nbaccel on Ray", "language": "python", "env": env, "interrupt_mode": "signal"}))
         return "nbaccel-ray"
 
-    # ------------------------------------------------------------------ stop
     def stop(self) -> None:
         """Stop both nodes by pid, then anything left in the namespace, then the namespace."""
         self.stop_nodes()
-        self.holder.kill()
-        self.holder.wait()
+        _kill(self.holder)
 
     def stop_nodes(self) -> None:
         """SIGTERM to each `ray start --block` (it stops its node's daemons), then SIGKILL to what is left in
         the namespace."""
-        for node in reversed(self.nodes):
-            if node.poll() is None:
-                node.send_signal(signal.SIGTERM)
-        for node in reversed(self.nodes):
+        nodes = []
+        for pid in reversed(self.nodes):
             try:
-                node.wait(20)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait()
-        left = self.processes()
+                nodes.append(psutil.Process(pid))
+                nodes[-1].send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(nodes, timeout=20)
+        left = alive + self.processes()
         for proc in left:
             try:
                 proc.kill()
@@ -138,6 +132,15 @@ class RayCluster:
                 pass
         psutil.wait_procs(left, timeout=10)
         self.nodes.clear()
+
+
+def _kill(pid: int) -> None:
+    try:
+        process = psutil.Process(pid)
+        process.kill()
+        process.wait(10)
+    except psutil.Error:
+        pass
 
 
 STATE_SCRIPT = """
@@ -148,59 +151,77 @@ groups = [key for key, group in ray.util.placement_group_table().items() if grou
 print(json.dumps({"actors": actors, "placement_groups": groups}))
 """
 
+WAIT_NODES_SCRIPT = """
+import time, ray
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + 60
+while sum(node["Alive"] for node in ray.nodes()) < 2:
+    assert time.monotonic() < deadline, ray.nodes()
+    time.sleep(0.2)
+"""
 
-def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float, what: str) -> None:
-    """Read the node's output until `needle`; RuntimeError with what it said when it ends or times out."""
-    assert process.stdout is not None
-    said: list[str] = []
+
+def detached(command: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+    """Start `command` in the background in a session of its own, not as a child of this process; its pid."""
+    done = subprocess.run(["sh", "-c", 'setsid "$@" >"$0" 2>&1 </dev/null & echo $!', str(log), *command],
+                          env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.strip())
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_for_line(log: Path, pid: int, needle: str, timeout: float, what: str) -> None:
+    """Read the node's log until `needle`; RuntimeError with what it said when it ends or times out."""
     deadline = time.monotonic() + timeout
-    os.set_blocking(process.stdout.fileno(), False)
-    buffer = b""
+    text = ""
     while time.monotonic() < deadline:
-        chunk = process.stdout.read() or b""
-        buffer += chunk
-        if needle.encode() in buffer:
-            return
-        if process.poll() is not None:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if needle in text or not _running(pid):
             break
-        time.sleep(0.1)
-    said = [line for line in buffer.decode(errors="replace").splitlines() if "determine local IP" not in line][-30:]
-    raise RuntimeError(f"{what} did not start: " + "\n".join(said))
+        time.sleep(0.2)
+    if needle not in text:
+        said = [line for line in text.splitlines() if "determine local IP" not in line][-30:]
+        raise RuntimeError(f"{what} did not start: " + "\n".join(said))
 
 
-def _node(cluster: RayCluster, first_port: int, *options: str) -> subprocess.Popen:
-    """`ray start --block` of one node in the namespace; its agents' ports given (from `first_port` on): the
-    raylet waits only 15 s for an agent to write a port it picked itself, too short on a busy machine."""
+def _node(cluster: RayCluster, first_port: int, name: str, *options: str) -> int:
+    """`ray start --block` of one node in the namespace, its agents' ports given (from `first_port` on); the
+    pid, once Ray says it started."""
     ports = {"--dashboard-agent-listen-port": first_port, "--dashboard-agent-grpc-port": first_port + 1,
              "--runtime-env-agent-port": first_port + 2, "--metrics-export-port": first_port + 3,
              "--node-manager-port": first_port + 4, "--object-manager-port": first_port + 5}
     command = [str(RAY), "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={CPUS_PER_NODE}",
-               "--num-gpus=0", "--disable-usage-stats", *(f"{name}={port}" for name, port in ports.items()),
+               "--num-gpus=0", "--disable-usage-stats", *(f"{option}={port}" for option, port in ports.items()),
                *options]
-    # started at a raised priority (a raylet waits only 15 s for its dashboard agent), set back once up
-    command = ["nice", f"-n{STARTUP_NICENESS}", *command]
-    log = subprocess.Popen(cluster.inside(command), env=cluster.environ(), stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    cluster.nodes.append(log)
-    return log
+    log = cluster.folder / f"{name}-{len(cluster.nodes)}.log"
+    pid = detached(cluster.inside(["nice", f"-n{STARTUP_NICENESS}", *command]), log, cluster.environ())
+    cluster.nodes.append(pid)
+    _wait_for_line(log, pid, "Ray runtime started", 120, f"the {name} node")
+    return pid
 
 
-def start_cluster(folder: Path, timeout: float = 120.0, attempts: int = 3) -> RayCluster:
-    """The namespace, the head node and the second node; RuntimeError (everything stopped) otherwise.
-
-    On a busy machine a raylet may give up waiting for its dashboard agent (a fixed 15 s in Ray): the nodes
-    are then stopped and started again, up to `attempts` times."""
-    holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert holder.stdout is not None
-    if holder.stdout.readline().strip() != b"up":
-        holder.kill()
-        raise RuntimeError(f"no private network namespace: {holder.communicate()[1].decode(errors='replace')}")
+def start_cluster(folder: Path, attempts: int = 3) -> RayCluster:
+    """The namespace, the head node and the second node; RuntimeError (everything stopped) otherwise. A
+    start that fails on a busy machine is tried again, up to `attempts` times."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "namespace.log"
+    holder = detached(["unshare", "--net", "--", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
+                      log)
     cluster = RayCluster(holder, folder)
+    deadline = time.monotonic() + 10
+    while "up" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
+        if "up" not in log.read_text():
+            raise RuntimeError(f"no private network namespace: {log.read_text()}")
         for attempt in range(1, attempts + 1):
             try:
-                _start_nodes(cluster, folder / f"ray{attempt}", timeout)
+                _start_nodes(cluster, folder / f"ray{attempt}")
                 return cluster
             except RuntimeError:
                 cluster.stop_nodes()
@@ -212,29 +233,18 @@ def start_cluster(folder: Path, timeout: float = 120.0, attempts: int = 3) -> Ra
     raise AssertionError("unreachable")
 
 
-def _start_nodes(cluster: RayCluster, temp_dir: Path, timeout: float) -> None:
-    head = _node(cluster, 52400, "--head", f"--port={GCS_PORT}", f"--temp-dir={temp_dir}",
-                 "--include-dashboard=false")
-    _wait_for_line(head, "Ray runtime started", timeout, "the head node")
-    second = _node(cluster, 52500, f"--address={cluster.address}", f"--resources={json.dumps({SECOND_NODE_RESOURCE: 1})}",
-                   "--min-worker-port=20000", "--max-worker-port=29999")
-    _wait_for_line(second, "Ray runtime started", timeout, "the second node")
-    cluster.python(WAIT_NODES_SCRIPT, timeout=timeout)
+def _start_nodes(cluster: RayCluster, temp_dir: Path) -> None:
+    _node(cluster, 52400, "head", "--head", f"--port={GCS_PORT}", f"--temp-dir={temp_dir}",
+          "--include-dashboard=false")
+    _node(cluster, 52500, "second", f"--address={cluster.address}",
+          f"--resources={json.dumps({SECOND_NODE_RESOURCE: 1})}", "--min-worker-port=20000",
+          "--max-worker-port=29999")
+    cluster.python(WAIT_NODES_SCRIPT)
     for proc in cluster.processes():
         try:
             proc.nice(0)
         except psutil.Error:
             pass
-
-
-WAIT_NODES_SCRIPT = """
-import time, ray
-ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-deadline = time.monotonic() + 60
-while sum(node["Alive"] for node in ray.nodes()) < 2:
-    assert time.monotonic() < deadline, ray.nodes()
-    time.sleep(0.2)
-"""
 
 
 class NamespaceKernel:
@@ -254,10 +264,7 @@ class NamespaceKernel:
         self.client = self.manager.blocking_client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)
-
-    @property
-    def pid(self) -> int:
-        return self.manager.provisioner.process.pid
+        self.pid: int = self.manager.provisioner.process.pid  # type: ignore[union-attr]
 
     def run(self, code: str, timeout: float = 120) -> Cell:
         """Execute `code` as a cell: what it printed (stdout, stderr), its error (ename, evalue) or None."""

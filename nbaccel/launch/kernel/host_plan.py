@@ -19,9 +19,8 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     if not is_default(request.num_nodes) or not is_default(request.node_rank):
         raise ValueError("hosts= sets the machines (num_nodes=len(hosts), node_rank by position): leave num_nodes "
                          "and node_rank out")
-    if request.max_restarts:
-        raise ValueError("hosts= does not restart ranks (max_restarts must be 0): use nbaccel launch on each "
-                         "machine for torch elastic's restarts")
+    if isinstance(request.max_restarts, bool) or not isinstance(request.max_restarts, int) or request.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {request.max_restarts!r}")
     gpus = hosts.gpus if hosts.gpus is not None else visible_gpus()  # Ray: the nodes' GPUs, not the kernel's
     saved = apply_saved_config(request, gpus)
     saved.num_nodes, saved.node_rank = 1, 0  # checked as one node; the hosts multiply it
@@ -36,7 +35,8 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = saved.master_addr
     # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
-    return LaunchPlan(mode=Mode.RAY if hosts.via == RAY else Mode.SSH, num_processes=num_processes, mixed_precision=precision,
+    mode = Mode.RAY if hosts.via == RAY else Mode.SSH
+    return LaunchPlan(mode=mode, num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
                       environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,

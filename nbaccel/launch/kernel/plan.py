@@ -192,6 +192,15 @@ class LaunchPlan:
             environ[RESULT_DIR_ENV] = result_dir
         return dataclasses.replace(self, environ=MappingProxyType(environ))
 
+    def restarted(self, attempt: int, max_restarts: int) -> LaunchPlan:
+        """This plan for its `attempt`-th restart (0: the first run): the ranks read the count where torch
+        elastic puts it (TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS)."""
+        if not max_restarts:
+            return self
+        environ = {**self.environ, "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                   "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+        return dataclasses.replace(self, environ=MappingProxyType(environ))
+
     def info(self) -> dict[str, Any]:
         """What the `launch` message and the dashboard are told about this launch, the header's fields."""
         device = self.device.split(":")[0]
