@@ -5,7 +5,9 @@ killed kernel; after each, no actor, placement group, agent or rank of the launc
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +15,7 @@ from process_helpers import SESSION_HELPERS
 
 from nbaccel.launch.host_protocol import AGENT_MODULE
 
+ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.kernel, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SETUP = """
@@ -180,8 +183,7 @@ def test_rank_pool_and_ranks_cells(kernel, ray_cluster):
     cell = kernel.run("""
 with RankPool(num_processes=1, hosts="ray", timeout=20) as pool:
     print("run", pool.run(lambda: (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))))
-    exec_results = pool.exec("x = 40 + int(os.environ['RANK'])\\nx")
-    print("exec", [r.value for r in exec_results], [(r.text, r.meta, r.error) for r in exec_results])
+    print("exec", [r.value for r in pool.exec("import os\\nx = 40 + int(os.environ['RANK'])\\nx")])
 """, timeout=200)
     assert cell.error is None, cell.error
     assert "run [(0, 2), (1, 2)]" in cell.stdout, cell.stdout
@@ -223,3 +225,32 @@ notebook_launcher(sleep_long, ({str(marker)!r},), num_processes=2, hosts='ray', 
     finally:
         kernel.stop()
         SESSION_HELPERS.discard(kernel.pid)
+
+
+@pytest.mark.timeout(400)
+def test_notebook_10(ray_cluster, tmp_path, monkeypatch):
+    """notebooks/10_ray_cluster.ipynb, top to bottom, in a kernel inside the cluster's namespace (nbclient,
+    over the ipc transport)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from notebook_outputs import read_outputs
+    from traitlets.config import Config
+
+    nb = nbformat.read(ROOT / "notebooks" / "10_ray_cluster.ipynb", as_version=4)
+    name = ray_cluster.kernel_spec(tmp_path)
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(tmp_path / "k")
+    NotebookClient(nb, kernel_name=name, timeout=300, startup_timeout=120, config=config,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    run = read_outputs(nb, 0.0)
+    assert "alive nodes: 2" in run.cell("ray.init(").text
+    launch = run.cell('hosts="ray"')
+    assert "world size: 2" in launch.text, launch.text
+    epochs = re.findall(r"\[([^\]]+) rank 1\] epoch (\d+): accuracy [0-9.]+ on 397 test images", launch.text)
+    assert [int(epoch) for _, epoch in epochs] == list(range(8)), launch.text
+    assert "class='nbaccel-summary' data-state='finished'" in launch.html, launch.html
+    final = run.cell('print("final accuracy:"')
+    assert final.error is None and float(re.search(r"final accuracy: ([0-9.]+)", final.text).group(1)) > 0.85
+    assert "left after the launch: [] []" in run.cell("left after the launch").text

@@ -59,7 +59,7 @@ def notebook_launcher(
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
-    hosts: Sequence[str] | str | None = None,
+    hosts: Sequence[str] | str | Any = None,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
 
@@ -74,7 +74,9 @@ def notebook_launcher(
     `config_widget()`; see docs/launcher.md), as does the workers' gradient accumulation.
 
     `hosts=["gpu-a", "gpu-b"]` (names as your ssh knows them) or `hosts="slurm"`: `num_processes` ranks on
-    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank.
+    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank. `hosts="ray"`
+    (or `RayHosts(...)`): on the nodes of the Ray cluster this kernel reaches, placed by a Ray placement group
+    (docs/launcher.md, "Ray"). With `hosts`, `max_restarts` restarts every rank of every host after a failure.
     """
     check_dashboard(dashboard)
     request = LaunchRequest(
