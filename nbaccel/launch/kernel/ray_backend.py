@@ -21,16 +21,16 @@ import os
 import subprocess
 import threading
 import uuid
+import warnings
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
-from ..environment import source_checkout_root
 from ..host_protocol import AGENT_MODULE
+from ..rank_environment import source_checkout_root
 from ..ray_session import RaySession
 from .hosts import RAY, HostError, attach, import_ray
 from .ssh_backend import Agent, SshBackend
-from .ssh_pool_backend import SshPoolBackend
 
 if TYPE_CHECKING:
     from .plan import LaunchPlan
@@ -129,11 +129,11 @@ class RayAgent(Agent):
         return self.process.said
 
 
-class RayPlacement:
-    """What `hosts="ray"` changes in the SSH placement: the agents run in actors of a placement group, and
-    the first node's store is reached at the node's Ray address. Mixed into the SSH backends."""
+class RayBackend(SshBackend):
+    """The nodes of a Ray cluster: the SSH placement's agents, each run by a RaySession actor that holds its
+    node's bundle of the launch's placement group (a launch's ranks and RankPool's alike)."""
 
-    agents: list[Agent]
+    via = RAY
 
     def _open_agents(self, plan: LaunchPlan) -> None:
         hosts = plan.hosts
@@ -155,13 +155,15 @@ class RayPlacement:
                             "shows what is free. Pass fewer num_processes or RayHosts(cpus_per_rank=...).")
         session = ray.remote(RaySession)
         for index, host in enumerate(hosts.names):
-            actor = session.options(
-                name=f"{self.group_name}-node-{index}", namespace="nbaccel",  # found in `ray list actors`
-                num_cpus=reserve.get("CPU", 0), num_gpus=reserve.get("GPU", 0),
-                resources={key: value for key, value in reserve.items() if key not in ("CPU", "GPU")},
-                max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=index),
-            ).remote(AGENT_MODULE, source_checkout_root())
+            with warnings.catch_warnings():  # Ray's note on num_gpus=0 (it hides the GPUs then, as wanted)
+                warnings.simplefilter("ignore", FutureWarning)
+                actor = session.options(
+                    name=f"{self.group_name}-node-{index}", namespace="nbaccel",  # found in `ray list actors`
+                    num_cpus=reserve.get("CPU", 0), num_gpus=reserve.get("GPU", 0),
+                    resources={key: value for key, value in reserve.items() if key not in ("CPU", "GPU")},
+                    max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=index),
+                ).remote(AGENT_MODULE, source_checkout_root())
             self.agents.append(RayAgent(host, index, RAY, actor=actor))
         self._nodes = [self._node_of(agent) for agent in self.agents]
 
@@ -177,35 +179,17 @@ class RayPlacement:
         """The first node's address in the Ray cluster (the master_addr the user gave wins)."""
         return plan.master_addr or self._nodes[0]["address"]
 
-    def _release_cluster(self) -> None:
-        """No actor or placement group of this launch is left."""
-        ray = import_ray()
-        for agent in self.agents:
-            agent.process.kill()
-        group = getattr(self, "group", None)
-        if group is not None and ray.is_initialized():
-            try:
-                ray.util.remove_placement_group(group)
-            except Exception:
-                pass
-            self.group = None
-
-
-class RayBackend(RayPlacement, SshBackend):
-    """A launch's ranks on the nodes of a Ray cluster."""
-
     def close(self) -> None:
+        """The SSH placement's close, then no actor or placement group of this launch is left."""
         try:
             super().close()
         finally:
-            self._release_cluster()
-
-
-class RayPoolBackend(RayPlacement, SshPoolBackend):
-    """RankPool's ranks on the nodes of a Ray cluster."""
-
-    def stop(self) -> None:
-        try:
-            super().stop()
-        finally:
-            self._release_cluster()
+            ray = import_ray()
+            for agent in self.agents:
+                agent.process.kill()
+            group, self.group = getattr(self, "group", None), None
+            if group is not None and ray.is_initialized():
+                try:
+                    ray.util.remove_placement_group(group)
+                except Exception:
+                    pass
