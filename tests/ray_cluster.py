@@ -274,6 +274,8 @@ class NamespaceKernel:
             kind, content = message["msg_type"], message["content"]
             if kind == "stream":
                 cell.streams[content["name"]] += content["text"]
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                cell.streams["display"] += content["data"].get("text/plain", "") + content["data"].get("text/html", "")
             elif kind == "error":
                 cell.error = (content["ename"], content["evalue"], "\n".join(content["traceback"]))
 
@@ -288,7 +290,7 @@ class NamespaceKernel:
 
 @dataclass
 class Cell:
-    streams: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": ""})
+    streams: dict[str, str] = field(default_factory=lambda: {"stdout": "", "stderr": "", "display": ""})
     error: tuple[str, str, str] | None = None
 
     @property

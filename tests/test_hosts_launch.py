@@ -588,7 +588,8 @@ def test_max_restarts_restarts_every_host(ssh_config, capsys):
                                 dashboard=False)
     assert results == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]
     err = capsys.readouterr().err
-    assert "rank 3: ValueError: first attempt fails; restarting every rank (1 of max_restarts=1)" in err, err
+    assert f"rank 3 on {HOSTS[1]}: ValueError: first attempt fails; restarting every rank (1 of max_restarts=1)" \
+        in err, err
     with pytest.raises(LaunchError) as caught:
         notebook_launcher(fail_on_second_host_always, num_processes=2, hosts=list(HOSTS), max_restarts=1,
                           dashboard=False)
