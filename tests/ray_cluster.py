@@ -68,7 +68,8 @@ class RayCluster:
     def environ(self) -> dict[str, str]:
         """The environment of the cluster's processes and of the test's kernel: this checkout importable,
         the cluster's address, no usage reports."""
-        return dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS=self.address, RAY_USAGE_STATS_ENABLED="0",
+        path = os.pathsep.join(dict.fromkeys(filter(None, [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
+        return dict(os.environ, PYTHONPATH=path, RAY_ADDRESS=self.address, RAY_USAGE_STATS_ENABLED="0",
                     OMP_NUM_THREADS="1")
 
     def python(self, code: str, timeout: float = 120) -> str:

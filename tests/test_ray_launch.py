@@ -258,3 +258,26 @@ def test_notebook_10(ray_cluster, tmp_path, monkeypatch):
     final = run.cell('print("final accuracy:"')
     assert final.error is None and float(re.search(r"final accuracy: ([0-9.]+)", final.text).group(1)) > 0.85
     assert "left after the launch: [] []" in run.cell("left after the launch").text
+
+
+def test_without_ray_it_says_what_to_install(monkeypatch):
+    import sys
+
+    from nbaccel import notebook_launcher
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as without the extra
+    with pytest.raises(ImportError, match=r"pip install nbaccel\[ray\]"):
+        notebook_launcher(print, num_processes=1, hosts="ray", dashboard=False)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"nodes": 0}, "RayHosts\\(nodes=...\\) must be a positive number"),
+    ({"gpus_per_rank": 2}, "must be 0, 1 or None"),
+    ({"cpus_per_rank": -1}, "must be a number >= 0"),
+])
+def test_bad_ray_hosts_fail_before_anything_starts(spec, message):
+    from nbaccel import notebook_launcher
+    from nbaccel.launch import RayHosts
+
+    with pytest.raises(ValueError, match=message):
+        notebook_launcher(print, num_processes=1, hosts=RayHosts(**spec), dashboard=False)
