@@ -89,3 +89,13 @@ def slurm_cluster(tmp_path_factory):
 
     yield from _session_service(cluster_module, cluster_module.start_cluster, tmp_path_factory.mktemp("slurm"),
                                 "a SLURM cluster", daemons)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A two-node Ray cluster in a private network namespace (tests/ray_cluster.py), one per session. Its
+    processes are not children of this process: nothing to exempt from the per-test check."""
+    import ray_cluster as cluster_module
+
+    yield from _session_service(cluster_module, cluster_module.start_cluster, tmp_path_factory.mktemp("ray"),
+                                "a Ray cluster", lambda cluster: set())

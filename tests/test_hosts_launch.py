@@ -574,3 +574,29 @@ def test_slurm_allocation_for_real(slurm_cluster, tmp_path):
     done = run_in_session(["salloc", "-N1", "-n1", sys.executable, str(script)], env, tmp_path, timeout=120)
     assert "results [(0, 2, True), (1, 2, True)]" in done.stdout, done.stdout
     assert f"[{slurm_cluster.node} rank 1] in the allocation 1" in done.stdout, done.stdout
+
+
+def fail_first_attempt():
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if rank == 3 and attempt == 0:
+        raise ValueError("first attempt fails")
+    return rank, attempt, int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+
+
+def test_max_restarts_restarts_every_host(ssh_config, capsys):
+    results = notebook_launcher(fail_first_attempt, num_processes=2, hosts=list(HOSTS), max_restarts=1,
+                                dashboard=False)
+    assert results == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]
+    err = capsys.readouterr().err
+    assert f"rank 3 on {HOSTS[1]}: ValueError: first attempt fails; restarting every rank (1 of max_restarts=1)" \
+        in err, err
+    with pytest.raises(LaunchError) as caught:
+        notebook_launcher(fail_on_second_host_always, num_processes=2, hosts=list(HOSTS), max_restarts=1,
+                          dashboard=False)
+    assert len(caught.value.attempts) == 1 and 3 in caught.value.attempts[0]
+
+
+def fail_on_second_host_always():
+    if os.environ["RANK"] == "3":
+        raise ValueError("always")

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume", "04_distributed_inference",
-            "05_config_and_scripts", "07_big_models", "08_live_output", "09_several_machines")
+            "05_config_and_scripts", "07_big_models", "08_live_output", "09_several_machines", "10_ray_cluster")
+# 10_ray_cluster runs in tests/test_ray_launch.py, in the kernel of the session's Ray cluster
 
 
 def _scripted_input_client() -> type:

@@ -14,6 +14,7 @@ _EXPORTS = {
                     ".errors"),
     **dict.fromkeys(["debug_launcher", "notebook_launcher"], ".kernel.launcher"),
     "HostError": ".kernel.hosts",  # a host of a several-machine launch cannot take part (checked before it starts)
+    "RayHosts": ".kernel.hosts",  # hosts=RayHosts(...): which nodes of a Ray cluster, what each rank reserves
     # persistent ranks live in .pool (built on this package's modules)
     **dict.fromkeys(["RankPool", "CollectiveMismatchError", "RankTimeoutError", "RankFailedError", "RankPoolError"],
                     ".pool"),

@@ -10,14 +10,15 @@ another config file (`ssh -F`), `NBACCEL_SSH_OPTIONS` adds options (split as a s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..host_protocol import AGENT_MODULE
@@ -27,6 +28,8 @@ SSH_CONFIG_ENV = "NBACCEL_SSH_CONFIG"
 SSH_OPTIONS_ENV = "NBACCEL_SSH_OPTIONS"
 SSH_PYTHON_ENV = "NBACCEL_SSH_PYTHON"
 SLURM = "slurm"
+RAY = "ray"
+RAY_INSTALL = "pip install nbaccel[ray]"
 CONNECT_TIMEOUT = 10  # seconds ssh may take to connect
 # what ssh says, and what nbaccel tells the user it means
 _SSH_DIAGNOSES = (
@@ -63,6 +66,9 @@ class HostSet:
 
     names: tuple[str, ...]
     via: str = "ssh"
+    node_ids: tuple[str, ...] = ()  # "ray": Ray's id of each node
+    gpus: int | None = None  # "ray": the GPUs of each node the ranks use (None: as this kernel sees them)
+    ray: RayHosts | None = None  # "ray": what each rank reserves
 
 
 def resolve_hosts(hosts: Any) -> HostSet:
@@ -70,11 +76,13 @@ def resolve_hosts(hosts: Any) -> HostSet:
     HostError when it cannot be used."""
     if isinstance(hosts, str) and hosts.strip().lower() == SLURM:
         return HostSet(slurm_hosts(), via="srun")
+    if isinstance(hosts, RayHosts) or (isinstance(hosts, str) and hosts.strip().lower() == RAY):
+        return resolve_ray_hosts(hosts if isinstance(hosts, RayHosts) else RayHosts())
     if isinstance(hosts, str):
         hosts = [part for part in hosts.split(",")]
     if not isinstance(hosts, (list, tuple)) or not hosts:
-        raise ValueError(f"hosts must be a non-empty list of host names (as your ssh knows them) or 'slurm', "
-                         f"got {hosts!r}")
+        raise ValueError(f"hosts must be a non-empty list of host names (as your ssh knows them), 'slurm', "
+                         f"'ray' or RayHosts(...), got {hosts!r}")
     names = []
     for host in hosts:
         if not isinstance(host, str) or not host.strip() or host.strip().startswith("-") or \
@@ -104,6 +112,87 @@ def slurm_hosts() -> tuple[str, ...]:
         raise HostError(SLURM, f"hosts='slurm': `scontrol show hostnames {nodelist}` failed: "
                         f"{(done.stderr or done.stdout).strip() or 'no hosts'}")
     return names
+
+
+
+
+@dataclass(frozen=True)
+class RayHosts:
+    """`hosts=RayHosts(...)`: which nodes of the Ray cluster, and what each rank reserves there.
+
+    `nodes`: how many nodes (None: every alive node that has `resources`); `num_processes` ranks run on each,
+    as with `hosts=[...]`. `gpus_per_rank`: 0 or 1 (None: 1 where every chosen node has GPUs, else 0).
+    `cpus_per_rank`: logical CPUs each rank reserves. `resources`: custom resources each rank reserves (only
+    nodes that have them are chosen). `address`: the cluster to attach to (None: the `ray.init()` already
+    called, else RAY_ADDRESS, else "auto")."""
+
+    nodes: int | None = None
+    gpus_per_rank: int | None = None
+    cpus_per_rank: float = 1
+    resources: Mapping[str, float] = field(default_factory=dict)
+    address: str | None = None
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(f"hosts='ray' needs Ray in this kernel and on the cluster: {RAY_INSTALL}") from None
+    return ray
+
+
+def attach(address: str | None) -> Any:
+    """The ray module, connected to the cluster (the user's own `ray.init()` is kept)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    try:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="ERROR",
+                 log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise HostError(RAY, f"hosts='ray': no Ray cluster to attach to ({exc}). Start one (`ray start --head` "
+                        "and `ray start --address ...` on the other nodes), set RAY_ADDRESS, or call ray.init() "
+                        "first.") from None
+    return ray
+
+
+def resolve_ray_hosts(spec: RayHosts) -> HostSet:
+    """The alive nodes to run on (head first), named for the output and the dashboard; HostError if none fit."""
+    _check_spec(spec)
+    ray = attach(spec.address)
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    fit = [node for node in alive if all(node["Resources"].get(key, 0) > 0 for key in spec.resources)]
+    fit.sort(key=lambda node: (not node.get("Resources", {}).get("node:__internal_head__"), node["NodeID"]))
+    if not fit or (spec.nodes is not None and len(fit) < spec.nodes):
+        want = f"{spec.nodes} node(s)" if spec.nodes else "a node"
+        having = f" with {dict(spec.resources)}" if spec.resources else ""
+        raise HostError(RAY, f"hosts='ray': the cluster has {len(alive)} alive node(s), {len(fit)}{having}; the "
+                        f"launch needs {want}{having}. `ray status` shows the nodes.")
+    chosen = fit[: spec.nodes] if spec.nodes else fit
+    gpus = spec.gpus_per_rank
+    if gpus is None:
+        gpus = int(all(node["Resources"].get("GPU", 0) >= 1 for node in chosen))
+    per_node = min(int(node["Resources"].get("GPU", 0)) for node in chosen) if gpus else 0
+    return HostSet(tuple(_names(chosen)), via=RAY, node_ids=tuple(node["NodeID"] for node in chosen),
+                   gpus=per_node, ray=dataclasses.replace(spec, gpus_per_rank=gpus))
+
+
+def _check_spec(spec: RayHosts) -> None:
+    if spec.nodes is not None and (isinstance(spec.nodes, bool) or not isinstance(spec.nodes, int) or spec.nodes < 1):
+        raise ValueError(f"RayHosts(nodes=...) must be a positive number of nodes or None (every node), got "
+                         f"{spec.nodes!r}")
+    if spec.gpus_per_rank not in (None, 0, 1):
+        raise ValueError(f"RayHosts(gpus_per_rank=...) must be 0, 1 or None, got {spec.gpus_per_rank!r}: a rank "
+                         "drives one GPU (run more ranks for more GPUs)")
+    if not isinstance(spec.cpus_per_rank, (int, float)) or spec.cpus_per_rank < 0:
+        raise ValueError(f"RayHosts(cpus_per_rank=...) must be a number >= 0, got {spec.cpus_per_rank!r}")
+
+
+def _names(nodes: list[dict]) -> list[str]:
+    """Each node's name (NodeName, its address by default); with its id's start where names repeat (several
+    nodes on one machine)."""
+    names = [node.get("NodeName") or node.get("NodeManagerAddress") or node["NodeID"][:8] for node in nodes]
+    return [f"{name}/{node['NodeID'][:6]}" if names.count(name) > 1 else name for name, node in zip(names, nodes)]
 
 
 def agent_command(host: str, via: str = "ssh") -> list[str]:

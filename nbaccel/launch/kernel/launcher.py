@@ -59,7 +59,7 @@ def notebook_launcher(
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
-    hosts: Sequence[str] | str | None = None,
+    hosts: Sequence[str] | str | Any = None,
     debug: bool = False,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
@@ -75,7 +75,9 @@ def notebook_launcher(
     `config_widget()`; see docs/launcher.md), as does the workers' gradient accumulation.
 
     `hosts=["gpu-a", "gpu-b"]` (names as your ssh knows them) or `hosts="slurm"`: `num_processes` ranks on
-    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank.
+    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank. `hosts="ray"`
+    (or `RayHosts(...)`): on the nodes of the Ray cluster this kernel reaches, placed by a Ray placement group
+    (docs/launcher.md, "Ray"). With `hosts`, `max_restarts` restarts every rank of every host after a failure.
 
     `debug=True` (nbaccel's addition): a rank whose function raises stops at its exception in pdb's
     post-mortem, asked in the cell, before the launch fails (docs/debugging.md).
@@ -116,11 +118,34 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
     # process starts
     inherit = plan.start_method == "fork" and backend.inherits_objects
     payload = make_payload(request.function, tuple(request.args), dict(request.kwargs), inherit)
-    try:
-        return run_plan(plan, backend, payload, reporting)
-    except LaunchError as exc:
-        exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
-        raise
+    # several hosts: a failure restarts the whole world, as torch elastic does on one machine (which restarts
+    # through its own agent: plan.rendezvous)
+    restarts = request.max_restarts if plan.hosts is not None else 0
+    earlier: list[dict[int, Any]] = []
+    for attempt in range(restarts + 1):
+        try:
+            return run_plan(plan.restarted(attempt, restarts), backend, payload, reporting)
+        except LaunchTimeout:
+            raise  # the whole launch's time is up
+        except LaunchError as exc:
+            exc.name = exc.name or function_name(request.function)  # ChildFailedError's name: the entry point's
+            if attempt == restarts:
+                # the supervisor saw the rank's restart count but not the earlier attempts' failures: ours
+                exc.attempts = earlier + [failures for failures in exc.attempts if failures]
+                raise
+            earlier.append(dict(exc.failures))
+            print(f"nbaccel: {first_failure(exc)}; restarting every rank ({attempt + 1} of max_restarts="
+                  f"{restarts})", file=sys.stderr)
+            backend = select_backend(plan)
+    raise AssertionError("unreachable")
+
+
+def first_failure(error: LaunchError) -> str:
+    """`rank 3: ValueError: boom`, or the error's first line when no rank failed."""
+    if error.failures:
+        rank, failure = error.get_first_failure()
+        return failure.summary() if hasattr(failure, "summary") else f"rank {rank}: {failure}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, reporting: Reporting) -> list[Any]:

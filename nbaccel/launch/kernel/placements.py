@@ -66,9 +66,15 @@ def _slurm() -> type[Backend]:
     return SlurmBackend
 
 
+def _ray() -> type[Backend]:
+    from .ray_backend import RayBackend
+
+    return RayBackend
+
+
 PLACEMENTS: dict[Placement, Callable[[], type[Backend]]] = {
     Placement.LOCAL: _local, Placement.ELASTIC: _elastic, Placement.XLA: _xla, Placement.SSH: _ssh,
-    Placement.SLURM: _slurm,
+    Placement.SLURM: _slurm, Placement.RAY: _ray,
 }
 """Placement -> its backend class (loaded on first use). Placement.IN_PROCESS has none: the function runs here."""
 

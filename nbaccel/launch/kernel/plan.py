@@ -36,7 +36,7 @@ from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
 from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address
 from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
-from .hosts import resolve_hosts
+from .hosts import RAY, resolve_hosts
 from .saved_config import apply_saved_config, default, is_default, plain
 from .start_methods import check_start_method, choose_start_method
 
@@ -58,6 +58,7 @@ class Placement(str, Enum):
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
     SSH = "ssh"  # several hosts, one agent per host started over SSH (kernel/ssh_backend.py)
     SLURM = "slurm"  # the hosts of a SLURM allocation, one agent per host started by srun
+    RAY = "ray"  # the nodes of a Ray cluster, one agent per node in a Ray actor (kernel/ray_backend.py)
 
 
 class Program(str, Enum):
@@ -152,7 +153,7 @@ class LaunchPlan:
     # timeout in `environ`); `nbaccel launch`: None (torch elastic's own rendezvous and process group timeouts)
     timeout: float | None = None
     script: ScriptTarget | None = None  # Program.SCRIPT: the script every rank runs
-    hosts: HostSet | None = None  # Placement.SSH/SLURM: the hosts, num_processes ranks on each
+    hosts: HostSet | None = None  # Placement.SSH/SLURM/RAY: the hosts, num_processes ranks on each
     program: Program = Program.FUNCTION
 
     @property
@@ -200,6 +201,15 @@ class LaunchPlan:
             environ[INIT_METHOD_ENV] = "file://" + os.path.join(store_dir, "store")
         if result_dir is not None:
             environ[RESULT_DIR_ENV] = result_dir
+        return dataclasses.replace(self, environ=MappingProxyType(environ))
+
+    def restarted(self, attempt: int, max_restarts: int) -> LaunchPlan:
+        """This plan for its `attempt`-th restart (0: the first run): the ranks read the count where torch
+        elastic puts it (TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS)."""
+        if not max_restarts:
+            return self
+        environ = {**self.environ, "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                   "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
         return dataclasses.replace(self, environ=MappingProxyType(environ))
 
     def info(self) -> dict[str, Any]:
@@ -397,10 +407,9 @@ def _host_plan(request: LaunchRequest) -> LaunchPlan:
     if not is_default(request.num_nodes) or not is_default(request.node_rank):
         raise ValueError("hosts= sets the machines (num_nodes=len(hosts), node_rank by position): leave num_nodes "
                          "and node_rank out")
-    if request.max_restarts:
-        raise ValueError("hosts= does not restart ranks (max_restarts must be 0): use nbaccel launch on each "
-                         "machine for torch elastic's restarts")
-    gpus = visible_gpus()
+    if isinstance(request.max_restarts, bool) or not isinstance(request.max_restarts, int) or request.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {request.max_restarts!r}")
+    gpus = hosts.gpus if hosts.gpus is not None else visible_gpus()  # Ray: the nodes' GPUs, not the kernel's
     saved = apply_saved_config(request, gpus)
     saved.num_nodes, saved.node_rank = 1, 0  # checked as one node; the hosts multiply it
     precision = check_request(request, saved)
@@ -414,8 +423,7 @@ def _host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = saved.master_addr
     # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
-    placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
-    return LaunchPlan(placement=placement, num_processes=num_processes, mixed_precision=precision,
+    return LaunchPlan(placement=host_placement(hosts), num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
                       environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,
@@ -455,7 +463,7 @@ def _pool_plan(request: LaunchRequest) -> LaunchPlan:
     check_seconds(request.timeout, "timeout")
     precision = check_precision(request.mixed_precision)
     method, note = choose_start_method(request.start_method)
-    gpus = visible_gpus()
+    gpus = hosts.gpus if hosts is not None and hosts.gpus is not None else visible_gpus()
     if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
         print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
               f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
@@ -469,10 +477,14 @@ def _pool_plan(request: LaunchRequest) -> LaunchPlan:
     common = dict(program=Program.POOL, num_processes=num_processes, mixed_precision=precision,
                   device="cuda:{local_rank}" if gpus else "cpu", environ=_frozen(environ))
     if hosts is not None:  # the first host finds the port; each agent picks its start method
-        placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
-        return LaunchPlan(placement=placement, start_method=hosts.via, num_nodes=num_nodes, master_addr="",
+        return LaunchPlan(placement=host_placement(hosts), start_method=hosts.via, num_nodes=num_nodes, master_addr="",
                           hosts=hosts, **common)
     return LaunchPlan(placement=Placement.LOCAL, start_method=method, port=free_port(), start_note=note, **common)
+
+
+def host_placement(hosts: HostSet) -> Placement:
+    """The placement of a launch on several hosts: by how its agents start."""
+    return {"srun": Placement.SLURM, RAY: Placement.RAY}.get(hosts.via, Placement.SSH)
 
 
 def _frozen(environ: dict[str, str]) -> Mapping[str, str]:

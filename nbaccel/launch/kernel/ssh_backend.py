@@ -57,22 +57,11 @@ DUPLEX = ("commands", "status")  # a pool rank's pipes the kernel writes too
 class Agent:
     """One host's agent: its ssh process, the channel over its session, and its ranks' local pipes."""
 
-    def __init__(self, host: str, index: int, via: str) -> None:
+    def __init__(self, host: str, index: int, via: str, **transport: Any) -> None:
         self.host = host
         self.index = index
-        to_agent_r, to_agent_w = os.pipe()
-        from_agent_r, from_agent_w = os.pipe()
-        try:
-            self.process = subprocess.Popen(agent_command(host, via), stdin=to_agent_r, stdout=from_agent_w,
-                                            stderr=subprocess.PIPE, start_new_session=True)
-        finally:
-            close_quietly(to_agent_r, from_agent_w)
-        self.to_agent = Connection(to_agent_w, readable=False)
-        self.from_agent = Connection(from_agent_r, writable=False)
         self.stderr: deque[str] = deque(maxlen=50)
-        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True,
-                                               name=f"nbaccel-ssh-stderr-{host}")
-        self._stderr_thread.start()
+        self._open(via, **transport)
         self.hello: Hello | None = None
         self.first_rank = 0
         self.writers: list[dict[str, Any]] = []  # per local rank: channel/stdout/stderr write ends
@@ -82,6 +71,21 @@ class Agent:
         self.lost: str | None = None
         self._lock = threading.Lock()  # the relay threads and the caller both send
         self.relay: threading.Thread | None = None
+
+    def _open(self, via: str) -> None:
+        """Start the agent (ssh or srun); its session's stdin and stdout become `to_agent` and `from_agent`."""
+        to_agent_r, to_agent_w = os.pipe()
+        from_agent_r, from_agent_w = os.pipe()
+        try:
+            self.process = subprocess.Popen(agent_command(self.host, via), stdin=to_agent_r, stdout=from_agent_w,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+        finally:
+            close_quietly(to_agent_r, from_agent_w)
+        self.to_agent = Connection(to_agent_w, readable=False)
+        self.from_agent = Connection(from_agent_r, writable=False)
+        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True,
+                                               name=f"nbaccel-ssh-stderr-{self.host}")
+        self._stderr_thread.start()
 
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
@@ -175,9 +179,7 @@ class SshBackend(Backend):
         data = None if self.pool else payload.data if payload is not None else None
         assert self.pool or data is not None, "the SSH backend sends cloudpickled payloads"
         try:
-            assert plan.hosts is not None
-            for index, host in enumerate(plan.hosts.names):
-                self.agents.append(Agent(host, index, self.via))
+            self._open_agents(plan)
             first_port = plan.port or 0
             # what the pickled function takes from importable modules is imported there: each host checks
             modules = tuple(referenced_modules(data)) if data is not None else ()
@@ -198,6 +200,12 @@ class SshBackend(Backend):
             self.stop()
             self.close()
             raise
+
+    def _open_agents(self, plan: LaunchPlan) -> None:
+        """Start one agent per host, into `self.agents` (kernel/ray_backend.py: in Ray actors instead)."""
+        assert plan.hosts is not None
+        for index, host in enumerate(plan.hosts.names):
+            self.agents.append(Agent(host, index, self.via))
 
     def _started(self, ends: list[StartedRank]) -> None:
         """Every agent was told to start: a pool waits for its ranks' pids, then forwards the kernel's commands."""

@@ -1,0 +1,195 @@
+"""`hosts="ray"`: the ranks on the nodes of a Ray cluster, placed by a Ray placement group.
+
+The kernel attaches to the cluster it can reach (the `ray.init()` already called, else `RAY_ADDRESS`, else
+`address="auto"`) and takes its alive nodes (`RayHosts` narrows them down). The launch reserves one placement
+group: one bundle per node, pinned to that node by its `ray.io/node-id` label, holding `num_processes` ranks'
+resources (CPUs, GPUs, custom resources). On each node a `RaySession` actor (launch/ray_session.py) takes the
+node's bundle and runs the host agent, as sshd does for `hosts=[...]`; from there everything is the SSH
+placement's (ssh_backend.py): the same probe and import check before any rank starts, the function
+cloudpickled as under spawn, the ranks meeting through torch's TCPStore on the first node, `[node rank N]`
+output, the same LaunchError. Ray carries the agent's stream: a pump thread per direction turns it into the
+local pipes an ssh process would have.
+
+The actors and the placement group belong to the kernel's Ray driver: `close` kills the actors and removes the
+group; if the kernel dies, Ray removes what its driver owned, and each agent, its stream ended, stops its
+ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+import warnings
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from ..channel import close_quietly
+from ..host_protocol import AGENT_MODULE
+from ..rank_environment import source_checkout_root
+from ..ray_session import RaySession
+from .hosts import RAY, HostError, attach, import_ray
+from .ssh_backend import Agent, SshBackend
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
+
+PLACE_TIMEOUT = float(os.environ.get("NBACCEL_RAY_PLACE_TIMEOUT", "60"))  # seconds to reserve the nodes
+READ_WAIT = 1.0  # seconds one `read` of an agent's stream waits on its node
+
+
+class ActorProcess:
+    """What the SSH placement asks of an agent's `ssh` process, for the agent's RaySession actor."""
+
+    pid = None
+    stderr = None
+
+    def __init__(self, ray: Any, actor: Any, ended: threading.Event) -> None:
+        self._ray = ray
+        self.actor = actor
+        self._ended = ended  # the agent's stdout reached its end
+        self.returncode: int | None = None
+        self.said = ""
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired("ray session", timeout or 0)
+        if self.returncode is None:
+            try:
+                code, self.said = self._ray.get(self.actor.exit_info.remote(2.0), timeout=5)
+            except Exception:  # the actor is gone (killed, its node lost): the agent with it
+                code = None
+            self.returncode = code if code is not None else 255
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        self._ended.set()
+
+
+class RayAgent(Agent):
+    """A node's agent, run by a RaySession actor; its stream pumped through Ray into local pipes."""
+
+    def _open(self, via: str, actor: Any = None) -> None:
+        self._ray = import_ray()
+        to_agent_r, to_agent_w = os.pipe()
+        from_agent_r, from_agent_w = os.pipe()
+        self.to_agent = Connection(to_agent_w, readable=False)
+        self.from_agent = Connection(from_agent_r, writable=False)
+        self._ended = threading.Event()
+        self.process = ActorProcess(self._ray, actor, self._ended)
+        self._stderr_thread = threading.Thread(target=self._pump_out, args=(actor, from_agent_w), daemon=True,
+                                               name=f"nbaccel-ray-out-{self.host}")
+        self._stderr_thread.start()
+        self._pump_in_thread = threading.Thread(target=self._pump_in, args=(actor, to_agent_r), daemon=True,
+                                                name=f"nbaccel-ray-in-{self.host}")
+        self._pump_in_thread.start()
+
+    def _pump_in(self, actor: Any, fd: int) -> None:
+        """The kernel's frames to the agent, in order; at their end, the agent's stdin ends."""
+        try:
+            while True:
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    self._ray.get(actor.close_stdin.remote(), timeout=30)
+                    return
+                if not self._ray.get(actor.write.remote(data), timeout=60):
+                    return
+        except Exception:
+            return  # the actor is gone: the relay learns it from the agent's stream
+        finally:
+            close_quietly(fd)
+
+    def _pump_out(self, actor: Any, fd: int) -> None:
+        """The agent's frames to the kernel's relay; its end (or the actor's) ends the local pipe."""
+        try:
+            while True:
+                data = self._ray.get(actor.read.remote(READ_WAIT), timeout=READ_WAIT + 60)
+                if data is None:
+                    return
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+        except Exception:
+            return
+        finally:
+            close_quietly(fd)
+            self._ended.set()
+
+    def said(self) -> str:
+        if not self.process.said:
+            try:
+                self.process.said = self._ray.get(self.process.actor.exit_info.remote(0.5), timeout=5)[1]
+            except Exception:
+                pass
+        return self.process.said
+
+
+class RayBackend(SshBackend):
+    """The nodes of a Ray cluster: the SSH placement's agents, each run by a RaySession actor that holds its
+    node's bundle of the launch's placement group (a launch's ranks and RankPool's alike)."""
+
+    via = RAY
+
+    def _open_agents(self, plan: LaunchPlan) -> None:
+        hosts = plan.hosts
+        assert hosts is not None and hosts.ray is not None
+        ray = attach(hosts.ray.address)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        reserve = {"CPU": plan.num_processes * hosts.ray.cpus_per_rank,
+                   "GPU": plan.num_processes * hosts.ray.gpus_per_rank,
+                   **{key: plan.num_processes * value for key, value in hosts.ray.resources.items()}}
+        reserve = {key: value for key, value in reserve.items() if value}
+        self.group_name = f"nbaccel-{uuid.uuid4().hex[:8]}"
+        self.group = ray.util.placement_group(  # each node's bundle on that node (its Ray label)
+            [dict(reserve) or {"CPU": 0.001} for _ in hosts.node_ids], strategy="STRICT_SPREAD",
+            name=self.group_name, bundle_label_selector=[{"ray.io/node-id": node} for node in hosts.node_ids])
+        if not self.group.wait(PLACE_TIMEOUT):
+            raise HostError(RAY, f"hosts='ray': Ray could not reserve {reserve} on each of {list(hosts.names)} within "
+                            f"{PLACE_TIMEOUT:.0f} s (NBACCEL_RAY_PLACE_TIMEOUT); other work may hold them: `ray status` "
+                            "shows what is free. Pass fewer num_processes or RayHosts(cpus_per_rank=...).")
+        session = ray.remote(RaySession)
+        for index, host in enumerate(hosts.names):
+            with warnings.catch_warnings():  # Ray's note on num_gpus=0 (it hides the GPUs then, as wanted)
+                warnings.simplefilter("ignore", FutureWarning)
+                actor = session.options(
+                    name=f"{self.group_name}-node-{index}", namespace="nbaccel",  # found in `ray list actors`
+                    num_cpus=reserve.get("CPU", 0), num_gpus=reserve.get("GPU", 0),
+                    resources={key: value for key, value in reserve.items() if key not in ("CPU", "GPU")},
+                    max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=index),
+                ).remote(AGENT_MODULE, source_checkout_root())
+            self.agents.append(RayAgent(host, index, RAY, actor=actor))
+        self._nodes = [self._node_of(agent) for agent in self.agents]
+
+    def _node_of(self, agent: Agent) -> dict[str, str]:
+        """Where the agent's actor runs, once it started (HostError if it could not)."""
+        try:
+            return import_ray().get(agent.process.actor.node.remote(), timeout=PLACE_TIMEOUT)
+        except Exception as exc:
+            raise HostError(agent.host, f"the Ray actor for the agent on node {agent.host!r} did not start: "
+                            f"{exc}") from None
+
+    def _master_address(self, plan: LaunchPlan) -> str:
+        """The first node's address in the Ray cluster (the master_addr the user gave wins)."""
+        return plan.master_addr or self._nodes[0]["address"]
+
+    def close(self) -> None:
+        """The SSH placement's close, then no actor or placement group of this launch is left."""
+        try:
+            super().close()
+        finally:
+            ray = import_ray()
+            for agent in self.agents:
+                agent.process.kill()
+            group, self.group = getattr(self, "group", None), None
+            if group is not None and ray.is_initialized():
+                try:
+                    ray.util.remove_placement_group(group)
+                except Exception:
+                    pass
