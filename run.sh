@@ -19,7 +19,8 @@ ensure_venv() {
     want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+        # every extra, and the dev group (PEP 735; pip >= 25.1 reads it from pyproject.toml)
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[notebook,tensorboard]" --group dev
         # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for the LOMO
         # test, the Trainer/PEFT kernel test and scripts/run_accelerate_examples.py
         rm -rf "$VENV/side/lomo"

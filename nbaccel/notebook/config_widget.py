@@ -22,7 +22,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ipywidgets as widgets
+try:
+    import ipywidgets as widgets
+except ImportError as error:  # the form is a widget: without the extra there is nothing to edit with
+    raise ImportError("config_widget() needs ipywidgets: pip install nbaccel[notebook] "
+                      "(or edit the file with `nbaccel config`)") from error
 
 from ..utils import constants
 from ..utils.dataclasses import enum_value
