@@ -75,6 +75,8 @@ def test_core_install_launches_without_the_notebook_extra(lean_venv, tmp_path):
         board = Dashboard(2, mode="auto")
         board.start()
         board.observe({"kind": "metrics", "rank": 0, "values": {"loss": 0.5}, "step": 1})
+        import importlib.metadata
+        assert importlib.metadata.version("nbaccel") == nbaccel.__version__  # one version source (hatch reads it)
         print(json.dumps({"file": nbaccel.__file__, "missing": missing, "refused": refused, "widget": widget,
                           "mode": board.mode, "png": metrics_png(board.model)}))
         board.finish([None, None])

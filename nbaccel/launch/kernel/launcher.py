@@ -11,7 +11,7 @@ kernel/torchrun.py's backend) to the same `run_plan`.
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
 from .rank_groups import RankGroups
 from .saved_config import default
 from .supervisor import Backend, Supervisor, WorkerHandle
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -120,7 +122,7 @@ def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, report
     path of notebook_launcher's launches and of `nbaccel launch` (RankPool's ranks start through the same
     backends, kernel/persistent.py). Returns the results by local rank (none for a script)."""
     if plan.start_note:
-        print(plan.start_note, file=sys.stderr)
+        logger.warning(plan.start_note)
     if backend.preloads_modules:
         preload_worker_modules(plan.start_method, launch=True)
     # the launch's private folders, named in the plan before any process starts; removed when it ends

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -43,6 +44,8 @@ from .processes import (
     is_loopback_address,
 )
 from .saved_config import apply_saved_config, default, plain
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 if TYPE_CHECKING:
     from .hosts import HostSet
@@ -329,7 +332,7 @@ def _resolve(request: LaunchRequest) -> LaunchPlan:
     if num_processes is None:
         num_processes = gpus or 1
     elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
-        print("Colab with one GPU: running the function in this process (as Accelerate does).", file=sys.stderr)
+        logger.warning("Colab with one GPU: running the function in this process (as Accelerate does).")
         num_processes = 1
     elif gpus and num_processes > gpus:
         raise ValueError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import itertools
-import sys
+import logging
 import threading
 import warnings
 import weakref
@@ -51,6 +51,8 @@ from .results import (
     results_equal,
 )
 from .telemetry import OutputLines, TelemetryReader, observer_of, status_message
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 __all__ = [
     "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
@@ -85,11 +87,11 @@ class RankPool:
         self.start_method, note = choose_start_method(start_method)
         gpus = visible_gpus()
         if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
-            print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
-                  f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+            logger.warning(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+                  f"num_processes<={gpus} for GPU ranks.")
             gpus = 0
         if note:
-            print(note, file=sys.stderr)
+            logger.warning(note)
         self._per_host = num_processes
         self.num_processes = num_processes * (len(self.hosts.names) if self.hosts else 1)  # every rank
         self.mixed_precision = precision
@@ -350,14 +352,14 @@ class RankPool:
             except KeyboardInterrupt:
                 if call.pending:
                     self._recover(graceful=False)
-                    print(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
-                          "were restarted and their variables are lost.", file=sys.stderr)
+                    logger.warning(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
+                          "were restarted and their variables are lost.")
                 raise
             finally:
                 if call.broken and self._workers is not None and not call.pending:
                     self._recover(graceful=False)
-                    print(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
-                          "their variables are lost: re-run the cells that define them.", file=sys.stderr)
+                    logger.warning(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
+                          "their variables are lost: re-run the cells that define them.")
 
     def _report_results(self, results: RankResults) -> None:
         for result in results:
