@@ -7,6 +7,7 @@ addresses, the rendezvous port, GPUs) is checked by the SSH backend before any r
 from __future__ import annotations
 
 from ..environment import WorkerConfig, visible_gpus, worker_environment
+from .forwarded_env import forwarded_environment
 from .hosts import resolve_hosts
 from .plan import LaunchPlan, LaunchRequest, Mode, _frozen, _in_notebook, check_request, is_int, parse_port
 from .processes import check_start_method, is_loopback_address
@@ -38,7 +39,8 @@ def build_host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
     return LaunchPlan(mode=Mode.SSH, num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
-                      environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
+                      environ=_frozen({**forwarded_environment(request.env_vars), **worker_environment(worker)}),
+                      num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,
                       hosts=hosts)
 

@@ -12,7 +12,7 @@ kernel/torchrun.py's backend) to the same `run_plan`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
@@ -62,6 +62,7 @@ def notebook_launcher(
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
     hosts: Sequence[str] | str | None = None,
+    env_vars: Sequence[str] | Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
 
@@ -76,7 +77,9 @@ def notebook_launcher(
     `config_widget()`; see docs/launcher.md), as does the workers' gradient accumulation.
 
     `hosts=["gpu-a", "gpu-b"]` (names as your ssh knows them) or `hosts="slurm"`: `num_processes` ranks on
-    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank.
+    each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank. The ranks get
+    the kernel's NCCL_*, GLOO_*, CUDA_*, TORCH*, HF_*, WANDB_*, ... variables; `env_vars` names more (patterns
+    like "MYAPP_*") or sets values ({"NAME": "value"}) (kernel/forwarded_env.py).
     """
     check_dashboard(dashboard)
     request = LaunchRequest(
@@ -85,8 +88,11 @@ def notebook_launcher(
         num_nodes=num_nodes, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
-        hosts=hosts,
+        hosts=hosts, env_vars=env_vars,
     )
+    if env_vars is not None and hosts is None:
+        raise ValueError("env_vars= is for hosts= launches: ranks on this machine inherit the kernel's whole "
+                         "environment (set os.environ before the launch)")
     plan = build_plan(request) if hosts is None else build_host_plan(request)
     return launch(plan, request, Reporting(dashboard, tuple(observers)))
 

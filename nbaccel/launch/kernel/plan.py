@@ -91,6 +91,7 @@ class LaunchRequest:
     start_method: str | None = None
     timeout: float | None = None
     hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/host_plan.py)
+    env_vars: Any = None  # hosts=: more of the kernel's variables for the ranks (kernel/forwarded_env.py)
     debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
 
 

@@ -23,7 +23,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -32,6 +32,7 @@ from ...utils.process_limits import check_process_count
 from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
+from ..kernel.forwarded_env import forwarded_environment
 from ..kernel.hosts import resolve_hosts
 from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
 from ..kernel.processes import choose_start_method, free_port
@@ -74,12 +75,16 @@ class RankPool:
     """
 
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
-                 timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None) -> None:
+                 timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None,
+                 env_vars: Sequence[str] | Mapping[str, str] | None = None) -> None:
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
         check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
         # several machines: num_processes ranks on each host, started over SSH (docs/ranks.md)
         self.hosts = resolve_hosts(hosts) if hosts is not None else None
+        if env_vars is not None and hosts is None:
+            raise ValueError("env_vars= is for hosts= pools: local ranks inherit the kernel's whole environment")
+        forwarded = forwarded_environment(env_vars) if self.hosts else {}  # remote ranks: kernel/forwarded_env.py
         self.timeout = _check_timeout(timeout, "timeout")
         precision = normalize_precision(mixed_precision)
         if precision not in MIXED_PRECISION_CHOICES:
@@ -97,7 +102,7 @@ class RankPool:
         self.mixed_precision = precision
         self.restarts = 0
         # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
-        self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
+        self._env = forwarded | worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
                                                     nproc_per_node=num_processes, fork_launched=True,
                                                     pg_timeout=self.timeout + PG_TIMEOUT_MARGIN,
                                                     loopback=self.hosts is None,
