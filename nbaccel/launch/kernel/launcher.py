@@ -19,6 +19,7 @@ from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit 
 from .. import messages
 from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
+from ..launch_results import LaunchResults
 from ..messages import LaunchState
 from ..private_dirs import make_store_dir, remove_dir
 from ..serialize import make_payload
@@ -94,7 +95,7 @@ def notebook_launcher(
         raise ValueError("env_vars= is for hosts= launches: ranks on this machine inherit the kernel's whole "
                          "environment (set os.environ before the launch)")
     plan = build_plan(request) if hosts is None else build_host_plan(request)
-    return launch(plan, request, Reporting(dashboard, tuple(observers)))
+    return LaunchResults(launch(plan, request, Reporting(dashboard, tuple(observers))))  # a list; no Out: of Nones
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
@@ -104,7 +105,7 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     dashboard. Returns the per-rank results.
     """
     request = LaunchRequest(function=function, args=args, num_processes=num_processes, debug_launcher=True)
-    return launch(build_plan(request), request, Reporting(dashboard=False))
+    return LaunchResults(launch(build_plan(request), request, Reporting(dashboard=False)))
 
 
 def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> list[Any]:
