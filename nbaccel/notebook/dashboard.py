@@ -17,6 +17,7 @@ trailing redraw catches the last change of a burst). Where it draws is chosen by
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 import time
@@ -66,13 +67,9 @@ def in_notebook_kernel() -> bool:
 
 
 def widgets_installed() -> bool:
-    """Whether the widget view can be drawn: ipywidgets and bqplot (the `notebook` extra) import."""
-    try:
-        import bqplot  # noqa: F401
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the widget view can be drawn: ipywidgets and bqplot (the `notebook` extra) are installed (found,
+    not imported: bqplot imports pandas, a second the launch need not wait for)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("ipywidgets", "bqplot"))
 
 
 def resolve_mode(mode: str) -> str:
