@@ -22,6 +22,7 @@ from process_helpers import all_gone, is_alive, run_in_session
 from ssh_server import HOSTS
 
 from nbaccel.launch import HostError
+from nbaccel.launch.agent.host_agent import SESSION_END_GRACE
 from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.host_protocol import AGENT_MODULE
 from nbaccel.launch.kernel.hosts import resolve_hosts
@@ -53,7 +54,9 @@ def agents_of(server) -> list[int]:
 def assert_nothing_left(server, pids: list[int]) -> None:
     assert pids, "the ranks reported no pid"
     assert all_gone(pids, within=5), f"ranks still running: {[p for p in pids if psutil.pid_exists(p)]}"
-    assert all_gone(agents_of(server), within=5), "a host agent outlived its launch"
+    # an agent has SESSION_END_GRACE to stop its ranks once its session ends, then its own exit (slow on a busy
+    # machine): the guarantee is that it ends, not how fast
+    assert all_gone(agents_of(server), within=SESSION_END_GRACE + 10), "a host agent outlived its launch"
 
 
 def rank_pids(folder: Path) -> list[int]:
