@@ -19,6 +19,11 @@ ensure_venv() {
     want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install --help | grep -q -- "--group" || {
+            echo "this venv's pip cannot install dependency groups (PEP 735 needs pip >= 25.1):" \
+                "$VENV/bin/python -m pip install -U 'pip>=25.1'" >&2
+            exit 1
+        }
         # every extra, and the dev group (PEP 735; pip >= 25.1 reads it from pyproject.toml)
         "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[notebook,tensorboard]" --group dev
         # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for the LOMO
