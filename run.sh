@@ -16,7 +16,8 @@ ensure_venv() {
     # Reinstall only when the dependency declarations changed since the last install.
     local stamp="$VENV/.nbaccel-installed"
     local want
-    want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+    # the declarations and this script (its install commands) together
+    want="$(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$VENV/bin/python" -m pip install -q --upgrade pip
         "$VENV/bin/python" -m pip install --help | grep -q -- "--group" || {

@@ -67,4 +67,4 @@ def test_run_sh_installs_every_extra_and_the_dev_group():
     installed = re.search(r'pip install -q -c constraints\.txt -e "\.\[([^\]]*)\]" --group dev', run)
     assert installed, "run.sh must install the extras and the dev group"
     assert set(installed.group(1).split(",")) >= set(PROJECT["project"]["optional-dependencies"]) - {"tpu"}
-    assert "cat pyproject.toml constraints.txt" in run  # the install stamp covers what it installs
+    assert "cat pyproject.toml constraints.txt run.sh" in run  # the install stamp covers what it installs
