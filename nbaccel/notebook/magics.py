@@ -114,12 +114,12 @@ class RankMagics(Magics):
         if options.num_processes < 1:
             raise UsageError(f"-n must be at least 1, got {options.num_processes}")
         if self.pool is not None and self.pool.running:
-            print(f"Stopping the running ranks first ({self.pool.num_processes} ranks).")
+            print(f"Stopping the running ranks first ({self.pool.world_size} ranks).")
             self.pool.shutdown()
         self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
                              mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
         where = f" on {', '.join(self.pool.hosts.names)}" if self.pool.hosts else ""
-        print(f"Started {self.pool.num_processes} ranks{where} ({self.pool.start_method}, devices "
+        print(f"Started {self.pool.world_size} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")
 
     @subcommand
@@ -130,7 +130,7 @@ class RankMagics(Magics):
             print("No ranks running. Start them with %ranks start -n 2.")
             return
         pool = self.pool
-        print(f"{pool.num_processes} ranks running ({pool.start_method}, timeout {pool.timeout:g} s, "
+        print(f"{pool.world_size} ranks running ({pool.start_method}, timeout {pool.timeout:g} s, "
               f"restarted {pool.restarts} time(s))")
         for info in pool.status():
             print(f"  rank {info['rank']}: pid {info['pid']}, {info['device']}, "
@@ -142,7 +142,7 @@ class RankMagics(Magics):
         """Start the ranks anew: their variables are gone, the process group is new."""
         pool = self._require()
         pool.restart()
-        print(f"Restarted {pool.num_processes} ranks: their variables are gone, the process group is new.")
+        print(f"Restarted {pool.world_size} ranks: their variables are gone, the process group is new.")
 
     @subcommand
     @magic_arguments.magic_arguments("ranks stop")
@@ -151,7 +151,7 @@ class RankMagics(Magics):
         if self.pool is None or not self.pool.running:
             print("No ranks running.")
             return
-        count = self.pool.num_processes
+        count = self.pool.world_size
         self.pool.shutdown()
         self.pool = None
         print(f"Stopped {count} ranks.")
@@ -174,7 +174,7 @@ class RankMagics(Magics):
             raise UsageError(f"not defined in the kernel: {', '.join(missing)}")
         for name in names:
             pool.push(name, self.shell.user_ns[name])
-        print(f"Pushed {', '.join(names)} to {pool.num_processes} ranks.")
+        print(f"Pushed {', '.join(names)} to {pool.world_size} ranks.")
 
     @subcommand
     @magic_arguments.magic_arguments("ranks pull")
