@@ -156,6 +156,19 @@ class RankMagics(Magics):
         self.pool = None
         print(f"Stopped {count} ranks.")
 
+    @subcommand
+    @magic_arguments.magic_arguments("ranks debug")
+    @magic_arguments.argument("rank", type=int, nargs="?", default=None,
+                              help="the rank whose exception to debug; default: the first failed rank")
+    def debug(self, options: argparse.Namespace) -> None:
+        """pdb's post-mortem at a rank's exception in the last %%ranks cell (the first failed rank by default;
+        worker/pool_rank.py)."""
+        pool = self._require()
+        rank = options.rank
+        if rank is not None and not 0 <= rank < pool.world_size:
+            raise UsageError(f"rank {rank} does not exist: the ranks are 0..{pool.world_size - 1}")
+        pool.debug(rank)
+
     def _require(self) -> RankPool:
         if self.pool is None or not self.pool.running:
             raise UsageError("no ranks are running: start them with %ranks start -n 2")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
@@ -23,6 +24,7 @@ from ..errors import LaunchError, LaunchTimeout
 from ..launch_results import LaunchResults
 from ..messages import LaunchState
 from ..serialize import make_payload
+from ..worker.rank_prompts import post_mortem_on_error
 from .inprocess import run_in_process
 from .launch_session import LaunchSession
 from .observers import Reporting, check_dashboard, make_dashboard
@@ -62,6 +64,7 @@ def notebook_launcher(
     observers: Sequence[Observer] = (),
     hosts: Sequence[str] | str | None = None,
     env_vars: Sequence[str] | Mapping[str, str] | None = None,
+    debug: bool = False,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
 
@@ -79,8 +82,15 @@ def notebook_launcher(
     each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank. The ranks get
     the kernel's NCCL_*, GLOO_*, CUDA_*, TORCH*, HF_*, WANDB_*, ... variables; `env_vars` names more (patterns
     like "MYAPP_*") or sets values ({"NAME": "value"}) (kernel/forwarded_env.py).
+
+    `debug=True` (nbaccel's addition): a rank whose function raises stops at its exception in pdb's
+    post-mortem, asked in the cell, before the launch fails (docs/debugging.md).
     """
     check_dashboard(dashboard)
+    if not isinstance(debug, bool):
+        raise TypeError(f"debug must be True or False (pdb's post-mortem on a failing rank), got {debug!r}")
+    if debug:  # the rank's prompts reach the cell (worker/rank_prompts.py)
+        function = partial(post_mortem_on_error, function)
     request = LaunchRequest(
         function=function, args=args, kwargs=dict(kwargs or {}), num_processes=num_processes,
         mixed_precision=mixed_precision, use_port=use_port, master_addr=master_addr, node_rank=node_rank,
