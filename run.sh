@@ -16,10 +16,17 @@ ensure_venv() {
     # Reinstall only when the dependency declarations changed since the last install.
     local stamp="$VENV/.nbaccel-installed"
     local want
-    want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+    # the declarations and this script (its install commands) together
+    want="$(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+        "$VENV/bin/python" -m pip install --help | grep -q -- "--group" || {
+            echo "this venv's pip cannot install dependency groups (PEP 735 needs pip >= 25.1):" \
+                "$VENV/bin/python -m pip install -U 'pip>=25.1'" >&2
+            exit 1
+        }
+        # every extra, and the dev group (PEP 735; pip >= 25.1 reads it from pyproject.toml)
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[notebook,tensorboard]" --group dev
         # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for the LOMO
         # test, the Trainer/PEFT kernel test and scripts/run_accelerate_examples.py
         rm -rf "$VENV/side/lomo"

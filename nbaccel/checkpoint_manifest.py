@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .utils.atomic_files import write_text
+
 MANIFEST_NAME = ".nbaccel-manifest.json"
 _FORMAT = "nbaccel-checkpoint-manifest"
 _ALGORITHM = "sha256"
@@ -69,12 +71,10 @@ def write_manifest(directory: Path, skip: tuple[str, ...] = ()) -> Path:
     checksums = _hash_all(directory, names)
     files = {name: {"size": (directory / name).stat().st_size, _ALGORITHM: checksum}
              for name, checksum in zip(names, checksums)}
-    manifest = directory / MANIFEST_NAME
-    partial = directory / (MANIFEST_NAME + ".partial")
-    partial.write_text(json.dumps({"format": _FORMAT, "version": 1, "algorithm": _ALGORITHM, "files": files},
-                                  indent=1, sort_keys=True))
-    os.replace(partial, manifest)
-    return manifest
+    # not fsynced here: save_state fsyncs the manifest with the rest when it is durable
+    return write_text(directory / MANIFEST_NAME, json.dumps(
+        {"format": _FORMAT, "version": 1, "algorithm": _ALGORITHM, "files": files}, indent=1, sort_keys=True),
+        durable=False)
 
 
 def read_manifest(directory: Path) -> dict[str, dict] | None:

@@ -42,6 +42,7 @@ import torch
 
 from . import checkpoint_fit
 from .checkpoint_manifest import MANIFEST_NAME, check_manifest, write_manifest
+from .utils.atomic_files import atomic_path, fsync_dir, fsync_file, write_text
 from .utils.constants import (  # file names as Accelerate (and transformers, for weights) spell them
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -280,21 +281,9 @@ def _merge_files_into(tmp: Path, target: Path, durable: bool) -> None:
         os.replace(entry, destination)
     tmp.rmdir()
     if durable:
-        _fsync_dir(target)
+        fsync_dir(target)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform/filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ------------------------------------------------------------------------- agreement between ranks
@@ -391,9 +380,11 @@ def _write_state_dict(state_dict: Mapping[str, Any], path: Path, safe_serializat
     if safe_serialization:
         from safetensors.torch import save_file
 
-        save_file(_prepare_for_safetensors(state_dict), str(path), metadata={"format": "pt", **(metadata or {})})
+        with atomic_path(path, durable=False) as partial:  # save_state fsyncs its folder when durable
+            save_file(_prepare_for_safetensors(state_dict), str(partial), metadata={"format": "pt", **(metadata or {})})
     else:
-        torch.save(_prepare_for_torch_save(state_dict), path)
+        with atomic_path(path, durable=False) as partial:
+            torch.save(_prepare_for_torch_save(state_dict), partial)
 
 
 def _read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -746,18 +737,18 @@ def save_accelerator_state(
         try:
             manifest = write_manifest(tmp, skip=(MARKER_NAME,))  # sizes and checksums of every file, then
             if durable:                                          # the marker: both last, before the rename
-                _fsync_file(manifest)
+                fsync_file(manifest)
             if _replaceable(target):
                 (tmp / MARKER_NAME).write_text(json.dumps({"format": "nbaccel-checkpoint", "version": 1,
                                                            "num_processes": num_processes, "step": step}))
                 if durable:
-                    _fsync_dir(tmp)
+                    fsync_dir(tmp)
                 old = _old_dir_for(target)
                 if target.exists():
                     os.replace(target, old)
                 os.replace(tmp, target)
                 if durable:
-                    _fsync_dir(target.parent)
+                    fsync_dir(target.parent)
                 if old.exists():
                     shutil.rmtree(old)
             else:
@@ -842,7 +833,7 @@ def _write_checkpoint_files(directory: Path, job: _CheckpointWrite) -> None:
         for root, _, names in os.walk(directory):
             by_functions.extend(Path(root) / name for name in names)
             if Path(root) != directory:
-                _fsync_dir(Path(root))
+                fsync_dir(Path(root))
     for hook in pre_hooks:
         hook(models, weights, str(directory))
 
@@ -867,10 +858,10 @@ def _write_checkpoint_files(directory: Path, job: _CheckpointWrite) -> None:
     torch.save(collect_rng_states(step), out(rng_state_file_name(process_index)))
     if durable:
         for path in written:
-            _fsync_file(path)
+            fsync_file(path)
         for path in by_functions:
             with contextlib.suppress(FileNotFoundError):  # another rank's hook may have renamed its own file
-                _fsync_file(path)
+                fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------- load
@@ -1192,15 +1183,13 @@ def save_model(
     written: list[Path] = []
     for name, shard in zip(names, shards):
         path = directory / name
-        partial = directory / f".{name}.partial"
-        if safe_serialization:
-            from safetensors.torch import save_file
+        with atomic_path(path) as partial:
+            if safe_serialization:
+                from safetensors.torch import save_file
 
-            save_file(shard, str(partial), metadata={"format": "pt"})
-        else:
-            torch.save(shard, partial)
-        _fsync_file(partial)
-        os.replace(partial, path)
+                save_file(shard, str(partial), metadata={"format": "pt"})
+            else:
+                torch.save(shard, partial)
         written.append(path)
     stale_pattern = re.compile(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}$")
     keep = set(names)
@@ -1209,9 +1198,7 @@ def save_model(
             "metadata": {"total_size": total_size},
             "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
         }
-        partial = directory / f".{index_name}.partial"
-        partial.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        os.replace(partial, directory / index_name)
+        write_text(directory / index_name, json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(directory / index_name)
         keep.add(index_name)
     for entry in directory.iterdir():

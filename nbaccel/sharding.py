@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .utils.atomic_files import atomic_path
+
 _MIXED_PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
@@ -387,11 +389,11 @@ def save_full_model(model: nn.Module, save_directory: str | os.PathLike, safe_se
         if safe_serialization:
             from safetensors.torch import save_file
 
-            path = os.path.join(os.fspath(save_directory), "model.safetensors")
-            save_file(unique, path, metadata={"format": "pt"})
+            with atomic_path(os.path.join(os.fspath(save_directory), "model.safetensors")) as path:
+                save_file(unique, str(path), metadata={"format": "pt"})
         else:
-            path = os.path.join(os.fspath(save_directory), "pytorch_model.bin")
-            torch.save(unique, path)
+            with atomic_path(os.path.join(os.fspath(save_directory), "pytorch_model.bin")) as path:
+                torch.save(unique, path)
     if dist.is_initialized():
         dist.barrier()
     return path

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import telemetry
+from .utils.atomic_files import write_text
 from .utils.dataclasses import LoggerType
 
 logger = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class JSONLTracker(GeneralTracker):
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
         path = self.logging_dir / "config.json"
-        path.write_text(json.dumps(_plain(values), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_text(path, json.dumps(_plain(values), indent=2, sort_keys=True) + "\n")
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:

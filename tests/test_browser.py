@@ -213,6 +213,7 @@ def _drive_notebook(lab, page) -> None:
     config_cell.locator(".nbaccel-config-saved table").wait_for(state="visible", timeout=30_000)
     text = config_cell.inner_text()
     assert "model not found" not in text and "num_processes" in text and "Run this cell to edit" in text, text
+    assert "29517" in text, text  # what the Save button wrote last, not the form as it was first shown
     assert not config_cell.locator(".jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets)").is_visible()
     config_cell.scroll_into_view_if_needed()
     page.screenshot(path=str(OUTPUT / "config_reopened.png"))

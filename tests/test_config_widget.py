@@ -168,3 +168,29 @@ def test_displayed_as_the_form_and_a_table_kept_for_a_reopened_notebook(config_p
     page = second["text/html"]
     assert "<div class='nbaccel-config-saved' style='display:none'>" in page and "num_processes" in page
     assert page.startswith("<style>") and ".jp-OutputArea-output.jupyter-widgets" in page
+
+
+def test_a_save_updates_what_the_notebook_keeps(config_path):
+    """Both outputs carry display ids; a save updates them, so the saved notebook shows the saved values."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    config_file.LaunchConfig(num_processes=4, use_cpu=False).save(config_path)
+    form = config_widget()
+    shell = InteractiveShell.instance()
+    try:
+        with capture_output() as captured:
+            shell.display_formatter.format(form)
+            form.fields["num_processes"].value = "2"
+            form.fields["use_cpu"].value = True
+            assert form.save() == config_path
+    finally:
+        InteractiveShell.clear_instance()
+    shown, updates = captured.outputs[:2], captured.outputs[2:]
+    assert [output.update for output in shown] == [False, False] and [o.update for o in updates] == [True, True]
+    ids = [output.transient["display_id"] for output in shown]
+    assert [output.transient["display_id"] for output in updates] == ids
+    assert "num_processes: 4" in shown[0].data["text/plain"]
+    assert "num_processes: 2" in updates[0].data["text/plain"] and "use_cpu: True" in updates[0].data["text/plain"]
+    assert "application/vnd.jupyter.widget-view+json" in updates[0].data  # the live form stays a widget
+    assert ">2</td>" in updates[1].data["text/html"]

@@ -480,3 +480,36 @@ def test_the_start_up_phase_is_shown_until_a_rank_prints_steps_or_logs():
     model.update(dict(kind="status", rank=0, time=T0 + 3, state="starting", device="cpu", restart=1))
     model.update(dict(kind="status", rank=0, time=T0 + 4, state="running", device="cpu"))
     assert "setting up" in status_text(model.ranks[0])  # a restarted rank sets up again
+
+
+def test_without_the_notebook_extra_a_kernel_gets_live_html(monkeypatch):
+    """No ipywidgets/bqplot in a kernel: mode auto is "html", one output redrawn through its display id, then
+    the summary; "widget" asked for says which extra to install. (tests/test_lean_install.py: a real venv.)"""
+    import importlib.util
+
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from nbaccel.notebook import dashboard as dashboard_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("ipywidgets", "bqplot") else real_find_spec(name, *a))
+    monkeypatch.setattr(dashboard_module, "in_notebook_kernel", lambda: True)
+    with pytest.raises(ImportError, match=r"pip install nbaccel\[notebook\]"):
+        Dashboard(2, mode="widget")
+    InteractiveShell.instance()  # display() needs a shell to publish through
+    try:
+        with capture_output() as captured:
+            board = Dashboard(2, mode="auto", max_redraws_per_second=1000)
+            assert board.mode == "html"
+            board.start()
+            board.observe({"kind": "status", "rank": 0, "state": "running", "time": 1.0})
+            board.finish([None, None])
+    finally:
+        InteractiveShell.clear_instance()
+    outputs = captured.outputs
+    ids = {output.transient["display_id"] for output in outputs}
+    assert len(ids) == 2 and not any("widget-view" in kind for o in outputs for kind in o.data)
+    last = [o for o in outputs if "text/html" in o.data][-1]
+    assert last.update and "class='nbaccel-summary' data-state='finished'" in last.data["text/html"]

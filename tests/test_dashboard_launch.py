@@ -130,7 +130,7 @@ def test_unknown_dashboard_value_is_refused_before_starting(value):
 
     from nbaccel.launch import notebook_launcher
 
-    with pytest.raises(TypeError, match=r"dashboard=.*'widget', 'terminal', 'plain'"):
+    with pytest.raises(TypeError, match=r"dashboard=.*'widget', 'html', 'terminal', 'plain'"):
         notebook_launcher(lambda: 1, num_processes=2, dashboard=value)
     assert started_children() == []
 

@@ -138,7 +138,38 @@ def session_pipes_held():
     return len(session), sorted(session & pipes(os.getpid()))
 
 
+def read_env(names):
+    return {name: os.environ.get(name) for name in names}
+
+
 # ------------------------------------------------------------------------------------------ launches
+def test_the_kernels_variables_reach_the_remote_ranks(ssh_config, monkeypatch):
+    """The documented set (here HF_* and NCCL_*) and `env_vars=` patterns and values reach a rank on another
+    host; a variable outside them does not (the rank starts from its SSH login's environment)."""
+    kernel = {"HF_NBACCEL_PROBE": "hub", "NCCL_NBACCEL_PROBE": "nccl", "MYAPP_TOKEN": "by-pattern",
+              "OUTSIDE_THE_SET_PROBE": "kernel-only"}
+    for name, value in kernel.items():
+        monkeypatch.setenv(name, value)
+    names = [*kernel, "EXTRA_VALUE_PROBE"]
+    results = notebook_launcher(read_env, (names,), num_processes=1, hosts=list(HOSTS), dashboard=False,
+                                env_vars={"EXTRA_VALUE_PROBE": "set"})
+    assert results == [{**dict.fromkeys(kernel), "HF_NBACCEL_PROBE": "hub", "NCCL_NBACCEL_PROBE": "nccl",
+                        "EXTRA_VALUE_PROBE": "set"}] * 2
+    results = notebook_launcher(read_env, (names,), num_processes=1, hosts=list(HOSTS), dashboard=False,
+                                env_vars=["MYAPP_*"])
+    assert [r["MYAPP_TOKEN"] for r in results] == ["by-pattern"] * 2
+    assert [r["OUTSIDE_THE_SET_PROBE"] for r in results] == [None, None]
+
+
+def test_bad_env_vars_are_refused_before_anything_starts():
+    with pytest.raises(TypeError, match="pass a dict"):
+        notebook_launcher(read_env, ([],), hosts=list(HOSTS), env_vars=["A=1"])
+    with pytest.raises(TypeError, match="not the str"):
+        notebook_launcher(read_env, ([],), hosts=list(HOSTS), env_vars="MYAPP_*")
+    with pytest.raises(ValueError, match="env_vars= is for hosts= launches"):
+        notebook_launcher(read_env, ([],), env_vars=["MYAPP_*"])
+
+
 def test_two_hosts_two_ranks_each(ssh_config, capsys, monkeypatch):
     import nbaccel.notebook
     from nbaccel.notebook.render import summary_html

@@ -135,3 +135,20 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     assert "spawned [0, 3]" in stream_text(spawn)
     assert stream_text(spawn).count("[rank 0] in spawn\n") == 1 and stream_text(spawn).count("[rank 1] in spawn\n") == 1
     assert not os.path.exists(tmp_path / "leftover")
+
+
+def test_a_launch_returning_nothing_shows_no_out_line(kernel_name, tmp_path):
+    """As with Accelerate's launchers (which return None): no `Out[n]:` under the cell; the value is still the
+    list of the ranks' values, and a launch that returns values shows them."""
+    cells = [SETUP + "notebook_launcher(lambda: None, num_processes=2, dashboard=False)",
+             "results = _ = notebook_launcher(lambda: None, num_processes=2, dashboard=False)\n"
+             "print(results == [None, None], isinstance(results, list), repr(results))",
+             "notebook_launcher(lambda: 7, num_processes=2, dashboard=False)"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
+    nbclient.NotebookClient(notebook, kernel_name=kernel_name, timeout=120, startup_timeout=120).execute(
+        cwd=str(tmp_path))
+    nothing, value, seven = notebook.cells
+    assert [out.output_type for out in nothing.outputs if out.output_type != "stream"] == [], nothing.outputs
+    assert "True True [None, None]" in stream_text(value)
+    results = [out for out in seven.outputs if out.output_type == "execute_result"]
+    assert len(results) == 1 and results[0].data["text/plain"] == "[7, 7]", seven.outputs

@@ -107,21 +107,97 @@ def test_debug_collectives_notebook_runs_top_to_bottom(tmp_path):
     assert "Stopped 2 ranks" in out
 
 
-def test_magic_usage_errors_say_what_is_allowed(capsys):
-    from IPython.core.interactiveshell import InteractiveShell
+def _kernel_cells(sources: list[str], tmp_path: Path) -> list[dict]:
+    """Run `sources` in a fresh python3 kernel through jupyter_client: per cell, its iopub outputs and the
+    payloads of its execute_reply (where `?` help goes: a pager request, which nbclient drops)."""
+    import time
 
-    from nbaccel.notebook.magics import MagicUsageError
+    import jupyter_client
+
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    cells = []
+    try:
+        client.wait_for_ready(timeout=120)
+        for source in sources:
+            msg_id = client.execute(source)
+            outputs, deadline = [], time.monotonic() + 120
+            while time.monotonic() < deadline:
+                message = client.get_iopub_msg(timeout=120)
+                if message["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                    break
+                outputs.append(message)
+            reply = client.get_shell_msg(timeout=60)
+            while reply["parent_header"].get("msg_id") != msg_id:
+                reply = client.get_shell_msg(timeout=60)
+            text = "".join(m["content"].get("text", "") for m in outputs if m["msg_type"] == "stream")
+            text += "".join(str(m["content"].get("data", {}).get("text/plain", "")) for m in outputs
+                            if m["msg_type"] in ("display_data", "update_display_data", "execute_result"))
+            errors = [m["content"] for m in outputs if m["msg_type"] == "error"]
+            pages = "".join(p.get("data", {}).get("text/plain", "") for p in reply["content"].get("payload", [])
+                            if p.get("source") == "page")
+            cells.append({"text": text, "errors": errors, "page": pages, "outputs": outputs})
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    return cells
+
+
+def test_ranks_help_usage_errors_and_ipython_lines_in_a_kernel(tmp_path):
+    """IPython's conventions: `%ranks?` and `%ranks start?` page the help built by magic_arguments, bad
+    arguments are IPython's UsageError, and a %%ranks cell's `!cmd`, `%magic` and `x?` lines run on the ranks
+    (transformed by the kernel's own transformer; each rank's get_ipython() works in its namespace)."""
+    out = _kernel_cells([
+        "%load_ext nbaccel",
+        "%ranks?",
+        "%ranks start?",
+        "%ranks start --timeout -1",
+        "%ranks bogus",
+        "%ranks start -n 2 --timeout 20",
+        "%%ranks\n!echo from-the-shell\n%time y = 7\nz = y * 2\nlen?\nz",
+        "%%ranks\nfrom nbaccel import PartialState\nassert get_ipython().user_ns is globals()\n"
+        "%ranks_unknown_magic_xyz",
+        "%%ranks\n%%time\nw = z + 1\nprint('w is', w)",
+        "%ranks stop",
+    ], tmp_path)
+    assert not any(cell["errors"] for cell in out[:3]), [cell["errors"] for cell in out[:3]]
+    for subcommand in ("start", "status", "restart", "stop", "push", "pull", "--ranks", "--timeout"):
+        assert subcommand in out[1]["page"], out[1]["page"]
+    assert "%ranks start [-n NUM_PROCESSES]" in out[2]["page"] and "--spawn" in out[2]["page"], out[2]["page"]
+    assert "pull" not in out[2]["page"]  # one subcommand's help only
+    # IPython shows a UsageError as one stderr line, without a traceback
+    assert re.search(r"^UsageError: argument --timeout: the timeout must be > 0", out[3]["text"], re.M), out[3]
+    assert re.search(r"^UsageError: unknown subcommand 'bogus'", out[4]["text"], re.M), out[4]
+    assert "Started 2 ranks" in out[5]["text"], out[5]
+    cell = out[6]
+    assert not cell["errors"], cell["errors"]
+    assert "[rank 0] from-the-shell" in cell["text"] and "[rank 1] from-the-shell" in cell["text"], cell["text"]
+    assert "Wall time" in cell["text"]  # %time ran on the ranks
+    assert "Return the number of items" in cell["text"]  # len? paged on the ranks, shown as their output
+    assert "all ranks: 14" in cell["text"], cell["text"]
+    assert "UsageError" in str(out[7]) and "ranks_unknown_magic_xyz" in str(out[7])  # the rank's own IPython said it
+    assert "[rank 0] w is 15" in out[8]["text"] and "Wall time" in out[8]["text"], out[8]
+    assert "Stopped 2 ranks" in out[9]["text"]
+
+
+def test_magic_usage_errors_say_what_is_allowed(capsys):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     try:
         shell.run_line_magic("load_ext", "nbaccel")
-        with pytest.raises(MagicUsageError, match="unknown subcommand 'bogus'"):
+        with pytest.raises(UsageError, match="unknown subcommand 'bogus'"):
             shell.run_line_magic("ranks", "bogus")
-        with pytest.raises(MagicUsageError, match="no ranks are running"):
+        with pytest.raises(UsageError, match="no ranks are running"):
             shell.run_cell_magic("ranks", "", "1")
-        with pytest.raises(MagicUsageError, match="timeout must be > 0"):
+        with pytest.raises(UsageError, match="timeout must be > 0"):
             shell.run_line_magic("ranks", "start --timeout -1")
-        with pytest.raises(MagicUsageError, match="--ranks takes comma-separated"):
+        with pytest.raises(UsageError, match="--ranks takes comma-separated"):
             shell.run_cell_magic("ranks", "--ranks a,b", "1")
         shell.run_line_magic("ranks", "status")
         assert "No ranks running" in capsys.readouterr().out

@@ -130,7 +130,11 @@ def test_distributed_inference(tmp_path):
 @pytest.mark.timeout(300)
 def test_config_and_scripts(tmp_path):
     run = run_notebook("05_config_and_scripts.ipynb", tmp_path)
-    assert "application/vnd.jupyter.widget-view+json" in run.cell("config_widget()").mimetypes
+    form = run.cell("config_widget()")
+    assert "application/vnd.jupyter.widget-view+json" in form.mimetypes
+    # the saved notebook shows what the later cell saved (the form's outputs are updated by their display ids)
+    assert "num_processes: 2" in form.text and "use_cpu: True" in form.text, form.text
+    assert "one per device" not in form.text
     saved = run.cell("widget.save()").text
     assert re.search(r"saved to \S+default_config\.yaml", saved), saved
     assert "num_processes: 2" in saved and "use_cpu: true" in saved

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..utils.atomic_files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,7 +112,7 @@ def to_fsdp2_command(args: argparse.Namespace) -> None:
     if args.overwrite and args.output_file is None:
         args.output_file = args.config_file
     converted = convert_config_to_fsdp2(config)
-    with open(args.output_file, "w") as handle:
+    with atomic_write(args.output_file) as handle:  # it may be the config file itself (--overwrite)
         yaml.dump(converted, handle)
 
 

@@ -8,6 +8,9 @@ that piece. The elastic agent, cloudpickle and the notebook views load only when
 from __future__ import annotations
 
 from .._lazy import lazy_namespace
+from ..utils import notices as _notices
+
+_notices.install()  # the launcher's notices: logging records with a default handler (utils/notices.py)
 
 _EXPORTS = {
     **dict.fromkeys(["LaunchError", "LaunchTimeout", "PortInUseError", "UnpicklableError", "WorkerFailure"],

@@ -22,7 +22,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ipywidgets as widgets
+try:
+    import ipywidgets as widgets
+except ImportError as error:  # the form is a widget: without the extra there is nothing to edit with
+    raise ImportError("config_widget() needs ipywidgets: pip install nbaccel[notebook] "
+                      "(or edit the file with `nbaccel config`)") from error
 
 from ..utils import constants
 from ..utils.dataclasses import enum_value
@@ -98,6 +102,7 @@ class ConfigWidget:
         self.config = config if config is not None else config_file.LaunchConfig()
         self.target = self.path or (self.config.path if config is not None else None) or config_file.default_config_file()
         self.fields, self.errors = self._build_fields()
+        self._handles: list[tuple[Any, Any]] = []  # (form, saved table) display handles, one pair per display
         self.status = widgets.HTML()
         self.save_button = widgets.Button(description="Save", button_style="primary", icon="save")
         self.save_button.on_click(lambda _button: self.save())
@@ -211,6 +216,7 @@ class ConfigWidget:
         cautions = machine_warnings(candidate)
         self.status.value = _message(f"saved to {written}") + "".join(
             "<br>" + _message(f"warning: {caution}", warning=True) for caution in cautions)
+        self._show_saved()
         return written
 
     def _apply(self, values: dict[str, Any]):
@@ -245,8 +251,15 @@ class ConfigWidget:
         a trusted notebook reopened without widget state (module docstring)."""
         from IPython.display import display
 
-        display(self._repr_mimebundle_(), raw=True)
-        display({"text/html": self.saved_view_html()}, raw=True)
+        # display ids: a save updates both outputs, so the saved notebook shows what was saved last
+        self._handles.append((display(self._repr_mimebundle_(), raw=True, display_id=True),
+                              display({"text/html": self.saved_view_html()}, raw=True, display_id=True)))
+
+    def _show_saved(self) -> None:
+        """After a save: every place this form is displayed shows the saved values in its static forms."""
+        for form, saved in self._handles:
+            form.update(self._repr_mimebundle_(), raw=True)
+            saved.update({"text/html": self.saved_view_html()}, raw=True)
 
     def saved_view_html(self) -> str:
         """The second output: hidden unless `SAVED_VIEW_CSS` finds the form's output to be an error box."""

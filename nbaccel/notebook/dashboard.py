@@ -8,12 +8,16 @@ trailing redraw catches the last change of a burst). Where it draws is chosen by
   static summary (an HTML table, then a PNG chart in the output reserved below it), so a saved notebook
   holds no widget output (no "model not found" when reopened) and the run shows once;
 - "terminal": a rich live table (console.py);
+- "html": without the `notebook` extra (ipywidgets, bqplot) in a notebook: the summary table as HTML, redrawn
+  in place (a display handle, no widget), then the static summary; the chart is a PNG only with matplotlib;
 - "plain": log lines, throttled (console.py);
-- "auto": widget inside an IPython kernel with ipywidgets, terminal on a TTY, plain otherwise.
+- "auto": widget inside an IPython kernel with ipywidgets and bqplot, html in a kernel without them, terminal
+  on a TTY, plain otherwise.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 import time
@@ -23,7 +27,8 @@ from typing import Any
 
 from .dashboard_model import DashboardModel
 
-MODES = ("auto", "widget", "terminal", "plain")
+MODES = ("auto", "widget", "html", "terminal", "plain")
+INSTALL_HINT = "pip install nbaccel[notebook]"
 _FALLBACK_HTML = (
     "<div class='nbaccel-dashboard-fallback'><i>nbaccel live dashboard of a run that was still going when "
     "the notebook was saved (an ipywidgets view; it needs the running kernel).</i></div>"
@@ -61,18 +66,23 @@ def in_notebook_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def widgets_installed() -> bool:
+    """Whether the widget view can be drawn: ipywidgets and bqplot (the `notebook` extra) are installed (found,
+    not imported: bqplot imports pandas, a second the launch need not wait for)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("ipywidgets", "bqplot"))
+
+
 def resolve_mode(mode: str) -> str:
     """The concrete view for `mode` ("auto" -> widget / terminal / plain, see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"Dashboard mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "widget" and not widgets_installed():
+        raise ImportError(f"Dashboard(mode='widget') needs ipywidgets and bqplot: {INSTALL_HINT} "
+                          "(or mode='html' / 'auto', which need neither)")
     if mode != "auto":
         return mode
     if in_notebook_kernel():
-        try:
-            import ipywidgets  # noqa: F401
-        except ImportError:
-            return "plain"
-        return "widget"
+        return "widget" if widgets_installed() else "html"
     isatty = getattr(sys.stdout, "isatty", None)
     return "terminal" if isatty is not None and isatty() else "plain"
 
@@ -166,7 +176,7 @@ class Dashboard:
                 return
             self._closed = True
             self._cancel_timer()
-            if self.mode in ("terminal", "plain") and self._view is not None:
+            if self.mode in ("html", "terminal", "plain") and self._view is not None:
                 self._guard(self._view.close)
 
     def __enter__(self) -> Dashboard:
@@ -192,6 +202,10 @@ class Dashboard:
             self._display_handle = display(bundle, raw=True, display_id=True)
             # The place of the summary's chart, right below the live view (empty until the run ends).
             self._chart_handle = display({"text/plain": ""}, raw=True, display_id=True)
+        elif self.mode == "html":
+            from .render import HtmlView
+
+            self._view = HtmlView(self.model)
         elif self.mode == "terminal":
             from .console import RichView
 

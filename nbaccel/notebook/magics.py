@@ -1,13 +1,18 @@
-"""IPython magics for persistent ranks (`%load_ext nbaccel`).
+"""IPython magics for persistent ranks (`%load_ext nbaccel`): `%ranks SUBCOMMAND ...` and `%%ranks`.
 
-    %ranks start [-n N] [--spawn] [--timeout S]   start N ranks (a RankPool) with the process group ready
-    %%ranks [--ranks 0,1] [--timeout S]           run the cell on the ranks; show them side by side
-    %ranks status | restart | stop
-    %ranks debug [RANK]                           pdb's post-mortem at the failed rank's exception (the
-                                                  first failed rank of the last %%ranks cell by default)
-    %ranks push NAME [NAME ...]                   copy kernel variables to every rank
-    %ranks pull NAME [NAME ...]                   copy rank variables to the kernel: the value when it is
-                                                  equal on every rank, else a list with one value per rank
+Each subcommand is a method registered with `@subcommand`, its arguments declared with IPython's own
+`magic_arguments`, so `%ranks?` shows every subcommand's help, `%ranks start?` (or `%ranks start -h`) the
+help of one, and a bad argument is IPython's `UsageError`. Adding a subcommand is one decorated method:
+
+    @subcommand
+    @magic_arguments.magic_arguments("ranks debug")
+    @magic_arguments.argument("rank", type=int, nargs="?", help="...")
+    def debug(self, args: argparse.Namespace) -> None:
+        # a docstring: what it does (its first line is the summary in `%ranks?`)
+
+A `%%ranks` cell goes through the kernel's own input transformer (`shell.transform_cell`, as a cell would)
+before it is sent, so `!cmd`, `%magic` and `name?` lines work in it: on a rank they call that rank's
+`get_ipython()`, an IPython shell whose namespace is the rank's (launch/worker/rank_display.py).
 
 Errors are raised as the pool's exceptions (CollectiveMismatchError, RankTimeoutError, RankFailedError), whose
 message is the report; IPython shows the message without the magic's own frames.
@@ -16,28 +21,26 @@ message is the report; IPython shows the message without the magic's own frames.
 from __future__ import annotations
 
 import argparse
-import shlex
+import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..launch.pool import RankFailedError, RankPool, RankPoolError, RankResults, results_equal
 
-USAGE = """%ranks start [-n N] [--spawn] [--timeout S] [--hosts A,B] | status | restart | stop | push NAME... | pull NAME... | debug [RANK]
-%%ranks [--ranks 0,1] [--timeout S]  (cell magic: run the cell on the ranks)"""
+MagicUsageError = UsageError  # the name earlier versions raised; IPython's own class now
+SUBCOMMANDS: dict[str, Callable[..., Any]] = {}  # name -> the method, in the order they are defined
+_HELP_LINE = re.compile(r"^\s*%ranks\s+(\w+)\s*\?{1,2}\s*$")  # `%ranks start?`: IPython would ask about `start`
 
 
-class MagicUsageError(ValueError):
-    """Bad %ranks arguments: the message says what is allowed."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"UsageError: {self}"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise MagicUsageError(f"{message}\nusage: {USAGE}")
+def subcommand(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Register a `%ranks` subcommand: a method taking the parsed `argparse.Namespace` (see the docstring)."""
+    SUBCOMMANDS[method.__name__] = method
+    return method
 
 
 def _positive(text: str) -> float:
@@ -57,22 +60,13 @@ def _rank_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--ranks takes comma-separated rank numbers like 0,1; got {text!r}") from None
 
 
-def _start_parser() -> _Parser:
-    parser = _Parser(prog="%ranks start", add_help=False)
-    parser.add_argument("-n", "--num_processes", "--num-processes", type=int, default=2)
-    parser.add_argument("--spawn", action="store_true", help="start the ranks with spawn instead of fork")
-    parser.add_argument("--timeout", type=_positive, default=30.0)
-    parser.add_argument("--mixed_precision", "--mixed-precision", default="no")
-    # several machines: -n ranks on each, started over SSH (names as ssh knows them, comma-separated, or slurm)
-    parser.add_argument("--hosts", default=None)
-    return parser
-
-
-def _cell_parser() -> _Parser:
-    parser = _Parser(prog="%%ranks", add_help=False)
-    parser.add_argument("--ranks", type=_rank_list, default=None)
-    parser.add_argument("--timeout", type=_positive, default=None)
-    return parser
+def help_lines(lines: list[str]) -> list[str]:
+    """An input transformer (input_transformers_cleanup): `%ranks start?` becomes `%ranks start --help`."""
+    if len(lines) == 1:
+        match = _HELP_LINE.match(lines[0])
+        if match and match.group(1) in SUBCOMMANDS:
+            return [f"%ranks {match.group(1)} --help\n"]
+    return lines
 
 
 @magics_class
@@ -87,19 +81,38 @@ class RankMagics(Magics):
     def ranks(self, line: str, cell: str | None = None) -> Any:
         if cell is not None:
             return self._run_cell(line, cell)
-        words = shlex.split(line)
-        if not words:
-            raise MagicUsageError(f"%ranks needs a subcommand\nusage: {USAGE}")
-        command, rest = words[0], words[1:]
-        handlers = {"start": self._start, "status": self._status, "restart": self._restart, "stop": self._stop,
-                    "push": self._push, "pull": self._pull, "debug": self._debug}
-        if command not in handlers:
-            raise MagicUsageError(f"unknown subcommand {command!r}\nusage: {USAGE}")
-        return handlers[command](rest)
+        command, _, rest = line.strip().partition(" ")
+        if not command:
+            raise UsageError(f"%ranks needs a subcommand: {', '.join(SUBCOMMANDS)} (%ranks? shows their help)")
+        method = SUBCOMMANDS.get(command)
+        if method is None:
+            raise UsageError(f"unknown subcommand {command!r}: use one of {', '.join(SUBCOMMANDS)} "
+                             "(%ranks? shows their help)")
+        if re.search(r"(^|\s)(-h|--help)(\s|$)", rest):
+            self._page(method.__doc__ or "")
+            return None
+        return method(self, magic_arguments.parse_argstring(method, rest))
+
+    def _page(self, text: str) -> None:
+        from IPython.core import page
+
+        page.page(text)
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def _start(self, args: list[str]) -> None:
-        options = _start_parser().parse_args(args)
+    @subcommand
+    @magic_arguments.magic_arguments("ranks start")
+    @magic_arguments.argument("-n", "--num_processes", "--num-processes", type=int, default=2,
+                              help="ranks to start (on each host with --hosts); default 2")
+    @magic_arguments.argument("--spawn", action="store_true", help="start the ranks with spawn instead of fork")
+    @magic_arguments.argument("--timeout", type=_positive, default=30.0,
+                              help="seconds a cell may wait in a collective before the hang report; default 30")
+    @magic_arguments.argument("--mixed_precision", "--mixed-precision", default="no", help="no, fp16, bf16 or fp8")
+    @magic_arguments.argument("--hosts", default=None,
+                              help="several machines: names as ssh knows them, comma-separated, or slurm")
+    def start(self, options: argparse.Namespace) -> None:
+        """Start the ranks (a RankPool) with the process group ready; a running pool is stopped first."""
+        if options.num_processes < 1:
+            raise UsageError(f"-n must be at least 1, got {options.num_processes}")
         if self.pool is not None and self.pool.running:
             print(f"Stopping the running ranks first ({self.pool.world_size} ranks).")
             self.pool.shutdown()
@@ -109,7 +122,10 @@ class RankMagics(Magics):
         print(f"Started {self.pool.world_size} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")
 
-    def _status(self, args: list[str]) -> None:
+    @subcommand
+    @magic_arguments.magic_arguments("ranks status")
+    def status(self, options: argparse.Namespace) -> None:
+        """Say how many ranks run, their processes and devices."""
         if self.pool is None or not self.pool.running:
             print("No ranks running. Start them with %ranks start -n 2.")
             return
@@ -120,12 +136,18 @@ class RankMagics(Magics):
             print(f"  rank {info['rank']}: pid {info['pid']}, {info['device']}, "
                   f"{'alive' if info['alive'] else 'not running'}")
 
-    def _restart(self, args: list[str]) -> None:
+    @subcommand
+    @magic_arguments.magic_arguments("ranks restart")
+    def restart(self, options: argparse.Namespace) -> None:
+        """Start the ranks anew: their variables are gone, the process group is new."""
         pool = self._require()
         pool.restart()
         print(f"Restarted {pool.world_size} ranks: their variables are gone, the process group is new.")
 
-    def _stop(self, args: list[str]) -> None:
+    @subcommand
+    @magic_arguments.magic_arguments("ranks stop")
+    def stop(self, options: argparse.Namespace) -> None:
+        """Stop the ranks."""
         if self.pool is None or not self.pool.running:
             print("No ranks running.")
             return
@@ -134,38 +156,47 @@ class RankMagics(Magics):
         self.pool = None
         print(f"Stopped {count} ranks.")
 
-    def _debug(self, args: list[str]) -> None:
-        """%ranks debug [RANK]: pdb at the exception of the rank's last failed cell (worker/pool_rank.py)."""
-        if len(args) > 1 or (args and not args[0].isdigit()):
-            raise MagicUsageError(f"%ranks debug takes at most one rank number, got {' '.join(args)!r}\nusage: {USAGE}")
+    @subcommand
+    @magic_arguments.magic_arguments("ranks debug")
+    @magic_arguments.argument("rank", type=int, nargs="?", default=None,
+                              help="the rank whose exception to debug; default: the first failed rank")
+    def debug(self, options: argparse.Namespace) -> None:
+        """pdb's post-mortem at a rank's exception in the last %%ranks cell (the first failed rank by default;
+        worker/pool_rank.py)."""
         pool = self._require()
-        rank = int(args[0]) if args else None
-        if rank is not None and rank >= pool.num_processes:
-            raise MagicUsageError(f"rank {rank} does not exist: the ranks are 0..{pool.num_processes - 1}")
+        rank = options.rank
+        if rank is not None and not 0 <= rank < pool.world_size:
+            raise UsageError(f"rank {rank} does not exist: the ranks are 0..{pool.world_size - 1}")
         pool.debug(rank)
 
     def _require(self) -> RankPool:
         if self.pool is None or not self.pool.running:
-            raise MagicUsageError("no ranks are running: start them with %ranks start -n 2")
+            raise UsageError("no ranks are running: start them with %ranks start -n 2")
         return self.pool
 
     # ------------------------------------------------------------------------------------------ variables
-    def _push(self, names: list[str]) -> None:
+    @subcommand
+    @magic_arguments.magic_arguments("ranks push")
+    @magic_arguments.argument("names", nargs="+", metavar="NAME", help="kernel variables, e.g. model data")
+    def push(self, options: argparse.Namespace) -> None:
+        """Copy kernel variables to every rank."""
         pool = self._require()
-        if not names:
-            raise MagicUsageError("%ranks push needs variable names, e.g. %ranks push model data")
+        names = options.names
         missing = [name for name in names if name not in self.shell.user_ns]
         if missing:
-            raise MagicUsageError(f"not defined in the kernel: {', '.join(missing)}")
+            raise UsageError(f"not defined in the kernel: {', '.join(missing)}")
         for name in names:
             pool.push(name, self.shell.user_ns[name])
         print(f"Pushed {', '.join(names)} to {pool.world_size} ranks.")
 
-    def _pull(self, names: list[str]) -> Any:
-        """Assign each name in the kernel; with one name also return it (`loss = %ranks pull loss`)."""
+    @subcommand
+    @magic_arguments.magic_arguments("ranks pull")
+    @magic_arguments.argument("names", nargs="+", metavar="NAME", help="rank variables, e.g. loss")
+    def pull(self, options: argparse.Namespace) -> Any:
+        """Copy rank variables to the kernel: the value when it is equal on every rank, else a list with one
+        value per rank; with one name also return it (`loss = %ranks pull loss`)."""
         pool = self._require()
-        if not names:
-            raise MagicUsageError("%ranks pull needs variable names, e.g. %ranks pull loss")
+        names = options.names
         value = None
         for name in names:
             values = pool.pull(name)
@@ -179,9 +210,16 @@ class RankMagics(Magics):
         return value if len(names) == 1 else None
 
     # ------------------------------------------------------------------------------------------ cells
+    @magic_arguments.magic_arguments("%ranks")
+    @magic_arguments.argument("--ranks", type=_rank_list, default=None, help="only these ranks, e.g. 0,1")
+    @magic_arguments.argument("--timeout", type=_positive, default=None,
+                              help="seconds this cell may wait in a collective (default: the pool's)")
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
-        options = _cell_parser().parse_args(shlex.split(line))
+        """Run the cell on every rank (each in its own namespace) and show the ranks side by side."""
+        options = magic_arguments.parse_argstring(RankMagics._run_cell, line)
         pool = self._require()
+        # the kernel's own transformer, as for a cell: `!cmd`, `%magic`, `x?` become get_ipython() calls
+        cell = self.shell.transform_cell(cell)
         live = _LiveView()
         try:
             # a blank first line stands for the `%%ranks` line: line numbers in reports and tracebacks are the
@@ -244,6 +282,16 @@ class _LiveView:
             print(repr(results), file=sys.stdout)
 
 
+def _ranks_help() -> str:
+    """`%ranks?`: the cell magic's help, then every subcommand's (built by magic_arguments)."""
+    parts = ["Persistent ranks: `%ranks SUBCOMMAND ...` (line) and `%%ranks` (cell). `%ranks SUBCOMMAND?` shows "
+             "one subcommand's help.", RankMagics._run_cell.__doc__ or ""]
+    parts += [method.__doc__ or "" for method in SUBCOMMANDS.values()]
+    return "\n\n".join(part.strip() for part in parts)
+
+
+RankMagics.ranks.__doc__ = _ranks_help()
+
 _magics: RankMagics | None = None
 
 
@@ -253,11 +301,15 @@ def load_ipython_extension(ipython: Any) -> None:
     if _magics is None or _magics.shell is not ipython:
         _magics = RankMagics(ipython)
     ipython.register_magics(_magics)
+    if help_lines not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(help_lines)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """`%unload_ext nbaccel`: stop the ranks."""
     global _magics
+    if help_lines in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(help_lines)
     if _magics is not None:
         _magics.close()
         _magics = None

@@ -128,8 +128,11 @@ def metrics_png(model: DashboardModel, *, width: float = 4.0, height: float = 2.
     names = sorted(model.metrics)
     if not names:
         return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:  # without the `notebook` extra: the summary table has the last values, no chart
+        return None
 
     columns = min(len(names), 3)
     rows = math.ceil(len(names) / columns)
@@ -240,3 +243,32 @@ def summary_text(model: DashboardModel) -> str:
             + (f"; {metrics}" if metrics else "")
         )
     return "\n".join(lines)
+
+
+class HtmlView:
+    """The dashboard in a notebook without ipywidgets: the summary table as one HTML output, redrawn in place
+    through a display handle (`update_display_data`, which every frontend and nbclient apply), so the saved
+    notebook holds its last frame; `finish` leaves the summary and, with matplotlib, the chart below it."""
+
+    def __init__(self, model: DashboardModel):
+        from IPython.display import display
+
+        self._handle = display(self._bundle(model), raw=True, display_id=True)
+        self._chart = display({"text/plain": ""}, raw=True, display_id=True)
+
+    @staticmethod
+    def _bundle(model: DashboardModel) -> dict[str, str]:
+        return {"text/html": summary_html(model), "text/plain": summary_text(model)}
+
+    def render(self, model: DashboardModel) -> None:
+        self._handle.update(self._bundle(model), raw=True)
+
+    def finish(self, model: DashboardModel) -> None:
+        self.render(model)
+        png = metrics_png(model)
+        if png is not None:
+            self._chart.update(png_bundle(png, f"{model.title}: chart of {', '.join(sorted(model.metrics))}"),
+                               raw=True)
+
+    def close(self) -> None:
+        pass

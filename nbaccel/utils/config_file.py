@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from .atomic_files import atomic_write
 from .constants import MIXED_PRECISION_CHOICES, RDZV_BACKENDS, START_METHODS
 from .dataclasses import ComputeEnvironment, DistributedType, DynamoBackend, enum_value
 from .safe_yaml import DocumentTooLargeError, load_yaml, short_keys, short_repr
@@ -218,10 +219,8 @@ class LaunchConfig:
         if errors:
             raise ConfigError("\n".join(f"{display_path(target)}: {k}: {m}" for k, m in errors.items()))
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with atomic_write(target) as handle:  # a reader never sees half a file, nor two writers' mix
             yaml.safe_dump(self.to_dict(), handle, sort_keys=True)
-        os.replace(tmp, target)  # a reader never sees half a file
         self.path = target
         return target
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .atomic_files import atomic_path
+
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"
 
@@ -280,11 +282,11 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.
                 if key not in seen:
                     seen.add(key)
                     unique[name] = tensor.contiguous()
-            path = os.path.join(os.fspath(output_path), "model.safetensors")
-            save_file(unique, path, metadata={"format": "pt"})
+            with atomic_path(os.path.join(os.fspath(output_path), "model.safetensors")) as path:
+                save_file(unique, str(path), metadata={"format": "pt"})
         else:
-            path = os.path.join(os.fspath(output_path), "pytorch_model.bin")
-            torch.save(state, path)
+            with atomic_path(os.path.join(os.fspath(output_path), "pytorch_model.bin")) as path:
+                torch.save(state, path)
         if remove_checkpoint_dir:
             shutil.rmtree(checkpoint_dir)
     _barrier()

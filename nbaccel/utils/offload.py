@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .atomic_files import atomic_write
+
 _NUMPY_STAND_IN = {"bfloat16": "int16"}  # numpy has no bfloat16 / float8: store their bits as integers
 
 
@@ -73,10 +75,8 @@ def save_offload_index(index: Mapping[str, Any] | None, offload_folder: str | os
         with open(path, encoding="utf-8") as handle:
             current = json.load(handle)
     current.update(index)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_write(path) as handle:
         json.dump(current, handle, indent=2)
-    os.replace(tmp, path)
 
 
 def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .atomic_files import atomic_path
 from .config_file import LaunchConfig, default_config_file, display_path
 from .constants import DEFAULT_MAIN_PROCESS_PORT, MIXED_PRECISION_CHOICES
 from .operations import wait_for_everyone as wait_for_everyone  # Accelerate exposes it from this module too
@@ -202,11 +203,16 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
 
         if not isinstance(obj, dict):
             raise TypeError(f"safe_serialization=True saves a dict of tensors; got {type(obj).__name__}")
-        save_file(clean_state_dict_for_safetensors(obj), os.fspath(f), metadata={"format": "pt"})
+        with atomic_path(f) as path:
+            save_file(clean_state_dict_for_safetensors(obj), str(path), metadata={"format": "pt"})
     else:
         import torch
 
-        torch.save(obj, f)
+        if isinstance(f, (str, os.PathLike)):  # a path: whole or not at all; a file object: the caller's
+            with atomic_path(f) as path:
+                torch.save(obj, path)
+        else:
+            torch.save(obj, f)
 
 
 def merge_dicts(source: dict, destination: dict) -> dict:

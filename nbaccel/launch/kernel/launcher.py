@@ -12,8 +12,8 @@ kernel/torchrun.py's backend) to the same `run_plan`.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit 
 from .. import messages
 from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
+from ..launch_results import LaunchResults
 from ..messages import LaunchState
 from ..serialize import make_payload
 from ..worker.rank_prompts import post_mortem_on_error
@@ -32,6 +33,8 @@ from .plan import LaunchPlan, LaunchRequest, Placement, build_plan
 from .rank_groups import RankGroups
 from .saved_config import default
 from .supervisor import Supervisor
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -60,6 +63,7 @@ def notebook_launcher(
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
     hosts: Sequence[str] | str | Any = None,
+    env_vars: Sequence[str] | Mapping[str, str] | None = None,
     debug: bool = False,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
@@ -78,6 +82,8 @@ def notebook_launcher(
     each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank. `hosts="ray"`
     (or `RayHosts(...)`): on the nodes of the Ray cluster this kernel reaches, placed by a Ray placement group
     (docs/launcher.md, "Ray"). With `hosts`, `max_restarts` restarts every rank of every host after a failure.
+    The ranks get the kernel's NCCL_*, GLOO_*, CUDA_*, TORCH*, HF_*, WANDB_*, ... variables; `env_vars` names
+    more (patterns like "MYAPP_*") or sets values ({"NAME": "value"}) (kernel/forwarded_env.py).
 
     `debug=True` (nbaccel's addition): a rank whose function raises stops at its exception in pdb's
     post-mortem, asked in the cell, before the launch fails (docs/debugging.md).
@@ -93,10 +99,13 @@ def notebook_launcher(
         num_nodes=num_nodes, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
-        hosts=hosts,
+        hosts=hosts, env_vars=env_vars,
     )
+    if env_vars is not None and hosts is None:
+        raise ValueError("env_vars= is for hosts= launches: ranks on this machine inherit the kernel's whole "
+                         "environment (set os.environ before the launch)")
     plan = build_plan(request)
-    return launch(plan, request, Reporting(dashboard, tuple(observers)))
+    return LaunchResults(launch(plan, request, Reporting(dashboard, tuple(observers))))  # a list; no Out: of Nones
 
 
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
@@ -106,7 +115,7 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     dashboard. Returns the per-rank results.
     """
     request = LaunchRequest(function=function, args=args, num_processes=num_processes, debug_launcher=True)
-    return launch(build_plan(request), request, Reporting(dashboard=False))
+    return LaunchResults(launch(build_plan(request), request, Reporting(dashboard=False)))
 
 
 def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> list[Any]:
@@ -134,8 +143,8 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
                 exc.attempts = earlier + [failures for failures in exc.attempts if failures]
                 raise
             earlier.append(dict(exc.failures))
-            print(f"nbaccel: {first_failure(exc)}; restarting every rank ({attempt + 1} of max_restarts="
-                  f"{restarts})", file=sys.stderr)
+            logger.warning(f"nbaccel: {first_failure(exc)}; restarting every rank ({attempt + 1} of max_restarts="
+                           f"{restarts})")
             backend = select_backend(plan)
     raise AssertionError("unreachable")
 
@@ -154,7 +163,7 @@ def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, report
     notebook_launcher's launches and of `nbaccel launch` (RankPool's ranks open the same session,
     pool/rank_processes.py). Returns the results by local rank (none for a script)."""
     if plan.start_note:
-        print(plan.start_note, file=sys.stderr)
+        logger.warning(plan.start_note)
     with LaunchSession(plan, backend) as session:
         ranks = session.start(payload)
         return supervise(session.plan, ranks, backend, reporting, session.groups)

@@ -10,7 +10,7 @@ from typing import Any
 from ..channel import Observer
 from ..views import views
 
-VIEW_MODES = ("widget", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
+VIEW_MODES = ("widget", "html", "terminal", "plain")  # `dashboard=` strings naming a view of nbaccel.notebook.Dashboard
 
 
 @dataclass(frozen=True)

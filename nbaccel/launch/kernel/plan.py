@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -36,9 +37,12 @@ from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
 from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address
 from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
+from .forwarded_env import forwarded_environment
 from .hosts import RAY, resolve_hosts
 from .saved_config import apply_saved_config, default, is_default, plain
 from .start_methods import check_start_method, choose_start_method
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 if TYPE_CHECKING:
     from .hosts import HostSet
@@ -93,6 +97,7 @@ class LaunchRequest:
     start_method: str | None = None
     timeout: float | None = None
     hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/hosts.py)
+    env_vars: Any = None  # hosts=: more of the kernel's variables for the ranks (kernel/forwarded_env.py)
     debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
     program: Program = Program.FUNCTION  # POOL: RankPool's ranks (its `timeout` bounds each collective)
     # Program.SCRIPT (`nbaccel launch`, its options already checked and merged with the config file by
@@ -369,7 +374,7 @@ def _resolve(request: LaunchRequest) -> LaunchPlan:
     if num_processes is None:
         num_processes = gpus or 1
     elif gpus == 1 and num_processes > 1 and num_nodes == 1 and "google.colab" in sys.modules:
-        print("Colab with one GPU: running the function in this process (as Accelerate does).", file=sys.stderr)
+        logger.warning("Colab with one GPU: running the function in this process (as Accelerate does).")
         num_processes = 1
     elif gpus and num_processes > gpus:
         raise ValueError(
@@ -425,7 +430,8 @@ def _host_plan(request: LaunchRequest) -> LaunchPlan:
     master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
     return LaunchPlan(placement=host_placement(hosts), num_processes=num_processes, mixed_precision=precision,
                       start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
-                      environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
+                      environ=_frozen({**forwarded_environment(request.env_vars), **worker_environment(worker)}),
+                      num_nodes=len(hosts.names), node_rank=0,
                       master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,
                       hosts=hosts)
 
@@ -460,13 +466,15 @@ def _pool_plan(request: LaunchRequest) -> LaunchPlan:
         raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
     check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
     hosts = resolve_hosts(request.hosts) if request.hosts is not None else None
+    if request.env_vars is not None and hosts is None:
+        raise ValueError("env_vars= is for hosts= pools: local ranks inherit the kernel's whole environment")
     check_seconds(request.timeout, "timeout")
     precision = check_precision(request.mixed_precision)
     method, note = choose_start_method(request.start_method)
     gpus = hosts.gpus if hosts is not None and hosts.gpus is not None else visible_gpus()
     if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
-        print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
-              f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+        logger.warning(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+                       f"num_processes<={gpus} for GPU ranks.")
         gpus = 0
     num_nodes = len(hosts.names) if hosts else 1
     # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
@@ -474,6 +482,8 @@ def _pool_plan(request: LaunchRequest) -> LaunchPlan:
                                               nproc_per_node=num_processes, fork_launched=True,
                                               pg_timeout=float(request.timeout) + POOL_PG_MARGIN,
                                               loopback=hosts is None, num_nodes=num_nodes))
+    if hosts is not None:  # remote ranks get the kernel's documented variables (forwarded_env.py)
+        environ = {**forwarded_environment(request.env_vars), **environ}
     common = dict(program=Program.POOL, num_processes=num_processes, mixed_precision=precision,
                   device="cuda:{local_rank}" if gpus else "cpu", environ=_frozen(environ))
     if hosts is not None:  # the first host finds the port; each agent picks its start method

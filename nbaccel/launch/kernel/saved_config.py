@@ -9,11 +9,13 @@ A file that cannot be read raises `ConfigError` ("<file>: <key>: <problem>") bef
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...utils.dataclasses import enum_value
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 
 class _Default:
@@ -113,8 +115,8 @@ def apply_saved_config(arguments: Any, gpus: int) -> LaunchDefaults:
             result.rdzv_backend = config.rdzv_backend
     if num_processes is None and config.num_processes is not None:
         if for_accelerator and gpus == 0:
-            print(f"nbaccel: {where} is for distributed_type {distributed_type} but no GPU is visible: ignoring "
-                  f"its num_processes={config.num_processes}, running on the CPU.", file=sys.stderr)
+            logger.warning(f"nbaccel: {where} is for distributed_type {distributed_type} but no GPU is visible: ignoring "
+                  f"its num_processes={config.num_processes}, running on the CPU.")
         else:  # Accelerate's file counts the processes of all machines; the launcher's are per node
             result.num_processes = max(config.num_processes // max(result.num_nodes, 1), 1) if multi_node \
                 else config.num_processes
@@ -161,4 +163,4 @@ def _report_taken(where: str, given: LaunchDefaults, result: LaunchDefaults, con
     parts = ([", ".join(taken)] if taken else []) + (
         [f"not used by notebook_launcher: {', '.join(unused)}"] if unused else [])
     if parts:
-        print(f"nbaccel: notebook_launcher takes from {where}: {'; '.join(parts)}", file=sys.stderr)
+        logger.warning(f"nbaccel: notebook_launcher takes from {where}: {'; '.join(parts)}")

@@ -9,6 +9,7 @@ collectives that cannot meet are stopped within seconds and named with their ope
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,8 @@ from .module_preload import learn_rank_imports
 from .placement_base import Backend, StartedRank
 from .process_trees import signal_name
 from .prompt_relay import PromptRelay
+
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 if TYPE_CHECKING:
     from .collective_watch import ExitHang
@@ -220,10 +223,7 @@ class Supervisor:
             if restart > self.generation:  # elastic restarted the workers: earlier failures are handled
                 self.generation = restart
                 cause = "; ".join(f.summary() for f in self.failures.values()) or "a worker failed"
-                try:
-                    self.stderr.write(f"[nbaccel] {cause}: restarting the workers (restart {restart})\n")
-                except Exception:
-                    pass
+                logger.warning(f"[nbaccel] {cause}: restarting the workers (restart {restart})")
                 self.attempts.append(dict(self.failures))  # the final error names them
                 self.attempts += [{} for _ in range(restart - len(self.attempts))]  # attempts that never reported
                 self.failures = {}
@@ -444,9 +444,9 @@ class Supervisor:
         self.backend.stop()
         if self.exit_hang is not None:  # the backend's watch found them, and its front door names them
             return
-        print(f"nbaccel: rank(s) {', '.join(map(str, stuck))} returned a result but did not exit within "
+        logger.warning(f"nbaccel: rank(s) {', '.join(map(str, stuck))} returned a result but did not exit within "
               f"{EXIT_HANG_GRACE:.0f} s (stuck tearing down the process); stopped them. The results are "
-              "complete.", file=self.stderr, flush=True)
+              "complete.")
 
     def _let_failed_ranks_exit(self) -> None:
         """A rank that reported its exception is on its way out (exit code 1): let it get there before every

@@ -20,11 +20,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import itertools
-import sys
+import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import UnpicklableError
@@ -48,6 +48,8 @@ from .results import (
 )
 from .telemetry_reader import OutputLines, TelemetryReader, observer_of, status_message
 
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
+
 __all__ = [
     "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
     "RankStartError", "RankTimeoutError", "results_equal",
@@ -67,14 +69,15 @@ class RankPool:
     """
 
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
-                 timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None) -> None:
+                 timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None,
+                 env_vars: Sequence[str] | Mapping[str, str] | None = None) -> None:
         # every check and default once, in plan.py (the same builder as notebook_launcher's): bad input fails here
         self._plan_built = build_plan(LaunchRequest(function=None, program=Program.POOL, num_processes=num_processes,
                                                     start_method=start_method, mixed_precision=mixed_precision,
-                                                    timeout=timeout, hosts=hosts))
+                                                    timeout=timeout, hosts=hosts, env_vars=env_vars))
         plan = self._plan_built
         if plan.start_note:
-            print(plan.start_note, file=sys.stderr)
+            logger.warning(plan.start_note)
         # several machines: num_processes ranks on each host, started over SSH (docs/ranks.md)
         self.hosts = plan.hosts
         self.timeout = float(timeout)  # the limit of each collective of a call (the plan has no overall timeout)
@@ -345,14 +348,14 @@ class RankPool:
             except KeyboardInterrupt:
                 if call.pending:
                     self._recover(graceful=False)
-                    print(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
-                          "were restarted and their variables are lost.", file=sys.stderr)
+                    logger.warning(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
+                          "were restarted and their variables are lost.")
                 raise
             finally:
                 if call.broken and self._workers is not None and not call.pending:
                     self._recover(graceful=False)
-                    print(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
-                          "their variables are lost: re-run the cells that define them.", file=sys.stderr)
+                    logger.warning(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
+                          "their variables are lost: re-run the cells that define them.")
 
     def _report_results(self, results: RankResults) -> None:
         for result in results:

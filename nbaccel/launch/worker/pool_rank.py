@@ -179,6 +179,10 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
     """Run one command; what goes back to the kernel is written into `reply`."""
     if command is _EXEC:
         _, _, source, filename, ends_with_expression = message
+        if "get_ipython" not in namespace and "get_ipython()" in source:  # a %%ranks cell with !cmd / %magic
+            from .rank_display import bind_shell
+
+            bind_shell(namespace)
         value, shown = run_cell(source, filename, namespace, ends_with_expression)
         if shown:
             reply.update(describe(value))

@@ -187,6 +187,28 @@ def _start_bare_shell() -> None:
         pass
 
 
+def bind_shell(namespace: dict[str, Any]) -> None:
+    """Give a RankPool rank's namespace `get_ipython()`: the code of a `%%ranks` cell went through the kernel's
+    input transformer, so `!cmd`, `%magic` and `x?` lines are `get_ipython().system(...)`,
+    `.run_line_magic(...)` calls. The shell is the one a forked rank inherited from the kernel (its display
+    publisher already rewired by `install`) or, spawned, a bare one (as for `display()`); its namespace
+    becomes the rank's, so `%time y = 1` defines `y` there, and its pager prints (the kernel's pager answers
+    a request of the kernel's own, which a rank has none of)."""
+    _start_bare_shell()
+    shell = _shell()
+    if shell is None:
+        raise RuntimeError("this rank has no IPython (pip install ipython): its cell has !cmd or %magic lines")
+    shell.user_ns = namespace
+    shell.set_hook("show_in_pager", _print_page)
+    namespace["get_ipython"] = shell.get_ipython
+
+
+def _print_page(_shell: Any, data: Any, start: int = 0, screen_lines: int = 0, pager_cmd: Any = None) -> None:
+    """The pager of a rank's shell: the text form, to stdout (the kernel shows it as the rank's output)."""
+    text = data.get("text/plain", "") if isinstance(data, dict) else str(data)
+    print("\n".join(text.splitlines()[start:]))
+
+
 def _close_inherited_figures() -> None:
     """Figures a forked rank inherited from the kernel are not the rank's: `finish` must not show them."""
     pyplot = sys.modules.get("matplotlib.pyplot")
