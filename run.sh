@@ -26,7 +26,7 @@ ensure_venv() {
             exit 1
         }
         # every extra, and the dev group (PEP 735; pip >= 25.1 reads it from pyproject.toml)
-        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[notebook,tensorboard]" --group dev
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[notebook,tensorboard,ray]" --group dev
         # lomo-optim needs transformers; kept out of the main environment (see constraints.txt), for the LOMO
         # test, the Trainer/PEFT kernel test and scripts/run_accelerate_examples.py
         rm -rf "$VENV/side/lomo"
