@@ -26,6 +26,7 @@ from ..shared_tensors import make_result_dir, remove_result_dir
 from .backends import select_backend
 from .host_plan import build_host_plan
 from .inprocess import run_in_process
+from .interrupts import interrupts_kept
 from .observers import Reporting, check_dashboard, make_dashboard
 from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
 from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
@@ -123,18 +124,27 @@ def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, report
         print(plan.start_note, file=sys.stderr)
     if backend.preloads_modules:
         preload_worker_modules(plan.start_method, launch=True)
-    # the launch's private folders, named in the plan before any process starts; removed when it ends
-    store_dir = make_store_dir() if backend.private_store else None
-    result_dir = make_result_dir() if backend.result_folder else None
-    # where each rank registers the process group it leads: every one is stopped before this call returns
-    groups = RankGroups() if getattr(backend, "rank_groups", False) else None
-    plan = plan.with_folders(store_dir, result_dir, groups.folder if groups else None)
+    store_dir: str | None = None
+    result_dir: str | None = None
+    groups: RankGroups | None = None
     try:
-        with resource_tracker_scope():
-            try:
+        with interrupts_kept(), resource_tracker_scope():
+            try:  # (made inside: an interrupt right after the keeper started must not leave it running)
+                # the launch's private folders, named in the plan before any process starts; removed when it ends
+                store_dir = make_store_dir() if backend.private_store else None
+                result_dir = make_result_dir() if backend.result_folder else None
+                # where each rank registers the process group it leads: every one is stopped before this returns
+                groups = RankGroups() if getattr(backend, "rank_groups", False) else None
+                plan = plan.with_folders(store_dir, result_dir, groups.folder if groups else None)
                 with gc_frozen(plan.start_method if backend.freezes_gc else "none"):
                     handles = backend.start(plan, payload)
-                    return supervise(plan, handles, backend, reporting, groups)
+                    try:
+                        return supervise(plan, handles, backend, reporting, groups)
+                    except BaseException:
+                        # e.g. an interrupt after the start, before the supervisor watched (the dashboard's
+                        # start, the first message): no rank may stay, or close() below waits for it forever
+                        backend.stop()
+                        raise
             finally:
                 try:
                     if groups is not None:  # what any rank, dead or alive, left running

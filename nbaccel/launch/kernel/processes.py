@@ -405,16 +405,22 @@ def resource_tracker_scope() -> Iterator[None]:
     helpers = [(getattr(resource_tracker, "_resource_tracker", None), "_pid"),
                (getattr(forkserver, "_forkserver", None), "_forkserver_pid")]
     running = [getattr(helper, attr, None) is not None for helper, attr in helpers]
+    interrupted = False
     try:
         yield
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         started = [helper for (helper, attr), was_running in zip(reversed(helpers), reversed(running))
                    if helper is not None and not was_running and getattr(helper, attr, None) is not None]
         if started:
             # The tracker unlinks, as leaked, every semaphore still registered when it stops: collect what the
             # launch left unreferenced first (torch elastic's spawn-context queues and event), or their
-            # finalizers fail later on names already gone ("Exception ignored ... sem_unlink ...").
-            gc.collect()
+            # finalizers fail later on names already gone ("Exception ignored ... sem_unlink ..."). Interrupted,
+            # only the young generations (the launch's own objects): a full collection of a kernel's heap took
+            # seconds on a busy machine, and an interrupt ends the launch within seconds.
+            gc.collect(1 if interrupted else 2)
         for helper in started:
             try:
                 helper._stop()

@@ -29,6 +29,7 @@ from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
 from ..views import views
 from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
+from .interrupts import raise_if_swallowed
 from .processes import learn_rank_imports, signal_name
 
 if TYPE_CHECKING:
@@ -390,6 +391,7 @@ class Supervisor:
             while True:
                 wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
                 self.pump(wait_for)
+                raise_if_swallowed()  # an interrupt whose KeyboardInterrupt a finalizer dropped
                 if self.failures and self.backend.fail_fast:
                     outcome = LaunchState.FAILED
                     break
