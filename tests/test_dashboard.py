@@ -386,12 +386,13 @@ def test_ranks_on_several_hosts_get_a_host_column_and_their_own_rows():
     assert ["rank", "host", "device"] in [row[:3] for row in rows] and ["2", "gpu-b", "cuda:0"] in [row[:3] for row in rows]
 
 
-def test_the_launch_info_names_the_hosts_before_any_rank_reports():
+def test_the_launch_info_shows_the_host_column_and_the_kernel_stamped_host_fills_it():
     model = DashboardModel(4, info={"hosts": ["gpu-a", "gpu-b"], "world_size": 4})
-    assert [s.host for s in model.ranks] == ["gpu-a", "gpu-a", "gpu-b", "gpu-b"] and model.shows_hosts
-    # a rank's own messages carry its local rank on its host: the row is still its global rank
-    model.update({"kind": "step", "rank": 3, "local_rank": 1, "time": T0, "step": 7})
-    assert model.ranks[3].step == 7 and model.ranks[1].step == 0
+    assert [s.host for s in model.ranks] == [""] * 4 and model.shows_hosts  # no guess before a rank reports
+    # a rank's own messages carry its local rank on its host: the row is still its global rank; the host is the
+    # one the kernel stamped on the message (it started the rank there)
+    model.update({"kind": "step", "rank": 3, "local_rank": 1, "time": T0, "step": 7, "host": "gpu-b"})
+    assert model.ranks[3].step == 7 and model.ranks[1].step == 0 and model.ranks[3].host == "gpu-b"
     assert "gpu-a, gpu-b" in summary_html(model)  # the header's hosts, as a list of names
 
 

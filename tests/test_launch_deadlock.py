@@ -19,7 +19,7 @@ from process_helpers import started_children
 
 from nbaccel import debug_launcher, notebook_launcher
 from nbaccel.launch import LaunchError, LaunchTimeout
-from nbaccel.launch.kernel.collectives import CollectiveTracker
+from nbaccel.launch.kernel.collective_tracker import CollectiveTracker
 from nbaccel.utils import broadcast, reduce
 
 pytestmark = pytest.mark.timeout(180)

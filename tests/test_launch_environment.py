@@ -1,5 +1,5 @@
 """One worker environment: notebook_launcher, RankPool and `nbaccel launch` build it with the same function
-(nbaccel.launch.environment.worker_environment) and give the same variables for the same configuration."""
+(nbaccel.launch.rank_environment.worker_environment) and give the same variables for the same configuration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from nbaccel.commands.launch import resolve_settings
 from nbaccel.commands.launch import worker_environment as command_environment
 from nbaccel.commands.main import build_parser
 from nbaccel.launch import RankPool, notebook_launcher
-from nbaccel.launch.environment import RankSpec, WorkerConfig, worker_environment
-from nbaccel.launch.kernel.plan import LaunchRequest, Mode, build_plan
+from nbaccel.launch.kernel.plan import LaunchRequest, Placement, build_plan
+from nbaccel.launch.rank_environment import RankSpec, WorkerConfig, worker_environment
 from nbaccel.utils.config_file import LaunchConfig, load_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def test_notebook_launcher_and_nbaccel_launch_give_the_same_variables_for_one_co
     config.save(path)
     monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(path))
     plan = build_plan(LaunchRequest(function=print))
-    assert plan.mode is Mode.LOCAL and plan.num_processes == 2
+    assert plan.placement is Placement.LOCAL and plan.num_processes == 2
     script = tmp_path / "script.py"
     script.write_text("")
     settings = resolve_settings(build_parser().parse_args(["launch", str(script)]), load_config(path))

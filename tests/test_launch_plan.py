@@ -1,13 +1,14 @@
 """One plan: every input a backend reads (the timeout, each rank's whole environment, the launch's folders) is
-in the frozen `LaunchPlan`, and the backend of a mode says what it supports as class attributes."""
+in the frozen `LaunchPlan`; the registry is keyed by the plan's placement, one backend class per placement, which
+says what it supports (capabilities, programs) as class attributes."""
 
 from __future__ import annotations
 
 import pytest
 
-from nbaccel.launch.environment import WorkerConfig, worker_environment
-from nbaccel.launch.kernel import backends
-from nbaccel.launch.kernel.plan import LaunchPlan, LaunchRequest, Mode, build_plan
+from nbaccel.launch.kernel import placements
+from nbaccel.launch.kernel.plan import LaunchPlan, LaunchRequest, Placement, Program, build_plan
+from nbaccel.launch.rank_environment import WorkerConfig, worker_environment
 from nbaccel.launch.shared_tensors import RESULT_DIR_ENV
 from nbaccel.utils.constants import INIT_METHOD_ENV, LAUNCH_DEVICE_ENV
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _plan(**fields) -> LaunchPlan:
-    values = dict(mode=Mode.LOCAL, num_processes=2, mixed_precision="no", start_method="spawn", device="cpu",
+    values = dict(placement=Placement.LOCAL, num_processes=2, mixed_precision="no", start_method="spawn", device="cpu",
                   environ={"A": "1"}, port=29500)
     values.update(fields)
     return LaunchPlan(**values)
@@ -24,7 +25,7 @@ def _plan(**fields) -> LaunchPlan:
 def test_the_plan_carries_the_timeout_and_the_debug_launchers_fork_flag(monkeypatch):
     monkeypatch.delenv("NBACCEL_CONFIG_FILE", raising=False)
     plan = build_plan(LaunchRequest(function=print, num_processes=2, timeout=12.5, debug_launcher=True))
-    assert plan.timeout == 12.5 and plan.mode is Mode.LOCAL
+    assert plan.timeout == 12.5 and plan.placement is Placement.LOCAL and plan.program is Program.FUNCTION
     assert plan.rank_environ(1)["FORK_LAUNCHED"] == "1" and plan.rank_environ(1)["LOCAL_RANK"] == "1"
     assert build_plan(LaunchRequest(function=print, num_processes=2, debug_launcher=True)).timeout is None
 
@@ -50,23 +51,32 @@ def test_with_folders_completes_every_ranks_environment_and_leaves_the_plan_froz
 
 
 def test_the_agents_environment_names_the_device_template():
-    plan = _plan(mode=Mode.ELASTIC, device="cuda:{local_rank}")
+    plan = _plan(placement=Placement.ELASTIC, device="cuda:{local_rank}")
     assert plan.agent_environ() == {"A": "1", LAUNCH_DEVICE_ENV: "cuda:{local_rank}"}
 
 
-@pytest.mark.parametrize(("mode", "inherits", "result_folder", "private_store"), [
-    (Mode.LOCAL, True, True, True),
-    (Mode.ELASTIC, True, False, False),
-    (Mode.XLA, False, False, False),
-    (Mode.PERSISTENT, False, False, True),  # RankPool's ranks: commands, not a payload; values in the replies
+@pytest.mark.parametrize(("placement", "inherits", "result_folder", "private_store", "programs"), [
+    (Placement.LOCAL, True, True, True, {Program.FUNCTION, Program.POOL}),
+    (Placement.ELASTIC, True, False, False, {Program.FUNCTION, Program.SCRIPT}),
+    (Placement.XLA, False, False, False, {Program.FUNCTION}),
+    (Placement.SSH, False, False, False, {Program.FUNCTION, Program.POOL}),
+    (Placement.SLURM, False, False, False, {Program.FUNCTION, Program.POOL}),
 ])
-def test_each_modes_backend_says_what_it_supports(mode, inherits, result_folder, private_store):
-    backend = backends.backend_type(_plan(mode=mode))
+def test_each_placements_backend_says_what_it_supports(placement, inherits, result_folder, private_store, programs):
+    backend = placements.backend_type(_plan(placement=placement))
     assert (backend.inherits_objects, backend.result_folder, backend.private_store) == (
         inherits, result_folder, private_store)
-    assert backend.preloads_modules is (mode is not Mode.XLA)
+    assert backend.preloads_modules is (placement in (Placement.LOCAL, Placement.ELASTIC))
+    assert backend.programs == programs and issubclass(backend, placements.Backend)
 
 
-def test_in_process_plans_have_no_backend():
+def test_in_process_plans_have_no_backend_and_a_placement_refuses_a_program_it_cannot_run():
     with pytest.raises(ValueError, match="in-process"):
-        backends.backend_type(_plan(mode=Mode.IN_PROCESS, num_processes=1))
+        placements.backend_type(_plan(placement=Placement.IN_PROCESS, num_processes=1))
+    with pytest.raises(ValueError, match="placement 'xla' runs function, not a pool"):
+        placements.backend_type(_plan(placement=Placement.XLA, program=Program.POOL))
+
+
+def test_every_placement_but_this_process_has_one_registered_class():
+    assert set(placements.PLACEMENTS) == set(Placement) - {Placement.IN_PROCESS}
+    assert placements.backend_type(_plan(placement=Placement.SLURM)).via == "srun"

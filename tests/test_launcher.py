@@ -16,7 +16,7 @@ from process_helpers import live_children
 
 from nbaccel.launch import LaunchError, debug_launcher, notebook_launcher
 from nbaccel.launch.errors import LaunchTimeout, PortInUseError, UnpicklableError
-from nbaccel.launch.kernel.processes import choose_start_method
+from nbaccel.launch.kernel.start_methods import choose_start_method
 
 
 def launch(function, args=(), **options):

@@ -64,13 +64,13 @@ def test_config_values_fill_the_defaults(config_file):
 
 
 def test_the_header_names_the_rendezvous_each_kind_of_launch_really_uses(config_file):
-    from nbaccel.launch.kernel.plan import LaunchRequest, Mode, build_plan
+    from nbaccel.launch.kernel.plan import LaunchRequest, Placement, build_plan
 
     local = build_plan(LaunchRequest(function=print, num_processes=2, use_port=29511, start_method="spawn"))
-    assert local.mode is Mode.LOCAL and local.info()["rendezvous"] == "127.0.0.1:29511"  # before its folders
+    assert local.placement is Placement.LOCAL and local.info()["rendezvous"] == "127.0.0.1:29511"  # before its folders
     assert local.with_folders("/tmp/x-store").info()["rendezvous"] == "file store (private)"
     one_node = build_plan(LaunchRequest(function=print, num_processes=2, use_port=29512, max_restarts=1))
-    assert one_node.mode is Mode.ELASTIC and one_node.info()["rendezvous"] == "loopback store, port 29512"
+    assert one_node.placement is Placement.ELASTIC and one_node.info()["rendezvous"] == "loopback store, port 29512"
     nodes = build_plan(LaunchRequest(function=print, num_processes=2, num_nodes=2, node_rank=1,
                                      master_addr="10.1.2.3", use_port=29513))
     assert nodes.info()["rendezvous"] == "static at 10.1.2.3:29513" and nodes.info()["num_nodes"] == 2

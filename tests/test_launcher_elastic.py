@@ -10,7 +10,7 @@ import torch  # noqa: F401  (forked workers inherit it)
 from process_helpers import live_children
 
 from nbaccel.launch import notebook_launcher
-from nbaccel.launch.kernel.processes import free_port
+from nbaccel.launch.kernel.addresses import free_port
 
 
 def flaky(counter: str):

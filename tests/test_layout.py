@@ -347,7 +347,7 @@ def starts_processes(source: str) -> list[int]:
 
 
 def test_the_pool_starts_no_process_by_itself():
-    """RankPool's ranks are started and owned by a backend of kernel/ (kernel/persistent.py), as a launch's."""
+    """RankPool's ranks are started and owned by the backend of their placement (kernel/local.py, ssh_backend.py), as a launch's."""
     found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted((PACKAGE / "launch" / "pool").rglob("*.py"))
              for line in starts_processes(path.read_text(encoding="utf-8"))]
     assert not found, "process started outside the backends:\n" + "\n".join(found)
@@ -362,3 +362,47 @@ def _parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     args = node.args
     names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
     return names[1:] if names and names[0] in ("self", "cls") else names
+
+
+# ---------------------------------------------------------------------------------------------- module names
+def shared_module_names(paths: list[Path], root: Path) -> dict[str, list[str]]:
+    """File name -> the modules under root that use it, for names of nbaccel/launch that another module of
+    nbaccel also uses (`__init__.py` and `__main__.py` aside)."""
+    homes: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name not in ("__init__.py", "__main__.py"):
+            homes.setdefault(path.name, []).append(str(path.relative_to(root)))
+    return {name: sorted(where) for name, where in homes.items()
+            if len(where) > 1 and any(place.startswith("launch/") for place in where)}
+
+
+def test_module_names_in_launch_are_unique_across_nbaccel():
+    """A module of nbaccel/launch is named for its job: no other nbaccel module has its file name."""
+    found = shared_module_names(sorted(PACKAGE.rglob("*.py")), PACKAGE)
+    assert not found, "one name, one module (rename one):\n" + "\n".join(f"{n}: {', '.join(p)}" for n, p in found.items())
+
+
+def test_shared_module_name_checker_finds_a_repeated_name():
+    root = Path("/x")
+    paths = [root / "utils" / "xla.py", root / "launch" / "kernel" / "xla.py", root / "utils" / "a.py",
+             root / "notebook" / "a.py", root / "launch" / "__init__.py", root / "__init__.py"]
+    assert shared_module_names(paths, root) == {"xla.py": ["launch/kernel/xla.py", "utils/xla.py"]}
+
+
+# ---------------------------------------------------------------------------------------------- placements
+def test_the_backend_registry_is_keyed_by_placement_one_class_each():
+    """Every placement but this process has one registry entry, a Backend subclass that states its programs;
+    no backend module picks its class by the plan's program (one class per placement serves them all)."""
+    from nbaccel.launch.kernel.placement_base import Backend
+    from nbaccel.launch.kernel.placements import PLACEMENTS
+    from nbaccel.launch.kernel.plan import Placement
+
+    assert set(PLACEMENTS) == set(Placement) - {Placement.IN_PROCESS}
+    classes = {placement: load() for placement, load in PLACEMENTS.items()}
+    for placement, backend in classes.items():
+        assert issubclass(backend, Backend) and backend.programs, f"{placement}: {backend} states no programs"
+    source = (PACKAGE / "launch" / "kernel" / "placements.py").read_text(encoding="utf-8")
+    registry = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PLACEMENTS")
+    keys = [ast.unparse(key) for key in registry.value.keys]  # type: ignore[union-attr]
+    assert all(key.startswith("Placement.") for key in keys), keys

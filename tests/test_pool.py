@@ -235,7 +235,7 @@ def test_ranks_die_with_their_kernel(tmp_path, monkeypatch):
         import os, signal
         from nbaccel.launch.pool import RankPool
         pool = RankPool(2, timeout=10)
-        print(*pool.pids, pool._workers._store_dir, flush=True)
+        print(*pool.pids, pool._workers.session.store_dir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,

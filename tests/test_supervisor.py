@@ -18,7 +18,8 @@ from nbaccel.launch.channel import WorkerSink, close_quietly, open_channel
 from nbaccel.launch.errors import LaunchError, LaunchTimeout
 from nbaccel.launch.hang_report import Diagnosis
 from nbaccel.launch.kernel.collective_watch import ExitHang
-from nbaccel.launch.kernel.supervisor import Supervisor, WorkerHandle
+from nbaccel.launch.kernel.placement_base import StartedRank
+from nbaccel.launch.kernel.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,7 +83,7 @@ class FakeWorker:
         self.sink = WorkerSink(channel, rank, rank)
         self.out_read, self.out_write = os.pipe()
         self.err_read, self.err_write = os.pipe()
-        self.handle = WorkerHandle(rank, rank, self.kernel_channel, self.out_read, self.err_read)
+        self.handle = StartedRank(rank, rank, self.kernel_channel, self.out_read, self.err_read)
 
     def result(self, value) -> None:
         self.sink.queue({"kind": "result", "rank": self.sink.rank, "time": time.time(),

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from ..utils.config_file import ConfigError, LaunchConfig, display_path, load_config
 from ..utils.constants import (
-    LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RDZV_BACKENDS,
 )
@@ -36,9 +35,9 @@ from .launch_options import FP8_DEFAULTS as _FP8_DEFAULTS
 from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 
 if TYPE_CHECKING:
-    from ..launch.environment import WorkerConfig
     from ..launch.hang_report import Diagnosis
     from ..launch.kernel.plan import LaunchPlan
+    from ..launch.rank_environment import WorkerConfig
 
 
 class LaunchOptionError(ValueError):
@@ -278,7 +277,7 @@ def _apply_config_sections(cfg: LaunchConfig, s: LaunchSettings, args: argparse.
                 s.gradient_accumulation_steps = int(value)
     unused = [f"{key} ({reason})" for key, (default, reason) in _UNUSED_KEYS.items()
               if getattr(cfg, key, default) not in (default, None, {}, [], "no", False)]
-    from ..launch.environment import DYNAMO_ENV, FSDP_ENV  # here: `nbaccel --help` does not load launch
+    from ..launch.rank_environment import DYNAMO_ENV, FSDP_ENV  # here: `nbaccel --help` does not load launch
 
     for section, known in (("fsdp_config", FSDP_ENV), ("dynamo_config", DYNAMO_ENV)):
         unknown = sorted(set(getattr(cfg, section) or {}) - set(known))
@@ -438,8 +437,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
 
 
 def worker_config(s: LaunchSettings) -> WorkerConfig:
-    """The settings that reach the workers, for the one environment builder (nbaccel.launch.environment)."""
-    from ..launch.environment import WorkerConfig  # here: `nbaccel --help` does not load the launch package
+    """The settings that reach the workers, for the one environment builder (nbaccel.launch.rank_environment)."""
+    from ..launch.rank_environment import (
+        WorkerConfig,  # here: `nbaccel --help` does not load the launch package
+    )
 
     return WorkerConfig(
         mixed_precision=s.mixed_precision, use_cpu=s.use_cpu, loopback=s.num_machines == 1, num_nodes=s.num_machines,
@@ -453,35 +454,25 @@ def worker_config(s: LaunchSettings) -> WorkerConfig:
 
 def worker_environment(s: LaunchSettings) -> dict[str, str]:
     """The variables (besides torchrun's) every worker gets; each nbaccel one also under its ACCELERATE_ name."""
-    from ..launch.environment import worker_environment as build
+    from ..launch.rank_environment import worker_environment as build
 
     return build(worker_config(s))
 
 
 def script_plan(s: LaunchSettings) -> LaunchPlan:
-    """The launch's plan (nbaccel.launch.kernel.plan, mode script): this machine's ranks, the rendezvous, the
-    script and every rank's environment, final before anything starts (as notebook_launcher's and RankPool's).
-    On one machine the rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
-    from types import MappingProxyType
+    """The launch's plan, from the one plan builder (nbaccel.launch.kernel.plan `build_plan`, program script):
+    this machine's ranks, the rendezvous, the script and every rank's environment, final before anything starts
+    (as notebook_launcher's and RankPool's)."""
+    from ..launch.kernel.plan import LaunchRequest, Program, ScriptTarget, build_plan
 
-    from ..launch.kernel.plan import LaunchPlan, Mode, Rendezvous, ScriptTarget
-
-    if s.num_machines > 1:
-        port, address = s.main_process_port or 29500, s.main_process_ip or ""
-        backend, endpoint, run_id = s.rdzv_backend, f"{address}:{port}", f"nbaccel-{port}"
-    else:
-        port, address = s.main_process_port, "127.0.0.1"
-        backend, endpoint, run_id = LOOPBACK_RDZV_BACKEND, f"127.0.0.1:{port or 0}", "none"
-    rendezvous = Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(_rdzv_conf(s.rdzv_conf)),
-                            run_id=run_id, max_restarts=s.max_restarts, monitor_interval=s.monitor_interval,
-                            log_line_prefix_template=None)
     script = ScriptTarget(script=s.script, args=tuple(s.script_args), module=s.module, no_python=s.no_python,
                           role=s.role, log_dir=s.log_dir, tee=s.tee, quiet=s.quiet, same_network=s.same_network)
-    device = "cuda:{local_rank}" if not s.use_cpu and _device_count() else "cpu"
-    return LaunchPlan(mode=Mode.SCRIPT, num_processes=s.nproc_per_node, mixed_precision=s.mixed_precision,
-                      start_method="subprocess", device=device, environ=MappingProxyType(worker_environment(s)),
-                      num_nodes=s.num_machines, node_rank=s.machine_rank, master_addr=address, port=port,
-                      rendezvous=rendezvous, script=script)
+    return build_plan(LaunchRequest(
+        function=None, program=Program.SCRIPT, script=script, worker=worker_config(s), use_cpu=s.use_cpu,
+        num_processes=s.nproc_per_node, mixed_precision=s.mixed_precision, num_nodes=s.num_machines,
+        node_rank=s.machine_rank, master_addr=s.main_process_ip or "", use_port=s.main_process_port,
+        rdzv_backend=s.rdzv_backend, rdzv_conf=_rdzv_conf(s.rdzv_conf), max_restarts=s.max_restarts,
+        monitor_interval=s.monitor_interval))
 
 
 def _rdzv_conf(text: str) -> dict[str, str]:
@@ -512,9 +503,9 @@ def run_settings(s: LaunchSettings) -> int:
     torchrun's agent) starts the ranks, the supervisor watches them and stops them on a deadlock, ranks stuck
     after their script, or a signal to this process."""
     from ..launch.errors import LaunchError
-    from ..launch.kernel.backends import select_backend
     from ..launch.kernel.launcher import run_plan
     from ..launch.kernel.observers import Reporting
+    from ..launch.kernel.placements import select_backend
 
     plan = script_plan(s)
     backend = select_backend(plan)

@@ -18,6 +18,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from .messages import rank_label
+
 NOT_AVAILABLE = "<N/A>"  # torch's word for a field it does not know
 
 
@@ -39,6 +41,7 @@ class WorkerFailure:
     timestamp: int = field(default_factory=lambda: int(time.time()))
     error_file: str = NOT_AVAILABLE  # nbaccel's workers report over their channel, not through a file
     last_rss: int | None = None  # the rank's resident memory at its last sample, in bytes (None: no sample)
+    host: str | None = None  # the host it ran on, with hosts= (stamped by the supervisor, which started it there)
 
     def __str__(self) -> str:
         """What went wrong, without the rank: `ValueError: boom` or `killed by SIGTERM (exit code -15)` (the
@@ -53,8 +56,8 @@ class WorkerFailure:
         return f"{self.message or 'exited'} (exit code {self.exitcode})"
 
     def summary(self) -> str:
-        """One line: `rank 1: ValueError: boom` or `rank 0: killed by SIGKILL (exit code -9)`."""
-        return f"rank {self.rank}: {self}"
+        """One line: `rank 1: ValueError: boom`, `rank 3 on gpu-b: exited with code 3 (exit code 3)`."""
+        return f"{rank_label(self.rank, self.host)}: {self}"
 
     @property
     def error_file_data(self) -> dict[str, Any]:
@@ -138,7 +141,7 @@ def format_failures(failures: dict[int, WorkerFailure], first: int | None = None
         return "the launch failed"
     order = sorted(failures, key=lambda rank: (rank != first, rank))
     head = failures[order[0]]
-    ranks = ", ".join(str(rank) for rank in order)
+    ranks = ", ".join(rank_label(rank, failures[rank].host).removeprefix("rank ") for rank in order)
     plural = "s" if len(order) > 1 else ""
     attempt = f" (attempt {len(attempts)}, the last)" if attempts else ""
     lines = [f"rank{plural} {ranks} failed{attempt}; first: {head.summary()}"]
@@ -149,6 +152,6 @@ def format_failures(failures: dict[int, WorkerFailure], first: int | None = None
         lines.append(f"attempt {number} (restarted): {what}")
     if head.traceback:
         lines.append("")
-        lines.append(f"Traceback from rank {head.rank} (remote):")
+        lines.append(f"Traceback from {rank_label(head.rank, head.host)} (remote):")
         lines.append(head.traceback.rstrip())
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 Shared by both kinds of watch, so they report hangs alike. The pool asks busy ranks for a status snapshot
 (see `worker/pool_rank.py snapshot`) while a cell runs longer than
 a moment; a launch's supervisor builds the same picture from the `collective` telemetry messages
-(`kernel/collectives.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
+(`kernel/collective_tracker.py`). From the snapshots and the ranks that are already done, `diagnose` tells:
 - a *mismatch*: a rank has waited in a collective for `grace` seconds while another rank cannot join it
   (it finished or failed the cell, does not run the cell, or waits in a different collective: another
   operation, another sequence number, or other shapes);
@@ -22,7 +22,7 @@ from typing import Any
 
 from ..utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
 from ..utils.constants import INTERNAL_FRAMES_ENV
-from .messages import RankState
+from .messages import RankState, rank_label
 
 
 @dataclass
@@ -36,6 +36,7 @@ class RankProgress:
     raw_since: float | None = None  # when the kernel first saw it in the current raw torch.distributed call
     extra: dict[str, Any] = field(default_factory=dict)
     work: str = "the cell"  # what the rank runs, for the report: "the cell" (RankPool), "the function" (launch)
+    host: str | None = None  # the host it runs on, with hosts=: the report names it ("rank 3 on gpu-b")
 
     def __post_init__(self) -> None:
         self.phase = RankState(self.phase)
@@ -67,20 +68,24 @@ class RankProgress:
             return f"{record.op}/{record.call}{f'#{record.seq}' if with_seq else ''}{shapes}"
         return (self.snapshot or {}).get("raw_call")
 
+    @property
+    def name(self) -> str:
+        return rank_label(self.rank, self.host)
+
     def describe(self, now: float) -> str:
         waiting = self.waiting(now)
         if waiting is not None:
-            return f"rank {self.rank} waits in {waiting[0]} for {waiting[1]:.1f} s"
+            return f"{self.name} waits in {waiting[0]} for {waiting[1]:.1f} s"
         if self.phase == RankState.FINISHED:
-            return f"rank {self.rank} finished {self.work}"
+            return f"{self.name} finished {self.work}"
         if self.phase == RankState.FAILED:
-            return f"rank {self.rank} failed {self.work} ({self.error})"
+            return f"{self.name} failed {self.work} ({self.error})"
         if self.phase == RankState.IDLE:
-            return f"rank {self.rank} does not run this cell"
+            return f"{self.name} does not run this cell"
         if self.phase == RankState.DEAD:
-            return f"rank {self.rank} died ({self.error})"
+            return f"{self.name} died ({self.error})"
         line = (self.snapshot or {}).get("line")
-        return f"rank {self.rank} is still running" + (f" (cell line {line}, not in a collective)" if line else "")
+        return f"{self.name} is still running" + (f" (cell line {line}, not in a collective)" if line else "")
 
 
 @dataclass
@@ -129,7 +134,7 @@ def describe_ranks(kind: str, states: list[RankProgress], now: float) -> Diagnos
     for state in waiting:
         snapshot = state.snapshot or {}
         stack, full = snapshot.get("stack", "").rstrip(), snapshot.get("full_stack", "").rstrip()
-        title = f"rank {state.rank}, main thread (most recent call last):"
+        title = f"{state.name}, main thread (most recent call last):"
         if stack:
             details.append(f"{title}\n{stack}")
             full_details.append(f"{title}\n{full or stack}")
@@ -146,13 +151,13 @@ def describe_ranks(kind: str, states: list[RankProgress], now: float) -> Diagnos
 def difference(waiting: list[RankProgress]) -> str:
     """What differs between the collectives the ranks wait in: the operation, the sequence number (how many
     collectives each rank entered so far) or the shapes; "" when they agree or are unknown."""
-    records = [(state.rank, state.collective()) for state in waiting]
-    records = [(rank, record) for rank, record in records if record is not None]
+    records = [(state.name, state.collective()) for state in waiting]
+    records = [(name, record) for name, record in records if record is not None]
     if len(records) < 2:
         return ""
 
     def listing(value: Callable[[CollectiveRecord], str]) -> str:
-        return ", ".join(f"{value(record)} on rank {rank}" for rank, record in records)
+        return ", ".join(f"{value(record)} on {name}" for name, record in records)
 
     if len({(r.op, r.call) for _, r in records}) > 1:
         return "The operations differ: " + listing(lambda r: f"{r.op} ({r.call})" if r.call else r.op) + "."

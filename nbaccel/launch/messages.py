@@ -44,7 +44,7 @@ class MessageKind(str, Enum):
 
 # Modules that cost seconds to import in every rank of every launch and that a forked rank inherits when the
 # kernel holds them. A rank's `result` message names those it imported (`imported`); the kernel imports them
-# before its next fork launch (kernel/processes.py preload_worker_modules).
+# before its next fork launch (kernel/process_trees.py preload_worker_modules).
 PRELOADABLE_MODULES = ("torch._dynamo",)  # every torch optimizer imports it when the first one is built
 
 
@@ -160,7 +160,7 @@ class Status(_Typed):
     pid: int | None = None
     restart: int | None = None  # torch elastic's restart count
     error: str | None = None  # the first line, for FAILED
-    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's launch)
+    host: str | None = None  # hosts=: the rank's host, as named there; stamped by the kernel, never sent by a rank
     time: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -208,7 +208,6 @@ class Ready(_Typed):
     device: str | None = None
     pid: int | None = None
     error: Mapping[str, str] | None = None  # exc_type, message, traceback
-    host: str | None = None  # the host the rank runs on, as named in hosts= (None: this machine's pool)
     time: float | None = None  # not stamped: a rank's first message was never timed
 
 
@@ -241,3 +240,8 @@ def launch(state: LaunchState, **fields: Any) -> Message:
 def memory(rank: int, local_rank: int, sample: dict[str, Any], **fields: Any) -> Message:
     """A `memory` message from a sample of `telemetry.memory_sample` / `telemetry.process_memory`."""
     return message(MessageKind.MEMORY, rank, local_rank=local_rank, **sample, **fields)
+
+
+def rank_label(rank: int, host: str | None = None) -> str:
+    """How errors and reports name a rank: `rank 3`, or on a host of a several-host launch `rank 3 on gpu-b`."""
+    return f"rank {rank} on {host}" if host else f"rank {rank}"

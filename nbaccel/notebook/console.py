@@ -23,7 +23,7 @@ from .dashboard_model import (
     format_rate,
     format_step,
     format_value,
-    host_memory_text,
+    ram_text,
     status_text,
 )
 from .render import summary_text
@@ -59,7 +59,7 @@ def rich_renderable(model: DashboardModel):
     )
     table = Table(expand=False, show_edge=False, pad_edge=False)
     hosts = model.shows_hosts  # a launch on several hosts (hosts=): a host column
-    columns = ("rank", *(("host",) if hosts else ()), "device", "status", "host now/peak",
+    columns = ("rank", *(("host",) if hosts else ()), "device", "status", "RAM now/peak",
                "device alloc/reserved/peak", "step", "steps/s", "last output")
     for column in columns:
         table.add_column(column, no_wrap=column != "last output", overflow="ellipsis",
@@ -160,7 +160,7 @@ class PlainView:
     def _progress_line(model: DashboardModel, s) -> str:
         metrics = " ".join(f"{k}={format_value(v)}" for k, v in sorted(s.metrics.items()))
         line = (f"[{model.title}] rank {s.rank}: step {format_step(s, model.total)} "
-                f"({format_rate(s.steps_per_second)}), host {host_memory_text(s)}")
+                f"({format_rate(s.steps_per_second)}), RAM {ram_text(s)}")
         if s.device_allocated is not None:
             line += f", device {device_memory_text(s)}"
         return line + (f", {metrics}" if metrics else "")

@@ -95,13 +95,9 @@ class DashboardModel:
         self.info = {key: value for key, value in (info or {}).items() if value is not None}
         self.total_steps = total_steps
         self.ranks = [RankRow(rank) for rank in range(num_processes)]
-        # hosts=: rows are the global ranks of every host (rank r on the r // (ranks per host)-th host until
-        # its own status names its host); a launch on this machine shows no host
-        hosts = self.info.get("hosts")
-        self.on_hosts = bool(hosts)
-        if hosts and num_processes % len(hosts) == 0:
-            for row in self.ranks:
-                row.host = str(hosts[row.rank // (num_processes // len(hosts))])
+        # hosts=: rows are the global ranks of every host, each rank's host as the kernel stamps it on the rank's
+        # messages (it started the rank there); a launch on this machine shows no host
+        self.on_hosts = bool(self.info.get("hosts"))
         self.metrics: dict[str, MetricSeries] = {}
         self.start_time: float | None = None
         self.end_time: float | None = None
@@ -118,11 +114,14 @@ class DashboardModel:
         if handler is None or not isinstance(rank, int) or rank < 0:
             return False
         # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too. A
-        # launch on several hosts (its ranks' status names their host) shows every host's ranks: by global rank.
+        # launch on several hosts (the kernel names each rank's host on its messages) shows every host's ranks: by
+        # global rank.
         self.on_hosts = self.on_hosts or bool(message.get("host"))
         local_rank = message.get("local_rank")
         by_local = isinstance(local_rank, int) and local_rank >= 0 and not self.on_hosts
         state = self._rank(local_rank if by_local else rank)
+        if message.get("host"):  # stamped by the kernel on every message of a rank it started on a host
+            state.host = str(message["host"])
         state.rank = rank
         now = message.get("time")
         if isinstance(now, (int, float)):
@@ -176,8 +175,6 @@ class DashboardModel:
             state.busy = False
         if message.get("device"):
             state.device = str(message["device"])
-        if message.get("host"):
-            state.host = str(message["host"])
         if new == RankState.FAILED:
             state.error = _first_line(message.get("error")) or state.error or "failed"
         if new in (RankState.FINISHED, RankState.FAILED) and all(s.done for s in self.ranks):
@@ -432,7 +429,8 @@ def device_memory_text(state: RankRow) -> str:
     return text
 
 
-def host_memory_text(state: RankRow) -> str:
+def ram_text(state: RankRow) -> str:
+    """The rank's RAM (resident memory), current and peak."""
     if state.rss is None:
         return "–"
     peak = f" (peak {format_bytes(state.rss_peak)})" if state.rss_peak is not None else ""

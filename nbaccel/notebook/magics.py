@@ -99,12 +99,12 @@ class RankMagics(Magics):
     def _start(self, args: list[str]) -> None:
         options = _start_parser().parse_args(args)
         if self.pool is not None and self.pool.running:
-            print(f"Stopping the running ranks first ({self.pool.num_processes} ranks).")
+            print(f"Stopping the running ranks first ({self.pool.world_size} ranks).")
             self.pool.shutdown()
         self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
                              mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
         where = f" on {', '.join(self.pool.hosts.names)}" if self.pool.hosts else ""
-        print(f"Started {self.pool.num_processes} ranks{where} ({self.pool.start_method}, devices "
+        print(f"Started {self.pool.world_size} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")
 
     def _status(self, args: list[str]) -> None:
@@ -112,7 +112,7 @@ class RankMagics(Magics):
             print("No ranks running. Start them with %ranks start -n 2.")
             return
         pool = self.pool
-        print(f"{pool.num_processes} ranks running ({pool.start_method}, timeout {pool.timeout:g} s, "
+        print(f"{pool.world_size} ranks running ({pool.start_method}, timeout {pool.timeout:g} s, "
               f"restarted {pool.restarts} time(s))")
         for info in pool.status():
             print(f"  rank {info['rank']}: pid {info['pid']}, {info['device']}, "
@@ -121,13 +121,13 @@ class RankMagics(Magics):
     def _restart(self, args: list[str]) -> None:
         pool = self._require()
         pool.restart()
-        print(f"Restarted {pool.num_processes} ranks: their variables are gone, the process group is new.")
+        print(f"Restarted {pool.world_size} ranks: their variables are gone, the process group is new.")
 
     def _stop(self, args: list[str]) -> None:
         if self.pool is None or not self.pool.running:
             print("No ranks running.")
             return
-        count = self.pool.num_processes
+        count = self.pool.world_size
         self.pool.shutdown()
         self.pool = None
         print(f"Stopped {count} ranks.")
@@ -147,7 +147,7 @@ class RankMagics(Magics):
             raise MagicUsageError(f"not defined in the kernel: {', '.join(missing)}")
         for name in names:
             pool.push(name, self.shell.user_ns[name])
-        print(f"Pushed {', '.join(names)} to {pool.num_processes} ranks.")
+        print(f"Pushed {', '.join(names)} to {pool.world_size} ranks.")
 
     def _pull(self, names: list[str]) -> Any:
         """Assign each name in the kernel; with one name also return it (`loss = %ranks pull loss`)."""

@@ -24,7 +24,7 @@ from .dashboard_model import (
     format_rate,
     format_step,
     format_value,
-    host_memory_text,
+    ram_text,
     status_text,
 )
 
@@ -57,9 +57,9 @@ def _host_head(model: DashboardModel) -> list[str]:
 
 
 def rank_table_html(model: DashboardModel) -> str:
-    """The live per-rank table: (host,) device, status, host and device memory, step and rate, last output."""
+    """The live per-rank table: (host,) device, status, RAM and device memory, step and rate, last output."""
     total = model.total
-    heads = ["rank", *_host_head(model), "device", "status", "host memory", "device memory", "step", "steps/s",
+    heads = ["rank", *_host_head(model), "device", "status", "RAM", "device memory", "step", "steps/s",
              "last output"]
     rows = []
     for s in model.ranks:
@@ -69,7 +69,7 @@ def rank_table_html(model: DashboardModel) -> str:
             + _host_cell(model, s)
             + _cell(s.device or "–")
             + _state_cell(s)
-            + _cell(host_memory_text(s))
+            + _cell(ram_text(s))
             + _cell(device_memory_text(s))
             + _cell(format_step(s, total))
             + _cell(format_rate(s.steps_per_second))
@@ -199,7 +199,7 @@ def summary_html(model: DashboardModel) -> str:
     """The end-of-run summary table: final status, wall time, steps, peak memory per rank, last metrics (the
     charts are a PNG output of their own: `metrics_png`)."""
     summary = model.summary()
-    heads = ["rank", *_host_head(model), "device", "status", "steps", "steps/s", "peak host memory",
+    heads = ["rank", *_host_head(model), "device", "status", "steps", "steps/s", "peak RAM",
              "peak device memory"]
     names = sorted(summary["metrics"])
     heads += names
@@ -236,7 +236,7 @@ def summary_text(model: DashboardModel) -> str:
         where = f"{s.host} " if s.host else ""
         lines.append(
             f"  rank {s.rank} [{where}{s.device or '?'}] {status_text(s)}; step {format_step(s, model.total)}; "
-            f"peak host {format_bytes(s.rss_peak)}; peak device {format_bytes(s.device_peak)}"
+            f"peak RAM {format_bytes(s.rss_peak)}; peak device {format_bytes(s.device_peak)}"
             + (f"; {metrics}" if metrics else "")
         )
     return "\n".join(lines)

@@ -31,7 +31,7 @@ INTERNAL_FRAMES_ENV = "NBACCEL_INTERNAL_FRAMES"
 
 # Variables the launcher sets in a worker besides torch's (docs/internals.md)
 LAUNCH_DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"  # the device string a worker shows in its status messages
-LAUNCH_HOST_ENV = "NBACCEL_LAUNCH_HOST"  # hosts=: the host a worker runs on (as named there), in its status messages
+LAUNCH_HOST_ENV = "NBACCEL_LAUNCH_HOST"  # hosts=: the host a rank runs on (as named there), for its own errors
 MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"  # seconds between memory messages (0: none)
 RICH_DISPLAY_ENV = "NBACCEL_RICH_DISPLAY"  # a notebook launched the ranks: send display() output to the cell
 INIT_METHOD_ENV = "NBACCEL_INIT_METHOD"  # the process group's rendezvous, when a launcher gives a private one

@@ -141,17 +141,18 @@ class Relay:
         self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
 
     def start(self, start: Start) -> None:
-        from ..kernel.backends import select_backend
-        from ..kernel.plan import Mode
-        from ..kernel.processes import choose_start_method, preload_worker_modules
+        from ..kernel.module_preload import preload_worker_modules
+        from ..kernel.placements import select_backend
+        from ..kernel.plan import Program
+        from ..kernel.start_methods import choose_start_method
 
         method, _ = choose_start_method(None)
         plan = dataclasses.replace(start.plan, start_method=method)
-        preload_worker_modules(method, launch=plan.mode is Mode.LOCAL)
+        preload_worker_modules(method, launch=plan.program is Program.FUNCTION)
         self.backend = select_backend(plan)
-        if start.payload is None:  # RankPool's ranks: commands and status both ways, telemetry
-            for i, ends in enumerate(self.backend.start(plan)):
-                self._add(i, ends.out_fd, ends.err_fd, commands=ends.commands, status=ends.status,
+        if plan.program is Program.POOL:  # RankPool's ranks: commands and status both ways, telemetry
+            for i, ends in enumerate(self.backend.start(plan, None)):
+                self._add(i, ends.stdout_fd, ends.stderr_fd, commands=ends.channel, status=ends.status,
                           telemetry=ends.telemetry)
         else:
             for i, handle in enumerate(self.backend.start(plan, Payload(data=start.payload))):
@@ -208,7 +209,7 @@ class Relay:
     def _stuck(self) -> None:
         """The session ended and the relay loop did not stop the ranks in time: kill them (and whatever they
         started, in their process groups) and leave."""
-        from ..kernel.processes import signal_groups
+        from ..kernel.process_trees import signal_groups
 
         pids = [proc.pid for proc in getattr(self.backend, "processes", []) if proc.pid is not None]
         for pid in pids:

@@ -3,7 +3,7 @@
 torchrun's agent starts the ranks; each runs through worker/script_entry.py, which connects to this watch's
 Unix socket (NBACCEL_COLLECTIVE_WATCH; in an owner-only folder, so only this user's processes can reach it)
 and sends the rank's collectives (batched, as a notebook_launcher worker does) and how its script ended. A
-thread here feeds them to a `CollectiveTracker` (collectives.py: notebook_launcher's rules and wording) and
+thread here feeds them to a `CollectiveTracker` (collective_tracker.py: notebook_launcher's rules and wording) and
 checks a few times a second. When the ranks' n-th collectives differ, or every running rank has waited
 GRACE seconds in collectives that cannot meet (or that a finished rank never entered), it keeps the
 diagnosis and calls `on_deadlock` (`nbaccel launch` then has the agent stop every worker and prints the
@@ -36,7 +36,7 @@ from ..channel import recv_all
 from ..hang_report import Diagnosis, report_lines
 from ..messages import MessageKind, RankState
 from ..private_dirs import WATCH_PREFIX, make_user_dir
-from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
+from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last

@@ -1,6 +1,6 @@
 """Which devices this machine offers a launch: the XLA (TPU) devices, found without starting torch_xla's
 runtime in the kernel, so the plan can check `num_processes` before anything starts. (GPUs: the
-environment's `visible_gpus`.) Read by the plan (plan.py) and the XLA backend (xla.py).
+environment's `visible_gpus`.) Read by the plan (plan.py) and the XLA backend (xla_backend.py).
 """
 
 from __future__ import annotations

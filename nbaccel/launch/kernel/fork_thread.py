@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .processes import stop_processes
+from .process_trees import stop_processes
 
 _lock = threading.Lock()
 _jobs: queue.SimpleQueue | None = None

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..environment import source_checkout_root
 from ..host_protocol import AGENT_MODULE
+from ..rank_environment import source_checkout_root
 
 SSH_CONFIG_ENV = "NBACCEL_SSH_CONFIG"
 SSH_OPTIONS_ENV = "NBACCEL_SSH_OPTIONS"

@@ -2,10 +2,11 @@
 
 Accelerate's arguments keep their names, defaults (except `use_port`: None picks a free port) and meaning.
 One launch: the arguments become a `LaunchRequest`; `build_plan` (plan.py) resolves and checks it into a
-frozen `LaunchPlan` before anything starts; the function is cloudpickled once, here in the kernel; a backend
-(local.py, elastic.py, xla.py) starts the workers and owns them; the supervisor (supervisor.py) forwards
+frozen `LaunchPlan` before anything starts; the function is cloudpickled once, here in the kernel; the backend
+of the plan's placement (placements.py: local.py, elastic.py, xla_backend.py, ssh_backend.py) starts the workers and
+owns them inside a launch session (launch_session.py); the supervisor (supervisor.py) forwards
 output, gathers return values and stops all workers on the first failure, an interrupt or the timeout.
-With one process the function runs in the kernel (inprocess.py). `nbaccel launch` hands its plan (mode script,
+With one process the function runs in the kernel (inprocess.py). `nbaccel launch` hands its plan (program script,
 kernel/torchrun.py's backend) to the same `run_plan`.
 """
 
@@ -20,19 +21,16 @@ from .. import messages
 from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
-from ..private_dirs import make_store_dir, remove_dir
 from ..serialize import make_payload
-from ..shared_tensors import make_result_dir, remove_result_dir
-from .backends import select_backend
-from .host_plan import build_host_plan
 from .inprocess import run_in_process
 from .interrupts import interrupts_kept
+from .launch_session import LaunchSession
 from .observers import Reporting, check_dashboard, make_dashboard
-from .plan import LaunchPlan, LaunchRequest, Mode, build_plan
-from .processes import gc_frozen, preload_worker_modules, resource_tracker_scope
+from .placements import Backend, StartedRank, select_backend
+from .plan import LaunchPlan, LaunchRequest, Placement, build_plan
 from .rank_groups import RankGroups
 from .saved_config import default
-from .supervisor import Backend, Supervisor, WorkerHandle
+from .supervisor import Supervisor
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -86,7 +84,7 @@ def notebook_launcher(
         log_line_prefix_template=log_line_prefix_template, start_method=start_method, timeout=timeout,
         hosts=hosts,
     )
-    plan = build_plan(request) if hosts is None else build_host_plan(request)
+    plan = build_plan(request)
     return launch(plan, request, Reporting(dashboard, tuple(observers)))
 
 
@@ -101,8 +99,8 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
 
 
 def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> list[Any]:
-    """Run a resolved plan: in this process, or through the backend of its mode under the supervisor."""
-    if plan.mode is Mode.IN_PROCESS:
+    """Run a resolved plan: in this process, or through the backend of its placement under the supervisor."""
+    if plan.placement is Placement.IN_PROCESS:
         return run_in_process(plan, request, reporting)
     backend = select_backend(plan)
     # under fork the workers inherit the objects; else cloudpickled here, unpicklable ones named before any
@@ -117,52 +115,29 @@ def launch(plan: LaunchPlan, request: LaunchRequest, reporting: Reporting) -> li
 
 
 def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, reporting: Reporting) -> list[Any]:
-    """Start the plan's ranks through `backend`, supervise them until the end and release everything: the
-    path of notebook_launcher's launches and of `nbaccel launch` (RankPool's ranks start through the same
-    backends, kernel/persistent.py). Returns the results by local rank (none for a script)."""
+    """Start the plan's ranks through `backend` in a launch session (launch_session.py: preload, private
+    folders, rank groups, close), supervise them until the end and release everything: the path of
+    notebook_launcher's launches and of `nbaccel launch` (RankPool's ranks open the same session,
+    pool/rank_processes.py). Returns the results by local rank (none for a script)."""
     if plan.start_note:
         print(plan.start_note, file=sys.stderr)
-    if backend.preloads_modules:
-        preload_worker_modules(plan.start_method, launch=True)
-    store_dir: str | None = None
-    result_dir: str | None = None
-    groups: RankGroups | None = None
-    try:
-        with interrupts_kept(), resource_tracker_scope():
-            try:  # (made inside: an interrupt right after the keeper started must not leave it running)
-                # the launch's private folders, named in the plan before any process starts; removed when it ends
-                store_dir = make_store_dir() if backend.private_store else None
-                result_dir = make_result_dir() if backend.result_folder else None
-                # where each rank registers the process group it leads: every one is stopped before this returns
-                groups = RankGroups() if getattr(backend, "rank_groups", False) else None
-                plan = plan.with_folders(store_dir, result_dir, groups.folder if groups else None)
-                with gc_frozen(plan.start_method if backend.freezes_gc else "none"):
-                    handles = backend.start(plan, payload)
-                    try:
-                        return supervise(plan, handles, backend, reporting, groups)
-                    except BaseException:
-                        # e.g. an interrupt after the start, before the supervisor watched (the dashboard's
-                        # start, the first message): no rank may stay, or close() below waits for it forever
-                        backend.stop()
-                        raise
-            finally:
-                try:
-                    if groups is not None:  # what any rank, dead or alive, left running
-                        groups.close()
-                finally:
-                    # before a resource tracker this launch started stops: it would unlink the semaphores of
-                    # the queues the backend still holds (torch elastic's, under spawn)
-                    backend.close()
-                    remove_dir(store_dir)
-    finally:
-        remove_result_dir(result_dir)
+    with interrupts_kept(), LaunchSession(plan, backend) as session:
+        ranks = session.start(payload)
+        try:
+            return supervise(session.plan, ranks, backend, reporting, session.groups)
+        except BaseException:
+            # e.g. an interrupt after the start, before the supervisor watched (the dashboard's start, the first
+            # message): no rank may stay (spawn ranks not yet leading their groups were left, and closing the
+            # resource tracker then waited for them forever)
+            backend.stop()
+            raise
 
 
 def function_name(function: Callable[..., Any]) -> str:
     return getattr(function, "__name__", None) or type(function).__name__
 
 
-def supervise(plan: LaunchPlan, handles: list[WorkerHandle], backend: Backend, reporting: Reporting,
+def supervise(plan: LaunchPlan, handles: list[StartedRank], backend: Backend, reporting: Reporting,
               groups: RankGroups | None = None) -> list[Any]:
     """Run the supervisor with the dashboard and observers; report the launch's start and end to them."""
     info = plan.info()

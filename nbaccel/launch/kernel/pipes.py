@@ -7,7 +7,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..channel import close_quietly, open_channel
-from .supervisor import WorkerHandle
+from .placement_base import StartedRank
 
 
 class Pipes:
@@ -37,8 +37,8 @@ class Pipes:
             return [*self.worker_channels, *self.worker_out, *self.worker_err]
         return [self.worker_channels[i], self.worker_out[i], self.worker_err[i]]
 
-    def handles(self, first_rank: int) -> list[WorkerHandle]:
-        return [WorkerHandle(i, first_rank + i, self.channels[i], self.out_fds[i], self.err_fds[i])
+    def handles(self, first_rank: int) -> list[StartedRank]:
+        return [StartedRank(i, first_rank + i, self.channels[i], self.out_fds[i], self.err_fds[i])
                 for i in range(len(self.channels))]
 
     def close_all(self) -> None:

@@ -1,9 +1,10 @@
 """One launch, resolved: `build_plan(request)` validates and defaults everything once, before anything starts.
 
 `LaunchRequest` is what the caller asked (notebook_launcher's or debug_launcher's arguments); `LaunchPlan`
-is what will run where: the mode (in this process, local processes, torch elastic, torch_xla), the process
+is what will run where: the placement (in this process, local processes, torch elastic, torch_xla, SSH hosts, a
+SLURM allocation) apart from the program (a function, a persistent pool, a script), the process
 counts, the start method, the address and port or rendezvous, the device, and the environment every worker
-shares (built by nbaccel.launch.environment). Every bad-input error is raised here. `plan.ranks()` gives
+shares (built by nbaccel.launch.rank_environment). Every bad-input error is raised here. `plan.ranks()` gives
 each local rank's `RankSpec` (its identity); `plan.rank_environ(i)` is local rank i's whole environment and
 `plan.agent_environ()` the one torch elastic's agent hands every rank it starts. The launch's private folders
 (its FileStore, its large results) are named once, before any process starts, by `with_folders`.
@@ -24,52 +25,55 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import (
     INIT_METHOD_ENV,
     LAUNCH_DEVICE_ENV,
+    LOOPBACK_RDZV_BACKEND,
     MIXED_PRECISION_CHOICES,
     RANK_GROUPS_ENV,
     RDZV_BACKENDS,
 )
 from ...utils.process_limits import check_process_count
-from ..environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
+from ..rank_environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
+from .addresses import bind_address, check_port_free, free_port, is_local_address, is_loopback_address
 from .devices import TPU_CORES, import_xmp, local_device_count, tpu_requested
-from .processes import (
-    bind_address,
-    check_port_free,
-    check_start_method,
-    choose_start_method,
-    free_port,
-    is_local_address,
-    is_loopback_address,
-)
-from .saved_config import apply_saved_config, default, plain
+from .hosts import resolve_hosts
+from .saved_config import apply_saved_config, default, is_default, plain
+from .start_methods import check_start_method, choose_start_method
 
 if TYPE_CHECKING:
     from .hosts import HostSet
 
 # Accelerate's order in its "Unknown mixed_precision mode" message (PrecisionType's order)
 PRECISION_MESSAGE_ORDER = ("no", "fp8", "fp16", "bf16")
+POOL_PG_MARGIN = 10.0  # RankPool: the process group's own timeout is the pool's timeout plus this (a backstop)
 assert set(PRECISION_MESSAGE_ORDER) == set(MIXED_PRECISION_CHOICES)
 
 
-class Mode(str, Enum):
-    """How the ranks run."""
+class Placement(str, Enum):
+    """Where the ranks run: the key of the backend registry (kernel/placements.py), one class each."""
 
     IN_PROCESS = "in-process"  # one process: the function runs in the kernel, as Accelerate does
     LOCAL = "local"  # processes started here (fork/spawn/forkserver)
-    ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, or restarts)
+    ELASTIC = "elastic"  # torch.distributed.elastic's agent (several nodes, restarts; torchrun for scripts)
     XLA = "xla"  # torch_xla's spawn (TPU; PJRT CPU devices)
-    PERSISTENT = "persistent"  # RankPool's ranks: processes started here that serve commands until stopped
-    SCRIPT = "script"  # `nbaccel launch`: torchrun's agent runs a script on each rank (kernel/torchrun.py)
-    SSH = "ssh"  # ranks on several hosts, started by one agent per host over SSH (kernel/ssh_backend.py)
-    SSH_PERSISTENT = "ssh-persistent"  # RankPool's ranks on several hosts (kernel/ssh_pool_backend.py)
+    SSH = "ssh"  # several hosts, one agent per host started over SSH (kernel/ssh_backend.py)
+    SLURM = "slurm"  # the hosts of a SLURM allocation, one agent per host started by srun
+
+
+class Program(str, Enum):
+    """What the ranks run, whatever the placement."""
+
+    FUNCTION = "function"  # notebook_launcher's function: each rank returns its result, then exits
+    POOL = "pool"  # RankPool's rank loop (worker/pool_rank.py): each rank serves commands until stopped
+    SCRIPT = "script"  # `nbaccel launch`: a script, module or program on each rank (`LaunchPlan.script`)
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """The arguments of one `notebook_launcher` (or `debug_launcher`) call, as given."""
+    """The arguments of one `notebook_launcher` (or `debug_launcher`) call, or of one `RankPool` (`program`
+    POOL, no function), as given."""
 
-    function: Callable[..., Any]
+    function: Callable[..., Any] | None
     args: Any = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
@@ -87,8 +91,14 @@ class LaunchRequest:
     log_line_prefix_template: str | None = None
     start_method: str | None = None
     timeout: float | None = None
-    hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/host_plan.py)
+    hosts: Any = None  # several machines: host names as ssh knows them, or "slurm" (kernel/hosts.py)
     debug_launcher: bool = False  # CPU only, no saved configuration, FORK_LAUNCHED set (Accelerate's debug_launcher)
+    program: Program = Program.FUNCTION  # POOL: RankPool's ranks (its `timeout` bounds each collective)
+    # Program.SCRIPT (`nbaccel launch`, its options already checked and merged with the config file by
+    # commands/launch.py): what each rank runs, and the settings that reach the ranks (their environment)
+    script: ScriptTarget | None = None
+    worker: WorkerConfig | None = None
+    use_cpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,8 @@ class ScriptTarget:
 class LaunchPlan:
     """What runs where, with which environment; frozen once built."""
 
-    mode: Mode
-    num_processes: int  # ranks on this node
+    placement: Placement
+    num_processes: int  # ranks on this node (over SSH/SLURM: on each host)
     mixed_precision: str
     start_method: str
     device: str  # "cpu", "xla" or "cuda:{local_rank}" (filled per rank)
@@ -136,14 +146,19 @@ class LaunchPlan:
     rendezvous: Rendezvous | None = None
     start_note: str | None = None  # why the start method was chosen, shown to the user
     xla_count_known: bool = True  # torch_xla: the device count was read (else ranks may not all start)
-    timeout: float | None = None  # seconds the whole launch may run (None: no limit)
-    script: ScriptTarget | None = None  # Mode.SCRIPT: the script every rank runs
-    hosts: HostSet | None = None  # Mode.SSH: the hosts, num_processes ranks on each
+    # the supervision policy, one meaning per front door: notebook_launcher's `timeout`, the seconds the whole
+    # launch may run before every rank is stopped (None: no limit); RankPool: None, a pool lives until it is
+    # stopped (its `timeout` bounds each collective of a call: pool/call.py, and sets the process group's
+    # timeout in `environ`); `nbaccel launch`: None (torch elastic's own rendezvous and process group timeouts)
+    timeout: float | None = None
+    script: ScriptTarget | None = None  # Program.SCRIPT: the script every rank runs
+    hosts: HostSet | None = None  # Placement.SSH/SLURM: the hosts, num_processes ranks on each
+    program: Program = Program.FUNCTION
 
     @property
     def supervised_ranks(self) -> int:
         """The ranks the kernel watches: every rank of every host over SSH, else this node's."""
-        return self.world_size if self.mode in (Mode.SSH, Mode.SSH_PERSISTENT) else self.num_processes
+        return self.world_size if self.hosts is not None else self.num_processes
 
     @property
     def world_size(self) -> int:
@@ -190,15 +205,15 @@ class LaunchPlan:
     def info(self) -> dict[str, Any]:
         """What the `launch` message and the dashboard are told about this launch, the header's fields."""
         device = self.device.split(":")[0]
-        if self.mode is Mode.LOCAL:
+        if self.placement is Placement.LOCAL:
             return dict(start_method=self.start_method, world_size=self.world_size,
                         rendezvous=self.rendezvous_text(), device=device)
-        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
+        if self.placement is Placement.ELASTIC:
             return dict(start_method=self.start_method, world_size=self.world_size, node_rank=self.node_rank,
                         num_nodes=self.num_nodes, rendezvous=self.rendezvous_text(), device=device)
-        if self.mode is Mode.XLA:
+        if self.placement is Placement.XLA:
             return dict(start_method=self.start_method, world_size=self.world_size, device="xla")
-        if self.mode is Mode.SSH:
+        if self.hosts is not None:
             assert self.hosts is not None
             return dict(start_method=self.hosts.via, world_size=self.world_size, hosts=list(self.hosts.names),
                         device=device)
@@ -210,7 +225,7 @@ class LaunchPlan:
         (one node) or its rendezvous endpoint (several nodes), else master_addr:port."""
         if INIT_METHOD_ENV in self.environ:
             return "file store (private)"
-        if self.mode in (Mode.ELASTIC, Mode.SCRIPT):
+        if self.placement is Placement.ELASTIC:
             assert self.rendezvous is not None
             if self.num_nodes == 1:  # kernel/elastic.py: one agent, every store on loopback
                 host, colon, port = self.rendezvous.endpoint.rpartition(":")
@@ -309,7 +324,15 @@ def parse_port(use_port: Any) -> int | None:
 # ------------------------------------------------------------------------------------------ the plan
 def build_plan(request: LaunchRequest) -> LaunchPlan:
     """Resolve `request` into a frozen plan: saved configuration, device counts, start method, port or
-    rendezvous, elastic or local, XLA, the timeout. Raises every bad-input error; starts nothing."""
+    rendezvous, the placement (this process, local, elastic, XLA, SSH hosts, SLURM) and the program, the
+    timeout. Raises every bad-input error; starts nothing. notebook_launcher's (with or without hosts) and
+    RankPool's and `nbaccel launch`'s (program script, from its checked settings: commands/launch.py) too."""
+    if request.program is Program.POOL:
+        return _pool_plan(request)
+    if request.program is Program.SCRIPT:
+        return _script_plan(request)
+    if request.hosts is not None:
+        return _host_plan(request)
     return dataclasses.replace(_resolve(request), timeout=request.timeout)
 
 
@@ -345,20 +368,105 @@ def _resolve(request: LaunchRequest) -> LaunchPlan:
     environ = worker_environment(worker)
     device = "cuda:{local_rank}" if gpus else "cpu"
     if num_processes == 1 and not elastic:
-        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+        return LaunchPlan(placement=Placement.IN_PROCESS, num_processes=1, mixed_precision=precision,
                           start_method="in-process", device="cpu", environ=_frozen(environ))
     method, note = choose_start_method(saved.start_method)
     common = dict(num_processes=num_processes, mixed_precision=precision, start_method=method, device=device,
                   environ=_frozen(environ), num_nodes=num_nodes, node_rank=node_rank, master_addr=master_addr,
                   start_note=note)
     if elastic:
-        return LaunchPlan(mode=Mode.ELASTIC, port=port,
+        return LaunchPlan(placement=Placement.ELASTIC, port=port,
                           rendezvous=_rendezvous(request, saved, port), **common)
     if port is None:
         port = free_port(bind_address(master_addr) if is_local_address(master_addr) else "127.0.0.1")
     elif is_local_address(master_addr):
         check_port_free(port, bind_address(master_addr))
-    return LaunchPlan(mode=Mode.LOCAL, port=port, **common)
+    return LaunchPlan(placement=Placement.LOCAL, port=port, **common)
+
+
+def _host_plan(request: LaunchRequest) -> LaunchPlan:
+    """Resolve a request with `hosts` into a plan of placement ssh or slurm; raise every bad-input error; start nothing."""
+    hosts = resolve_hosts(request.hosts)
+    if not is_default(request.num_nodes) or not is_default(request.node_rank):
+        raise ValueError("hosts= sets the machines (num_nodes=len(hosts), node_rank by position): leave num_nodes "
+                         "and node_rank out")
+    if request.max_restarts:
+        raise ValueError("hosts= does not restart ranks (max_restarts must be 0): use nbaccel launch on each "
+                         "machine for torch elastic's restarts")
+    gpus = visible_gpus()
+    saved = apply_saved_config(request, gpus)
+    saved.num_nodes, saved.node_rank = 1, 0  # checked as one node; the hosts multiply it
+    precision = check_request(request, saved)
+    check_start_method(saved.start_method)
+    if saved.use_cpu:
+        gpus = 0
+    num_processes = saved.num_processes if is_int(saved.num_processes) else (gpus or 1)
+    worker = WorkerConfig.from_saved(saved.config, mixed_precision=precision, use_cpu=not gpus, loopback=False,
+                                     num_nodes=len(hosts.names), nproc_per_node=num_processes,
+                                     rich_display=_in_notebook())
+    master_addr = saved.master_addr
+    # a loopback master_addr (the default) cannot be reached from other hosts: the first host's address then
+    master_addr = "" if not master_addr or is_loopback_address(master_addr) else master_addr
+    placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
+    return LaunchPlan(placement=placement, num_processes=num_processes, mixed_precision=precision,
+                      start_method=hosts.via, device="cuda:{local_rank}" if gpus else "cpu",
+                      environ=_frozen(worker_environment(worker)), num_nodes=len(hosts.names), node_rank=0,
+                      master_addr=master_addr, port=parse_port(saved.use_port), timeout=request.timeout,
+                      hosts=hosts)
+
+
+def _script_plan(request: LaunchRequest) -> LaunchPlan:
+    """`nbaccel launch`: torchrun's agent runs the script on this machine's ranks. On one machine the
+    rendezvous port is the loopback store's, opened by the backend (0: a free one)."""
+    assert request.script is not None and request.worker is not None, "a script plan needs its script and settings"
+    num_nodes, port = request.num_nodes, parse_port(request.use_port)
+    if num_nodes > 1:
+        port, address = port or 29500, request.master_addr or ""
+        backend, endpoint, run_id = request.rdzv_backend, f"{address}:{port}", f"nbaccel-{port}"
+    else:
+        address = "127.0.0.1"
+        backend, endpoint, run_id = LOOPBACK_RDZV_BACKEND, f"127.0.0.1:{port or 0}", "none"
+    rendezvous = Rendezvous(backend=backend, endpoint=endpoint, conf=MappingProxyType(dict(request.rdzv_conf or {})),
+                            run_id=run_id, max_restarts=request.max_restarts,
+                            monitor_interval=request.monitor_interval, log_line_prefix_template=None)
+    device = "cuda:{local_rank}" if not request.use_cpu and visible_gpus() else "cpu"
+    return LaunchPlan(placement=Placement.ELASTIC, program=Program.SCRIPT, num_processes=request.num_processes,
+                      mixed_precision=request.mixed_precision, start_method="subprocess", device=device,
+                      environ=_frozen(worker_environment(request.worker)), num_nodes=num_nodes,
+                      node_rank=request.node_rank, master_addr=address, port=port, rendezvous=rendezvous,
+                      script=request.script)
+
+
+def _pool_plan(request: LaunchRequest) -> LaunchPlan:
+    """RankPool's ranks: `num_processes` on this machine (or on each host), no function, no saved configuration;
+    the pool's `timeout` (each collective's limit) sets the process group's timeout (plus a margin)."""
+    num_processes = request.num_processes
+    if not is_int(num_processes) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
+    hosts = resolve_hosts(request.hosts) if request.hosts is not None else None
+    if isinstance(request.timeout, bool) or not isinstance(request.timeout, (int, float)) or not request.timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {request.timeout!r}")
+    precision = check_precision(request.mixed_precision)
+    method, note = choose_start_method(request.start_method)
+    gpus = visible_gpus()
+    if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
+        print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
+              f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
+        gpus = 0
+    num_nodes = len(hosts.names) if hosts else 1
+    # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
+    environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
+                                              nproc_per_node=num_processes, fork_launched=True,
+                                              pg_timeout=float(request.timeout) + POOL_PG_MARGIN,
+                                              loopback=hosts is None, num_nodes=num_nodes))
+    common = dict(program=Program.POOL, num_processes=num_processes, mixed_precision=precision,
+                  device="cuda:{local_rank}" if gpus else "cpu", environ=_frozen(environ))
+    if hosts is not None:  # the first host finds the port; each agent picks its start method
+        placement = Placement.SLURM if hosts.via == "srun" else Placement.SSH
+        return LaunchPlan(placement=placement, start_method=hosts.via, num_nodes=num_nodes, master_addr="",
+                          hosts=hosts, **common)
+    return LaunchPlan(placement=Placement.LOCAL, start_method=method, port=free_port(), start_note=note, **common)
 
 
 def _frozen(environ: dict[str, str]) -> Mapping[str, str]:
@@ -405,9 +513,9 @@ def _xla_plan(request: LaunchRequest, saved: Any, precision: str) -> LaunchPlan:
                                      rich_display=_in_notebook(), fork_launched=nprocs != 1)  # as Accelerate on TPU
     environ = worker_environment(worker)
     if nprocs == 1:
-        return LaunchPlan(mode=Mode.IN_PROCESS, num_processes=1, mixed_precision=precision,
+        return LaunchPlan(placement=Placement.IN_PROCESS, num_processes=1, mixed_precision=precision,
                           start_method="in-process", device="cpu", environ=_frozen(environ))
-    return LaunchPlan(mode=Mode.XLA, num_processes=nprocs, mixed_precision=precision,
+    return LaunchPlan(placement=Placement.XLA, num_processes=nprocs, mixed_precision=precision,
                       start_method=saved.start_method or "fork", device="xla", environ=_frozen(environ),
                       xla_count_known=count is not None)
 
@@ -425,5 +533,5 @@ def _debug_plan(request: LaunchRequest) -> LaunchPlan:
     method, note = choose_start_method(None)
     environ = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=True, nproc_per_node=num_processes,
                                               rich_display=_in_notebook(), fork_launched=True))  # as Accelerate's
-    return LaunchPlan(mode=Mode.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
+    return LaunchPlan(placement=Placement.LOCAL, num_processes=num_processes, mixed_precision=precision, start_method=method,
                       device="cpu", environ=_frozen(environ), port=free_port(), start_note=note)

@@ -24,7 +24,7 @@ import subprocess
 from ...utils.constants import RANK_GROUPS_ENV
 from ..private_dirs import GROUPS_PREFIX, make_user_dir, remove_dir
 from .interrupts import interrupts_held
-from .processes import STOP_GRACE, process_running, signal_groups, stop_groups
+from .process_trees import STOP_GRACE, process_running, signal_groups, stop_groups
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.sh")
 

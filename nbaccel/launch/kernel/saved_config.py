@@ -73,7 +73,7 @@ class LaunchDefaults:
     use_cpu: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra worker environment (gradient accumulation)
     source: str | None = None  # the config file used, if any
-    config: Any = None  # the LaunchConfig read (its settings for the workers: nbaccel.launch.environment)
+    config: Any = None  # the LaunchConfig read (its settings for the workers: nbaccel.launch.rank_environment)
 
 
 def apply_saved_config(arguments: Any, gpus: int) -> LaunchDefaults:

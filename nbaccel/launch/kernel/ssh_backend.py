@@ -1,4 +1,5 @@
-"""The SSH backend: a launch's ranks on several hosts, one agent per host started over SSH (or srun).
+"""Placements ssh and slurm: ranks on several hosts, one agent per host started over SSH (or srun in a SLURM
+allocation), running a launch's function or RankPool's rank loop.
 
 The kernel runs `ssh HOST python -m nbaccel.launch.agent.host_agent` per host; the SSH session's stdin and
 stdout are the channel (host_protocol.py). Before any rank starts, every agent answers a probe: its
@@ -10,6 +11,12 @@ into local pipes of the usual shape (a channel Connection and two output fds per
 watches the ranks of every host exactly as it watches local ones, and labels their lines `[host rank N]`.
 An agent that goes away (killed, its host lost) fails its ranks; stopping closes every session, and each
 agent stops its ranks when its session ends.
+
+RankPool's ranks (Program.POOL) get the same `StartedRank`s as local pool ranks, so the pool drives remote
+ranks as local ones: `channel` (commands) and `status` are local duplex pipes whose other ends a sender thread
+forwards to the agent, `telemetry`, `stdout` and `stderr` local pipes the relay fills, and `process` a
+`RemoteRank` (the remote pid, a sentinel that becomes readable when the agent reports the rank's exit, `join`,
+`exitcode`, and `send_signal` for the pool's forwarded interrupts).
 """
 
 from __future__ import annotations
@@ -22,19 +29,18 @@ import threading
 import time
 from collections import deque
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_HOST_ENV
 from ..channel import close_quietly
-from ..errors import WorkerFailure
-from ..host_protocol import STOP, FrameKind, Hello, Probe, Start, versions
+from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..messages import Failure
 from ..serialize import referenced_modules
+from .addresses import is_loopback_address
 from .hosts import HostError, agent_command, check_modules, check_versions, diagnose
-from .plan import Mode
-from .processes import is_loopback_address
-from .supervisor import WorkerHandle
+from .placement_base import Backend, StartedRank
+from .plan import Placement, Program
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
 HELLO_TIMEOUT = float(os.environ.get("NBACCEL_HOST_TIMEOUT", "60"))  # seconds for every agent to answer
 STOP_WAIT = 10.0  # seconds the agents get to stop their ranks and exit before their sessions are killed
 LOST_EXIT = 255  # the exit code given to ranks of an agent that went away without reporting theirs
+DUPLEX = ("commands", "status")  # a pool rank's pipes the kernel writes too
 
 
 class Agent:
@@ -97,17 +104,48 @@ class Agent:
             close_quietly(self.to_agent)
 
 
-class SshBackend:
-    """Starts and owns the agents of the plan's hosts and, through them, every rank of the launch."""
+class RemoteRank:
+    """A rank on another host, answering what RankPool asks of a multiprocessing.Process."""
 
-    fail_fast = True
-    workers_may_not_start = False
-    inherits_objects = False  # the function travels cloudpickled to other machines
-    preloads_modules = False  # the ranks fork from the agents, which preload there
-    freezes_gc = False
-    private_store = False  # the ranks meet through torch's TCPStore on the first host
-    result_folder = False  # results come back through the channel
-    rank_groups = False  # the ranks run on other machines: each host's agent stops its own
+    def __init__(self, agent: Agent, local_rank: int) -> None:
+        self.agent = agent
+        self.local_rank = local_rank
+        self.pid: int | None = None  # on its host
+        self.exitcode: int | None = None
+        self.sentinel, self._exit_fd = os.pipe()  # readable (end of file) once the rank exited
+        self._done = threading.Event()
+
+    def exited(self, code: int) -> None:
+        if not self._done.is_set():
+            self.exitcode = code
+            self._done.set()
+            close_quietly(self._exit_fd)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the rank on its host (the pool's forwarded SIGINT)."""
+        try:
+            self.agent.send((KernelFrame.SIGNAL.value, self.local_rank, signum))
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        close_quietly(self.sentinel, self._exit_fd)
+
+
+class SshBackend(Backend):
+    """Starts and owns the agents of the plan's hosts and, through them, every rank of the launch or pool."""
+
+    programs = frozenset({Program.FUNCTION, Program.POOL})
+    via = "ssh"  # how each host's agent starts (hosts.py agent_command)
+    # the function travels cloudpickled to other machines; the ranks fork from the agents, which preload there;
+    # they meet through torch's TCPStore on the first host; results come back through the channel; each host's
+    # agent stops its own ranks' process groups: every capability off
 
     def __init__(self) -> None:
         self.agents: list[Agent] = []
@@ -115,23 +153,27 @@ class SshBackend:
         self._reported: set[int] = set()
         self._stopping = False
         self.world_size = 0
+        self.pool = False  # RankPool's ranks: their commands and status go to them (the sender thread)
+        self.remote: dict[tuple[int, int], RemoteRank] = {}  # pool: (host index, local rank) -> the rank
+        self._closing: set[tuple[int, int, str]] = set()  # duplex relay ends the sender thread is to close
+        self._lock = threading.Lock()
+        self._sending = threading.Event()
+        self._sender: threading.Thread | None = None
+        self._released = False
 
     # ------------------------------------------------------------------ start
-    host_mode = Mode.LOCAL  # what each agent runs: a launch's ranks (RankPool's: kernel/ssh_pool_backend.py)
-
-    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
-        assert payload.data is not None, "the SSH backend sends cloudpickled payloads"
-        return self._start(plan, payload.data)
-
-    def _start(self, plan: LaunchPlan, payload: bytes | None) -> list[Any]:
+    def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:
         """Start the agents, check them, have each start its host's ranks; the kernel's ends, by global rank."""
+        self.pool = plan.program is Program.POOL
+        data = None if self.pool else payload.data if payload is not None else None
+        assert self.pool or data is not None, "the SSH backend sends cloudpickled payloads"
         try:
             assert plan.hosts is not None
             for index, host in enumerate(plan.hosts.names):
-                self.agents.append(Agent(host, index, plan.hosts.via))
+                self.agents.append(Agent(host, index, self.via))
             first_port = plan.port or 0
             # what the pickled function takes from importable modules is imported there: each host checks
-            modules = tuple(referenced_modules(payload)) if payload is not None else ()
+            modules = tuple(referenced_modules(data)) if data is not None else ()
             for agent in self.agents:
                 agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
             self._wait_hellos(plan)
@@ -139,7 +181,7 @@ class SshBackend:
             port = self.agents[0].hello.port  # type: ignore[union-attr]
             ends = self._make_ends(plan)
             for agent in self.agents:
-                agent.send(Start(self._host_plan(plan, agent, master, port), payload))
+                agent.send(Start(self._host_plan(plan, agent, master, port), data))
                 agent.relay = threading.Thread(target=self._relay, args=(agent,), daemon=True,
                                                name=f"nbaccel-ssh-relay-{agent.host}")
                 agent.relay.start()
@@ -150,8 +192,24 @@ class SshBackend:
             self.close()
             raise
 
-    def _started(self, ends: list[Any]) -> None:
-        """Called once every agent was told to start (RankPool's backend waits for the ranks' pids)."""
+    def _started(self, ends: list[StartedRank]) -> None:
+        """Every agent was told to start: a pool waits for its ranks' pids, then forwards the kernel's commands."""
+        if not self.pool:
+            return
+        deadline = time.monotonic() + HELLO_TIMEOUT
+        for agent in self.agents:
+            if not agent.started.wait(max(0.0, deadline - time.monotonic())):
+                raise HostError(agent.host, f"the agent on {agent.host!r} did not start its ranks within "
+                                f"{HELLO_TIMEOUT:.0f} s")
+            if agent.lost:
+                raise HostError(agent.host, agent.lost)
+            for i, pid in enumerate(agent.pids):
+                self.remote[(agent.index, i)].pid = pid
+        for started in ends:
+            started.pid = started.process.pid
+        self._sending.set()
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="nbaccel-ssh-pool-sender")
+        self._sender.start()
 
     def _wait_hellos(self, plan: LaunchPlan) -> None:
         deadline = time.monotonic() + HELLO_TIMEOUT
@@ -191,27 +249,45 @@ class SshBackend:
         environ = dict(plan.environ)
         if is_loopback_address(master) and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"  # every host is this machine: the ranks talk over loopback
-        environ[LAUNCH_HOST_ENV] = agent.host  # the ranks' status messages name their host (the dashboard's column)
-        return dataclasses.replace(plan, mode=self.host_mode, node_rank=agent.index,
-                                   num_nodes=len(self.agents), master_addr=master, port=port, hosts=None,
+        # the host's name as the user gave it, for errors only the rank can word (a module missing there); the
+        # kernel stamps it on the rank's messages itself (supervisor.py, pool/rank_processes.py)
+        environ[LAUNCH_HOST_ENV] = agent.host
+        # each agent runs its host's ranks as local processes (its LocalBackend), the same program
+        return dataclasses.replace(plan, placement=Placement.LOCAL, node_rank=agent.index,
+                                   num_nodes=len(self.agents), master_addr=master, port=port, hosts=None, timeout=None,
                                    environ=environ)
 
-    def _make_ends(self, plan: LaunchPlan) -> list[Any]:
-        """Local pipes of the usual shape for every rank: the supervisor reads them, the relay writes them."""
-        handles = []
+    def _make_ends(self, plan: LaunchPlan) -> list[StartedRank]:
+        """Local pipes of the usual shape for every rank: the kernel reads (and for a pool writes) them, the
+        relay writes (and the sender reads) their other ends."""
+        started = []
         for agent in self.agents:
             agent.first_rank = agent.index * plan.num_processes
             for i in range(plan.num_processes):
-                channel_r, channel_w = Pipe(duplex=False)
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                agent.writers.append({"channel": channel_w, "stdout": out_w, "stderr": err_w})
-                rank = agent.first_rank + i
-                # reports_memory: the kernel cannot sample another host's processes (its pids are not ours)
-                handles.append(WorkerHandle(rank, rank, channel_r, out_r, err_r, reports_memory=True,
-                                            label=f"{agent.host} rank {rank}"))
-        self.world_size = len(handles)
-        return handles
+                started.append(self._pool_ends(agent, i) if self.pool else self._launch_ends(agent, i))
+        self.world_size = len(started)
+        return started
+
+    def _launch_ends(self, agent: Agent, i: int) -> StartedRank:
+        channel_r, channel_w = Pipe(duplex=False)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        agent.writers.append({"channel": channel_w, "stdout": out_w, "stderr": err_w})
+        rank = agent.first_rank + i
+        # reports_memory: the kernel cannot sample another host's processes (its pids are not ours)
+        return StartedRank(rank, rank, channel_r, out_r, err_r, host=agent.host, reports_memory=True)
+
+    def _pool_ends(self, agent: Agent, i: int) -> StartedRank:
+        commands, relay_commands = Pipe(duplex=True)
+        status, relay_status = Pipe(duplex=True)
+        telemetry, relay_telemetry = Pipe(duplex=False)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        agent.writers.append({"commands": relay_commands, "status": relay_status, "telemetry": relay_telemetry,
+                              "stdout": out_w, "stderr": err_w})
+        process = self.remote[(agent.index, i)] = RemoteRank(agent, i)
+        return StartedRank(agent.first_rank + i, agent.first_rank + i, commands, out_r, err_r, host=agent.host,
+                           process=process, status=status, telemetry=telemetry, reports_memory=True)
 
     # ------------------------------------------------------------------ relaying an agent's frames
     def _relay(self, agent: Agent) -> None:
@@ -247,6 +323,8 @@ class SshBackend:
         for name in list(agent.writers[i]):
             self._close_writer(agent, i, name)
         self._exits.put((agent.first_rank + i, code))
+        if (agent.index, i) in self.remote:
+            self.remote[(agent.index, i)].exited(code)
 
     def _write(self, agent: Agent, i: int, name: str, data: bytes) -> None:
         target = agent.writers[i].get(name)
@@ -263,9 +341,37 @@ class SshBackend:
             self._close_writer(agent, i, name)
 
     def _close_writer(self, agent: Agent, i: int, name: str) -> None:
+        if name in DUPLEX and self._sender is not None:
+            with self._lock:
+                self._closing.add((agent.index, i, name))  # the sender thread may be waiting on it
+            return
         target = agent.writers[i].pop(name, None)
         if target is not None:
             close_quietly(target)
+
+    # ------------------------------------------------------------------ kernel -> ranks
+    def _send_loop(self) -> None:
+        """Forward what the pool writes to each rank's commands/status pipe; an end of file closes the
+        agent's end too (the pool closing a status pipe makes that rank exit)."""
+        while self._sending.is_set():
+            with self._lock:
+                for host, i, name in self._closing:
+                    close_quietly(self.agents[host].writers[i].pop(name, None))
+                self._closing.clear()
+                ends = {conn: (agent, i, name) for agent in self.agents for i, writers in enumerate(agent.writers)
+                        for name, conn in writers.items() if name in DUPLEX}
+            for conn in wait(list(ends), 0.1) if ends else time.sleep(0.1) or ():
+                agent, i, name = ends[conn]
+                try:
+                    while conn.poll(0):
+                        agent.send((KernelFrame.SEND.value, i, name, conn.recv_bytes()))
+                except (EOFError, OSError, ValueError):
+                    with self._lock:
+                        self._closing.add((agent.index, i, name))
+                    try:
+                        agent.send((KernelFrame.CLOSE.value, i, name))
+                    except (OSError, ValueError):
+                        pass
 
     def _agent_ended(self, agent: Agent) -> None:
         """The agent's session ended: its ranks that did not report an exit are lost with it."""
@@ -317,28 +423,38 @@ class SshBackend:
                 agent.process.kill()
                 agent.process.wait()
 
-    def exit_failures(self) -> dict[int, WorkerFailure]:
-        return {}
-
-    def verdict(self) -> None:
-        """Nothing but the supervisor watches these ranks (the agents report every rank's messages to it)."""
-        return None
-
     def lost_reason(self) -> str | None:
         return next((agent.lost for agent in self.agents if agent.lost), None)
 
     def close(self) -> None:
-        """Once the launch is over: no agent, session or relay of this launch is left."""
+        """Once the launch (or pool) is over: no agent, session, relay or sender of it is left."""
         self.stop()
+        if self._released:
+            return
+        self._released = True
         for agent in self.agents:
             if agent.relay is not None:
                 agent.relay.join(timeout=5)
+        self._sending.clear()
+        if self._sender is not None:
+            self._sender.join(timeout=5)
+        self._sender = None
+        for agent in self.agents:
             close_quietly(agent.from_agent)
             for writers in agent.writers:
                 close_quietly(*writers.values())
             agent._stderr_thread.join(timeout=2)
             if agent.process.stderr is not None:
                 agent.process.stderr.close()
+        for rank in self.remote.values():
+            rank.exited(rank.exitcode if rank.exitcode is not None else -1)
+            rank.close()
+
+
+class SlurmBackend(SshBackend):
+    """The hosts of a SLURM allocation: the same agents, each started by `srun` on its node."""
+
+    via = "srun"
 
 
 def _pickled(message: dict) -> bytes:

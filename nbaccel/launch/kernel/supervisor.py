@@ -3,7 +3,7 @@
 The supervisor runs in the thread that called the launcher (in Jupyter: the cell's thread), so forwarded
 output lands in the calling cell and a kernel interrupt (KeyboardInterrupt) arrives right here. One
 `multiprocessing.connection.wait` watches the channels, the output pipes and the process sentinels.
-The ranks' `collective` messages go to a `CollectiveTracker` (collectives.py): ranks deadlocked in
+The ranks' `collective` messages go to a `CollectiveTracker` (collective_tracker.py): ranks deadlocked in
 collectives that cannot meet are stopped within seconds and named with their operations and source lines.
 """
 
@@ -14,9 +14,8 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ... import telemetry
 from ...utils.constants import MEMORY_INTERVAL_ENV
@@ -28,14 +27,14 @@ from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
 from ..views import views
-from .collectives import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
+from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
 from .interrupts import raise_if_swallowed
-from .processes import learn_rank_imports, signal_name
+from .module_preload import learn_rank_imports
+from .placement_base import Backend, StartedRank
+from .process_trees import signal_name
 
 if TYPE_CHECKING:
-    from ..serialize import Payload
     from .collective_watch import ExitHang
-    from .plan import LaunchPlan
     from .rank_groups import RankGroups
 
 POLL = 0.1  # seconds between checks of the deadline when nothing happens
@@ -58,91 +57,12 @@ def _memory_interval() -> float:
         return 1.0
 
 
-class Backend(Protocol):
-    """What starts and owns the workers: local processes (local.py), torch elastic's agent (elastic.py) or
-    torch_xla's spawn (xla.py). The supervisor reads only these."""
-
-    fail_fast: bool  # stop every worker at the first failure (elastic: no, it restarts them first)
-    workers_may_not_start: bool  # some prepared ranks may never start (torch_xla picks how many run)
-    # what the launcher prepares for it (kernel/backends.py says what each means)
-    inherits_objects: bool
-    preloads_modules: bool
-    freezes_gc: bool
-    private_store: bool
-    result_folder: bool
-    rank_groups: bool
-
-    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
-        """Start the plan's local ranks; return the kernel's ends of their pipes, by local rank."""
-        ...
-
-    def wait_objects(self) -> list[Any]:
-        """Objects (process sentinels) whose readiness means a worker may have exited."""
-        ...
-
-    def poll_exits(self) -> list[tuple[int, int]]:
-        """(local rank, exit code) of the workers that exited since the last call."""
-        ...
-
-    def finished(self) -> bool:
-        """Every worker is done (and none can start any more)."""
-        ...
-
-    def stop(self) -> None:
-        """Stop every worker; nothing started by this backend is left."""
-        ...
-
-    def exit_failures(self) -> dict[int, WorkerFailure]:
-        """Failures only the backend knows of, by rank (read once the run finished)."""
-        ...
-
-    def lost_reason(self) -> str | None:
-        """Why ranks ended without a word, when the backend knows (e.g. torch_xla's spawn raised)."""
-        ...
-
-    def close(self) -> None:
-        """Release what the backend holds (process objects, their pipes) once the launch is over."""
-        ...
-
-    def verdict(self) -> Diagnosis | ExitHang | None:
-        """Why the ranks must be stopped though none failed, when the backend watches them itself (`nbaccel
-        launch`'s collective watch): a deadlock, or ranks stuck in their teardown after their work ended."""
-        ...
-
-
-@dataclass
-class WorkerHandle:
-    """The kernel's ends of one worker's channel and output pipes."""
-
-    local_rank: int
-    rank: int
-    channel: Connection
-    stdout_fd: int
-    stderr_fd: int
-    channel_open: bool = True
-    open_fds: set[int] = field(default_factory=set)
-    has_result: bool = False
-    result: Any = None
-    exited: bool = False
-    exitcode: int | None = None
-    generation: int = 0
-    seen: bool = False  # sent at least one message
-    pid: int | None = None
-    reports_memory: bool = False  # the worker sends its own `memory` messages
-    rss_peak: int = 0
-    last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
-    label: str | None = None  # how its output lines are labelled (default "rank N"; over SSH "host rank N")
-
-    def __post_init__(self) -> None:
-        self.open_fds = {self.stdout_fd, self.stderr_fd}
-
-
 class Supervisor:
     """Run the loop until every worker is done, one failed, the deadline passed or the kernel interrupted."""
 
     def __init__(
         self,
-        workers: Sequence[WorkerHandle],
+        workers: Sequence[StartedRank],
         backend: Backend,
         observers: Sequence[Observer] = (),
         stdout: TextIO | None = None,
@@ -169,14 +89,16 @@ class Supervisor:
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
         self._all_returned_at: float | None = None  # when the last rank returned its result
-        self.collectives = CollectiveTracker()
+        # rank -> the host it was started on (hosts=): stamped on its messages and named in every error and report
+        self.hosts = {w.rank: w.host for w in self.workers if w.host}
+        self.collectives = CollectiveTracker(hosts=self.hosts)
         self.deadlock: Diagnosis | None = None
         self.exit_hang: ExitHang | None = None  # the backend's watch found ranks stuck after their work
         self._next_check = 0.0
         self._memory_interval = _memory_interval()
         self._next_sample = time.monotonic() + self._memory_interval
         self._by_channel = {id(w.channel): w for w in self.workers}
-        self._by_fd: dict[int, tuple[WorkerHandle, str, LineForwarder]] = {}
+        self._by_fd: dict[int, tuple[StartedRank, str, LineForwarder]] = {}
         for w in self.workers:
             self._by_fd[w.stdout_fd] = (w, "stdout", self._forwarder(w, "stdout"))
             self._by_fd[w.stderr_fd] = (w, "stderr", self._forwarder(w, "stderr"))
@@ -191,6 +113,9 @@ class Supervisor:
         return self._stderr if self._stderr is not None else sys.stderr
 
     def notify(self, message: Message) -> None:
+        host = self.hosts.get(message.get("rank")) if self.hosts else None  # type: ignore[arg-type]
+        if host is not None:  # the supervisor started the rank there: no rank needs to say where it runs
+            message["host"] = host
         for observer in list(self.observers):
             try:
                 observer(message)
@@ -199,14 +124,14 @@ class Supervisor:
                 warnings.warn(f"nbaccel: launch observer {observer!r} failed and was removed: {exc!r}",
                               stacklevel=2)
 
-    def _forwarder(self, worker: WorkerHandle, stream: str) -> LineForwarder:
+    def _forwarder(self, worker: StartedRank, stream: str) -> LineForwarder:
         redrawing = [False]  # the stream has live rows: the line it ends now is a progress bar's final state
 
         def deliver(line: str) -> None:
             # A finished progress bar (tqdm writes to stderr) is shown as it was while live, not as an error.
             target = self.stdout if stream == "stdout" or redrawing[0] else self.stderr
             try:
-                target.write(f"[{worker.label or f'rank {worker.rank}'}] {line}\n")
+                target.write(f"[{worker.line_label}] {line}\n")
             except Exception:
                 pass
             self.notify(messages.output(worker.rank, worker.local_rank, stream, line))
@@ -220,7 +145,7 @@ class Supervisor:
             return LineForwarder(deliver, live)
         return LineForwarder(deliver, live, lambda mark: self._mark_reached(worker, mark))
 
-    def _mark_reached(self, worker: WorkerHandle, mark: str) -> None:
+    def _mark_reached(self, worker: StartedRank, mark: str) -> None:
         """A rank's stdout reached a display marker. The rank sent the display message before it wrote the
         marker, so read its channel first (briefly): the display then lands before the text that follows."""
         deadline = time.monotonic() + MARK_WAIT
@@ -262,14 +187,14 @@ class Supervisor:
             worker.open_fds.discard(fd)
             close_quietly(fd)
 
-    def _read_channel(self, worker: WorkerHandle) -> None:
+    def _read_channel(self, worker: StartedRank) -> None:
         messages, closed = recv_all(worker.channel)
         for message in messages:
             self._handle(worker, message)
         if closed:
             worker.channel_open = False
 
-    def _handle(self, worker: WorkerHandle, message: Message) -> None:
+    def _handle(self, worker: StartedRank, message: Message) -> None:
         worker.seen = True
         kind = message.get("kind")
         if kind == MessageKind.BATCH:  # telemetry the worker queued (channel.WorkerSink)
@@ -327,6 +252,7 @@ class Supervisor:
             return
         worker = next((w for w in self.workers if w.rank == failure.rank), None)
         if worker is not None:  # what torch's ProcessFailure says about the process
+            failure.host = failure.host or worker.host
             failure.local_rank = worker.local_rank if failure.local_rank is None else failure.local_rank
             failure.pid = worker.pid if failure.pid is None else failure.pid
         self.failures[failure.rank] = failure
@@ -472,7 +398,7 @@ class Supervisor:
             waiting = state.waiting(time.time())
             if waiting is not None and state.rank not in failures:
                 failures[state.rank] = WorkerFailure(state.rank, None, f"stopped while waiting in {waiting[0]}",
-                                                     exitcode=exitcodes.get(state.rank))
+                                                     exitcode=exitcodes.get(state.rank), host=state.host)
         lines = report_lines(diagnosis, DEADLOCK_HEAD, DEADLOCK_EXPLANATION)
         if self.failures and self.deadlock is None:  # errors raised because a peer went away; else none
             lines += ["", "What the ranks reported:", format_failures(self.failures, self.first_failure)]

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from .pipes import Pipes
-from .processes import STOP_GRACE, get_context, kill_pids
-from .supervisor import WorkerHandle
+from .placement_base import Backend, StartedRank
+from .process_trees import STOP_GRACE, kill_pids
+from .start_methods import get_context
 
 if TYPE_CHECKING:
     from ..serialize import Payload
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 JOIN_TIMEOUT = 5.0
 
 
-class ThreadedBackend:
+class ThreadedBackend(Backend):
     """Run the other launcher's blocking call in a thread; `finished()` once it returned; `stop()` kills the
     workers it started. Subclasses say what to run (`target`) for a plan."""
 
@@ -54,7 +55,7 @@ class ThreadedBackend:
         """The blocking call that starts and waits for the workers (in the helper thread)."""
         raise NotImplementedError
 
-    def start(self, plan: LaunchPlan, payload: Payload) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload) -> list[StartedRank]:
         """Prepare every local rank's pipes, then run `target` in the helper thread."""
         pipes = Pipes(get_context(plan.start_method), plan.num_processes)
         try:

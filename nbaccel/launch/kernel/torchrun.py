@@ -8,7 +8,7 @@ as every other launch. Each rank runs worker/script_entry.py, which reports its 
 launch's CollectiveWatch (collective_watch.py); the watch's verdict (a deadlock, or ranks stuck in their
 process's teardown after their script ended) reaches the supervisor through `verdict()`.
 
-On one machine the agent meets itself on a loopback store (elastic.py `loopback_rendezvous`), which `start`
+On one machine the agent meets itself on a loopback store (loopback_store.py `loopback_rendezvous`), which `start`
 opens; a rendezvous it closes before stopping the ranks keeps the agent from restarting them.
 """
 
@@ -28,7 +28,8 @@ from ...utils.constants import COLLECTIVE_WATCH_ENV, EXEC_ENTRY, LINE_LOCK_ENV, 
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
-from .processes import signal_name
+from .plan import Program
+from .process_trees import signal_name
 from .threaded import ThreadedBackend, _children
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
     from ..serialize import Payload
     from .collective_watch import CollectiveWatch, ExitHang
     from .loopback_store import LoopbackStore
+    from .placement_base import StartedRank
     from .plan import LaunchPlan
-    from .supervisor import WorkerHandle
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
 
@@ -52,7 +53,7 @@ def torchrun_arguments(plan: LaunchPlan, watched: bool = False, registered: bool
     program: what the program starts is stopped with the launch (script_entry.py registers a watched one)."""
     script, rdzv = plan.script, plan.rendezvous
     if script is None or rdzv is None:
-        raise ValueError(f"a plan of mode {plan.mode.value!r} runs no script through torchrun")
+        raise ValueError(f"a {plan.program.value} plan runs no script through torchrun")
     argv = [f"--nnodes={plan.num_nodes}", f"--nproc-per-node={plan.num_processes}",
             f"--max-restarts={rdzv.max_restarts}", f"--monitor-interval={rdzv.monitor_interval}",
             f"--rdzv-backend={rdzv.backend}"]
@@ -100,6 +101,7 @@ class _ChildThreadNote(logging.Filter):
 class TorchrunBackend(ThreadedBackend):
     """torchrun's agent in a helper thread; the collective watch's verdicts for the supervisor."""
 
+    programs = frozenset({Program.SCRIPT})
     thread_name = "nbaccel-torchrun-agent"
     fail_fast = False  # torch elastic decides: it restarts the ranks (--max_restarts) or ends the run
 
@@ -116,7 +118,7 @@ class TorchrunBackend(ThreadedBackend):
         self._done_read, self._done_write = os.pipe()
 
     # ------------------------------------------------------------------ start
-    def start(self, plan: LaunchPlan, payload: Payload | None = None) -> list[WorkerHandle]:
+    def start(self, plan: LaunchPlan, payload: Payload | None = None) -> list[StartedRank]:
         """Open the rendezvous store and the watch, then run torchrun in the helper thread. The ranks' output
         goes where this process's goes (as under torchrun): no pipes, no handles."""
         from torch.distributed import run as torchrun
@@ -149,7 +151,7 @@ class TorchrunBackend(ThreadedBackend):
     def _open_rendezvous(self, plan: LaunchPlan) -> LaunchPlan:
         """The one-machine rendezvous store, on the plan's port (a free one when none is given or, as in
         Accelerate, when that one is taken); the plan's endpoint names the port it got."""
-        from .elastic import loopback_rendezvous
+        from .loopback_store import loopback_rendezvous
 
         store = _open_loopback_store(plan.port)
         self._rendezvous = self._cleanup.enter_context(loopback_rendezvous(store))

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import WorkerFailure
 from ..hang_report import Diagnosis, RankProgress, diagnose
-from ..messages import MessageKind, RankState
+from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
-from .processes import RankProcess, exit_text
+from .rank_processes import RankProcess, exit_text
 from .results import RankResult, RankResults
 
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
@@ -161,7 +161,8 @@ class Call:
         self.outputs[index] = rank.take_output()
         self.pending.discard(index)
         if message.get("pg_broken") and message.get("error") and self.broken is None:
-            self.broken = f"rank {index}: {message['error']['exc_type']}: {message['error']['message']}".splitlines()[0]
+            error = message["error"]
+            self.broken = f"{rank_label(index, rank.host)}: {error['exc_type']}: {error['message']}".splitlines()[0]
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
@@ -171,7 +172,7 @@ class Call:
         self.replies[index] = {"error": {"exc_type": "RankDied", "message": f"the rank process ended ({how})",
                                          "traceback": ""}}
         self.pending.discard(index)
-        self.broken = f"rank {index} died ({how})"
+        self.broken = f"{rank_label(index, rank.host)} died ({how})"
 
     def _ask_status(self) -> set[int]:
         asked = set()
@@ -201,23 +202,23 @@ class Call:
             self.raw_seen[index] = (raw, snapshot.get("time", time.time()))
 
     def states(self) -> list[RankProgress]:
-        states = []
-        for index in range(len(self.ranks)):
-            if index not in self.selected:
-                states.append(RankProgress(index, RankState.IDLE))
-            elif index in self.pending:
-                seen = self.raw_seen.get(index)
-                states.append(RankProgress(index, RankState.RUNNING, snapshot=self.snapshots.get(index),
-                                           raw_since=seen[1] if seen else None))
-            else:
-                error = self.replies[index].get("error")
-                if error is None:
-                    states.append(RankProgress(index, RankState.FINISHED))
-                else:
-                    first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
-                    dead = error["exc_type"] == "RankDied"
-                    states.append(RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first))
-        return states
+        return [self._progress(index) for index in range(len(self.ranks))]
+
+    def _progress(self, index: int) -> RankProgress:
+        """Where rank `index` is in this call (named with its host on a pool over several hosts)."""
+        host = self.ranks[index].host
+        if index not in self.selected:
+            return RankProgress(index, RankState.IDLE, host=host)
+        if index in self.pending:
+            seen = self.raw_seen.get(index)
+            return RankProgress(index, RankState.RUNNING, snapshot=self.snapshots.get(index),
+                                raw_since=seen[1] if seen else None, host=host)
+        error = self.replies[index].get("error")
+        if error is None:
+            return RankProgress(index, RankState.FINISHED, host=host)
+        first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
+        dead = error["exc_type"] == "RankDied"
+        return RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first, host=host)
 
     def _check(self) -> None:
         states = self.states()
@@ -264,7 +265,8 @@ class Call:
             result.meta["value_error"] = reply["value_error"]
         error = reply.get("error")
         if error is not None:
-            result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"])
+            result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"],
+                                         host=self.ranks[index].host)
             result.status = RankState.FAILED
         return result
 

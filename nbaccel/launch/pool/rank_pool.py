@@ -18,28 +18,24 @@ Linux, and end-of-file on its status pipe everywhere).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from types import MappingProxyType
 from typing import Any
 
-from ...utils.constants import MIXED_PRECISION_CHOICES
-from ...utils.process_limits import check_process_count
-from ..environment import WorkerConfig, visible_gpus, worker_environment
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
-from ..kernel.hosts import resolve_hosts
-from ..kernel.plan import PRECISION_MESSAGE_ORDER, LaunchPlan, Mode, normalize_precision
-from ..kernel.processes import choose_start_method, free_port
+from ..kernel.addresses import free_port
+from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
 from .call import MISMATCH_GRACE, Call, Hang
-from .processes import START_TIMEOUT, RankProcesses
+from .rank_processes import START_TIMEOUT, RankProcesses
 from .results import (
     CollectiveMismatchError,
     RankFailedError,
@@ -50,14 +46,13 @@ from .results import (
     RankTimeoutError,
     results_equal,
 )
-from .telemetry import OutputLines, TelemetryReader, observer_of, status_message
+from .telemetry_reader import OutputLines, TelemetryReader, observer_of, status_message
 
 __all__ = [
     "CollectiveMismatchError", "RankFailedError", "RankPool", "RankPoolError", "RankResult", "RankResults",
     "RankStartError", "RankTimeoutError", "results_equal",
 ]
 
-PG_TIMEOUT_MARGIN = 10.0  # the process group's own timeout: the pool's timeout plus this (a backstop)
 CELL_NAMES_KEPT = 256  # distinct cell sources whose name the pool remembers (the ranks keep their compiled code)
 
 
@@ -73,34 +68,20 @@ class RankPool:
 
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
                  timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None) -> None:
-        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-            raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
-        check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
+        # every check and default once, in plan.py (the same builder as notebook_launcher's): bad input fails here
+        self._plan_built = build_plan(LaunchRequest(function=None, program=Program.POOL, num_processes=num_processes,
+                                                    start_method=start_method, mixed_precision=mixed_precision,
+                                                    timeout=timeout, hosts=hosts))
+        plan = self._plan_built
+        if plan.start_note:
+            print(plan.start_note, file=sys.stderr)
         # several machines: num_processes ranks on each host, started over SSH (docs/ranks.md)
-        self.hosts = resolve_hosts(hosts) if hosts is not None else None
-        self.timeout = _check_timeout(timeout, "timeout")
-        precision = normalize_precision(mixed_precision)
-        if precision not in MIXED_PRECISION_CHOICES:
-            raise ValueError(f"mixed_precision must be one of {list(PRECISION_MESSAGE_ORDER)}, got {mixed_precision!r}")
-        self.start_method, note = choose_start_method(start_method)
-        gpus = visible_gpus()
-        if gpus and num_processes > gpus:  # e.g. 2 ranks on a 1-GPU Colab: debugging collectives needs 2
-            print(f"nbaccel: {num_processes} ranks but {gpus} GPU(s): the ranks run on the CPU (gloo). Pass "
-                  f"num_processes<={gpus} for GPU ranks.", file=sys.stderr)
-            gpus = 0
-        if note:
-            print(note, file=sys.stderr)
-        self._per_host = num_processes
-        self.num_processes = num_processes * (len(self.hosts.names) if self.hosts else 1)  # every rank
-        self.mixed_precision = precision
+        self.hosts = plan.hosts
+        self.timeout = float(timeout)  # the limit of each collective of a call (the plan has no overall timeout)
+        self.num_processes = num_processes  # ranks on this machine, or on each host (as notebook_launcher's)
+        self.start_method = plan.start_method  # with hosts=: how the agents start ("ssh", "srun")
+        self.mixed_precision = plan.mixed_precision
         self.restarts = 0
-        # the pool owns the process group (FORK_LAUNCHED): end_training() in a cell leaves it up
-        self._env = worker_environment(WorkerConfig(mixed_precision=precision, use_cpu=not gpus,
-                                                    nproc_per_node=num_processes, fork_launched=True,
-                                                    pg_timeout=self.timeout + PG_TIMEOUT_MARGIN,
-                                                    loopback=self.hosts is None,
-                                                    num_nodes=len(self.hosts.names) if self.hosts else 1))
-        self._device = "cuda:{local_rank}" if gpus else "cpu"
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
         self._cell_names: dict[tuple[str, str | None], tuple[str, bool]] = {}  # (source, name) -> _cell_name's answer
@@ -121,16 +102,16 @@ class RankPool:
             self._start_once()  # the free port was taken by someone else meanwhile: once more, on a new port
 
     def _plan(self) -> LaunchPlan:
-        """The pool's ranks as a plan of persistent ranks, on a free port (a restart takes a new one); on
-        several hosts, the first host finds the port."""
+        """The pool's plan (built once by plan.py), on a free port: a restart takes a new one; on several
+        hosts, the first host finds the port."""
         if self.hosts is not None:
-            return LaunchPlan(mode=Mode.SSH_PERSISTENT, num_processes=self._per_host,
-                              mixed_precision=self.mixed_precision, start_method=self.hosts.via, device=self._device,
-                              environ=MappingProxyType(self._env), num_nodes=len(self.hosts.names), master_addr="",
-                              timeout=self.timeout, hosts=self.hosts)
-        return LaunchPlan(mode=Mode.PERSISTENT, num_processes=self.num_processes, mixed_precision=self.mixed_precision,
-                          start_method=self.start_method, device=self._device, environ=MappingProxyType(self._env),
-                          port=free_port(), timeout=self.timeout)
+            return self._plan_built
+        return dataclasses.replace(self._plan_built, port=free_port())
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the pool: `num_processes` times the number of hosts."""
+        return self._plan_built.world_size
 
     def _start_once(self) -> None:
         workers = RankProcesses(self._plan())
@@ -246,7 +227,7 @@ class RankPool:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        where = f"hosts={list(self.hosts.names)!r} x {self._per_host}, " if self.hosts else ""
+        where = f"hosts={list(self.hosts.names)!r}, world_size={self.world_size}, " if self.hosts else ""
         return (f"RankPool(num_processes={self.num_processes}, {where}start_method={self.start_method!r}, "
                 f"timeout={self.timeout:g}, {state})")
 
@@ -372,7 +353,7 @@ class RankPool:
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
-            return list(range(self.num_processes))
+            return list(range(self.world_size))
         if isinstance(ranks, int) and not isinstance(ranks, bool):
             ranks = [ranks]
         try:
@@ -380,9 +361,9 @@ class RankPool:
         except TypeError:
             raise ValueError(f"ranks must be a list of rank numbers (or one rank), got {ranks!r}") from None
         bad = [rank for rank in selected if isinstance(rank, bool) or not isinstance(rank, int)
-               or not 0 <= rank < self.num_processes]
+               or not 0 <= rank < self.world_size]
         if bad or not selected:
-            raise ValueError(f"ranks must be a non-empty list of ranks in 0..{self.num_processes - 1}, got {ranks!r}")
+            raise ValueError(f"ranks must be a non-empty list of ranks in 0..{self.world_size - 1}, got {ranks!r}")
         return selected
 
     def _recover(self, graceful: bool) -> None:

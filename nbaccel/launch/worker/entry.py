@@ -16,7 +16,6 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
-from ...utils.constants import LAUNCH_HOST_ENV as HOST_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV, RANK_GROUPS_ENV
 from .. import messages
 from ..channel import WorkerSink, close_quietly
@@ -70,20 +69,18 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
     """Unpickle and call the function, reporting status, result or error through `sink`. True on success.
     `thread_rank`: this thread is one of several ranks of the process (telemetry per thread; the process
     group, shared by the threads, is left to the process's end). `device`: shown in status messages
-    (default: NBACCEL_LAUNCH_DEVICE, else cpu), with the host of a launch on several hosts
-    (NBACCEL_LAUNCH_HOST)."""
+    (default: NBACCEL_LAUNCH_DEVICE, else cpu); the kernel adds the host of a launch on several hosts."""
     from ... import telemetry
 
     telemetry.attach(sink, sink.rank, this_thread=thread_rank)
     device = device or os.environ.get(DEVICE_ENV, "cpu")
-    host = os.environ.get(HOST_ENV) or None
-    sink.queue(Status(sink.rank, RankState.STARTING, device=device, pid=os.getpid(), host=host,
+    sink.queue(Status(sink.rank, RankState.STARTING, device=device, pid=os.getpid(),
                       restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
     try:
         from .. import serialize, shared_tensors
 
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
-        sink(Status(sink.rank, RankState.RUNNING, device=device, host=host).to_wire())
+        sink(Status(sink.rank, RankState.RUNNING, device=device).to_wire())
         start_memory_reports(telemetry, sink)
         # which raw torch.distributed collective the function is blocked in, if any (sampled, costs no call)
         raw = None if thread_rank else watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value))
@@ -107,7 +104,7 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
         sink.queue(Result(sink.rank, data, imported=[name for name in PRELOADABLE_MODULES if name in sys.modules])
                    .to_wire())
-        sink(Status(sink.rank, RankState.FINISHED, device=device, host=host).to_wire())  # one write with the result
+        sink(Status(sink.rank, RankState.FINISHED, device=device).to_wire())  # one write with the result
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         tb = exc.__traceback__
@@ -122,7 +119,7 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         _stop_telemetry_sampler(telemetry)
         failure = Failure(sink.rank, report.exc_type, report.message, report.traceback)
         sink(failure.to_wire())
-        sink(Status(sink.rank, RankState.FAILED, device=device, host=host, error=failure.first_line).to_wire())
+        sink(Status(sink.rank, RankState.FAILED, device=device, error=failure.first_line).to_wire())
         return False
     finally:
         sink.ticker = None

@@ -1,5 +1,5 @@
 """A launched rank never outlives the process that launched it, even when that one is SIGKILLed; and what
-the rank starts stays in the rank's own process group, which the launcher stops as one (kernel/processes.py).
+the rank starts stays in the rank's own process group, which the launcher stops as one (kernel/process_trees.py).
 
 Linux: `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes the OS kill the rank the moment its parent dies (no thread,
 no polling). Elsewhere (macOS) a daemon thread checks every half second whether the parent is gone (the

@@ -79,8 +79,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
         _send(commands, Ready(rank, error=_error_info(exc)).to_wire())
         os._exit(1)
     flush_std()
-    host = os.environ.get(LAUNCH_HOST_ENV) or None  # RankPool(hosts=...): the host, as named there
-    _send(commands, Ready(rank, device=device, pid=os.getpid(), host=host).to_wire())
+    _send(commands, Ready(rank, device=device, pid=os.getpid()).to_wire())
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     serve(commands, namespace, rank)
     _destroy_process_group()

@@ -1,6 +1,6 @@
 """A RankPool rank's telemetry: a `WorkerSink` on the rank's own telemetry pipe, switched on by the `telemetry`
 command when the kernel's first observer attaches and off when the last detaches (the kernel's reader is
-pool/telemetry.py)."""
+pool/telemetry_reader.py)."""
 
 from __future__ import annotations
 

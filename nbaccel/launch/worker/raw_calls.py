@@ -7,7 +7,7 @@ frame of one of torch.distributed's collectives, outside any traced collective, 
 `collective` message with `event` "raw" (the torch function, the user's line that called it, when the rank
 was first seen in it, when it was last seen, and the stack down to it), again at each sample while the rank
 stays there, and once with `op` None when it left. A call shorter than a sample is seen now and then or
-never: it costs nothing, and only a call that blocks matters. The kernel (kernel/collectives.py) treats a
+never: it costs nothing, and only a call that blocks matters. The kernel (kernel/collective_tracker.py) treats a
 rank seen in a raw collective as waiting there, for hang_report's rules. RankPool's ranks answer the same
 question from their status snapshots (worker/pool_rank.py `snapshot`).
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,12 +58,17 @@ class RankCollectives:
 class CollectiveTracker:
     """Where every local rank is, collective-wise; see the module docstring."""
 
-    def __init__(self, grace: float = GRACE, work: str = "the function") -> None:
+    def __init__(self, grace: float = GRACE, work: str = "the function",
+                 hosts: Mapping[int, str] | None = None) -> None:
         self.grace = grace
+        self.hosts = dict(hosts or {})  # rank -> its host, with hosts=: the reports name it
         self.work = work  # what the ranks run, for the report: "rank 1 finished the function"
         self.ranks: dict[int, RankCollectives] = {}
         self._open = 0  # collectives entered and not left, over all ranks: 0 means nothing to check
         self.divergence: Diagnosis | None = None  # the first n-th collectives that differ between ranks
+
+    def _progress(self, rank: int, *args: Any, **kwargs: Any) -> RankProgress:
+        return RankProgress(rank, *args, host=self.hosts.get(rank), **kwargs)
 
     def _rank(self, rank: int) -> RankCollectives:
         state = self.ranks.get(rank)
@@ -100,12 +105,12 @@ class CollectiveTracker:
     def _compare(self, rank: int, record: dict[str, Any]) -> None:
         """Compare `rank`'s newest collective with the other ranks' collective of the same number."""
         seq = record["seq"]
-        mine = RankProgress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work)
+        mine = self._progress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work)
         for other, state in self.ranks.items():
             theirs = state.history.get(seq) if other != rank else None
             if theirs is None:
                 continue
-            pair = sorted([mine, RankProgress(other, RankState.RUNNING, snapshot={"collective": theirs}, work=self.work)],
+            pair = sorted([mine, self._progress(other, RankState.RUNNING, snapshot={"collective": theirs}, work=self.work)],
                           key=lambda s: s.rank)
             reason = difference(pair)
             if reason:
@@ -118,7 +123,7 @@ class CollectiveTracker:
         if inside and inside[-1]["seq"] == seq:
             return state.describe(time.time())
         record = state.collective()
-        return f"rank {state.rank} went through {record.describe()} (its collective #{seq})"  # type: ignore[union-attr]
+        return f"{state.name} went through {record.describe()} (its collective #{seq})"  # type: ignore[union-attr]
 
     def finished(self, rank: int) -> None:
         """`rank` returned from the function."""
@@ -153,13 +158,13 @@ class CollectiveTracker:
             if failure_view and record is None and state.phase == RankState.FAILED:
                 record = state.failed_in
             if state.phase == RankState.RUNNING and record is None and (raw := self._raw_wait(state)) is not None:
-                states.append(RankProgress(rank, RankState.RUNNING, work=self.work, raw_since=raw["started"],
+                states.append(self._progress(rank, RankState.RUNNING, work=self.work, raw_since=raw["started"],
                                            snapshot={"raw_call": raw["op"], "site": raw.get("site"),
                                                      "stack": raw.get("stack", "")}))
             elif state.phase == RankState.RUNNING or (failure_view and record is not None):
-                states.append(RankProgress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work))
+                states.append(self._progress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work))
             else:
-                states.append(RankProgress(rank, state.phase, state.error, work=self.work))
+                states.append(self._progress(rank, state.phase, state.error, work=self.work))
         return states
 
     def _raw_wait(self, state: RankCollectives) -> dict[str, Any] | None:

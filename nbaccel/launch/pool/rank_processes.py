@@ -1,6 +1,6 @@
-"""The rank processes of a `RankPool`: started and owned by the plan's backend (kernel/persistent.py, the
-process-owning code of a launch's LocalBackend); here the pool waits until they are ready and stops them
-(asking first, then as the backend stops a launch's ranks).
+"""The rank processes of a `RankPool`: started and owned by the backend of the plan's placement (a launch's, with
+the program `pool`) inside a launch session (kernel/launch_session.py, as every launch); here the pool waits
+until they are ready and stops them (asking first, then as the backend stops a launch's ranks).
 
 Kept apart from `RankPool` so that finalizers (garbage collection, interpreter exit) hold these objects and
 never the pool itself.
@@ -17,47 +17,42 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..channel import close_quietly
 from ..errors import oom_hint
-from ..kernel.backends import select_backend
-from ..kernel.processes import (
-    preload_worker_modules,
-    resource_tracker_scope,
-    signal_name,
-)
-from ..kernel.rank_groups import RankGroups
+from ..kernel.launch_session import LaunchSession
+from ..kernel.process_trees import signal_name
 from ..messages import PoolCommand, Ready
 from ..output import read_available
-from ..private_dirs import make_store_dir, remove_dir
 from .results import RankStartError
 
 if TYPE_CHECKING:
+    from ..kernel.placement_base import StartedRank
     from ..kernel.plan import LaunchPlan
 
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
 
 
 class RankProcess:
-    """The kernel's ends of one rank: process, command pipe, status pipe, stdout/stderr pipes."""
+    """What the pool does with one started rank (kernel/placements.py StartedRank): its command, status and
+    telemetry pipes, and its output, read between and during calls."""
 
-    def __init__(self, rank: int, process: Any, commands: Connection, status: Connection, out_fd: int,
-                 err_fd: int, telemetry: Connection | None = None) -> None:
-        self.rank = rank
-        self.telemetry = telemetry  # read end of the rank's telemetry pipe (used while an observer attaches)
+    def __init__(self, started: StartedRank) -> None:
+        self.rank = started.rank
+        self.telemetry = started.telemetry  # read end of the rank's telemetry pipe (used while an observer attaches)
         self.on_output: Callable[[str, bytes], None] | None = None  # (stream, data) of every read, if set
-        self.process = process
-        self.commands = commands
-        self.status = status
+        self.process = started.process
+        self.commands: Connection = started.channel
+        self.status: Connection = started.status  # type: ignore[assignment]
         self.status_unanswered = 0  # status queries sent whose answers were not read (an interrupted call)
-        self.out_fd = out_fd
-        self.err_fd = err_fd
+        self.out_fd = out_fd = started.stdout_fd
+        self.err_fd = err_fd = started.stderr_fd
         self.out = bytearray()
         self.err = bytearray()
         self.device = "cpu"
-        self.host: str | None = None  # RankPool(hosts=...): the host it runs on, as named there
-        self.pid = process.pid
+        self.host = started.host  # RankPool(hosts=...): the host it runs on, as named there
+        self.pid = started.pid
         self.closed_fds: set[int] = set()
         # one poll object for the output pipes, kept for the rank's life: take_output runs twice per rank in
         # every call, and a selector built per call cost more than the rest of a trivial call's kernel side
@@ -123,20 +118,12 @@ class RankProcesses:
         self.ranks: list[RankProcess] = []
         self.closed = False
         self.start_method = plan.start_method
-        self._tracker = resource_tracker_scope()
-        self._tracker.__enter__()
-        self._backend = select_backend(plan)
-        if self._backend.preloads_modules:
-            preload_worker_modules(plan.start_method)  # forked ranks inherit PartialState's modules
-        # the ranks' process group meets in a FileStore in an owner-only folder: no TCP store on the network
-        self._store_dir = make_store_dir() if self._backend.private_store else None  # a killed kernel's: removed
-        # each rank registers the process group it leads: all are stopped with the pool, even if the kernel dies
-        self._groups = RankGroups() if getattr(self._backend, "rank_groups", False) else None
-        plan = plan.with_folders(self._store_dir, groups_dir=self._groups.folder if self._groups else None)
+        # what every launch owns (preload, private FileStore folder, rank groups and their keeper): the session's
+        self.session = LaunchSession(plan)
+        self._backend = self.session.backend
         try:
-            for ends in self._backend.start(plan):
-                self.ranks.append(RankProcess(ends.rank, ends.process, ends.commands, ends.status, ends.out_fd,
-                                              ends.err_fd, ends.telemetry))
+            self.session.open()
+            self.ranks = [RankProcess(started) for started in self.session.start()]
         except BaseException:
             self.close(graceful=False)
             raise
@@ -166,7 +153,6 @@ class RankProcesses:
                         problem = f"rank {rank.rank} failed to start:\n{ready.error['traceback'].rstrip()}"
                         break
                     rank.device = ready.device or "cpu"
-                    rank.host = ready.host
                 elif obj in sentinels and sentinels[obj].commands in pending:
                     rank = sentinels[obj]
                     if not rank.commands.poll(0):
@@ -202,15 +188,12 @@ class RankProcesses:
         try:
             self._backend.stop()
         finally:
-            if self._groups is not None:
-                self._groups.close()
+            try:
+                self.session.close()  # rank groups, the backend's pipes and sessions, folders, resource tracker
+            except Exception:
+                pass
         for rank in self.ranks:
             rank.close()
-        remove_dir(self._store_dir)
-        try:
-            self._tracker.__exit__(None, None, None)
-        except Exception:
-            pass
 
 
 _LIVE: weakref.WeakSet[RankProcesses] = weakref.WeakSet()

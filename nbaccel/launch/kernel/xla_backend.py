@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .devices import import_xmp
+from .plan import Program
 from .threaded import ThreadedBackend
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 class XlaBackend(ThreadedBackend):
     """Runs `xmp.spawn(entry, ...)` over every XLA device in a helper thread."""
 
+    programs = frozenset({Program.FUNCTION})
     fail_fast = True
     thread_name = "nbaccel-xla-spawn"
 

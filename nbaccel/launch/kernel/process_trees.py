@@ -1,0 +1,172 @@
+"""Process trees: stop ranks and everything they started (their process groups, their descendants) without
+leftovers; name the signal that ended one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from typing import Any
+
+STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """The signal that ended a process with this multiprocessing exit code (negative), e.g. "SIGKILL"."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def descendants(pids: Iterable[int]) -> list[int]:
+    """Every live descendant of `pids` (e.g. data loader workers a rank started)."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    found = []
+    for pid in pids:
+        try:
+            found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        except Exception:
+            continue
+    return found
+
+
+def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
+    """Stop every rank (multiprocessing.Process-like) and everything it started: SIGTERM to each live rank,
+    to each rank's process group (worker/parent_death.py `lead_own_group`: its children are there, also
+    those of a rank already dead) and to live descendants that left it; SIGKILL what is left after `grace`
+    seconds; reap the ranks."""
+    processes = list(processes)
+    leaders = [proc.pid for proc in processes if proc.pid is not None]
+    alive = [proc for proc in processes if proc.is_alive()]
+    if not alive and not groups_alive(leaders):
+        return
+    extra = descendants(proc.pid for proc in alive)  # e.g. a child that made a session of its own
+    try:
+        for proc in alive:
+            _signal(proc.pid, signal.SIGTERM)
+        signal_groups(leaders, signal.SIGTERM)
+        for pid in extra:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline and groups_alive(leaders):
+            time.sleep(0.02)
+    finally:  # also when interrupted again while waiting: nothing may outlive the launch
+        for proc in alive:
+            if proc.is_alive():
+                _signal(proc.pid, signal.SIGKILL)
+        signal_groups(leaders, signal.SIGKILL)
+        for pid in extra:
+            _signal(pid, signal.SIGKILL)
+        for proc in alive:
+            proc.join(5)
+        _reap(extra)
+
+
+def kill_pids(pids: Iterable[int], grace: float = STOP_GRACE) -> None:
+    """Like stop_processes for bare pids (workers another launcher started, e.g. torch elastic)."""
+    leaders = list(pids)
+    pids = leaders + descendants(leaders)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    signal_groups(leaders, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (any(process_running(pid) for pid in pids) or groups_alive(leaders)):
+        time.sleep(0.02)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    signal_groups(leaders, signal.SIGKILL)
+    _reap(pids)
+
+
+def stop_groups(leaders: Iterable[int], grace: float = STOP_GRACE) -> None:
+    """SIGTERM the process groups these ranks led (the ranks themselves are gone), SIGKILL what is left of
+    them after `grace` seconds."""
+    leaders = list(leaders)
+    if not groups_alive(leaders):
+        return
+    signal_groups(leaders, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and groups_alive(leaders):
+        time.sleep(0.02)
+    signal_groups(leaders, signal.SIGKILL)
+
+
+def signal_groups(leaders: Iterable[int], sig: int) -> None:
+    """Send `sig` to the process group each rank leads (its pid), whether the rank is alive or not: the group
+    lives while any process the rank started does. Never this process's own group (a rank that had not made
+    its group yet has none: the signal goes nowhere)."""
+    own = os.getpgrp()
+    for pid in leaders:
+        if pid > 1 and pid != own:
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def groups_alive(leaders: Iterable[int]) -> bool:
+    """Whether a process of any of these ranks' groups is still running (zombies waiting to be reaped by
+    their parent count as gone)."""
+    own = os.getpgrp()
+    groups = {pid for pid in leaders if pid > 1 and pid != own and _group_exists(pid)}
+    if not groups:
+        return False
+    try:
+        import psutil
+    except ImportError:  # without psutil: whether the groups still exist at all
+        return any(_group_exists(pid) for pid in groups)
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) in groups and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped by its parent, has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+def _reap(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
