@@ -3,11 +3,17 @@
 Used by `./run.sh demo` (the quickstart). The executed copy, with outputs, is written next to the
 run's other artefacts in test-output/ so the notebook in notebooks/ stays without outputs.
 Usage: python scripts/run_notebook.py notebooks/01_quickstart.ipynb [--timeout SECONDS]
+
+A cell that asks for input (a rank's pdb prompt, `input()`) is answered with the lines of its metadata's
+`nbaccel.input` list, in order, as a person would type them into Jupyter's input box (`ScriptedInputClient`);
+other cells run without stdin, as nbclient runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import queue
 import re
 import sys
 from pathlib import Path
@@ -37,6 +43,36 @@ def printable_outputs(cell) -> list[str]:
     return [text.rstrip("\n") for text in texts]
 
 
+class ScriptedInputClient(NotebookClient):
+    """nbclient's client that answers a cell's input requests with its `nbaccel.input` metadata lines."""
+
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):  # type: ignore[override]
+        lines = list(cell.get("metadata", {}).get("nbaccel", {}).get("input", []))
+        if not lines or self.kc is None:
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        self.kc.allow_stdin = True
+        answering = asyncio.ensure_future(self._answer(lines))
+        try:
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        finally:
+            answering.cancel()
+            self.kc.allow_stdin = False
+            if lines:
+                raise RuntimeError(f"cell {cell_index}: the scripted input {lines} was not asked for")
+
+    async def _answer(self, lines: list[str]) -> None:
+        while True:
+            try:
+                msg = await self.kc.get_stdin_msg(timeout=0.1)
+            except (queue.Empty, asyncio.TimeoutError):
+                continue
+            if msg["msg_type"] != "input_request":
+                continue
+            if not lines:
+                raise RuntimeError(f"unexpected input request {msg['content']['prompt']!r}: no scripted line left")
+            self.kc.input(lines.pop(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebook", type=Path)
@@ -45,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.notebook.is_file():
         parser.error(f"no notebook at {args.notebook}")
     notebook = nbformat.read(args.notebook, as_version=4)
-    client = NotebookClient(
+    client = ScriptedInputClient(
         notebook, timeout=args.timeout, kernel_name="python3",
         resources={"metadata": {"path": str(args.notebook.parent.resolve())}},
     )

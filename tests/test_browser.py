@@ -363,3 +363,56 @@ def _check_saved_page(launch_cell, config_cell, config_fallback: bool = True) ->
         assert not config_cell.locator(".nbaccel-config-saved").is_visible()  # the table once, not twice
     text = config_cell.inner_text()
     assert "VBox(" not in text and "model not found" not in text
+
+
+BREAKPOINT_LAUNCH = """\
+import os
+from nbaccel import notebook_launcher
+
+def train(base):
+    rank = int(os.environ["RANK"])
+    x = base + rank
+    if rank == 1:
+        breakpoint()
+    return x * 2
+
+print("results", notebook_launcher(train, (10,), num_processes=2, dashboard=False))
+"""
+
+
+def test_a_rank_breakpoint_is_answered_in_jupyterlabs_input_box(lab, page):
+    """rank 1's pdb prompt shows as JupyterLab's input box, labelled; what is typed there reaches the rank."""
+    base, token, root = lab.base, lab.token, lab.root
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(BREAKPOINT_LAUNCH)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, root / "rank_pdb.ipynb")
+    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.set_default_timeout(60_000)
+        page.goto(f"{base}/lab/workspaces/rank-pdb/tree/rank_pdb.ipynb?token={token}")
+        page.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        select_kernel = page.locator(".jp-Dialog button", has_text="Select")
+        if select_kernel.count():
+            select_kernel.click()
+        run_all_cells(page)
+        for command, shown in (("p x", "[rank 1] 11"), ("c", "results [20, 22]")):
+            box = page.locator(f"{ACTIVE_NOTEBOOK} .jp-Stdin-input").last
+            box.wait_for(state="visible", timeout=120_000)
+            assert page.locator(f"{ACTIVE_NOTEBOOK} .jp-Stdin-prompt").last.inner_text().startswith("[rank 1] (Pdb)")
+            box.fill(command)
+            box.press("Enter")
+            page.wait_for_function("(text) => document.body.textContent.includes(text)", arg=shown, timeout=120_000)
+        page.screenshot(path=str(OUTPUT / "rank_pdb.png"), full_page=True)
+        text = page.locator(ACTIVE_NOTEBOOK).inner_text()
+        assert "[rank 1] -> return x * 2" in text, text
+    except Exception as error:
+        page.screenshot(path=str(OUTPUT / "rank_pdb_failure.png"), full_page=True)
+        outputs = page.locator(".jp-OutputArea").all_inner_texts()
+        raise AssertionError(f"browser check failed ({error}); screenshot {OUTPUT / 'rank_pdb_failure.png'}; "
+                             f"outputs: {outputs}") from error
+    finally:
+        lab.delete_kernels()
+        context.close()

@@ -8,13 +8,13 @@ the lines every rank printed.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from notebook_outputs import Executed, check_quickstart, read_outputs
 from ssh_server import HOSTS
 
@@ -25,11 +25,19 @@ EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume",
             "05_config_and_scripts", "07_big_models", "08_live_output", "09_several_machines")
 
 
+def _scripted_input_client() -> type:
+    """scripts/run_notebook.py's client: a cell's `nbaccel.input` metadata lines answer its input requests."""
+    spec = importlib.util.spec_from_file_location("run_notebook", NOTEBOOKS.parent / "scripts" / "run_notebook.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ScriptedInputClient
+
+
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
     """Execute notebooks/`name` in a fresh kernel, in `workdir`; return its code cells with their outputs."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     started = time.monotonic()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    _scripted_input_client()(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
     seconds = time.monotonic() - started
     print(f"{name}: {seconds:.1f} s")
     return read_outputs(nb, seconds)
@@ -84,6 +92,11 @@ def test_debug_collectives(tmp_path):
     assert "rank 0 is back" in back.text and "rank 1 is back" in back.text
     assert "all ranks: [0, 1, 2, 10, 11, 12]" in back.text  # the restarted pool runs collectives again
     assert "Stopped 2 ranks" in run.cell("%ranks stop").text
+    stepped = run.cell("breakpoint()  # rank 1 stops here")  # pdb on rank 1, answered from the cell's metadata
+    assert stepped.error is None and "[rank 1] tensor([20, 22, 24])" in stepped.text, stepped.text
+    assert "all ranks: tensor(72)" in stepped.text, stepped.text  # 2 * (0+1+2 + 10+11+12)
+    post = run.cell("%ranks debug")
+    assert post.error is None and "[rank 1] 14" in post.text.splitlines(), post.text
 
 
 @pytest.mark.timeout(300)

@@ -36,7 +36,7 @@ class FrameKind(str, Enum):
 
 
 class KernelFrame(str, Enum):
-    """The kernel's frames to a started agent (RankPool's ranks)."""
+    """The kernel's frames to a started agent (RankPool's ranks; for a launch's rank, the answers to its prompts)."""
 
     SEND = "send"  # (kind, i, pipe name, one message's pickled bytes): for the rank's end of that pipe
     CLOSE = "close"  # (kind, i, pipe name): close the agent's end of that pipe (the rank sees its end)

@@ -37,6 +37,9 @@ class MessageKind(str, Enum):
     CLEAR_OUTPUT = "clear_output"  # IPython.display.clear_output from a rank
     READY = "ready"  # a RankPool rank built its process group (or failed to): its first message
     REPLY = "reply"  # a RankPool rank's answer to one command
+    # a rank's input(), breakpoint(), pdb (worker/rank_prompts.py, kernel/prompt_relay.py)
+    PROMPT = "prompt"  # a rank waits for one line of input
+    ANSWER = "answer"  # the kernel's answer to a prompt: the line typed, end of input, or why none can come
 
     def __str__(self) -> str:
         return self.value
@@ -83,6 +86,7 @@ class PoolCommand(str, Enum):
     PUSH = "push"  # (PUSH, id, name, data): set one variable of the rank's namespace
     PULL = "pull"  # (PULL, id, name): send one variable back
     TELEMETRY = "telemetry"  # (TELEMETRY, id, on): report to an attached dashboard, or stop
+    DEBUG = "debug"  # (DEBUG, id): pdb's post-mortem at the exception of the rank's last failed command
     STOP = "stop"  # (STOP,): leave the loop; no reply
 
     def __str__(self) -> str:
@@ -209,6 +213,32 @@ class Ready(_Typed):
     pid: int | None = None
     error: Mapping[str, str] | None = None  # exc_type, message, traceback
     time: float | None = None  # not stamped: a rank's first message was never timed
+
+
+@dataclass(frozen=True)
+class Prompt(_Typed):
+    """A rank asks for one line of input (`input(prompt)`, pdb's `(Pdb) `); it waits for the `Answer`."""
+
+    kind: ClassVar[MessageKind] = MessageKind.PROMPT
+    rank: int | None
+    prompt: str = ""
+    id: int = 0  # the rank's count of prompts, echoed by the answer
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Answer(_Typed):
+    """The kernel's answer to a `Prompt`: `text` (the line, without its newline), or `eof` (the input ended:
+    the rank's input() raises EOFError), or `unavailable` (why nobody can answer: the rank's input() raises
+    RankInputUnavailable with it)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.ANSWER
+    rank: int | None
+    id: int = 0
+    text: str | None = None
+    eof: bool | None = None
+    unavailable: str | None = None
+    time: float = field(default_factory=time.time)
 
 
 def message(kind: MessageKind, rank: int | None, **fields: Any) -> Message:

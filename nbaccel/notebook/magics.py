@@ -3,6 +3,8 @@
     %ranks start [-n N] [--spawn] [--timeout S]   start N ranks (a RankPool) with the process group ready
     %%ranks [--ranks 0,1] [--timeout S]           run the cell on the ranks; show them side by side
     %ranks status | restart | stop
+    %ranks debug [RANK]                           pdb's post-mortem at the failed rank's exception (the
+                                                  first failed rank of the last %%ranks cell by default)
     %ranks push NAME [NAME ...]                   copy kernel variables to every rank
     %ranks pull NAME [NAME ...]                   copy rank variables to the kernel: the value when it is
                                                   equal on every rank, else a list with one value per rank
@@ -22,7 +24,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..launch.pool import RankFailedError, RankPool, RankPoolError, RankResults, results_equal
 
-USAGE = """%ranks start [-n N] [--spawn] [--timeout S] [--hosts A,B] | status | restart | stop | push NAME... | pull NAME...
+USAGE = """%ranks start [-n N] [--spawn] [--timeout S] [--hosts A,B] | status | restart | stop | push NAME... | pull NAME... | debug [RANK]
 %%ranks [--ranks 0,1] [--timeout S]  (cell magic: run the cell on the ranks)"""
 
 
@@ -90,7 +92,7 @@ class RankMagics(Magics):
             raise MagicUsageError(f"%ranks needs a subcommand\nusage: {USAGE}")
         command, rest = words[0], words[1:]
         handlers = {"start": self._start, "status": self._status, "restart": self._restart, "stop": self._stop,
-                    "push": self._push, "pull": self._pull}
+                    "push": self._push, "pull": self._pull, "debug": self._debug}
         if command not in handlers:
             raise MagicUsageError(f"unknown subcommand {command!r}\nusage: {USAGE}")
         return handlers[command](rest)
@@ -131,6 +133,16 @@ class RankMagics(Magics):
         self.pool.shutdown()
         self.pool = None
         print(f"Stopped {count} ranks.")
+
+    def _debug(self, args: list[str]) -> None:
+        """%ranks debug [RANK]: pdb at the exception of the rank's last failed cell (worker/pool_rank.py)."""
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise MagicUsageError(f"%ranks debug takes at most one rank number, got {' '.join(args)!r}\nusage: {USAGE}")
+        pool = self._require()
+        rank = int(args[0]) if args else None
+        if rank is not None and rank >= pool.num_processes:
+            raise MagicUsageError(f"rank {rank} does not exist: the ranks are 0..{pool.num_processes - 1}")
+        pool.debug(rank)
 
     def _require(self) -> RankPool:
         if self.pool is None or not self.pool.running:

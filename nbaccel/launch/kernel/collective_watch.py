@@ -37,6 +37,7 @@ from ..hang_report import Diagnosis, report_lines
 from ..messages import MessageKind, RankState
 from ..private_dirs import WATCH_PREFIX, make_user_dir
 from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
+from .prompt_relay import PromptRelay
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
@@ -63,6 +64,7 @@ class _Peer:
     rank: int | None = None
     attempt: int = 0
     finished_at: float | None = None  # when it said its script ended well (time.monotonic)
+    conn: Connection | None = None  # its socket: the answers to its prompts go back through it
 
 
 class CollectiveWatch:
@@ -87,6 +89,8 @@ class CollectiveWatch:
         self.exit_hang: ExitHang | None = None
         self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
         self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
+        self.prompts = PromptRelay()  # a rank's input()/breakpoint()/pdb (prompt_relay.py)
+        self._prompts: list[tuple[_Peer, dict[str, Any]]] = []  # prompts read, to serve outside the lock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake, self._waker = socket.socketpair()  # `close` writes to _waker: the thread stops waiting at once
@@ -100,6 +104,10 @@ class CollectiveWatch:
                 ready = wait([self._server, self._wake, *self._peers], timeout=CHECK_INTERVAL)
                 with self._lock:
                     self._take(ready)
+                    prompts, self._prompts = self._prompts, []
+                for peer, message in prompts:  # asked outside the lock: `close` never waits for the user
+                    self.prompts.serve(f"rank {peer.rank}", message, peer.conn.send)
+                with self._lock:
                     found = self._check() if self.deadlock is None else None
                     stuck = self._check_exit() if self.exit_hang is None else None
                 if found is not None:
@@ -116,7 +124,8 @@ class CollectiveWatch:
             if item is self._server:
                 with contextlib.suppress(OSError):
                     client, _ = self._server.accept()
-                    self._peers[Connection(client.detach())] = _Peer()
+                    conn = Connection(client.detach())
+                    self._peers[conn] = _Peer(conn=conn)
             else:
                 self._read(item)
 
@@ -124,7 +133,7 @@ class CollectiveWatch:
         # a rank that failed is torch elastic's to handle (it restarts the ranks or ends the launch): the others
         # waiting for it are no deadlock, and `after_failure` says if one was behind the failure
         alive = [rank for rank, state in self.tracker.ranks.items() if state.phase != RankState.FAILED]
-        found = self.tracker.divergence or self.tracker.check(alive, time.time())
+        found = self.tracker.divergence or self.tracker.check(alive, self.prompts.wall())  # time at prompts left out
         if found is not None:
             self.deadlock = found
         return found
@@ -169,6 +178,8 @@ class CollectiveWatch:
             return
         if kind == MessageKind.COLLECTIVE:
             self.tracker.on_message(peer.rank, message)
+        elif kind == MessageKind.PROMPT:  # input()/pdb in a rank: asked on this process's terminal, in turn
+            self._prompts.append((peer, message))
         elif kind == MessageKind.STATUS and message.get("state") == RankState.FINISHED:
             peer.finished_at = time.monotonic()
             self.tracker.finished(peer.rank)
@@ -181,7 +192,7 @@ class CollectiveWatch:
         self._stop.set()
         with contextlib.suppress(OSError):
             self._waker.send(b"x")
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0.2 if self.prompts.active else 5)  # a thread at a prompt waits for the user
         with self._lock:
             deadline = time.monotonic() + CLOSE_WAIT
             with contextlib.suppress(Exception):  # the ranks have exited: what they sent waits, then end of file

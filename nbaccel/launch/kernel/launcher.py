@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ... import telemetry  # noqa: F401  (loaded here so forked workers inherit it instead of importing it)
@@ -22,6 +23,7 @@ from ..channel import Observer, close_quietly
 from ..errors import LaunchError, LaunchTimeout
 from ..messages import LaunchState
 from ..serialize import make_payload
+from ..worker.rank_prompts import post_mortem_on_error
 from .inprocess import run_in_process
 from .interrupts import interrupts_kept
 from .launch_session import LaunchSession
@@ -59,6 +61,7 @@ def notebook_launcher(
     timeout: float | None = None,
     observers: Sequence[Observer] = (),
     hosts: Sequence[str] | str | None = None,
+    debug: bool = False,
 ) -> list[Any]:
     """Run `function(*args, **kwargs)` on `num_processes` processes of this node; return their results.
 
@@ -74,8 +77,15 @@ def notebook_launcher(
 
     `hosts=["gpu-a", "gpu-b"]` (names as your ssh knows them) or `hosts="slurm"`: `num_processes` ranks on
     each host, started over SSH (docs/launcher.md, "Several machines"); results by global rank.
+
+    `debug=True` (nbaccel's addition): a rank whose function raises stops at its exception in pdb's
+    post-mortem, asked in the cell, before the launch fails (docs/debugging.md).
     """
     check_dashboard(dashboard)
+    if not isinstance(debug, bool):
+        raise TypeError(f"debug must be True or False (pdb's post-mortem on a failing rank), got {debug!r}")
+    if debug:  # the rank's prompts reach the cell (worker/rank_prompts.py)
+        function = partial(post_mortem_on_error, function)
     request = LaunchRequest(
         function=function, args=args, kwargs=dict(kwargs or {}), num_processes=num_processes,
         mixed_precision=mixed_precision, use_port=use_port, master_addr=master_addr, node_rank=node_rank,

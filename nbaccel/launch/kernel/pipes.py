@@ -24,7 +24,7 @@ class Pipes:
             self.add(ctx)
 
     def add(self, ctx: Any) -> None:
-        kernel_end, worker_end = open_channel(ctx)
+        kernel_end, worker_end = open_channel(ctx, duplex=True)  # duplex: answers to a rank's prompts (pdb)
         self.channels.append(kernel_end)
         self.worker_channels.append(worker_end)
         for fds, ends in ((self.out_fds, self.worker_out), (self.err_fds, self.worker_err)):

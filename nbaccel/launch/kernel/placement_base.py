@@ -51,6 +51,7 @@ class StartedRank:
     reports_memory: bool = False  # the rank sends its own `memory` messages
     rss_peak: int = 0
     last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
+    reply: Any = None  # sends the answer to its prompts (prompt_relay.py); None: `channel.send` (over SSH: its agent)
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}

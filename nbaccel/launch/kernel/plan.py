@@ -280,6 +280,13 @@ def check_timeout(timeout: Any) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+def check_seconds(value: Any, name: str) -> float:
+    """`value` as a positive number of seconds (RankPool's timeout, of the pool or of one call), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def normalize_precision(mixed_precision: Any) -> Any:
     precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
     return getattr(precision, "value", precision)  # a PrecisionType member
@@ -445,8 +452,7 @@ def _pool_plan(request: LaunchRequest) -> LaunchPlan:
         raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
     check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
     hosts = resolve_hosts(request.hosts) if request.hosts is not None else None
-    if isinstance(request.timeout, bool) or not isinstance(request.timeout, (int, float)) or not request.timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {request.timeout!r}")
+    check_seconds(request.timeout, "timeout")
     precision = check_precision(request.mixed_precision)
     method, note = choose_start_method(request.start_method)
     gpus = visible_gpus()

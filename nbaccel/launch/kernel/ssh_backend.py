@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
 import subprocess
 import threading
 import time
 from collections import deque
+from functools import partial
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -102,6 +104,11 @@ class Agent:
             pass
         with self._lock:
             close_quietly(self.to_agent)
+
+
+def _answer(agent: Agent, local_rank: int, message: Any) -> None:
+    """The answer to a rank's prompt (kernel/prompt_relay.py): through its agent to the rank's channel."""
+    agent.send((KernelFrame.SEND.value, local_rank, "channel", pickle.dumps(message, pickle.HIGHEST_PROTOCOL)))
 
 
 class RemoteRank:
@@ -275,7 +282,8 @@ class SshBackend(Backend):
         agent.writers.append({"channel": channel_w, "stdout": out_w, "stderr": err_w})
         rank = agent.first_rank + i
         # reports_memory: the kernel cannot sample another host's processes (its pids are not ours)
-        return StartedRank(rank, rank, channel_r, out_r, err_r, host=agent.host, reports_memory=True)
+        return StartedRank(rank, rank, channel_r, out_r, err_r, host=agent.host, reports_memory=True,
+                           reply=partial(_answer, agent, i))
 
     def _pool_ends(self, agent: Agent, i: int) -> StartedRank:
         commands, relay_commands = Pipe(duplex=True)

@@ -32,6 +32,7 @@ from .interrupts import raise_if_swallowed
 from .module_preload import learn_rank_imports
 from .placement_base import Backend, StartedRank
 from .process_trees import signal_name
+from .prompt_relay import PromptRelay
 
 if TYPE_CHECKING:
     from .collective_watch import ExitHang
@@ -92,6 +93,8 @@ class Supervisor:
         # rank -> the host it was started on (hosts=): stamped on its messages and named in every error and report
         self.hosts = {w.rank: w.host for w in self.workers if w.host}
         self.collectives = CollectiveTracker(hosts=self.hosts)
+        # a rank's input()/pdb, asked in the cell; its time at prompts is left out of the timeout and hang watch
+        self.prompts = PromptRelay(lambda: self.stderr)
         self.deadlock: Diagnosis | None = None
         self.exit_hang: ExitHang | None = None  # the backend's watch found ranks stuck after their work
         self._next_check = 0.0
@@ -241,7 +244,17 @@ class Supervisor:
         elif kind == MessageKind.ERROR:
             failure = Failure.from_wire(message)
             self._fail(WorkerFailure(worker.rank, failure.exc_type, failure.message, failure.traceback))
+        elif kind == MessageKind.PROMPT:  # debugger: the rank waits for a line from the user
+            self._serve_prompt(worker, message)
         self.notify(message)
+
+    def _serve_prompt(self, worker: StartedRank, message: Message) -> None:
+        """Show what the rank printed before it asked (pdb's listing), then ask the user (prompt_relay.py)."""
+        for fd in list(worker.open_fds):
+            while fd in worker.open_fds and wait([fd], 0):
+                self._read_fd(fd)
+        self._flush()
+        self.prompts.serve(worker.line_label, message, worker.reply or worker.channel.send)
 
     def _fail(self, failure: WorkerFailure) -> None:
         known = self.failures.get(failure.rank)
@@ -310,12 +323,12 @@ class Supervisor:
 
     def run(self) -> list[Any]:
         """Supervise until the end; return results by local rank or raise LaunchError/KeyboardInterrupt."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = None if self.timeout is None else self.prompts.clock() + self.timeout  # time at prompts not counted
         outcome = LaunchState.FINISHED
         deadlock = stuck = False
         try:
             while True:
-                wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
+                wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - self.prompts.clock()))
                 self.pump(wait_for)
                 raise_if_swallowed()  # an interrupt whose KeyboardInterrupt a finalizer dropped
                 if self.failures and self.backend.fail_fast:
@@ -336,7 +349,7 @@ class Supervisor:
                 if self._stuck_after_returning():
                     stuck = True
                     break
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and self.prompts.clock() >= deadline:
                     outcome = LaunchState.TIMEOUT
                     break
         except KeyboardInterrupt:
@@ -379,7 +392,7 @@ class Supervisor:
         if not self.collectives.active() or now < self._next_check:
             return False
         self._next_check = now + CHECK_INTERVAL
-        self.deadlock = self.collectives.check([w.rank for w in self.workers], time.time())
+        self.deadlock = self.collectives.check([w.rank for w in self.workers], self.prompts.wall())
         return self.deadlock is not None
 
     def _failure_error(self) -> LaunchError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import select
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..errors import WorkerFailure
 from ..hang_report import Diagnosis, RankProgress, diagnose
+from ..kernel.prompt_relay import PromptRelay
 from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
 from .rank_processes import RankProcess, exit_text
@@ -29,6 +31,7 @@ QUICK_WAIT = 0.005  # seconds to wait on the command pipes alone before the full
 # the wire strings a call's messages are compared with, looked up once (an Enum member's `.value` costs ~0.2 us)
 _SHOWN = frozenset({MessageKind.DISPLAY.value, MessageKind.CLEAR_OUTPUT.value})
 _REPLY = MessageKind.REPLY.value
+_PROMPT = MessageKind.PROMPT.value
 INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt before they are restarted
 
 
@@ -60,6 +63,7 @@ class Call:
         self.on_display = on_display  # a rank's display() / clear_output while the call runs
         self.changed = False
         self.progress_at = time.monotonic() + PROGRESS_DELAY
+        self.prompts = PromptRelay()  # a rank's input()/pdb; time at prompts is not counted by the hang checks
 
     def run(self, make: Callable[[int], tuple]) -> RankResults:
         """Send `make(call_id)` to the selected ranks (pickled once for all of them: a pushed value or a
@@ -151,6 +155,9 @@ class Call:
             self._dead(index)
             return
         kind = message.get("kind")
+        if kind == _PROMPT:
+            self._serve_prompt(index, message)
+            return
         if kind in _SHOWN:
             if self.on_display is not None:
                 self.on_display(index, message)
@@ -163,6 +170,20 @@ class Call:
         if message.get("pg_broken") and message.get("error") and self.broken is None:
             error = message["error"]
             self.broken = f"{rank_label(index, rank.host)}: {error['exc_type']}: {error['message']}".splitlines()[0]
+
+    def _serve_prompt(self, index: int, message: dict[str, Any]) -> None:
+        """Show what the rank printed so far (pdb's listing), labelled, then ask the user (prompt_relay.py).
+        That output is shown here instead of in the cell's results, so it comes once, before its prompt."""
+        rank = self.ranks[index]
+        label = f"{rank.host} rank {index}" if rank.host else f"rank {index}"  # as a launch labels its lines
+        for fd in (rank.out_fd, rank.err_fd):
+            while fd not in rank.closed_fds and wait([fd], 0):
+                rank.drain(fd)
+        for text, stream in zip(rank.take_output(), (sys.stdout, sys.stderr)):
+            for line in text.splitlines():
+                stream.write(f"[{label}] {line}\n")
+            stream.flush()
+        self.prompts.serve(label, message, rank.commands.send)
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
@@ -222,7 +243,7 @@ class Call:
 
     def _check(self) -> None:
         states = self.states()
-        now = time.time()
+        now = self.prompts.wall()
         diagnosis = diagnose(states, now, self.timeout, min(MISMATCH_GRACE, self.timeout))
         if diagnosis is not None:
             raise Hang(diagnosis, states, now)

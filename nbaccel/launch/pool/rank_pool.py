@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
-from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan
+from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan, check_seconds
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
 from ..views import views
@@ -85,6 +85,7 @@ class RankPool:
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
         self._cell_names: dict[tuple[str, str | None], tuple[str, bool]] = {}  # (source, name) -> _cell_name's answer
+        self._failed_ranks: list[int] = []  # the ranks the last exec/run failed on (`debug`)
         self._lock = threading.RLock()
         self._workers: RankProcesses | None = None
         self._finalizer: weakref.finalize | None = None
@@ -304,16 +305,27 @@ class RankPool:
         results.raise_if_failed()
         return results.values
 
+    def debug(self, rank: int | None = None) -> None:
+        """pdb's post-mortem on `rank`, at the exception of its last failed cell or function (default: the
+        first rank that failed in the last `exec`/`run`); pdb's prompts come to the cell, labelled with the
+        rank (`%ranks debug [RANK]`). The rank stays alive: its namespace and frames are those of the failure."""
+        if rank is None:
+            if not self._failed_ranks:
+                raise RuntimeError("no rank failed in the last cell or function call; name the rank: pool.debug(1)")
+            rank = self._failed_ranks[0]
+        self._call(lambda call_id: (PoolCommand.DEBUG.value, call_id), [rank], None).raise_if_failed()
+
     # ------------------------------------------------------------------------------------------ the wait
     def _call(self, make: Callable[[int], tuple], ranks: Iterable[int] | None,
               timeout: float | None, on_progress: Callable[[RankResults], None] | None = None,
               report: bool = False) -> RankResults:
-        timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+        timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout")
         with self._lock:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
             call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress, _DisplayTarget())
+            runs_code = report  # exec and run ask for a report
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:
                 for index in selected:
@@ -321,6 +333,8 @@ class RankPool:
                     self._notify(status_message(index, RankState.RUNNING, worker.device, host=worker.host))
             try:
                 results = call.run(make)
+                if runs_code:  # exec/run: the ranks that failed are what `debug` opens
+                    self._failed_ranks = [result.rank for result in results if result.error is not None]
                 if report:
                     self._report_results(results)
                 return results
@@ -399,12 +413,6 @@ class _DisplayTarget:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))
-
-
-def _check_timeout(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _check_name(name: Any) -> None:

@@ -21,7 +21,7 @@ from .. import messages
 from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
 from ..output import flush_std, redirect_std_fds
-from . import rank_display
+from . import rank_display, rank_prompts
 from .parent_death import die_with_parent, lead_own_group
 from .raw_calls import watch_raw_collectives
 
@@ -47,6 +47,7 @@ def run_worker(
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     sink = WorkerSink(channel, rank, local_rank)
     rank_display.install(lambda message: sink(dict(message, rank=sink.rank, time=time.time())))
+    rank_prompts.install(rank_prompts.sink_sender(sink), channel.recv, rank)  # input()/breakpoint()/pdb ask in the notebook
     ok = execute(payload, sink)
     sink.close()
     if not ok:

@@ -33,15 +33,16 @@ from ...utils.constants import LAUNCH_HOST_ENV, RANK_GROUPS_ENV
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds
-from . import rank_display
+from . import rank_display, rank_prompts
 from .entry import _destroy_process_group, apply_cpu_threads
 from .parent_death import die_with_parent, lead_own_group
 
 # the commands by their wire strings, and the members the loop compares with: module constants, because an Enum
 # call (PoolCommand("exec")) and a member or `.value` lookup on the class cost 0.1-0.3 us each, per call and rank
 _COMMANDS = {command.value: command for command in PoolCommand}
-_STOP, _EXEC, _RUN, _PUSH, _TELEMETRY, _PULL = (PoolCommand.STOP, PoolCommand.EXEC, PoolCommand.RUN, PoolCommand.PUSH,
-                                                PoolCommand.TELEMETRY, PoolCommand.PULL)
+_STOP, _EXEC, _RUN, _PUSH, _TELEMETRY, _PULL, _DEBUG = (PoolCommand.STOP, PoolCommand.EXEC, PoolCommand.RUN,
+                                                        PoolCommand.PUSH, PoolCommand.TELEMETRY, PoolCommand.PULL,
+                                                        PoolCommand.DEBUG)
 _REPLY = MessageKind.REPLY.value
 PREVIEW_CHARS = 2000
 
@@ -49,6 +50,7 @@ _busy: tuple[int, float] | None = None  # (command id, start time) while the mai
 _inherited_exception: BaseException | None = None  # what the kernel was handling when it forked this rank
 _telemetry_conn: Connection | None = None  # the write end of this rank's telemetry pipe
 _interruptible = False  # True while the main thread runs a command: only then does SIGINT interrupt it
+_last_failure: BaseException | None = None  # the exception of the last failed exec/run: `debug` opens pdb there
 
 
 def pool_worker(commands: Connection, status: Connection, stdout: Connection, stderr: Connection,
@@ -71,6 +73,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     apply_cpu_threads()  # a forked rank keeps the kernel's torch threads otherwise (and can hang in OpenMP)
     rank = int(os.environ.get("RANK", "0"))
     rank_display.install(lambda message: _send(commands, dict(message, rank=rank, time=time.time())), mark=False)
+    rank_prompts.install(lambda message: _send(commands, message), commands.recv, rank)  # input()/pdb in the cell
     _start_status_thread(status)
     try:
         device = _set_up()
@@ -158,6 +161,9 @@ def _handle(command: PoolCommand, message: tuple, namespace: dict[str, Any], ran
     except BaseException as exc:
         reply["error"] = _error_info(exc)
         reply["pg_broken"] = _breaks_process_group(exc)
+        if command is _EXEC or command is _RUN:  # kept for a post-mortem (`%ranks debug`), as IPython keeps sys.last_exc
+            global _last_failure
+            _last_failure = exc
     reply["duration"] = time.perf_counter() - started
     return reply
 
@@ -187,6 +193,8 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
         from .pool_telemetry import set_worker_telemetry
 
         set_worker_telemetry(_telemetry_conn, bool(message[2]), rank)
+    elif command is _DEBUG:
+        _post_mortem(rank)
     elif command is _PULL:
         name = message[2]
         if name not in namespace:
@@ -194,6 +202,21 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
         reply["value"] = _dumps_value(namespace[name], reply, required=True)
     else:
         raise ValueError(f"unknown command {command!r}")
+
+
+def _post_mortem(rank: int) -> None:
+    """pdb at the exception of this rank's last failed cell or function (its prompts go to the cell)."""
+    import pdb
+
+    exc = _last_failure
+    if exc is None:
+        raise RuntimeError(f"rank {rank} has no failed cell or function to debug (nothing failed on it since it "
+                           "started)")
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # start at the user's code
+    print(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    pdb.post_mortem(tb)
 
 
 def run_cell(source: str, filename: str, namespace: dict[str, Any],
@@ -205,6 +228,8 @@ def run_cell(source: str, filename: str, namespace: dict[str, Any],
     compiles the source without building its syntax tree here: half the cost of a new cell.
     """
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
+    if not filename.startswith("<"):  # pdb looks a file up by its absolute path ("Cell In[7]" is relative)
+        linecache.cache[os.path.abspath(filename)] = linecache.cache[filename]
     body, last = _compiled_cell(source, filename, ends_with_expression)
     if body is not None:
         exec(body, namespace)

@@ -30,6 +30,7 @@ from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV, RANK_GROUPS_ENV
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
+from . import rank_prompts
 from .line_relay import relay_whole_lines
 from .parent_death import die_with_parent, register_group
 from .raw_calls import watch_raw_collectives
@@ -108,6 +109,7 @@ def _connect() -> WorkerSink | None:
         sink.defer(telemetry.collective_item(event, trace, rank))  # made into its message when sent
 
     collective_trace.add_listener(report, with_record=False)
+    rank_prompts.install(rank_prompts.sink_sender(sink), conn.recv, rank)  # input()/pdb: asked on the launch's terminal
     watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))  # the script's own calls
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))

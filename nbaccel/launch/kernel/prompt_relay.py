@@ -1,0 +1,117 @@
+"""The kernel's side of a rank's `input()`, `breakpoint()` and pdb (worker/rank_prompts.py): ask the user.
+
+A rank's `prompt` message reaches the kernel's loop that watches the ranks (the supervisor of a launch, a
+RankPool call), in the thread that runs the cell. `PromptRelay.serve` asks the user with the kernel's own
+`input()`: in Jupyter that is the kernel's input request, so JupyterLab, Notebook, VS Code and Colab show
+their input box; in a script (`nbaccel launch`, a plain `python`), the terminal. The prompt is labelled with
+the rank ("[rank 1] (Pdb) "). The loop blocks while the user types, so several ranks that stop are served one
+after the other, and the other ranks wait. The line goes back to the rank as an `answer`; so does the end of
+input (EOFError in the rank), or why nobody can answer (the client sends no input requests: nbclient without
+allow_stdin, a kernel without stdin), which the rank raises as `RankInputUnavailable` instead of a silent
+`BdbQuit`. A KeyboardInterrupt (the kernel's interrupt) goes up to the loop, which stops the launch.
+
+The relay keeps the time spent at prompts: the loop's timeouts and hang watch count time without it
+(`clock`, `wall`), so a rank at a prompt is never taken for a hang; they say so once per launch.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ..messages import Answer, Prompt
+
+NOTICE = ("[nbaccel] {label} waits for input: the timeout and the hang watch are paused while a rank is at a "
+          "prompt, and resume when it goes on")
+NO_INPUT_REQUESTS = (
+    "this notebook client does not send input requests (e.g. nbclient/nbconvert/papermill without "
+    "allow_stdin); run the cell in JupyterLab, Notebook, VS Code or Colab, or remove the breakpoint()/input()")
+NO_MORE_INPUT = ("the stdin of the process that launched the ranks is not a terminal and has no more input; run "
+                 "it on a terminal (or in a notebook) to answer, or remove the breakpoint()/input()")
+NO_STDIN = ("the process that launched the ranks has no stdin to read from; run it on a terminal or in a "
+            "notebook, or remove the breakpoint()/input()")
+
+
+class PromptRelay:
+    """Serve rank prompts with the kernel's input(), one at a time; `paused`: seconds spent at prompts."""
+
+    def __init__(self, stderr: Callable[[], TextIO] | None = None) -> None:
+        self._stderr = stderr or (lambda: sys.stderr)
+        self.paused = 0.0
+        self.active = False  # a prompt is being answered now
+        self._told = False
+        self._unavailable: str | None = None  # once nobody could answer, later prompts get the same answer
+
+    def clock(self) -> float:
+        """time.monotonic() less the time spent at prompts: what timeouts count."""
+        return time.monotonic() - self.paused
+
+    def wall(self) -> float:
+        """time.time() less the time spent at prompts: what the hang watch compares the ranks' times with."""
+        return time.time() - self.paused
+
+    def serve(self, label: str, message: dict[str, Any], reply: Callable[[dict[str, Any]], Any]) -> None:
+        """Ask the user for the line `message` (a `prompt`) waits for; send the `answer` with `reply`."""
+        prompt = Prompt.from_wire(message)
+        started = time.monotonic()
+        self.active = True
+        try:
+            fields = self._answer(label, prompt.prompt)
+        finally:
+            self.active = False
+            self.paused += time.monotonic() - started
+        try:
+            reply(Answer(prompt.rank, prompt.id, **fields).to_wire())
+        except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
+            pass  # the rank is gone: its exit is reported as such
+
+    def _answer(self, label: str, text: str) -> dict[str, Any]:
+        if self._unavailable is None:
+            self._unavailable = _why_no_input()
+        if self._unavailable is not None:
+            self._say(f"[nbaccel] {label} asked for input ({text.strip() or 'a line'}), but nobody can answer: "
+                      f"{self._unavailable}")
+            return {"unavailable": self._unavailable}
+        if not self._told:
+            self._told = True
+            self._say(NOTICE.format(label=label))
+        try:
+            return {"text": builtins.input(f"[{label}] {text}")}
+        except EOFError:
+            if not _on_terminal():  # e.g. `< /dev/null`, a pipe that ran dry
+                self._unavailable = NO_MORE_INPUT
+                return self._answer(label, text)
+            self._say(f"[nbaccel] end of input: {label} gets EOFError")
+            return {"eof": True}
+        except Exception as exc:  # ipykernel: StdinNotImplementedError when the client allows no input
+            if type(exc).__name__ != "StdinNotImplementedError":
+                raise
+            self._unavailable = NO_INPUT_REQUESTS
+            return self._answer(label, text)
+
+    def _say(self, line: str) -> None:
+        try:
+            stream = self._stderr()
+            stream.write(line + "\n")
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _on_terminal() -> bool:
+    try:
+        return bool(sys.stdin is not None and sys.stdin.isatty())
+    except (OSError, ValueError):
+        return False
+
+
+def _why_no_input() -> str | None:
+    """Why the kernel's input() cannot ask anyone, when that is known before asking."""
+    if getattr(builtins.input, "__module__", None) == "builtins":  # no kernel put its own input() in place
+        stdin = sys.stdin
+        if stdin is None or getattr(stdin, "closed", False):
+            return NO_STDIN
+    return None
