@@ -5,7 +5,8 @@ precision, backward/forward prefetch, use_orig_params, sync_module_states, ignor
 activation checkpointing on the auto-wrapped layers. It runs on GPUs and on CPU processes with gloo
 (`device_id=torch.device("cpu")`). Optimizers passed in the same `prepare` call are pointed at the wrapped
 model's parameters; with `use_orig_params=False` FSDP1 flattens them, so a one-group optimizer follows the flat
-parameters and several groups are conflated into one (with a warning).
+parameters, and with several groups the flat parameters train in the first one while every group stays, so
+the schedulers made over the optimizer keep working (with a warning).
 """
 
 from __future__ import annotations
@@ -165,23 +166,33 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, originals: dict[int, st
             "FullyShardedDataParallelPlugin(use_orig_params=True)."
         )
     flat = [p for p in wrapped.parameters() if id(p) not in originals]
-    kept = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in replaced]  # ignored modules
     if len(optimizer.param_groups) == 1:
-        optimizer.param_groups[0]["params"] = kept + flat
+        optimizer.param_groups[0]["params"] = [p for p in optimizer.param_groups[0]["params"]
+                                               if id(p) not in replaced] + flat
         return
-    _conflate_groups(optimizer, kept + flat)
+    _flat_in_first_group(optimizer, replaced, flat)
 
 
-def _conflate_groups(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """Several groups over a model FSDP1 flattened: one group over the flat parameters, with the optimizer's
-    defaults (a flat parameter mixes the groups' parameters), as Accelerate did before 0.25; with a warning."""
+_SHOWN = ("weight_decay", "momentum", "betas")  # the group settings the warning names (a scheduler moves the lr)
+
+
+def _flat_in_first_group(optimizer: torch.optim.Optimizer, replaced: set[int], flat: list[nn.Parameter]) -> None:
+    """Several groups over a model FSDP1 flattened: a flat parameter mixes parameters of every group, so the flat
+    parameters all go to the first group that held replaced ones, with its settings; every group stays (the
+    others keep what FSDP1 did not replace, often nothing), so a learning-rate scheduler made over the optimizer
+    (one lr, lambda, momentum per group) keeps working. With a warning."""
+    groups = optimizer.param_groups
+    target = next(i for i, group in enumerate(groups) if any(id(p) in replaced for p in group["params"]))
+    settings = {key: value for key, value in groups[target].items() if key not in ("params", "initial_lr")}
     warnings.warn(
-        f"FSDP1 with use_orig_params=False: the optimizer's {len(optimizer.param_groups)} parameter groups are "
-        "conflated into one group over the flattened parameters, with the optimizer's defaults (a flat "
-        "parameter mixes parameters of every group). Set FullyShardedDataParallelPlugin(use_orig_params=True) "
-        "(`accelerate launch`'s default) to keep the groups.", UserWarning, stacklevel=4)
-    optimizer.param_groups = []
-    optimizer.add_param_group({"params": params})
+        f"FSDP1 with use_orig_params=False: the optimizer's {len(groups)} parameter groups cannot be kept over the "
+        f"flattened parameters (a flat parameter mixes parameters of every group); they all train in group "
+        f"{target}, with its settings ({', '.join(f'{k}={v}' for k, v in settings.items() if k in _SHOWN)}). The "
+        "other groups stay, without them, so that schedulers keep working. Set "
+        "FullyShardedDataParallelPlugin(use_orig_params=True) (`accelerate launch`'s default) to keep the groups.",
+        UserWarning, stacklevel=4)
+    for index, group in enumerate(groups):
+        group["params"] = [p for p in group["params"] if id(p) not in replaced] + (flat if index == target else [])
 
 
 def prepare_fsdp1_args(args: Sequence[Any], plugin: Any, device: torch.device | str) -> list[Any]:

@@ -42,33 +42,48 @@ def batches(rank: int, steps: int):
     return [(torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(steps)]
 
 
+def warmup_then_decay(step: int, warmup: int = 3, total: int = 16) -> float:
+    """The factor of a linear warm-up then linear decay (what transformers' get_linear_schedule_with_warmup
+    gives LambdaLR, one lambda per group)."""
+    return step / warmup if step < warmup else max(0.0, (total - step) / (total - warmup))
+
+
 def prepare_and_train(accelerator, model: nn.Module, rank: int, steps: int, optimizer_first: bool):
-    """The training both libraries run: prepare, then `steps` steps with clipping; (prepared model, grad norms).
+    """The training both libraries run: prepare, then `steps` steps with clipping; (prepared model, grad norms,
+    learning rates of every group after each step).
     `optimizer_first`: the optimizer is built before prepare and passed with the model; else Accelerate's
     documented FSDP1 order (prepare the model, then build its optimizer)."""
-    if optimizer_first == "groups":  # fsdp_with_peak_mem_tracking.py's two groups, made before prepare
+    scheduler = None
+    if optimizer_first == "groups":  # fsdp_with_peak_mem_tracking.py's two groups and warm-up, made before prepare
         no_decay = ["bias", "norm.weight"]
         groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
                    "weight_decay": 0.3},
                   {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
                    "weight_decay": 0.0}]
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(groups, lr=1e-2, weight_decay=2e-4))
-    elif optimizer_first == "defaults_after":  # one group with those defaults, after prepare(model)
+        optimizer = torch.optim.AdamW(groups, lr=1e-2, weight_decay=2e-4)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    elif optimizer_first == "first_group_after":  # one group with the first group's settings, after prepare(model)
         model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=2e-4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     elif optimizer_first:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model = accelerator.prepare(model)
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    norms = []
+    norms, lrs = [], []
     for x, y in batches(rank, steps):
         accelerator.backward(nn.functional.mse_loss(model(x), y))
         norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
-    return model, norms
+        lrs.append([group["lr"] for group in optimizer.param_groups])
+    return model, norms, lrs
 
 
 # Each setting trains the same model on the same data; FSDP1 must end with DDP's weights.
@@ -106,10 +121,10 @@ def _train(rank: int, settings: dict | None, steps: int = 4, optimizer_first: bo
     model = Tiny()
     plugin = None if settings is None else FullyShardedDataParallelPlugin(**settings)
     accelerator = Accelerator(fsdp_plugin=plugin)
-    model, norms = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
+    model, norms, lrs = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
     weights = accelerator.get_state_dict(model)
     kinds = sorted({type(m).__name__ for m in model.modules()})
-    return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms, "kinds": kinds,
+    return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms, "kinds": kinds, "lrs": lrs,
             "distributed_type": accelerator.distributed_type.value}
 
 
@@ -165,10 +180,10 @@ def _accelerate_train(rank: int, settings: dict, steps: int = 4, optimizer_first
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.device = torch.device("cpu")
-    model, norms = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
+    model, norms, lrs = prepare_and_train(accelerator, model, rank, steps, optimizer_first)
     # (Accelerate's get_state_dict gathers with offload_to_cpu, which on CPU ranks frees the tensors it returns)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms}
+    return {"weights": {k: v.clone() for k, v in weights.items()}, "norms": norms, "lrs": lrs}
 
 
 def _both_libraries(rank: int):
@@ -201,7 +216,8 @@ def test_fsdp1_matches_accelerate_fsdp1():
 
 
 def _two_groups(rank: int):
-    """An optimizer with two parameter groups made before prepare (fsdp_with_peak_mem_tracking.py)."""
+    """An optimizer with two parameter groups and a warm-up scheduler made before prepare
+    (fsdp_with_peak_mem_tracking.py)."""
     import warnings
 
     out = {}
@@ -210,31 +226,45 @@ def _two_groups(rank: int):
             warnings.simplefilter("always")
             out[orig] = {"nbaccel": _train(rank, {"use_orig_params": orig}, optimizer_first="groups"),
                          "accelerate": _accelerate_train(rank, {"use_orig_params": orig}, optimizer_first="groups")}
-        out[orig]["warnings"] = [str(w.message) for w in caught if "conflated" in str(w.message)]
-    out["defaults_after"] = _train(rank, {}, optimizer_first="defaults_after")
+        out[orig]["warnings"] = [str(w.message) for w in caught if "parameter groups" in str(w.message)]
+    out["first_group_after"] = _train(rank, {}, optimizer_first="first_group_after")
     torch.manual_seed(0)
     out["initial"] = Tiny().state_dict()
     return out
 
 
-def test_an_optimizer_with_two_groups_made_before_prepare():
+def test_an_optimizer_with_two_groups_and_a_scheduler_made_before_prepare():
     """use_orig_params=True (`accelerate launch`'s default): the groups are kept, nbaccel trains to Accelerate's
-    weights. use_orig_params=False: Accelerate 1.15 leaves the optimizer on the parameters FSDP1 replaced (it
-    never trains); nbaccel warns that the groups are conflated and trains as one group with the optimizer's
-    defaults made after prepare(model) would (docs/compat.md)."""
+    weights and learning rates. use_orig_params=False: Accelerate 1.15 leaves the optimizer on the parameters
+    FSDP1 replaced (it never trains); nbaccel warns that the flat parameters train in the first group, keeps
+    both groups so the warm-up scheduler made over them steps (it raised `ValueError: zip()` when the groups
+    were merged into one), and trains as a one-group optimizer with the first group's settings made after
+    prepare(model) would (docs/compat.md)."""
     pytest.importorskip("accelerate")
     results = run_ranks(_two_groups, timeout=300)[0]
     ours, theirs = results[True]["nbaccel"], results[True]["accelerate"]
     assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6, abs=1e-7)
+    assert len(ours["lrs"][0]) == 2
+    torch.testing.assert_close(torch.tensor(ours["lrs"]), torch.tensor(theirs["lrs"]))
     for key, value in theirs["weights"].items():
         torch.testing.assert_close(ours["weights"][key], value, rtol=0, atol=1e-6, msg=key)
     assert results[True]["warnings"] == []
-    stale = results[False]["accelerate"]["weights"]
-    assert all(torch.equal(stale[k], v) for k, v in results["initial"].items())  # Accelerate: no training
-    assert len(results[False]["warnings"]) == 1 and "2 parameter groups are conflated" in results[False]["warnings"][0]
-    torch.testing.assert_close(results[False]["nbaccel"]["weights"], results["defaults_after"]["weights"],
-                               rtol=0, atol=1e-6)
-    assert not any(torch.equal(results[False]["nbaccel"]["weights"][k], v) for k, v in results["initial"].items())
+    stale = results[False]["accelerate"]
+    assert all(torch.equal(stale["weights"][k], v) for k, v in results["initial"].items())  # Accelerate: no training
+    flat = results[False]["nbaccel"]
+    assert len(results[False]["warnings"]) == 1, results[False]["warnings"]
+    assert "2 parameter groups cannot be kept" in results[False]["warnings"][0]
+    assert "group 0, with its settings (weight_decay=0.3" in results[False]["warnings"][0]
+    torch.testing.assert_close(torch.tensor(flat["lrs"]), torch.tensor(stale["lrs"]))  # the schedule of both groups
+    torch.testing.assert_close(torch.tensor(flat["lrs"]), torch.tensor(ours["lrs"]))
+    after = results["first_group_after"]
+    torch.testing.assert_close(torch.tensor(flat["lrs"])[:, 0], torch.tensor(after["lrs"])[:, 0])
+    torch.testing.assert_close(flat["weights"], after["weights"], rtol=0, atol=1e-6)
+    assert not any(torch.equal(flat["weights"][k], v) for k, v in results["initial"].items())
+    # against use_orig_params=True: the same schedule and AdamW, element by element; the runs differ only by the
+    # first group's weight decay on the second group's parameters (biases, norm weights) and what follows from it
+    drift = {key: float((flat["weights"][key] - value).abs().max()) for key, value in ours["weights"].items()}
+    assert 0 < max(drift.values()) < 2e-2, drift
 
 
 def _resume_run(rank: int, folder: str, mode: str, state_dict_type: str, steps: int = 6, save_at: int = 3):
@@ -417,6 +447,106 @@ def test_accelerate_fsdp_config_without_version_runs_under_nbaccel_launch(tmp_pa
     assert mine.keys() == theirs.keys()
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=key)
+
+
+# fsdp_with_peak_mem_tracking.py's training loop (Accelerate's examples/by_feature/), with a tiny model and data in
+# place of BERT and GLUE (no Hub here) and without its TorchTracemalloc (it reads CUDA counters only): two
+# parameter groups without decay on biases and LayerNorm, a linear warm-up scheduler made before prepare, the
+# plugin made in the script, prepare of all five objects, a step every `gradient_accumulation_steps` batches.
+FSDP_EXAMPLE_LOOP = """\
+import sys
+import torch
+from torch import nn
+from torch.distributed.fsdp.fully_sharded_data_parallel import FullOptimStateDictConfig, FullStateDictConfig
+from torch.utils.data import DataLoader, TensorDataset
+from nbaccel import Accelerator, FullyShardedDataParallelPlugin
+
+
+class Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.LayerNorm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.LayerNorm(x))))
+
+
+def linear_schedule_with_warmup(optimizer, num_warmup_steps, num_training_steps):
+    def factor(step):
+        if step < num_warmup_steps:
+            return step / max(1, num_warmup_steps)
+        return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+fsdp_plugin = FullyShardedDataParallelPlugin(
+    state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+    optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+)
+accelerator = Accelerator(fsdp_plugin=fsdp_plugin)
+accelerator.print(accelerator.distributed_type)
+num_epochs, gradient_accumulation_steps = 3, 1
+generator = torch.Generator().manual_seed(0)
+features = torch.randn(160, 16, generator=generator)
+labels = (features[:, 0] > 0).long()
+train_dataloader = DataLoader(TensorDataset(features[:128], labels[:128]), shuffle=True, batch_size=8)
+eval_dataloader = DataLoader(TensorDataset(features[128:], labels[128:]), batch_size=8)
+torch.manual_seed(42)
+model = nn.Sequential(Block(), Block(), nn.Linear(16, 2))
+no_decay = ["bias", "LayerNorm.weight"]
+optimizer_grouped_parameters = [
+    {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)], "weight_decay": 0.003},
+    {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+]
+optimizer = torch.optim.AdamW(params=optimizer_grouped_parameters, lr=2e-2, weight_decay=2e-4)
+lr_scheduler = linear_schedule_with_warmup(optimizer, num_warmup_steps=10,
+                                           num_training_steps=(len(train_dataloader) * num_epochs))
+model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+)
+for epoch in range(num_epochs):
+    model.train()
+    for step, (inputs, targets) in enumerate(train_dataloader):
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        accelerator.backward(loss)
+        if step % gradient_accumulation_steps == 0:
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+    model.eval()
+    correct = seen = 0
+    for inputs, targets in eval_dataloader:
+        with torch.no_grad():
+            predictions = model(inputs).argmax(dim=-1)
+        predictions, references = accelerator.gather_for_metrics((predictions, targets))
+        correct += int((predictions == references).sum())
+        seen += references.numel()
+    accelerator.print(f"epoch {epoch}: accuracy {correct / seen:.4f} lrs {[g['lr'] for g in optimizer.param_groups]}")
+accelerator.print("GROUPS", len(optimizer.param_groups), type(model).__name__)
+"""
+
+
+def test_the_fsdp_peak_memory_example_loop_trains_under_nbaccel_launch(tmp_path):
+    """fsdp_with_peak_mem_tracking.py's loop under `nbaccel launch`, 2 CPU ranks, FSDP1 with use_orig_params
+    False (the plugin's default) and True: both train to the end with the warm-up schedule on both groups (with
+    False the first `lr_scheduler.step()` raised `ValueError: zip()` when nbaccel merged the groups)."""
+    (tmp_path / "example.py").write_text(FSDP_EXAMPLE_LOOP)
+    outputs = {}
+    for orig in ("false", "true"):
+        config = tmp_path / f"fsdp_{orig}.yaml"
+        config.write_text(ACCELERATE_FSDP_CONFIG.replace("fsdp_use_orig_params: true", f"fsdp_use_orig_params: {orig}"))
+        run = _launch(["-m", "nbaccel", "launch"], str(config), str(tmp_path / "example.py"), str(tmp_path))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        outputs[orig] = run
+    lines = {orig: [line for line in run.stdout.splitlines() if line.startswith("epoch ")]
+             for orig, run in outputs.items()}
+    assert len(lines["false"]) == len(lines["true"]) == 3, outputs["false"].stdout
+    lrs = {orig: [line.split(" lrs ")[1] for line in found] for orig, found in lines.items()}
+    assert lrs["false"] == lrs["true"]  # the same schedule, on both groups
+    assert "GROUPS 2 FullyShardedDataParallel" in outputs["false"].stdout
+    assert "parameter groups cannot be kept" in outputs["false"].stderr
+    assert "parameter groups cannot be kept" not in outputs["true"].stderr
 
 
 def _load_full_state(rank: int):

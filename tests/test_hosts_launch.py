@@ -330,6 +330,31 @@ def test_a_module_the_hosts_cannot_import_is_named_before_any_rank_starts(ssh_co
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def test_every_kernel_only_module_is_named_before_any_rank_starts(ssh_config, tmp_path, monkeypatch):
+    # a notebook function (by value) that uses os and two modules next to the notebook: cloudpickle writes its
+    # module loader once and refers to it by memo for the next two; the hosts cannot import either
+    first, second = (f"nbaccel_kernelonly_{tag}_{os.getpid()}" for tag in ("a", "b"))
+    (tmp_path / f"{first}.py").write_text("def work():\n    return 1\n")
+    (tmp_path / f"{second}.py").write_text("def work():\n    return 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    namespace = {"os": os, "first": __import__(first), "second": __import__(second)}
+    exec("def train():\n    return os.getcwd(), first.work() + second.work()\n", namespace)
+    seen = []
+    try:
+        with pytest.raises(HostError) as info:
+            notebook_launcher(namespace["train"], num_processes=1, hosts=list(HOSTS), dashboard=False,
+                              observers=[seen.append])
+    finally:
+        sys.modules.pop(first, None)
+        sys.modules.pop(second, None)
+    text = str(info.value)
+    assert info.value.host == HOSTS[0] and f"host {HOSTS[0]!r} cannot import" in text
+    assert repr(first) in text and repr(second) in text, text
+    assert not [m for m in seen if m.get("kind") == "status"]  # no rank started
+    assert all_gone(agents_of(ssh_config), within=5)
+
+
 def test_a_module_the_hosts_cannot_import_fails_one_rank_pool_call_naming_the_host(ssh_config, tmp_path,
                                                                                   monkeypatch):
     # RankPool receives its functions cell by cell, after its ranks started: the call fails on each rank, naming
@@ -382,6 +407,81 @@ def test_the_modules_a_pickled_function_needs_are_read_from_the_pickle(tmp_path,
     finally:
         sys.modules.pop("nbaccel_refmod_a", None)
         sys.modules.pop("nbaccel_refmod_b", None)
+
+
+@pytest.fixture
+def kernel_modules(tmp_path, monkeypatch):
+    """Modules m0..m3, a package pkg with submodule pkg.sub, and `caller` (whose function uses m3), all next
+    to the test, as a notebook's .py files are; forgotten afterwards."""
+    tag = f"{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    names = [f"nbaccel_ref{i}_{tag}" for i in range(4)]
+    for name in names:
+        (tmp_path / f"{name}.py").write_text("X = 1\n")
+    package, caller = f"nbaccel_refpkg_{tag}", f"nbaccel_refcaller_{tag}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "sub.py").write_text("Y = 2\n")
+    (tmp_path / f"{caller}.py").write_text(f"import {names[3]}\ndef work():\n    return {names[3]}.X\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = [__import__(name) for name in names] + [__import__(caller)]
+    __import__(f"{package}.sub")
+    yield loaded, sys.modules[package], sys.modules[f"{package}.sub"]
+    for name in [*names, caller, package, f"{package}.sub"]:
+        sys.modules.pop(name, None)
+
+
+def by_value(source, **modules):
+    """A function defined as a notebook cell defines it (in __main__: cloudpickle sends it by value)."""
+    namespace = {"__name__": "__main__", **modules}
+    exec(source, namespace)
+    return namespace["f"]
+
+
+def test_every_module_in_a_pickle_is_found_in_any_order_and_nesting(kernel_modules):
+    from nbaccel.launch.serialize import dumps_payload, referenced_modules
+
+    (m0, m1, m2, m3, caller), package, sub = kernel_modules
+    two = by_value("def f():\n    return a.X + b.X\n", a=m0, b=m1)
+    reversed_two = by_value("def f():\n    return b.X + a.X\n", a=m0, b=m1)
+    closure = by_value("def f():\n    def inner():\n        return c.X\n    return inner\n", c=m2)()
+    uses_submodule = by_value("def f():\n    return p.sub.Y\n", p=package)
+    cases = {  # what is pickled -> the modules it must name
+        "two module refs": ((two, (), {}), [m0, m1]),
+        "reversed, the first one also an argument": ((reversed_two, (m0,), {}), [m0, m1]),
+        "in a closure in a list in kwargs": ((two, (), {"steps": [1, {"k": closure}]}), [m0, m1, m2]),
+        "one module many times, deep": ((two, ([two, [closure, (m2, m0)]],), {}), [m0, m1, m2]),
+        "a module's function using another": ((caller.work, (two,), {}), [caller, m0, m1]),
+        "a submodule by attribute": ((uses_submodule, (), {}), [package, sub]),
+        "a submodule object": ((two, (sub,), {"again": closure}), [m0, m1, sub, m2]),
+    }
+    for label, ((function, args, kwargs), expected) in cases.items():
+        names = referenced_modules(dumps_payload(function, args, kwargs))
+        want = [module.__name__ for module in expected]
+        assert set(want) <= set(names), (label, names)
+        assert "__main__" not in names, label
+
+
+def test_a_module_registered_by_value_brings_what_it_uses(kernel_modules):
+    from nbaccel.launch.serialize import dumps_payload, referenced_modules
+
+    (m0, m1, m2, m3, caller), package, sub = kernel_modules
+    cloudpickle.register_pickle_by_value(caller)  # its function travels by value: m3, which it uses, by name
+    try:
+        names = referenced_modules(dumps_payload(caller.work, (), {}))
+    finally:
+        cloudpickle.unregister_pickle_by_value(caller)
+    assert m3.__name__ in names and caller.__name__ not in names, names
+
+
+def test_reading_the_modules_runs_nothing_of_the_pickle(tmp_path):
+    from nbaccel.launch.serialize import referenced_modules
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    names = referenced_modules(cloudpickle.dumps([Boom(), {"k": {Boom()}}]))
+    assert names == ["posix"] and not (tmp_path / "ran").exists()
 
 
 # ------------------------------------------------------------------------------------------ arguments

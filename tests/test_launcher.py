@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it instead of importing it again)
@@ -151,6 +152,59 @@ def test_keyboard_interrupt_stops_workers():
         assert time.monotonic() - fired[0] < 3  # every worker stopped within 3 s of the interrupt
     finally:
         timer.cancel()
+    assert live_children() == []
+
+
+def _signal_me_and_wait():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # the handler runs by now, inside this weakref callback: Python drops its KeyboardInterrupt
+
+
+def interrupt_inside_a_finalizer(kind, state):
+    """An observer that, at the message (kind, state), frees an object with a finalizer that receives a SIGINT:
+    the window in which an interrupt used to be lost (printed as "Exception ignored in", then dropped)."""
+    fired = []
+
+    def observe(message):
+        if fired or message.get("kind") != kind or message.get("state") != state:
+            return
+        fired.append(time.monotonic())
+        box = threading.Event()  # any object that can carry a finalizer
+        weakref.finalize(box, _signal_me_and_wait)
+        del box
+
+    return observe, fired
+
+
+@pytest.mark.parametrize(("function", "args", "kind", "state"), [
+    (time.sleep, (30,), "status", "running"),  # while supervising: the launch used to run its 30 s
+    (abs, (1,), "launch", "finished"),  # while cleaning up: it used to return normally
+], ids=["supervising", "cleaning-up"])
+def test_an_interrupt_dropped_by_a_finalizer_still_ends_the_launch(function, args, kind, state, monkeypatch):
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # where Python reports "Exception ignored in"
+    observe, fired = interrupt_inside_a_finalizer(kind, state)
+    with pytest.raises(KeyboardInterrupt):
+        launch(function, args, observers=[observe])
+    assert fired and time.monotonic() - fired[0] < 5
+    assert [type(d.exc_value) for d in dropped] == [KeyboardInterrupt]  # the interrupt was indeed dropped there
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the kernel's handler, put back
+    assert live_children() == []
+    assert launch(abs, (2,)) == [2, 2]  # and the next launch is not interrupted by it
+
+
+def test_an_interrupt_right_after_the_start_stops_the_ranks_that_are_still_starting():
+    # spawn ranks take seconds to lead process groups of their own; an interrupt at the first message (before the
+    # supervisor watched them) used to leave them running, and the launch then waited forever for the resource
+    # tracker they kept open
+    def interrupt_at_start(message):
+        if message.get("kind") == "launch" and message.get("state") == "started":
+            raise KeyboardInterrupt  # what the SIGINT handler raises when the signal lands here
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(time.sleep, (30,), start_method="spawn", observers=[interrupt_at_start])
+    assert time.monotonic() - started < 10
     assert live_children() == []
 
 

@@ -18,7 +18,8 @@ and each host's agent checks them with `missing_modules` before any rank starts.
 from __future__ import annotations
 
 import importlib.util
-import pickletools
+import io
+import pickle
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -90,45 +91,69 @@ def loads(data: bytes) -> Any:
     return cloudpickle.loads(data)
 
 
-_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
-                         "STRING"})
 _SUBIMPORT = ("cloudpickle.cloudpickle", "subimport")  # how cloudpickle sends a module object by reference
 
 
 def referenced_modules(data: bytes) -> list[str]:
     """The modules a pickle imports when it is loaded, in order: those of every global it refers to by name
-    (functions and classes of importable modules) and of every module object it refers to (cloudpickle's
-    `subimport`). Read from the opcodes (pickletools): nothing is loaded."""
-    memo: dict[int, Any] = {}
-    last: list[Any] = [None, None]  # the two values pushed last (a string, or None for anything else)
-    modules: dict[str, None] = {}
-    subimport = False  # the next string pushed is the name of a module object
-    for opcode, arg, _ in pickletools.genops(data):
-        name = opcode.name
-        if name == "MEMOIZE":
-            memo[len(memo)] = last[-1]
-            continue
-        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = last[-1]
-            continue
-        if name in ("PROTO", "FRAME", "STOP"):
-            continue
-        value = None
-        if name in _STRING_OPS:
-            value = arg
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            value = memo.get(arg)
-        elif name in ("GLOBAL", "INST"):  # protocols 0-3: "module qualname"
-            modules[str(arg).split(" ", 1)[0]] = None
-        elif name == "STACK_GLOBAL" and isinstance(last[-2], str):
-            modules[last[-2]] = None
-            subimport = (last[-2], last[-1]) == _SUBIMPORT
-        if subimport and isinstance(value, str):
-            modules[value] = None
-            subimport = False
-        last = [last[-1], value]
-    modules.pop("__main__", None)  # what a notebook defines travels by value
-    return list(modules)
+    (functions and classes of importable modules) and every module object it refers to (cloudpickle's
+    `subimport`), at any depth. The pickle is run by the standard library's own unpickler, so its memo, marks
+    and frames are followed as a load would; but every global resolves to a stand-in that records its calls,
+    so nothing is imported and no code of the pickle runs."""
+    reader = _ModuleReader(io.BytesIO(data))
+    reader.load()
+    reader.modules.pop("__main__", None)  # what a notebook defines travels by value
+    return list(reader.modules)
+
+
+class _ModuleReader(pickle.Unpickler):
+    """An unpickler whose globals are all one stand-in: `find_class` records the module, cloudpickle's
+    `subimport(name)` the module's name."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.modules: dict[str, None] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.modules[module] = None
+        return self._subimport if (module, name) == _SUBIMPORT else _StandIn
+
+    def _subimport(self, name: Any = None, *_: Any) -> type:
+        if isinstance(name, str):
+            self.modules[name] = None
+        return _StandIn
+
+    def persistent_load(self, pid: Any) -> type:
+        return _StandIn
+
+
+class _StandInKind(type):
+    """The stand-in's type: calling it, building it (BUILD), filling it as a list, set or dict (APPENDS,
+    ADDITEMS, SETITEMS) all give or leave the stand-in. Values are not needed, only the names the loader meets;
+    being a class, it is also accepted where the unpickler wants one (NEWOBJ)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> type:
+        return _StandIn
+
+    def __setstate__(cls, state: Any) -> None:
+        pass
+
+    def __setitem__(cls, key: Any, value: Any) -> None:
+        pass
+
+    def append(cls, value: Any) -> None:
+        pass
+
+    def extend(cls, values: Any) -> None:
+        pass
+
+    def add(cls, value: Any) -> None:
+        pass
+
+
+class _StandIn(metaclass=_StandInKind):
+    def __new__(cls, *args: Any, **kwargs: Any) -> type:  # NEWOBJ calls cls.__new__(cls, *args)
+        return _StandIn
 
 
 def missing_modules(names: Iterable[str]) -> list[tuple[str, str]]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from .interrupts import interrupts_held
 from .process_trees import stop_processes
 
 _lock = threading.Lock()
@@ -39,7 +40,15 @@ def start_process(process: Any, start_method: str) -> None:
     that the caller does not know of.
     """
     if start_method != "fork":
-        process.start()
+        try:
+            # held: a KeyboardInterrupt inside spawn's start left a child its caller never knew of, reading its
+            # start data from a pipe only the traceback kept open (and the resource tracker's stop waited for it)
+            with interrupts_held():
+                process.start()
+        except BaseException:
+            if getattr(process, "_popen", None) is not None:
+                stop_processes([process])
+            raise
         return
     carried = _thread_settings()
     done: Future = Future()

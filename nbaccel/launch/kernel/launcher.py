@@ -26,6 +26,7 @@ from ..messages import LaunchState
 from ..serialize import make_payload
 from ..worker.rank_prompts import post_mortem_on_error
 from .inprocess import run_in_process
+from .interrupts import interrupts_kept
 from .launch_session import LaunchSession
 from .observers import Reporting, check_dashboard, make_dashboard
 from .placements import Backend, StartedRank, select_backend
@@ -164,9 +165,16 @@ def run_plan(plan: LaunchPlan, backend: Backend, payload: Payload | None, report
     pool/rank_processes.py). Returns the results by local rank (none for a script)."""
     if plan.start_note:
         logger.warning(plan.start_note)
-    with LaunchSession(plan, backend) as session:
+    with interrupts_kept(), LaunchSession(plan, backend) as session:
         ranks = session.start(payload)
-        return supervise(session.plan, ranks, backend, reporting, session.groups)
+        try:
+            return supervise(session.plan, ranks, backend, reporting, session.groups)
+        except BaseException:
+            # e.g. an interrupt after the start, before the supervisor watched (the dashboard's start, the first
+            # message): no rank may stay (spawn ranks not yet leading their groups were left, and closing the
+            # resource tracker then waited for them forever)
+            backend.stop()
+            raise
 
 
 def function_name(function: Callable[..., Any]) -> str:

@@ -23,6 +23,7 @@ import subprocess
 
 from ...utils.constants import RANK_GROUPS_ENV
 from ..private_dirs import GROUPS_PREFIX, make_user_dir, remove_dir
+from .interrupts import interrupts_held
 from .process_trees import STOP_GRACE, process_running, signal_groups, stop_groups
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.sh")
@@ -36,11 +37,20 @@ class RankGroups:
         self._stopped: set[int] = set()  # groups of ended ranks already sent SIGTERM by stop_orphans
         self._keeper: subprocess.Popen | None = None
         try:
-            self._keeper = subprocess.Popen(
-                ["/bin/sh", KEEPER, str(os.getpid()), self.folder], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        except OSError:  # no keeper: the launch still stops every group, unless the kernel itself is killed
-            self._keeper = None
+            self._start_keeper()
+        except BaseException:  # interrupted: the keeper must not outlive the launch that never got this object
+            self.close()
+            raise
+
+    def _start_keeper(self) -> None:
+        # an interrupt waits meanwhile: a KeyboardInterrupt inside Popen would leave the keeper running unknown
+        with interrupts_held():
+            try:
+                self._keeper = subprocess.Popen(
+                    ["/bin/sh", KEEPER, str(os.getpid()), self.folder], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            except OSError:  # no keeper: the launch still stops every group, unless the kernel itself is killed
+                self._keeper = None
 
     def environ(self) -> dict[str, str]:
         """What the ranks' environment needs to register their groups."""

@@ -150,8 +150,10 @@ def resource_tracker_scope() -> Iterator[None]:
         if started:
             # The tracker unlinks, as leaked, every semaphore still registered when it stops: collect what the
             # launch left unreferenced first (torch elastic's spawn-context queues and event), or their
-            # finalizers fail later on names already gone ("Exception ignored ... sem_unlink ...").
-            gc.collect()
+            # finalizers fail later on names already gone ("Exception ignored ... sem_unlink ..."). Interrupted
+            # (the session closes while a KeyboardInterrupt propagates), only the young generations (the
+            # launch's own objects): a full collection of a kernel's heap took seconds on a busy machine.
+            gc.collect(1 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 2)
         for helper in started:
             try:
                 helper._stop()

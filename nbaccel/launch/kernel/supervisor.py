@@ -29,6 +29,7 @@ from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
 from ..views import views
 from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, CollectiveTracker
+from .interrupts import raise_if_swallowed
 from .module_preload import learn_rank_imports
 from .placement_base import Backend, StartedRank
 from .process_trees import signal_name
@@ -329,6 +330,7 @@ class Supervisor:
             while True:
                 wait_for = POLL if deadline is None else max(0.0, min(POLL, deadline - self.prompts.clock()))
                 self.pump(wait_for)
+                raise_if_swallowed()  # an interrupt whose KeyboardInterrupt a finalizer dropped
                 if self.failures and self.backend.fail_fast:
                     outcome = LaunchState.FAILED
                     break

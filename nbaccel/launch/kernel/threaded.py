@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ class ThreadedBackend(Backend):
         self._worker_ends: list[Any] = []  # kept open while workers may still be (re)started
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._before: set[int] = set()
+        self._stopped = False
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -97,9 +99,19 @@ class ThreadedBackend(Backend):
         """Keep the other launcher from starting new workers (e.g. elastic restarts)."""
 
     def stop(self) -> None:
+        if self._stopped:  # again (the supervisor stopped, then the launch): only what started since
+            kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+            return
+        self._stopped = True
         self.before_stop()
-        kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
-        self._thread.join(JOIN_TIMEOUT)
+        # Stopped early (an interrupt right after the start), the other launcher may start its workers after a
+        # kill: kill what is there until its call returns, rather than wait JOIN_TIMEOUT for it and kill once
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while True:
+            kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+            self._thread.join(0.1)
+            if not self._thread.is_alive() or time.monotonic() >= deadline:
+                break
         kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
         self.finished()
 
