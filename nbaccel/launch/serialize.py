@@ -100,7 +100,10 @@ class _SourcePickler(cloudpickle.Pickler):
     Nothing changes for code whose file is on disk or unknown, and only code objects pay for the check (a
     dispatch table entry, not a call per pickled object)."""
 
-    dispatch_table = ChainMap({}, *cloudpickle.Pickler.dispatch_table.maps)  # cloudpickle's, then copyreg's
+    # cloudpickle's table (its own reducers, then copyreg's), its own reducers copied with code's replaced: as
+    # many maps as cloudpickle's, so that a type without a reducer costs no extra lookup
+    dispatch_table = ChainMap(dict(cloudpickle.Pickler.dispatch_table.maps[0]),
+                              *cloudpickle.Pickler.dispatch_table.maps[1:])
 
 
 _cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
