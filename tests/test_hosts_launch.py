@@ -597,7 +597,7 @@ if {stuck!r}:
     def clog():  # 8 MB for rank 0's command pipe while its cell runs: its agent blocks writing it to the rank
         while not list(folder.glob("running-*")):
             time.sleep(0.05)
-        pool._workers.ranks[0].commands.send_bytes(bytes(8 << 20))
+        pool._workers.ranks[0].channel.send_bytes(bytes(8 << 20))
         (folder / "clogged").write_text("")
 
     threading.Thread(target=clog, daemon=True).start()

@@ -259,11 +259,11 @@ def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypa
     """A Unix socket path has ~100 bytes at most: a temporary folder too deep for one costs the deadlock
     detection (with a warning), not the launch, and leaves nothing behind."""
     from nbaccel.launch.kernel import collective_watch
-    from nbaccel.launch.kernel.torchrun import TorchrunBackend
+    from nbaccel.launch.kernel.torchrun import TorchrunScript
 
     deep = tmp_path / ("d" * 120)
     monkeypatch.setattr(collective_watch, "make_user_dir", lambda prefix: str(deep.mkdir() or deep))
-    backend = TorchrunBackend()
+    backend = TorchrunScript()
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
         assert backend._start_watch() is None
     backend.close()

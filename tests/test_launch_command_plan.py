@@ -14,9 +14,10 @@ import pytest
 
 from nbaccel.commands.launch import LaunchOptionError, resolve_settings, script_plan, worker_environment
 from nbaccel.commands.main import build_parser
+from nbaccel.launch.kernel.elastic import ElasticBackend
 from nbaccel.launch.kernel.placements import select_backend
 from nbaccel.launch.kernel.plan import Placement, Program
-from nbaccel.launch.kernel.torchrun import TorchrunBackend
+from nbaccel.launch.kernel.torchrun import TorchrunScript
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +34,8 @@ def test_the_plan_holds_every_input_of_the_launch(tmp_path):
                  "--rdzv_conf", "join_timeout=30,read_timeout=5", "--role", "trainer")
     plan = script_plan(s)
     assert plan.placement is Placement.ELASTIC and plan.program is Program.SCRIPT
-    assert type(select_backend(plan)) is TorchrunBackend
+    backend = select_backend(plan)  # placement elastic's one class, with its script part
+    assert type(backend) is ElasticBackend and isinstance(backend.script, TorchrunScript)
     assert (plan.num_processes, plan.num_nodes, plan.node_rank, plan.world_size) == (2, 2, 1, 4)
     assert (plan.master_addr, plan.port, plan.device) == ("10.0.0.7", 29600, "cpu")
     assert plan.rendezvous.endpoint == "10.0.0.7:29600" and plan.rendezvous.max_restarts == 2

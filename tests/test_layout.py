@@ -406,3 +406,35 @@ def test_the_backend_registry_is_keyed_by_placement_one_class_each():
                     if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PLACEMENTS")
     keys = [ast.unparse(key) for key in registry.value.keys]  # type: ignore[union-attr]
     assert all(key.startswith("Placement.") for key in keys), keys
+
+
+def test_one_backend_class_per_placement_and_no_other():
+    """Every Backend subclass in nbaccel is a registry entry, or a base that two or more placements' classes share
+    (ThreadedBackend: torch elastic's and torch_xla's helper thread); and each entry's `for_plan` gives an instance
+    of that very class for every program it runs: a program picks parts inside the class, not a second class."""
+    from types import SimpleNamespace
+
+    from nbaccel.launch.kernel.placements import PLACEMENTS
+
+    entries = {placement: load() for placement, load in PLACEMENTS.items()}
+    bases: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+    backends, grown = {"Backend"}, True
+    while grown:  # every class whose bases lead to Backend, by name across the package
+        found = {name for name, names in bases.items() if backends & set(names)}
+        grown = not found <= backends
+        backends |= found
+    registered = {cls.__name__ for cls in entries.values()}
+    shared = {name for name in backends - registered - {"Backend"}
+              if sum(name in {base.__name__ for base in cls.__mro__} for cls in entries.values()) >= 2}
+    assert backends - {"Backend"} - registered - shared == set(), "a Backend subclass outside the registry"
+    for placement, cls in entries.items():
+        for program in cls.programs:
+            backend = cls.for_plan(SimpleNamespace(placement=placement, program=program))  # type: ignore[arg-type]
+            try:
+                assert type(backend) is cls, f"{placement.value} runs a {program.value} with {type(backend)}"
+            finally:
+                backend.close()

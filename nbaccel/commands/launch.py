@@ -499,8 +499,8 @@ def run_settings(s: LaunchSettings) -> int:
     """Launch the workers (blocking) and return the exit status: 0, or 1 when a worker failed or the ranks
     deadlocked in collectives (named within seconds: launch/kernel/collective_watch.py).
 
-    The plan goes the way of every launch (kernel/launcher.py `run_plan`): its backend (kernel/torchrun.py,
-    torchrun's agent) starts the ranks, the supervisor watches them and stops them on a deadlock, ranks stuck
+    The plan goes the way of every launch (kernel/launcher.py `run_plan`): its backend (placement elastic,
+    kernel/elastic.py, with torchrun's agent: kernel/torchrun.py) starts the ranks, the supervisor watches them and stops them on a deadlock, ranks stuck
     after their script, or a signal to this process."""
     from ..launch.errors import LaunchError
     from ..launch.kernel.launcher import run_plan
@@ -509,12 +509,15 @@ def run_settings(s: LaunchSettings) -> int:
 
     plan = script_plan(s)
     backend = select_backend(plan)
+    script = getattr(backend, "script", None)  # placement elastic's script part (kernel/torchrun.py)
+    if script is None:
+        raise LaunchError(f"placement {plan.placement.value!r} runs no script for nbaccel launch")
     try:
         with _signals_stop_the_launch():
             run_plan(plan, backend, None, Reporting(dashboard=False))
     except LaunchError as error:
-        if backend.deadlock is not None:
-            print(f"nbaccel launch: {_deadlock_report(backend.deadlock)}", file=sys.stderr)
+        if script.deadlock is not None:
+            print(f"nbaccel launch: {_deadlock_report(script.deadlock)}", file=sys.stderr)
             return 1
         reasons = {rank: _exit_reason(f.exitcode) for rank, f in error.failures.items() if f.exitcode is not None}
         first = error.first_rank if error.first_rank in reasons else next(iter(reasons), None)
@@ -522,15 +525,15 @@ def run_settings(s: LaunchSettings) -> int:
             raise
         print(f"nbaccel launch: rank {first} failed ({reasons[first]}); {len(reasons)} process(es) failed in all",
               file=sys.stderr)
-        diagnosis = backend.after_failure(reasons)
+        diagnosis = script.after_failure(reasons)
         if diagnosis is not None:
             print(f"nbaccel launch: {_deadlock_report(diagnosis)}", file=sys.stderr)
         return 1
     except _Stopped as stop:
         print(f"nbaccel launch: stopped by {signal.Signals(stop.signum).name}; workers stopped", file=sys.stderr)
         return 128 + stop.signum
-    if backend.exit_hang is not None:  # every script completed; a process hung in its teardown
-        print(f"nbaccel launch: {backend.exit_hang.summary()}", file=sys.stderr)
+    if script.exit_hang is not None:  # every script completed; a process hung in its teardown
+        print(f"nbaccel launch: {script.exit_hang.summary()}", file=sys.stderr)
     return 0
 
 

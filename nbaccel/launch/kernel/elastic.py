@@ -1,4 +1,5 @@
-"""Multi-node launches and restarts through torch.distributed.elastic's agent.
+"""Placement elastic: multi-node launches and restarts through torch.distributed.elastic's agent, for a function
+(notebook_launcher) and a script (`nbaccel launch`, torchrun's agent: the part in torchrun.py).
 
 `num_nodes > 1` (any rendezvous backend, "c10d" recommended) or `max_restarts > 0` go here. The agent runs
 in a helper thread (so it does not replace the kernel's SIGINT handler) and starts the workers with
@@ -28,30 +29,70 @@ from ..worker.entry import elastic_entry
 from .loopback_store import LOOPBACK, AttemptStores, open_loopback_store
 from .plan import Program
 from .process_trees import signal_name
-from .threaded import ThreadedBackend
+from .threaded import ThreadedBackend, _children
 
 if TYPE_CHECKING:
-    from .placement_base import Backend
+    from ..hang_report import Diagnosis
+    from ..serialize import Payload
+    from .collective_watch import ExitHang
+    from .placement_base import StartedRank
     from .plan import LaunchPlan
+    from .torchrun import TorchrunScript
 
 
 class ElasticBackend(ThreadedBackend):
-    """Placement elastic: runs a LocalElasticAgent for this node; failures come back after its restarts are used
-    up. A script (`nbaccel launch`) runs under torchrun's agent instead: `for_plan` gives torchrun.py's backend."""
+    """Placement elastic, one class for both programs. A function: a LocalElasticAgent for this node forks the
+    ranks from this process; failures come back after its restarts are used up. A script (`nbaccel launch`):
+    torchrun's agent runs it, through the `TorchrunScript` part (torchrun.py: its command line, rendezvous, log
+    folder and collective watch) this class composes for that program. Either agent runs in the helper thread."""
 
     programs = frozenset({Program.FUNCTION, Program.SCRIPT})
-    thread_name = "nbaccel-elastic-agent"
-    inherits_objects = True  # its agent forks from this process
+    inherits_objects = True  # a function: its agent forks from this process
     preloads_modules = True
 
     @classmethod
-    def for_plan(cls, plan: LaunchPlan) -> Backend:
-        """The backend of this placement for the plan's program."""
-        if plan.program is Program.SCRIPT:
-            from .torchrun import TorchrunBackend
+    def for_plan(cls, plan: LaunchPlan) -> ElasticBackend:
+        return cls(plan.program)
 
-            return TorchrunBackend()
-        return cls()
+    def __init__(self, program: Program = Program.FUNCTION) -> None:
+        self.thread_name = "nbaccel-torchrun-agent" if program is Program.SCRIPT else "nbaccel-elastic-agent"
+        super().__init__()
+        self.script: TorchrunScript | None = None  # the script program's part (None: a function)
+        if program is Program.SCRIPT:
+            from .torchrun import TorchrunScript
+
+            self.script = TorchrunScript()
+            # torchrun's agent starts the ranks itself (its own start method), and there is no payload to inherit
+            self.inherits_objects = self.preloads_modules = False
+
+    def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:
+        """A function: the local ranks' pipes, then the agent (ThreadedBackend). A script: torchrun's run; its
+        ranks' output goes where this process's goes (no pipes, no handles)."""
+        if self.script is None:
+            assert payload is not None
+            return super().start(plan, payload)
+        try:
+            self._target = self.script.prepare(plan)
+            self.stop_grace = self.script.stop_grace()
+            self._before = set(_children())
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
+        return []
+
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            if self.script is not None:
+                self.script.done()
+
+    def wait_objects(self) -> list[Any]:
+        return [] if self.script is None else self.script.wait_objects(self._thread.is_alive())
+
+    def verdict(self) -> Diagnosis | ExitHang | None:
+        return None if self.script is None else self.script.verdict()
 
     def target(self, plan: LaunchPlan, entry_args: tuple) -> Any:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -106,6 +147,9 @@ class ElasticBackend(ThreadedBackend):
                 pass
 
     def before_stop(self) -> None:
+        if self.script is not None:
+            self.script.before_stop()
+            return
         self.agent._remaining_restarts = 0  # no restart of the workers we are about to stop
         self._release_waiting_workers()
         try:  # and no more waiting for nodes that are not coming
@@ -127,7 +171,11 @@ class ElasticBackend(ThreadedBackend):
 
     def close(self) -> None:
         """Close what torch elastic keeps of the last workers (process objects, result queues): their pipes
-        would stay open until a garbage collection otherwise. Remove the launch's log folder."""
+        would stay open until a garbage collection otherwise. Remove the launch's log folder. A script: its
+        part's watch, rendezvous and folders (torchrun.py `TorchrunScript.close`)."""
+        if self.script is not None:
+            self.script.close()
+            return
         log_dir = getattr(self, "_log_dir", None)
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)
@@ -155,6 +203,8 @@ class ElasticBackend(ThreadedBackend):
         gc.collect()
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
+        if self.script is not None:
+            return self.script.exit_failures(self.error)
         if self.error is not None:
             raise LaunchError(f"torch elastic could not run the workers: {type(self.error).__name__}: "
                               f"{self.error}") from self.error

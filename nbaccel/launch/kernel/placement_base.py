@@ -5,10 +5,13 @@ The registry that picks a class by the plan's placement is placements.py; docs/i
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..channel import close_quietly
 from ..messages import rank_label
 from .plan import Program
 
@@ -26,8 +29,10 @@ class StartedRank:
 
     `channel` carries a function's or a script's messages to the kernel; for RankPool's loop it is the duplex
     command pipe, with `status` (status queries, answered while the rank is busy) and `telemetry` beside it.
-    `process` answers what the pool asks of a process (`sentinel`, `join`, `exitcode`, `pid`; on another host
-    its agent's stand-in, ssh_backend.RemoteRank)."""
+    What the pool asks of a rank's process is its exit (`exit_sentinel`, `exit_code`, `wait_exit`) and a signal
+    (`send_signal`). A rank of this machine's: its `process` (multiprocessing) answers. A rank on another host:
+    its backend calls `expect_exit_report` when it starts it and `report_exit` when its agent says it exited, and
+    sets `signal` to what signals it there (the agent)."""
 
     local_rank: int
     rank: int
@@ -37,7 +42,9 @@ class StartedRank:
     host: str | None = None  # the host it runs on, as the user named it (None: this machine)
     process: Any = None
     status: Connection | None = None
+    status_unanswered: int = 0  # RankPool: status queries sent whose answers were not read (an interrupted call)
     telemetry: Connection | None = None
+    device: str = "cpu"  # RankPool: the device the rank said it uses once it started
     # what the supervisor learns while it watches the rank
     channel_open: bool = True
     open_fds: set[int] = field(default_factory=set)
@@ -52,11 +59,59 @@ class StartedRank:
     rss_peak: int = 0
     last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
     reply: Any = None  # sends the answer to its prompts (prompt_relay.py); None: `channel.send` (over SSH: its agent)
+    signal: Callable[[int], None] | None = None  # signals the rank where os.kill cannot (another host: its agent)
+    exit_sentinel: int | None = None  # readable once the rank exited (its process's sentinel, or `report_exit`'s)
+    _exit_report: int | None = field(default=None, init=False, repr=False)  # the write end `report_exit` closes
 
     def __post_init__(self) -> None:
         self.open_fds = {self.stdout_fd, self.stderr_fd}
-        if self.pid is None and self.process is not None:
-            self.pid = self.process.pid
+        if self.process is not None:
+            if self.pid is None:
+                self.pid = self.process.pid
+            self.exit_sentinel = self.process.sentinel
+
+    # ------------------------------------------------------------------ its exit, as the pool waits for it
+    def expect_exit_report(self) -> None:
+        """A rank this machine cannot wait on (another host's): its exit sentinel becomes readable on
+        `report_exit`, which its backend calls when the rank's agent reports the exit (or the agent is gone)."""
+        self.exit_sentinel, self._exit_report = os.pipe()
+
+    def report_exit(self, code: int) -> None:
+        """The rank exited with `code` (the first report counts); its exit sentinel becomes readable."""
+        if self._exit_report is not None:
+            if self.exitcode is None:
+                self.exitcode = code
+            close_quietly(self._exit_report)
+            self._exit_report = None
+
+    def exit_code(self) -> int | None:
+        """Its exit code, None while it runs."""
+        return self.process.exitcode if self.process is not None else self.exitcode
+
+    def is_alive(self) -> bool:
+        return self.exit_code() is None
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Wait up to `timeout` seconds for the rank to exit; its exit code (None: still running)."""
+        if self.process is not None:
+            self.process.join(timeout)
+        elif self.exit_sentinel is not None and self.exitcode is None:
+            wait([self.exit_sentinel], timeout)
+        return self.exit_code()
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the rank's process (a rank on another host: through its agent)."""
+        if self.signal is not None:
+            self.signal(signum)
+        elif self.pid is not None:
+            os.kill(self.pid, signum)
+
+    def close_exit(self) -> None:
+        """Release the exit report's pipe (a rank on another host); a local process's sentinel is its own."""
+        if self.process is None and self.exit_sentinel is not None:
+            self.report_exit(-1)
+            close_quietly(self.exit_sentinel)
+            self.exit_sentinel = None
 
     @property
     def label(self) -> str:
@@ -86,7 +141,7 @@ class Backend:
 
     @classmethod
     def for_plan(cls, plan: LaunchPlan) -> Backend:
-        """A new backend for `plan` (placement elastic hands a script to torchrun's agent: torchrun.py)."""
+        """A new backend for `plan` (a class that composes parts per program picks them here: elastic.py)."""
         return cls()
 
     def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:

@@ -14,9 +14,9 @@ agent stops its ranks when its session ends.
 
 RankPool's ranks (Program.POOL) get the same `StartedRank`s as local pool ranks, so the pool drives remote
 ranks as local ones: `channel` (commands) and `status` are local duplex pipes whose other ends a sender thread
-forwards to the agent, `telemetry`, `stdout` and `stderr` local pipes the relay fills, and `process` a
-`RemoteRank` (the remote pid, a sentinel that becomes readable when the agent reports the rank's exit, `join`,
-`exitcode`, and `send_signal` for the pool's forwarded interrupts).
+forwards to the agent, `telemetry`, `stdout` and `stderr` local pipes the relay fills. Its exit is what the
+agent reports (`StartedRank.expect_exit_report` / `report_exit`: the remote pid, an exit sentinel, the exit
+code), and its `signal` goes through the agent (the pool's forwarded interrupts).
 """
 
 from __future__ import annotations
@@ -115,38 +115,12 @@ def _answer(agent: Agent, local_rank: int, message: Any) -> None:
     agent.send((KernelFrame.SEND.value, local_rank, "channel", pickle.dumps(message, pickle.HIGHEST_PROTOCOL)))
 
 
-class RemoteRank:
-    """A rank on another host, answering what RankPool asks of a multiprocessing.Process."""
-
-    def __init__(self, agent: Agent, local_rank: int) -> None:
-        self.agent = agent
-        self.local_rank = local_rank
-        self.pid: int | None = None  # on its host
-        self.exitcode: int | None = None
-        self.sentinel, self._exit_fd = os.pipe()  # readable (end of file) once the rank exited
-        self._done = threading.Event()
-
-    def exited(self, code: int) -> None:
-        if not self._done.is_set():
-            self.exitcode = code
-            self._done.set()
-            close_quietly(self._exit_fd)
-
-    def is_alive(self) -> bool:
-        return not self._done.is_set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._done.wait(timeout)
-
-    def send_signal(self, signum: int) -> None:
-        """Signal the rank on its host (the pool's forwarded SIGINT)."""
-        try:
-            self.agent.send((KernelFrame.SIGNAL.value, self.local_rank, signum))
-        except (OSError, ValueError):
-            pass
-
-    def close(self) -> None:
-        close_quietly(self.sentinel, self._exit_fd)
+def _signal(agent: Agent, local_rank: int, signum: int) -> None:
+    """Signal a rank on its host, through its agent (the pool's forwarded SIGINT)."""
+    try:
+        agent.send((KernelFrame.SIGNAL.value, local_rank, signum))
+    except (OSError, ValueError):
+        pass
 
 
 class SshBackend(Backend):
@@ -165,7 +139,7 @@ class SshBackend(Backend):
         self._stopping = False
         self.world_size = 0
         self.pool = False  # RankPool's ranks: their commands and status go to them (the sender thread)
-        self.remote: dict[tuple[int, int], RemoteRank] = {}  # pool: (host index, local rank) -> the rank
+        self.remote: dict[tuple[int, int], StartedRank] = {}  # pool: (host index, local rank) -> the rank
         self._closing: set[tuple[int, int, str]] = set()  # duplex relay ends the sender thread is to close
         self._lock = threading.Lock()
         self._sending = threading.Event()
@@ -220,8 +194,6 @@ class SshBackend(Backend):
                 raise HostError(agent.host, agent.lost)
             for i, pid in enumerate(agent.pids):
                 self.remote[(agent.index, i)].pid = pid
-        for started in ends:
-            started.pid = started.process.pid
         self._sending.set()
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="nbaccel-ssh-pool-sender")
         self._sender.start()
@@ -301,9 +273,11 @@ class SshBackend(Backend):
         err_r, err_w = os.pipe()
         agent.writers.append({"commands": relay_commands, "status": relay_status, "telemetry": relay_telemetry,
                               "stdout": out_w, "stderr": err_w})
-        process = self.remote[(agent.index, i)] = RemoteRank(agent, i)
-        return StartedRank(agent.first_rank + i, agent.first_rank + i, commands, out_r, err_r, host=agent.host,
-                           process=process, status=status, telemetry=telemetry, reports_memory=True)
+        started = self.remote[(agent.index, i)] = StartedRank(
+            agent.first_rank + i, agent.first_rank + i, commands, out_r, err_r, host=agent.host, status=status,
+            telemetry=telemetry, reports_memory=True, signal=partial(_signal, agent, i))
+        started.expect_exit_report()  # its agent's exit report makes the rank's exit sentinel readable
+        return started
 
     # ------------------------------------------------------------------ relaying an agent's frames
     def _relay(self, agent: Agent) -> None:
@@ -340,7 +314,7 @@ class SshBackend(Backend):
             self._close_writer(agent, i, name)
         self._exits.put((agent.first_rank + i, code))
         if (agent.index, i) in self.remote:
-            self.remote[(agent.index, i)].exited(code)
+            self.remote[(agent.index, i)].report_exit(code)
 
     def _write(self, agent: Agent, i: int, name: str, data: bytes) -> None:
         target = agent.writers[i].get(name)
@@ -463,8 +437,7 @@ class SshBackend(Backend):
             if agent.process.stderr is not None:
                 agent.process.stderr.close()
         for rank in self.remote.values():
-            rank.exited(rank.exitcode if rank.exitcode is not None else -1)
-            rank.close()
+            rank.close_exit()  # a rank whose exit was never reported counts as exited (-1)
 
 
 class SlurmBackend(SshBackend):

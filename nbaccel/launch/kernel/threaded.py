@@ -119,7 +119,7 @@ class ThreadedBackend(Backend):
         return {}
 
     def verdict(self) -> object | None:
-        """Nothing but the supervisor watches these ranks (TorchrunBackend: its collective watch too)."""
+        """Nothing but the supervisor watches these ranks (placement elastic's script: its collective watch too)."""
         return None
 
 

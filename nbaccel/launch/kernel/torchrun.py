@@ -1,17 +1,17 @@
-"""`nbaccel launch`'s backend: torchrun's agent runs the plan's script on every rank of this machine.
+"""`nbaccel launch`'s program: torchrun's agent runs the plan's script on every rank of this machine.
 
-torch.distributed.run (torchrun) parses the command line `torchrun_arguments(plan)` writes and its agent starts,
-restarts and reaps the ranks, as under `accelerate launch`; the agent runs in a helper thread (ThreadedBackend,
-as torch elastic's does for notebook_launcher) while the supervisor, in the calling thread, watches and stops:
-the same loop and the same stop (the ranks found as this process's new children, their descendants included)
-as every other launch. Each rank runs worker/script_entry.py, which reports its collectives and its end to the
-launch's CollectiveWatch (collective_watch.py); the watch's verdict (a deadlock, or ranks stuck in their
-process's teardown after their script ended) reaches the supervisor through `verdict()`.
+A part of placement elastic's one class (elastic.py `ElasticBackend`, which composes a `TorchrunScript` when the
+plan's program is a script): torch.distributed.run (torchrun) parses the command line `torchrun_arguments(plan)`
+writes and its agent starts, restarts and reaps the ranks, as under `accelerate launch`; the agent runs in the
+backend's helper thread (as torch elastic's does for notebook_launcher) while the supervisor, in the calling
+thread, watches and stops: the same loop and the same stop (the ranks found as this process's new children, their
+descendants included) as every other launch. Each rank runs worker/script_entry.py, which reports its collectives
+and its end to the launch's CollectiveWatch (collective_watch.py); the watch's verdict (a deadlock, or ranks stuck
+in their process's teardown after their script ended) reaches the supervisor through the backend's `verdict()`.
 
-On one machine the agent meets itself on a loopback store (loopback_store.py `loopback_rendezvous`), which `start`
-opens; a rendezvous it closes before stopping the ranks keeps the agent from restarting them.
+On one machine the agent meets itself on a loopback store (loopback_store.py `loopback_rendezvous`), which
+`prepare` opens; a rendezvous it closes before stopping the ranks keeps the agent from restarting them.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -22,22 +22,19 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import COLLECTIVE_WATCH_ENV, EXEC_ENTRY, LINE_LOCK_ENV, RANK_GROUPS_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
 from ..errors import WorkerFailure
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
-from .plan import Program
 from .process_trees import signal_name
-from .threaded import ThreadedBackend, _children
 
 if TYPE_CHECKING:
     from ..hang_report import Diagnosis
-    from ..serialize import Payload
     from .collective_watch import CollectiveWatch, ExitHang
     from .loopback_store import LoopbackStore
-    from .placement_base import StartedRank
     from .plan import LaunchPlan
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
@@ -98,15 +95,11 @@ class _ChildThreadNote(logging.Filter):
         return "child thread" not in record.getMessage()
 
 
-class TorchrunBackend(ThreadedBackend):
-    """torchrun's agent in a helper thread; the collective watch's verdicts for the supervisor."""
-
-    programs = frozenset({Program.SCRIPT})
-    thread_name = "nbaccel-torchrun-agent"
-    fail_fast = False  # torch elastic decides: it restarts the ranks (--max_restarts) or ends the run
+class TorchrunScript:
+    """Placement elastic's script program, a part of elastic.py's `ElasticBackend`: torchrun's command line and
+    rendezvous, its log folder, the ranks' line lock and the collective watch with its verdicts."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.watch: CollectiveWatch | None = None
         self._store: LoopbackStore | None = None
         self.deadlock: Diagnosis | None = None  # the watch stopped the ranks: they deadlocked
@@ -118,35 +111,31 @@ class TorchrunBackend(ThreadedBackend):
         self._done_read, self._done_write = os.pipe()
 
     # ------------------------------------------------------------------ start
-    def start(self, plan: LaunchPlan, payload: Payload | None = None) -> list[StartedRank]:
-        """Open the rendezvous store and the watch, then run torchrun in the helper thread. The ranks' output
-        goes where this process's goes (as under torchrun): no pipes, no handles."""
+    def prepare(self, plan: LaunchPlan) -> Callable[[], Any]:
+        """Open the rendezvous store and the watch; return torchrun's run of the plan (for the agent's thread).
+        The ranks' output goes where this process's goes (as under torchrun): no pipes, no handles."""
         from torch.distributed import run as torchrun
 
         assert plan.script is not None and plan.rendezvous is not None
-        try:
-            if plan.num_nodes == 1:  # keep the rendezvous off the network (loopback_store.py)
-                plan = self._open_rendezvous(plan)
-            os.environ.update(plan.environ)  # torchrun's agent gives every rank this process's environment
-            # a stopped rank gets torch elastic's time to end by itself (a SIGTERM handler saving a checkpoint)
-            self.stop_grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-            self._quiet_agent(plan.script.quiet)
-            if plan.script.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: one removed after
-                own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
-                self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
-                plan = dataclasses.replace(plan, script=dataclasses.replace(plan.script, log_dir=own_logs))
-            self.watch = None if plan.script.no_python else self._start_watch()
-            if not plan.script.no_python:
-                self._share_line_lock()
-            args = torchrun.get_args_parser().parse_args(torchrun_arguments(
-                plan, watched=self.watch is not None, registered=RANK_GROUPS_ENV in plan.environ))
-            self._target = lambda: torchrun.run(args)
-            self._before = set(_children())
-            self._thread.start()
-        except BaseException:
-            self.close()
-            raise
-        return []
+        if plan.num_nodes == 1:  # keep the rendezvous off the network (loopback_store.py)
+            plan = self._open_rendezvous(plan)
+        os.environ.update(plan.environ)  # torchrun's agent gives every rank this process's environment
+        self._quiet_agent(plan.script.quiet)
+        if plan.script.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: one removed after
+            own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
+            self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
+            plan = dataclasses.replace(plan, script=dataclasses.replace(plan.script, log_dir=own_logs))
+        self.watch = None if plan.script.no_python else self._start_watch()
+        if not plan.script.no_python:
+            self._share_line_lock()
+        args = torchrun.get_args_parser().parse_args(torchrun_arguments(
+            plan, watched=self.watch is not None, registered=RANK_GROUPS_ENV in plan.environ))
+        return lambda: torchrun.run(args)
+
+    @staticmethod
+    def stop_grace() -> float:
+        """Seconds a stopped rank gets to end by itself (a SIGTERM handler saving a checkpoint), torch elastic's."""
+        return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
 
     def _open_rendezvous(self, plan: LaunchPlan) -> LaunchPlan:
         """The one-machine rendezvous store, on the plan's port (a free one when none is given or, as in
@@ -198,15 +187,14 @@ class TorchrunBackend(ThreadedBackend):
         self._cleanup.callback(os.environ.pop, COLLECTIVE_WATCH_ENV, None)
         return watch
 
-    def _run(self) -> None:
-        try:
-            super()._run()
-        finally:
-            with contextlib.suppress(OSError):
-                os.write(self._done_write, b"x")
+    def done(self) -> None:
+        """torchrun returned (the agent's thread, at its end): wake the supervisor's wait."""
+        with contextlib.suppress(OSError):
+            os.write(self._done_write, b"x")
 
-    def wait_objects(self) -> list[Any]:
-        return [self._done_read] if self._thread.is_alive() and self._done_read >= 0 else []
+    def wait_objects(self, running: bool) -> list[Any]:
+        """What the supervisor waits on while torchrun runs (`running`): the end of its run."""
+        return [self._done_read] if running and self._done_read >= 0 else []
 
     # ------------------------------------------------------------------ the watch's verdicts (its thread)
     def _on_deadlock(self, diagnosis: Diagnosis) -> None:
@@ -232,19 +220,20 @@ class TorchrunBackend(ThreadedBackend):
             with contextlib.suppress(Exception):
                 handler.shutdown()
 
-    def exit_failures(self) -> dict[int, WorkerFailure]:
-        """The ranks torch elastic saw fail (after its restarts), the first failure first; none when the
-        supervisor stopped the ranks (a verdict or an interrupt). Another error of torchrun is raised as is."""
+    def exit_failures(self, error: BaseException | None) -> dict[int, WorkerFailure]:
+        """The ranks torch elastic saw fail (after its restarts; `error`: what torchrun's run raised), the first
+        failure first; none when the supervisor stopped the ranks (a verdict or an interrupt). Another error of
+        torchrun is raised as is."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        if self._stopped or self.error is None:
+        if self._stopped or error is None:
             return {}
-        if not isinstance(self.error, ChildFailedError):
-            raise self.error
-        first, _ = self.error.get_first_failure()
+        if not isinstance(error, ChildFailedError):
+            raise error
+        first, _ = error.get_first_failure()
         failures: dict[int, WorkerFailure] = {}
-        for rank in sorted(self.error.failures, key=lambda r: r != first):
-            code = self.error.failures[rank].exitcode
+        for rank in sorted(error.failures, key=lambda r: r != first):
+            code = error.failures[rank].exitcode
             sig = signal_name(code)
             failures[rank] = WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}",
                                            "", code, sig)

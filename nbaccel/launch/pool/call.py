@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import pickle
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import WorkerFailure
 from ..hang_report import Diagnosis, RankProgress, diagnose
 from ..kernel.prompt_relay import PromptRelay
 from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
-from .rank_processes import RankProcess, exit_text
+from .rank_processes import RankOutput, exit_text
 from .results import RankResult, RankResults
+
+if TYPE_CHECKING:
+    from ..kernel.placement_base import StartedRank
 
 CHECK_INTERVAL = 0.5  # seconds between status checks while a call runs (never for calls shorter than that)
 MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another rank cannot join
@@ -46,10 +50,11 @@ class Hang(Exception):
 class Call:
     """One command sent to the selected ranks, and the wait for their replies (with hang checks)."""
 
-    def __init__(self, ranks: list[RankProcess], selected: list[int], call_id: int, timeout: float,
-                 on_progress: Callable[[RankResults], None] | None = None,
+    def __init__(self, ranks: list[StartedRank], streams: list[RankOutput], selected: list[int], call_id: int,
+                 timeout: float, on_progress: Callable[[RankResults], None] | None = None,
                  on_display: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         self.ranks = ranks
+        self.streams = streams  # by rank: its output pipes and what was read of them (rank_processes.py)
         self.selected = selected
         self.call_id = call_id
         self.timeout = timeout
@@ -73,11 +78,11 @@ class Call:
         command = pickle.dumps(make(self.call_id), pickle.HIGHEST_PROTOCOL)
         for index in self.selected:
             rank = self.ranks[index]
-            rank.take_output()  # what a rank wrote between calls (background threads) is not this call's
+            self.streams[index].take()  # what a rank wrote between calls (background threads) is not this call's
             if rank.status_unanswered:
                 _discard_stale(rank)
             try:
-                rank.commands.send_bytes(command)
+                rank.channel.send_bytes(command)
             except (OSError, ValueError):
                 self._dead(index)
         self._quick_replies()
@@ -91,12 +96,11 @@ class Call:
                 objects: dict[Any, tuple[str, int]] = {}
                 for index in self.selected:
                     rank = self.ranks[index]
-                    for fd in (rank.out_fd, rank.err_fd):
-                        if fd not in rank.closed_fds:
-                            objects[fd] = ("fd", index)
+                    for fd in self.streams[index].open_fds():
+                        objects[fd] = ("fd", index)
                     if index in self.pending:
-                        objects[rank.commands] = ("reply", index)
-                        objects[rank.process.sentinel] = ("exit", index)
+                        objects[rank.channel] = ("reply", index)
+                        objects[rank.exit_sentinel] = ("exit", index)
                 for index in asked:
                     objects[self.ranks[index].status] = ("status", index)
                 round_done = False
@@ -104,11 +108,11 @@ class Call:
                 for obj in wait(list(objects), max(0.0, wake - time.monotonic())):
                     what, index = objects[obj]
                     if what == "fd":
-                        self.ranks[index].drain(obj)
+                        self.streams[index].drain(obj)
                         self.changed = True
                     elif what == "reply" and index in self.pending:
                         self._reply(index)
-                    elif what == "exit" and index in self.pending and not self.ranks[index].commands.poll(0):
+                    elif what == "exit" and index in self.pending and not self.ranks[index].channel.poll(0):
                         self._dead(index)
                     elif what == "status" and index in asked:
                         asked.discard(index)
@@ -134,7 +138,7 @@ class Call:
         poller = select.poll()
         waiting: dict[int, int] = {}
         for index in self.pending:
-            fd = self.ranks[index].commands.fileno()
+            fd = self.ranks[index].channel.fileno()
             poller.register(fd, select.POLLIN)
             waiting[fd] = index
         deadline = time.monotonic() + QUICK_WAIT
@@ -150,7 +154,7 @@ class Call:
     def _reply(self, index: int) -> None:
         rank = self.ranks[index]
         try:
-            message = rank.commands.recv()
+            message = rank.channel.recv()
         except (EOFError, OSError):
             self._dead(index)
             return
@@ -165,7 +169,7 @@ class Call:
         if kind != _REPLY or message.get("id") != self.call_id:
             return  # a late reply of an interrupted earlier call
         self.replies[index] = message
-        self.outputs[index] = rank.take_output()
+        self.outputs[index] = self.streams[index].take()
         self.pending.discard(index)
         if message.get("pg_broken") and message.get("error") and self.broken is None:
             error = message["error"]
@@ -176,20 +180,21 @@ class Call:
         That output is shown here instead of in the cell's results, so it comes once, before its prompt."""
         rank = self.ranks[index]
         label = f"{rank.host} rank {index}" if rank.host else f"rank {index}"  # as a launch labels its lines
-        for fd in (rank.out_fd, rank.err_fd):
-            while fd not in rank.closed_fds and wait([fd], 0):
-                rank.drain(fd)
-        for text, stream in zip(rank.take_output(), (sys.stdout, sys.stderr)):
+        output = self.streams[index]
+        for fd in output.open_fds():
+            while fd not in output.closed_fds and wait([fd], 0):
+                output.drain(fd)
+        for text, stream in zip(output.take(), (sys.stdout, sys.stderr)):
             for line in text.splitlines():
                 stream.write(f"[{label}] {line}\n")
             stream.flush()
-        self.prompts.serve(label, message, rank.commands.send)
+        self.prompts.serve(label, message, rank.channel.send)
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
-        rank.process.join(1.0)
-        self.outputs[index] = rank.take_output()
-        how = exit_text(rank.process.exitcode)
+        code = rank.wait_exit(1.0)
+        self.outputs[index] = self.streams[index].take()
+        how = exit_text(code)
         self.replies[index] = {"error": {"exc_type": "RankDied", "message": f"the rank process ended ({how})",
                                          "traceback": ""}}
         self.pending.discard(index)
@@ -252,7 +257,7 @@ class Call:
         """Forward the interrupt to the busy ranks and give them INTERRUPT_GRACE seconds to reply."""
         for index in self.pending:
             try:
-                self.ranks[index].interrupt()
+                self.ranks[index].send_signal(signal.SIGINT)
             except OSError:
                 pass
         deadline = time.monotonic() + INTERRUPT_GRACE
@@ -260,7 +265,7 @@ class Call:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            conns = {self.ranks[index].commands: index for index in self.pending}
+            conns = {self.ranks[index].channel: index for index in self.pending}
             for conn in wait(list(conns), left):
                 self._reply(conns[conn])
 
@@ -270,7 +275,7 @@ class Call:
 
     def _result(self, index: int, waiting: bool = False) -> RankResult:
         if waiting:
-            out, err = self.ranks[index].take_output()
+            out, err = self.streams[index].take()
             return RankResult(index, stdout=out, stderr=err, status=RankState.WAITING)
         reply = self.replies.get(index, {})
         out, err = self.outputs.get(index, ("", ""))
@@ -296,9 +301,10 @@ class Call:
         partial = []
         for index in self.selected:
             if index in self.pending:
-                rank = self.ranks[index]
-                partial.append(RankResult(index, stdout=bytes(rank.out).decode("utf-8", "replace"),
-                                          stderr=bytes(rank.err).decode("utf-8", "replace"), status=RankState.RUNNING))
+                output = self.streams[index]
+                partial.append(RankResult(index, stdout=bytes(output.out).decode("utf-8", "replace"),
+                                          stderr=bytes(output.err).decode("utf-8", "replace"),
+                                          status=RankState.RUNNING))
             else:
                 partial.append(self._result(index))
         return RankResults(partial)
@@ -307,7 +313,7 @@ class Call:
         return [self._result(index, waiting=index in self.pending) for index in self.selected]
 
 
-def _discard_stale(rank: RankProcess) -> None:
+def _discard_stale(rank: StartedRank) -> None:
     """Drop status answers left over from an interrupted call, so each query reads its own answer. Called
     only when a query is unanswered: `Connection.poll` builds a selector, a fifth of a trivial call's cost."""
     try:

@@ -159,8 +159,8 @@ class RankPool:
 
     def _telemetry_on(self) -> None:
         workers = self._workers
-        for rank in workers.ranks:
-            rank.on_output = OutputLines(rank.rank, self._notify)
+        for rank, output in zip(workers.ranks, workers.outputs):
+            output.on_output = OutputLines(rank.rank, self._notify)
         self._reader = TelemetryReader([rank.telemetry for rank in workers.ranks], self._notify)
         self._call(lambda call_id: (PoolCommand.TELEMETRY.value, call_id, True), None, None).raise_if_failed()
         for rank in workers.ranks:
@@ -174,8 +174,8 @@ class RankPool:
         if self._reader is not None:
             self._reader.stop()
             self._reader = None
-        for rank in self._workers.ranks if self._workers is not None else ():
-            rank.on_output = None
+        for output in self._workers.outputs if self._workers is not None else ():
+            output.on_output = None
 
     def _notify(self, message: dict) -> None:
         for _, function in list(self._observers):
@@ -239,7 +239,7 @@ class RankPool:
         """Per rank: pid, device, alive."""
         if self._workers is None:
             return []
-        return [{"rank": rank.rank, "pid": rank.pid, "device": rank.device, "alive": rank.process.is_alive()}
+        return [{"rank": rank.rank, "pid": rank.pid, "device": rank.device, "alive": rank.is_alive()}
                 for rank in self._workers.ranks]
 
     # ------------------------------------------------------------------------------------------ calls
@@ -327,7 +327,7 @@ class RankPool:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
-            call = Call(self._workers.ranks, selected, next(self._ids), timeout, on_progress, _DisplayTarget())
+            call = Call(self._workers.ranks, self._workers.outputs, selected, next(self._ids), timeout, on_progress, _DisplayTarget())
             runs_code = report  # exec and run ask for a report
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:

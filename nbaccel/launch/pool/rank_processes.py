@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.util
-import os
 import select
-import signal
 import time
 import weakref
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from ..channel import close_quietly
@@ -34,40 +32,26 @@ if TYPE_CHECKING:
 START_TIMEOUT = 120.0  # seconds for every rank to build its process group
 
 
-class RankProcess:
-    """What the pool does with one started rank (kernel/placements.py StartedRank): its command, status and
-    telemetry pipes, and its output, read between and during calls."""
+class RankOutput:
+    """The pool's bookkeeping of one rank's output (kept by `RankProcesses.outputs`, by rank): its stdout and
+    stderr pipes (the rank's `StartedRank` ends), read between and during calls, and what was read."""
 
     def __init__(self, started: StartedRank) -> None:
-        self.rank = started.rank
-        self.telemetry = started.telemetry  # read end of the rank's telemetry pipe (used while an observer attaches)
         self.on_output: Callable[[str, bytes], None] | None = None  # (stream, data) of every read, if set
-        self.process = started.process
-        self.commands: Connection = started.channel
-        self.status: Connection = started.status  # type: ignore[assignment]
-        self.status_unanswered = 0  # status queries sent whose answers were not read (an interrupted call)
         self.out_fd = out_fd = started.stdout_fd
         self.err_fd = err_fd = started.stderr_fd
         self.out = bytearray()
         self.err = bytearray()
-        self.device = "cpu"
-        self.host = started.host  # RankPool(hosts=...): the host it runs on, as named there
-        self.pid = started.pid
         self.closed_fds: set[int] = set()
-        # one poll object for the output pipes, kept for the rank's life: take_output runs twice per rank in
-        # every call, and a selector built per call cost more than the rest of a trivial call's kernel side
+        # one poll object for the output pipes, kept for the rank's life: take runs twice per rank in every call,
+        # and a selector built per call cost more than the rest of a trivial call's kernel side
         self._output_poll = select.poll() if hasattr(select, "poll") else None
         if self._output_poll is not None:
             for fd in (out_fd, err_fd):
                 self._output_poll.register(fd, select.POLLIN)
 
-    def interrupt(self) -> None:
-        """SIGINT to the rank (a rank on another host: through its agent)."""
-        send = getattr(self.process, "send_signal", None)  # kernel/ssh_pool_backend.py's RemoteRank
-        if send is not None:
-            send(signal.SIGINT)
-        else:
-            os.kill(self.pid, signal.SIGINT)
+    def open_fds(self) -> list[int]:
+        return [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
 
     def drain(self, fd: int) -> None:
         if fd in self.closed_fds:
@@ -85,12 +69,13 @@ class RankProcess:
             self._output_poll.unregister(fd)
 
     def close(self) -> None:
-        """Close the kernel's ends; the descriptors' numbers may be reused, so nothing here polls them again."""
-        close_quietly(self.commands, self.telemetry, self.out_fd, self.err_fd)
+        """Close the output pipes; the descriptors' numbers may be reused, so nothing here polls them again."""
+        close_quietly(self.out_fd, self.err_fd)
         self.closed_fds.update((self.out_fd, self.err_fd))
         self._output_poll = None
 
-    def take_output(self) -> tuple[str, str]:
+    def take(self) -> tuple[str, str]:
+        """What the rank wrote since the last take: (stdout, stderr)."""
         if self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
             for fd, events in self._output_poll.poll(0):
                 if events & select.POLLNVAL:  # closed on this side (the pool is stopping)
@@ -98,7 +83,7 @@ class RankProcess:
                 else:
                     self.drain(fd)
         else:
-            open_fds = [fd for fd in (self.out_fd, self.err_fd) if fd not in self.closed_fds]
+            open_fds = self.open_fds()
             for fd in wait(open_fds, 0) if open_fds else ():
                 self.drain(fd)
         if not self.out and not self.err:
@@ -115,7 +100,8 @@ class RankProcesses:
     def __init__(self, plan: LaunchPlan) -> None:
         """Start the ranks of `plan` (a persistent plan: its ranks, start method, device and environment)
         through its backend (kernel/persistent.py), which owns the processes."""
-        self.ranks: list[RankProcess] = []
+        self.ranks: list[StartedRank] = []  # the pool's ranks, as the backend started them
+        self.outputs: list[RankOutput] = []  # by rank: what each wrote
         self.closed = False
         self.start_method = plan.start_method
         # what every launch owns (preload, private FileStore folder, rank groups and their keeper): the session's
@@ -123,7 +109,8 @@ class RankProcesses:
         self._backend = self.session.backend
         try:
             self.session.open()
-            self.ranks = [RankProcess(started) for started in self.session.start()]
+            self.ranks = self.session.start()
+            self.outputs = [RankOutput(started) for started in self.ranks]
         except BaseException:
             self.close(graceful=False)
             raise
@@ -131,8 +118,8 @@ class RankProcesses:
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until every rank built its process group; on failure stop them all and raise RankStartError."""
-        pending = {rank.commands: rank for rank in self.ranks}
-        sentinels = {rank.process.sentinel: rank for rank in self.ranks}
+        pending = {rank.channel: rank for rank in self.ranks}
+        sentinels = {rank.exit_sentinel: rank for rank in self.ranks}
         deadline = time.monotonic() + timeout
         problem = None
         while pending and problem is None:
@@ -153,13 +140,13 @@ class RankProcesses:
                         problem = f"rank {rank.rank} failed to start:\n{ready.error['traceback'].rstrip()}"
                         break
                     rank.device = ready.device or "cpu"
-                elif obj in sentinels and sentinels[obj].commands in pending:
+                elif obj in sentinels and sentinels[obj].channel in pending:
                     rank = sentinels[obj]
-                    if not rank.commands.poll(0):
-                        problem = f"rank {rank.rank} exited while starting ({exit_text(rank.process.exitcode)})"
+                    if not rank.channel.poll(0):
+                        problem = f"rank {rank.rank} exited while starting ({exit_text(rank.wait_exit(1.0))})"
                         break
         if problem is not None:
-            output = "\n".join(text for rank in self.ranks for text in rank.take_output() if text.strip())
+            output = "\n".join(text for out in self.outputs for text in out.take() if text.strip())
             self.close(graceful=False)
             raise RankStartError(problem + (f"\n\nOutput of the ranks:\n{output.rstrip()}" if output else ""))
 
@@ -170,21 +157,20 @@ class RankProcesses:
             return
         self.closed = True
         _LIVE.discard(self)
-        processes = [rank.process for rank in self.ranks]
         if graceful:
             for rank in self.ranks:
                 try:
-                    rank.commands.send((PoolCommand.STOP.value,))
+                    rank.channel.send((PoolCommand.STOP.value,))
                 except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + 2.0
-            for process in processes:
-                process.join(max(0.0, deadline - time.monotonic()))
+            for rank in self.ranks:
+                rank.wait_exit(max(0.0, deadline - time.monotonic()))
         for rank in self.ranks:
             close_quietly(rank.status)  # end of file: the rank's status thread exits the process
         deadline = time.monotonic() + 1.0
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
+        for rank in self.ranks:
+            rank.wait_exit(max(0.0, deadline - time.monotonic()))
         try:
             self._backend.stop()
         finally:
@@ -192,8 +178,9 @@ class RankProcesses:
                 self.session.close()  # rank groups, the backend's pipes and sessions, folders, resource tracker
             except Exception:
                 pass
-        for rank in self.ranks:
-            rank.close()
+        for rank, output in zip(self.ranks, self.outputs):
+            close_quietly(rank.channel, rank.telemetry)  # the kernel's ends (the output pipes: `output.close`)
+            output.close()
 
 
 _LIVE: weakref.WeakSet[RankProcesses] = weakref.WeakSet()
