@@ -389,11 +389,13 @@ def save_full_model(model: nn.Module, save_directory: str | os.PathLike, safe_se
         if safe_serialization:
             from safetensors.torch import save_file
 
-            with atomic_path(os.path.join(os.fspath(save_directory), "model.safetensors")) as path:
-                save_file(unique, str(path), metadata={"format": "pt"})
+            path = os.path.join(os.fspath(save_directory), "model.safetensors")  # returned: the final name, not the partial one
+            with atomic_path(path) as partial:
+                save_file(unique, str(partial), metadata={"format": "pt"})
         else:
-            with atomic_path(os.path.join(os.fspath(save_directory), "pytorch_model.bin")) as path:
-                torch.save(unique, path)
+            path = os.path.join(os.fspath(save_directory), "pytorch_model.bin")  # returned: the final name, not the partial one
+            with atomic_path(path) as partial:
+                torch.save(unique, partial)
     if dist.is_initialized():
         dist.barrier()
     return path

@@ -77,6 +77,74 @@ def test_cell_functions_closures_lambdas_and_classes(start_method, capsys):
     assert out.count("[rank 0] cell function on rank 0") == 1 and out.count("[rank 1] cell function on rank 1") == 1
 
 
+CELL_FILE = "/tmp/ipykernel_0/nbaccel-cell-lines.py"  # where ipykernel names a cell: a file only its linecache has
+LINES_CELL = """
+import linecache, os
+
+def scale(x):
+    return x * 3
+
+class Step:
+    def run(self, x):
+        return scale(x) + 1
+
+def train(x):
+    inner = lambda: Step().run(x)
+    return inner(), linecache.getlines(scale.__code__.co_filename)[3], scale.__code__.co_filename
+
+def fails():
+    value = {"rank": os.environ["RANK"]}
+    return value["missing key on purpose"]
+"""
+
+
+@pytest.fixture
+def lines_cell():
+    """The definitions of a notebook cell whose source, as under ipykernel, is only in linecache (mtime None)."""
+    import linecache
+
+    linecache.cache[CELL_FILE] = (len(LINES_CELL), None, LINES_CELL.splitlines(True), CELL_FILE)
+    namespace = {"__name__": "__main__"}
+    exec(compile(LINES_CELL, CELL_FILE, "exec"), namespace)
+    try:
+        yield namespace
+    finally:
+        linecache.cache.pop(CELL_FILE, None)
+
+
+def test_a_cells_lines_travel_with_its_code_and_only_they(lines_cell):
+    import linecache
+
+    import cloudpickle
+
+    from nbaccel.launch.serialize import dumps_payload, dumps_value, loads
+
+    data = dumps_payload(lines_cell["train"], (2,), {})
+    assert data.count(b"def scale(x):") == 1  # once, for the function, its lambda, the global class and function
+    sent_lines = linecache.cache.pop(CELL_FILE)
+    function, args, _ = loads(data)  # as a rank does: it has no such file
+    assert function.__code__.co_filename == CELL_FILE and linecache.getlines(CELL_FILE) == sent_lines[2]
+    assert linecache.cache[CELL_FILE][1] is None  # kept by checkcache, as IPython's own entries
+    linecache.checkcache()
+    assert function(*args) == (7, "def scale(x):\n", CELL_FILE)
+    assert loads(dumps_value(lines_cell["scale"])).__code__.co_filename == CELL_FILE  # pool.push too
+
+    # code whose file is not held in memory only: cloudpickle's own bytes, nothing added
+    linecache.cache[CELL_FILE] = (1, 123.0, sent_lines[2], CELL_FILE)  # a file on disk, as linecache knows one
+    assert dumps_payload(lines_cell["train"], (2,), {}) == cloudpickle.dumps((lines_cell["train"], (2,), {}))
+    linecache.cache.pop(CELL_FILE)
+    assert dumps_payload(lines_cell["train"], (2,), {}) == cloudpickle.dumps((lines_cell["train"], (2,), {}))
+
+
+def test_a_spawned_rank_shows_the_cells_lines(lines_cell):
+    assert launch(lines_cell["train"], (2,), start_method="spawn") == [(7, "def scale(x):\n", CELL_FILE)] * 2
+    with pytest.raises(LaunchError) as failed:
+        launch(lines_cell["fails"], start_method="spawn")
+    traceback = failed.value.failures[failed.value.first_rank].traceback
+    assert f'File "{CELL_FILE}", line 17, in fails' in traceback, traceback
+    assert 'return value["missing key on purpose"]' in traceback, traceback
+
+
 def test_kwargs_and_debug_launcher():
     def fn(a, *, b):
         return (int(os.environ["RANK"]), a + b, os.environ["NBACCEL_USE_CPU"])

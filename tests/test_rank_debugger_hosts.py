@@ -5,6 +5,7 @@ agent's channel (a real sshd on 127.0.0.1, tests/ssh_server.py). The kernel's in
 from __future__ import annotations
 
 import builtins
+import linecache
 import os
 import re
 import sys
@@ -61,11 +62,22 @@ def test_breakpoint_on_another_host_is_answered_in_the_kernel(ssh_config, user, 
     assert f"[{HOSTS[1]} rank 3] 13" in capsys.readouterr().out.splitlines()
 
 
-def test_rank_pool_on_hosts_asks_in_the_kernel(ssh_config, user):
+CELL_FILE = "/tmp/ipykernel_0/nbaccel-hosts-cell.py"  # as ipykernel names a cell: only the kernel's linecache has it
+CELL = "import linecache, traceback\ndef where():\n    return traceback.format_stack(limit=1)[0]\n"
+
+
+def test_rank_pool_on_hosts_asks_in_the_kernel(ssh_config, user, monkeypatch):
     asked, lines = user
     lines += ["a", "b"]
+    monkeypatch.setitem(linecache.cache, CELL_FILE, (len(CELL), None, CELL.splitlines(True), CELL_FILE))
+    cell = {"__name__": "__main__"}
+    exec(compile(CELL, CELL_FILE, "exec"), cell)
     with RankPool(1, hosts=list(HOSTS)) as pool:
-        assert pool.run(asks) == ["a", "b"]
-    # labelled with the rank (and its host, once the pool knows it)
-    assert [re.sub(r"^\[(\S+ )?rank", "[rank", prompt) for prompt in asked] == [
-        "[rank 0] rank 0 name? ", "[rank 1] rank 1 name? "], asked
+        names = pool.run(asks)
+        # a cell's function shows its line on the other host too (what pdb and tracebacks read)
+        assert pool.run(cell["where"]) == [
+            f'  File "{CELL_FILE}", line 3, in where\n    return traceback.format_stack(limit=1)[0]\n'] * 2
+    # labelled with the rank (and its host, once the pool knows it); served one at a time, in either order
+    labels = [re.sub(r"^\[(\S+ )?rank", "[rank", prompt) for prompt in asked]
+    assert sorted(labels) == ["[rank 0] rank 0 name? ", "[rank 1] rank 1 name? "], asked
+    assert names == [["a", "b"][labels.index(f"[rank {rank}] rank {rank} name? ")] for rank in (0, 1)], (names, asked)

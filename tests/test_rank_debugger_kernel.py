@@ -48,6 +48,15 @@ try:
 except LaunchError as exc:
     print("failed:", str(exc).splitlines()[0])
 """
+FAILS = """
+def fails():
+    values = {{"rank": os.environ["RANK"]}}
+    return values["missing key on purpose"]
+try:
+    notebook_launcher(fails, num_processes=2, dashboard=False, start_method={method!r})
+except LaunchError as exc:
+    print(exc.failures[exc.first_rank].traceback)
+"""
 INTERRUPTED = """
 def waits():
     breakpoint()
@@ -104,17 +113,19 @@ def _check_breakpoint_cell(client, method: str) -> None:
             pdb_prompts = sum(p.startswith("[rank 1] (Pdb)") for p in so_far.prompts)
             if pdb_prompts == 1:
                 time.sleep(9)  # longer than timeout=8: the launch must not give up
-            return ["p x", "n", "p y", "c"][pdb_prompts - 1]
+            return ["p x", "l", "n", "p y", "c"][pdb_prompts - 1]
         assert prompt in ("[rank 0] name of rank 0? ", "[rank 1] name of rank 1? "), prompt
         return f"user{prompt[6]}"
 
     run = _ok(execute(client, BREAK.format(method=method, timeout=8 if pause else 120), answer))
     assert "results [(0, 'user0', 10), (1, 'user1', 11)]" in run.stdout, run.stdout
-    assert sum(p == "[rank 1] (Pdb) " for p in run.prompts) == 4, run.prompts
+    assert sum(p == "[rank 1] (Pdb) " for p in run.prompts) == 5, run.prompts
     lines = run.stdout.splitlines()
     assert "[rank 1] 11" in lines and "[rank 1] 22" in lines, run.stdout  # p x, then p y after `n`
-    if method == "fork":  # a spawned rank's function came through cloudpickle, which keeps no source file
-        assert "[rank 1] -> y = x * 2" in lines, run.stdout  # pdb's listing, under the rank
+    # the cell's source, under fork and spawn alike (a spawned rank gets the cell's lines with the function)
+    assert "[rank 1] -> y = x * 2" in lines, run.stdout  # where pdb stopped, under the rank
+    listed = [line for line in lines if line.startswith("[rank 1]") and "x = base + rank" in line]
+    assert listed and listed[0].split()[2].isdigit(), run.stdout  # `l`: the cell's numbered lines
     assert "paused while a rank is at a prompt" in run.stderr, run.stderr
 
 
@@ -131,6 +142,9 @@ def test_breakpoint_and_input_on_ranks_are_answered_in_the_notebook(kernel, meth
         no_stdin = _ok(execute(client, NO_STDIN.format(method=method), allow_stdin=False, timeout=120))
         assert "RankInputUnavailable" in no_stdin.stdout and "does not send input requests" in no_stdin.stdout, no_stdin
         assert not no_stdin.prompts
+    else:  # a spawned rank's traceback shows the cell's line, as a forked one's does
+        failed = _ok(execute(client, FAILS.format(method=method), timeout=120))
+        assert 'return values["missing key on purpose"]' in failed.stdout, failed.stdout
 
     # interrupting the kernel at a prompt ends the launch: every rank stopped, the kernel usable
     def interrupt(prompt: str, so_far: Execution) -> None:

@@ -13,15 +13,23 @@ What cloudpickle takes from an importable module (a function of `mytrain.py` nex
 installed package) travels by reference: its module's name, imported where it is unpickled. On one machine the
 ranks have the kernel's path; on other hosts (`hosts=`) `referenced_modules` lists those names from the pickle
 and each host's agent checks them with `missing_modules` before any rank starts.
+
+A function defined in a notebook cell keeps its cell's file name (ipykernel's `/tmp/ipykernel_<pid>/<hash>.py`),
+but that file exists only in the kernel's `linecache`. cloudpickle renames every code object's file `<dynamic-code>`; the payload
+keeps the cell's name and carries its lines (only for code whose file the kernel holds in memory only) and the
+rank puts them in its own `linecache` as it unpickles the function, so pdb's `l`, `ll`, `w` and tracebacks show the cell's source under
+spawn and on other hosts as under fork.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import linecache
 import pickle
 import sys
 import types
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +72,12 @@ def make_payload(function: Callable[..., Any], args: tuple, kwargs: dict, inheri
 
 
 def dumps_payload(function: Any, args: tuple, kwargs: dict) -> bytes:
-    """cloudpickle `(function, args, kwargs)`; raise UnpicklableError naming the offending object."""
+    """cloudpickle `(function, args, kwargs)`, a notebook cell's code with its file name and lines (see
+    `_SourcePickler`); raise UnpicklableError naming the offending object."""
     try:
-        return cloudpickle.dumps((function, tuple(args), dict(kwargs)))
+        with io.BytesIO() as file:
+            _SourcePickler(file).dump((function, tuple(args), dict(kwargs)))
+            return file.getvalue()
     except Exception as exc:  # pickling raises many types: TypeError, PicklingError, AttributeError, ...
         roots = [(_name_of(function), function)]
         roots += [(f"args[{i}]", value) for i, value in enumerate(args)]
@@ -83,8 +94,56 @@ def dumps_payload(function: Any, args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
+class _SourcePickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, except for the code of a notebook cell: cloudpickle names every code object's file
+    `<dynamic-code>`; this one keeps a cell's file name and sends the cell's lines with it (see `_code_in_cell`).
+    Nothing changes for code whose file is on disk or unknown, and only code objects pay for the check (a
+    dispatch table entry, not a call per pickled object)."""
+
+    # cloudpickle's table (its own reducers, then copyreg's), its own reducers copied with code's replaced: as
+    # many maps as cloudpickle's, so that a type without a reducer costs no extra lookup
+    dispatch_table = ChainMap(dict(cloudpickle.Pickler.dispatch_table.maps[0]),
+                              *cloudpickle.Pickler.dispatch_table.maps[1:])
+
+
+_cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+def _reduce_code(code: types.CodeType) -> tuple:
+    lines = memory_only_lines(code.co_filename)
+    if lines is None:
+        return _cloudpickle_code_reduce(code)
+    # nested code objects (co_consts) come here too
+    return _code_in_cell, (code.replace(co_filename="<dynamic-code>"), code.co_filename, lines)
+
+
+_SourcePickler.dispatch_table[types.CodeType] = _reduce_code
+
+
+def memory_only_lines(filename: str) -> list[str] | None:
+    """The lines of `filename` if this process keeps them only in linecache (mtime None: a notebook cell's, as
+    IPython's compiler stores them), else None."""
+    entry = linecache.cache.get(filename)
+    if entry is None or len(entry) != 4 or entry[1] is not None:
+        return None
+    return entry[2]
+
+
+def _code_in_cell(code: types.CodeType, filename: str, lines: list[str]) -> types.CodeType:
+    """In the rank, as the payload is unpickled: the cell's code under its own file name, the cell's lines in
+    linecache (mtime None, so that `linecache.checkcache` keeps them, as IPython does) unless it has that file.
+    The kernel pickles one cell's lines once (linecache's list, memoized by the pickle) for all its code."""
+    entry = linecache.cache.get(filename)
+    if entry is None or len(entry) != 4:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return code.replace(co_filename=filename)
+
+
 def dumps_value(value: Any) -> bytes:
-    return cloudpickle.dumps(value)
+    """cloudpickle `value` (a cell's function keeps its file name and lines, as in `dumps_payload`)."""
+    with io.BytesIO() as file:
+        _SourcePickler(file).dump(value)
+        return file.getvalue()
 
 
 def loads(data: bytes) -> Any:

@@ -282,11 +282,13 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.
                 if key not in seen:
                     seen.add(key)
                     unique[name] = tensor.contiguous()
-            with atomic_path(os.path.join(os.fspath(output_path), "model.safetensors")) as path:
-                save_file(unique, str(path), metadata={"format": "pt"})
+            path = os.path.join(os.fspath(output_path), "model.safetensors")  # returned: the final name, not the partial one
+            with atomic_path(path) as partial:
+                save_file(unique, str(partial), metadata={"format": "pt"})
         else:
-            with atomic_path(os.path.join(os.fspath(output_path), "pytorch_model.bin")) as path:
-                torch.save(state, path)
+            path = os.path.join(os.fspath(output_path), "pytorch_model.bin")  # returned: the final name, not the partial one
+            with atomic_path(path) as partial:
+                torch.save(state, partial)
         if remove_checkpoint_dir:
             shutil.rmtree(checkpoint_dir)
     _barrier()
