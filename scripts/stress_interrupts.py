@@ -18,7 +18,8 @@ when one was lost. Forwarded rank output goes to stdout: send it to /dev/null.
 Results (2 shared cores, `--busy 2`, `--seed 7`; docs/launcher.md, "Interrupts"): before the fixes of issue 38,
 299 launches, 268 interrupted, 3 lost; after, 520 launches, 446 interrupted, 1 lost (a torch elastic quick
 return: KeyboardInterrupt after 7.5 s, nothing left); after the spawn-start fix, 200 launches (`--seed 11`), 168
-interrupted, 1 lost (the same torch elastic case, 6.1 s).
+interrupted, 1 lost (the same torch elastic case, 6.1 s); after the torch elastic fix (the stop answers for the
+killed ranks in the agent's "workers finished" event), 660 launches, 542 interrupted, 0 lost (slowest 4.99 s).
 """
 
 from __future__ import annotations

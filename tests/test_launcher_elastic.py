@@ -143,6 +143,38 @@ def test_interrupt_stops_elastic_workers_without_restarting_them():
     assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]
 
 
+def test_an_interrupt_as_the_elastic_ranks_return_ends_the_launch_within_seconds():
+    """The window: torch elastic's agent found both ranks returned (they wait on its "workers finished" event)
+    and sets that event, which waits for each rank to wake; the interrupt kills them before they ran again (a
+    busy machine; here they are paused with SIGSTOP, from a profile hook on the real agent's thread). The
+    agent's set() then waited for ever, and the interrupt took the stop's whole 5 s join timeout."""
+    import signal
+    import time
+
+    import pytest
+
+    fired: list[float] = []
+
+    def pause_ranks_before_set(frame, event, arg) -> None:
+        if event != "return" or frame.f_code.co_name != "_is_done" or arg is not True or fired:
+            return
+        for process in frame.f_locals["self"]._pc.processes:  # returned, waiting on the event
+            os.kill(process.pid, signal.SIGSTOP)
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.setprofile(pause_ranks_before_set)  # threads started from now on: the launch's agent thread
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(os.getpid, num_processes=2, max_restarts=1, dashboard=False, timeout=60)
+        assert fired, "the agent never found the ranks done"
+        assert time.monotonic() - fired[0] < 4  # the stop's join timeout (5 s) not reached
+    finally:
+        threading.setprofile(None)
+    assert live_children() == []
+    assert not [t for t in threading.enumerate() if t.name == "nbaccel-elastic-agent"]
+
+
 SPAWN_ELASTIC = """
 import gc, sys
 sys.path.insert(0, {tests!r})

@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import logging
 import shutil
-import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LaunchError, WorkerFailure
@@ -151,23 +150,23 @@ class ElasticBackend(ThreadedBackend):
             self.script.before_stop()
             return
         self.agent._remaining_restarts = 0  # no restart of the workers we are about to stop
-        self._release_waiting_workers()
         try:  # and no more waiting for nodes that are not coming
             self._handler.shutdown()
         except Exception:
             pass
 
-    def _release_waiting_workers(self) -> None:
-        """Set torch elastic's "workers finished" event before the workers are killed. Its multiprocessing
-        Condition's notify waits for every sleeper to wake: for ever when a worker that had returned was killed
-        while it waited, which hung the agent's thread in its own `set()` (an interrupt right as the ranks
-        returned then took the stop's whole join timeout). Set from a helper thread, given 1 s."""
-        event = getattr(getattr(self.agent, "_pcontext", None), "_worker_finished_event", None)
-        if event is None:
+    def after_kill(self) -> None:
+        """Wake torch elastic's agent thread out of its "workers finished" event's `set()`: a returned worker
+        waits on that event (a multiprocessing Condition) until the agent sets it, and the Condition's notify
+        waits for each sleeper it woke to say so. A worker killed while it slept never says so, and the agent's
+        thread waited for ever (an interrupt right as the ranks returned then took the stop's whole join
+        timeout). The workers are dead now: say it for them, once for each wake-up no one took."""
+        event = getattr(getattr(getattr(self, "agent", None), "_pcontext", None), "_worker_finished_event", None)
+        condition = getattr(event, "_cond", None)
+        if condition is None:
             return
-        setter = threading.Thread(target=event.set, name="nbaccel-elastic-release", daemon=True)
-        setter.start()
-        setter.join(1.0)
+        while condition._wait_semaphore.acquire(False):
+            condition._woken_count.release()
 
     def close(self) -> None:
         """Close what torch elastic keeps of the last workers (process objects, result queues): their pipes

@@ -98,6 +98,10 @@ class ThreadedBackend(Backend):
     def before_stop(self) -> None:
         """Keep the other launcher from starting new workers (e.g. elastic restarts)."""
 
+    def after_kill(self) -> None:
+        """Undo what the killed workers left the other launcher's thread waiting for (called after each kill
+        while that thread runs)."""
+
     def stop(self) -> None:
         if self._stopped:  # again (the supervisor stopped, then the launch): only what started since
             kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
@@ -109,6 +113,7 @@ class ThreadedBackend(Backend):
         deadline = time.monotonic() + JOIN_TIMEOUT
         while True:
             kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+            self.after_kill()
             self._thread.join(0.1)
             if not self._thread.is_alive() or time.monotonic() >= deadline:
                 break
