@@ -272,6 +272,23 @@ def test_unreachable_host_is_named(ssh_config):
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def test_a_host_whose_session_ended_before_the_probe_is_named(ssh_config, monkeypatch):
+    """The window of the test above, every time: ssh has already given up on the host when the kernel sends its
+    probe (it raised BrokenPipeError instead of the HostError now and then on a busy machine)."""
+    from nbaccel.launch.kernel.ssh_backend import SshBackend
+
+    open_agents = SshBackend._open_agents
+
+    def open_and_let_the_unreachable_end(self, plan):
+        open_agents(self, plan)
+        self.agents[1].process.wait(60)
+
+    monkeypatch.setattr(SshBackend, "_open_agents", open_and_let_the_unreachable_end)
+    with pytest.raises(HostError, match="'nbaccel-no-such-host.invalid' is unreachable"):
+        notebook_launcher(meet, ("x",), num_processes=1, hosts=[HOSTS[0], "nbaccel-no-such-host.invalid"],
+                          dashboard=False)
+
+
 def test_refused_host_key_is_named(ssh_config, tmp_path, monkeypatch):
     text = ssh_config.config.read_text()
     block = text[text.index(f"Host {HOSTS[1]}"):].replace(HOSTS[1], "nbaccel-host-stranger")

@@ -158,7 +158,10 @@ class SshBackend(Backend):
             # what the pickled function takes from importable modules is imported there: each host checks
             modules = tuple(referenced_modules(data)) if data is not None else ()
             for agent in self.agents:
-                agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
+                try:
+                    agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
+                except OSError:  # its session already ended (ssh could not reach the host): the hello wait says why
+                    pass
             self._wait_hellos(plan)
             master = self._master_address(plan)
             port = self.agents[0].hello.port  # type: ignore[union-attr]
