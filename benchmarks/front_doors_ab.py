@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_launch import SCRIPT  # benchmarks/cli_launch.py's script: the same `nbaccel launch` row
+
 INNER = {"launch": 5, "pool.exec": 200}  # repetitions inside one process (median taken there)
 
 CHILD = r"""
@@ -58,14 +60,6 @@ else:
 print(json.dumps(statistics.median(times)))
 """
 
-SCRIPT = """
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-t = torch.ones(1)
-dist.all_reduce(t)
-assert t.item() == dist.get_world_size()
-dist.destroy_process_group()
-"""
 
 
 def measure(root: str, what: str, tmp: Path) -> float:

@@ -110,3 +110,23 @@ def run_all_cells(page) -> None:
         except PlaywrightTimeout:
             page.keyboard.press("Escape")
     raise RuntimeError("JupyterLab did not start running the notebook")
+
+
+def open_in_lab(page, url: str):
+    """A browser context and page of their own (no tab of an earlier test), on `url`, once its cells show;
+    the caller closes the context."""
+    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
+    view = context.new_page()
+    view.set_default_timeout(60_000)
+    view.goto(url)
+    view.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
+    return context, view
+
+
+def start_all_cells(page) -> None:
+    """Once the kernel is idle (JupyterLab's kernel selection answered if it asks), Run All Cells."""
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    select_kernel = page.locator(".jp-Dialog button", has_text="Select")
+    if select_kernel.count():
+        select_kernel.click()
+    run_all_cells(page)

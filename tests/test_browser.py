@@ -33,7 +33,7 @@ if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)", allow_module_level=True)
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
-from jupyterlab_server import ACTIVE_NOTEBOOK, run_all_cells, start_jupyterlab  # noqa: E402
+from jupyterlab_server import ACTIVE_NOTEBOOK, open_in_lab, start_all_cells, start_jupyterlab  # noqa: E402
 
 TRAIN_WITH_LAUNCHER = """\
 from nbaccel import notebook_launcher
@@ -242,17 +242,10 @@ def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell.source) for cell in cells])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, root / "live_output.ipynb")
-    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()  # a page of its own, in a workspace of its own: no tab of the test before
+    # a page of its own, in a workspace of its own: no tab of the test before
+    context, page = open_in_lab(page, f"{base}/lab/workspaces/live-output/tree/live_output.ipynb?token={token}")
     try:
-        page.set_default_timeout(60_000)
-        page.goto(f"{base}/lab/workspaces/live-output/tree/live_output.ipynb?token={token}")
-        page.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        select_kernel = page.locator(".jp-Dialog button", has_text="Select")
-        if select_kernel.count():
-            select_kernel.click()
-        run_all_cells(page)
+        start_all_cells(page)
         # mid-run: the live area shows both ranks' bars at a position strictly between 0 and 100 %
         page.wait_for_function(
             r"""() => [...document.querySelectorAll(".nbaccel-live")].some(node =>
@@ -315,12 +308,8 @@ def test_a_notebook_run_headless_reads_well_untrusted_in_jupyterlab_and_exported
     NotebookClient(notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(root)}}).execute()
     nbformat.write(notebook, root / "headless.ipynb")  # not signed: JupyterLab opens it untrusted
 
-    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
-    view = context.new_page()
+    context, view = open_in_lab(page, f"{base}/lab/workspaces/headless/tree/headless.ipynb?token={token}")
     try:
-        view.set_default_timeout(60_000)
-        view.goto(f"{base}/lab/workspaces/headless/tree/headless.ipynb?token={token}")
-        view.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
         cells = view.locator(f"{ACTIVE_NOTEBOOK} .jp-Cell")
         _check_saved_page(cells.nth(0), cells.nth(1))
         view.locator(f"{ACTIVE_NOTEBOOK} .nbaccel-summary").first.scroll_into_view_if_needed()
@@ -388,17 +377,10 @@ def test_a_rank_breakpoint_is_answered_in_jupyterlabs_input_box(lab, page):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(BREAKPOINT_LAUNCH)])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, root / "rank_pdb.ipynb")
-    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
+    # a page of its own, in a workspace of its own: no tab of the test before
+    context, page = open_in_lab(page, f"{base}/lab/workspaces/rank-pdb/tree/rank_pdb.ipynb?token={token}")
     try:
-        page.set_default_timeout(60_000)
-        page.goto(f"{base}/lab/workspaces/rank-pdb/tree/rank_pdb.ipynb?token={token}")
-        page.wait_for_selector(f"{ACTIVE_NOTEBOOK} .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        select_kernel = page.locator(".jp-Dialog button", has_text="Select")
-        if select_kernel.count():
-            select_kernel.click()
-        run_all_cells(page)
+        start_all_cells(page)
         for command, shown in (("p x", "[rank 1] 11"), ("c", "results [20, 22]")):
             box = page.locator(f"{ACTIVE_NOTEBOOK} .jp-Stdin-input").last
             box.wait_for(state="visible", timeout=120_000)
