@@ -8,6 +8,7 @@ LOCAL_RANK, ... and the device it shows). docs/internals.md lists the variables.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -109,6 +110,7 @@ def _flag(value: Any) -> str:
     return str(value)
 
 
+@functools.cache  # where this file lies does not change: resolved once, not at every launch
 def source_checkout_root() -> str | None:
     """The directory holding this nbaccel package when it runs from a source tree (not installed), so
     workers whose sys.path starts at a script's folder import the same nbaccel."""

@@ -32,36 +32,46 @@ class ConfigError(ValueError):
     """A configuration file that cannot be read or holds invalid values; the message names file and key."""
 
 
-def _cache_home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+# The paths are built with os.path and made Path objects at the end: every launch looks for the config file,
+# and pathlib's parsing made that ~0.4 ms of a ~40 ms launch.
+def _cache_home() -> str:
+    return os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
+def _default_config_path() -> str:
+    explicit = os.environ.get(CONFIG_FILE_ENV)
+    if explicit:
+        return os.path.expanduser(explicit)
+    return os.path.join(_cache_home(), "nbaccel", CONFIG_FILE_NAME)
+
+
+def _accelerate_config_path() -> str:
+    hf_home = os.environ.get("HF_HOME")
+    base = os.path.expanduser(hf_home) if hf_home else os.path.join(_cache_home(), "huggingface")
+    return os.path.join(base, "accelerate", CONFIG_FILE_NAME)
 
 
 def default_config_file() -> Path:
     """Where nbaccel reads and writes its config: $NBACCEL_CONFIG_FILE or <cache>/nbaccel/default_config.yaml."""
-    explicit = os.environ.get(CONFIG_FILE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    return _cache_home() / "nbaccel" / CONFIG_FILE_NAME
+    return Path(_default_config_path())
 
 
 def accelerate_config_file() -> Path:
     """Accelerate's default config location: $HF_HOME/accelerate/default_config.yaml (HF_HOME: <cache>/huggingface)."""
-    hf_home = os.environ.get("HF_HOME")
-    base = Path(hf_home).expanduser() if hf_home else _cache_home() / "huggingface"
-    return base / "accelerate" / CONFIG_FILE_NAME
+    return Path(_accelerate_config_path())
 
 
 def find_config_file(path: str | os.PathLike | None = None) -> Path | None:
     """The config file in use: `path` if given, else nbaccel's default, else Accelerate's; None if none exists."""
     if path is not None:
         return Path(path).expanduser()
-    own = default_config_file()
-    if own.is_file():
-        return own
+    own = _default_config_path()
+    if os.path.isfile(own):
+        return Path(own)
     if not os.environ.get(CONFIG_FILE_ENV):
-        theirs = accelerate_config_file()
-        if theirs.is_file():
-            return theirs
+        theirs = _accelerate_config_path()
+        if os.path.isfile(theirs):
+            return Path(theirs)
     return None
 
 

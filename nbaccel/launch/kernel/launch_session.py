@@ -8,8 +8,9 @@ launch` (commands/launch.py, through `run_plan`) each open one session around th
    registers the process group it leads (`rank_groups`, with its keeper: rank_groups.py); returns the plan
    with those folders in the ranks' environment. Nothing has started yet.
 2. `start(payload)`: the backend starts the ranks (gc frozen around the forks when `freezes_gc`).
-3. `close()`: stops what any rank left running (rank groups), closes the backend, removes the folders and
-   leaves the resource tracker scope, in that order, whatever happened before. Idempotent.
+3. `close()`: stops what any rank left running (rank groups) and signals their keeper, closes the backend,
+   removes the folders, leaves the resource tracker scope and reaps the keeper, in that order, whatever
+   happened before. Idempotent.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class LaunchSession:
         self._closed = True
         try:
             try:
-                if self.groups is not None:  # what any rank, dead or alive, left running
-                    self.groups.close()
+                if self.groups is not None:  # what any rank, dead or alive, left running; the keeper signalled
+                    self.groups.end()
             finally:
                 # before a resource tracker this launch started stops: it would unlink the semaphores of the
                 # queues the backend still holds (torch elastic's, under spawn)
@@ -85,7 +86,11 @@ class LaunchSession:
                 remove_dir(self.store_dir)
                 self._exit_tracker()
         finally:
-            remove_result_dir(self.result_dir)
+            try:
+                remove_result_dir(self.result_dir)
+            finally:
+                if self.groups is not None:  # the keeper exited meanwhile: reaped here, its folder removed
+                    self.groups.close()
 
     def _exit_tracker(self) -> None:
         tracker, self._tracker = self._tracker, None

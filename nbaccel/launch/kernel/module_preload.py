@@ -33,6 +33,11 @@ def preload_worker_modules(start_method: str, *, launch: bool = False) -> None:
         return
     from ... import state  # noqa: F401
     from ...utils import collective_trace  # noqa: F401
+    from ..worker import parent_death, rank_display
+
+    # what every forked rank would otherwise look up itself on its way to the function
+    parent_death.load_prctl()
+    rank_display.note_kernel_stream_handlers()
 
     if launch:
         from ... import accelerator  # noqa: F401

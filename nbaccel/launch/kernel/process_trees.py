@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
+_PROC_STAT = os.path.exists(f"/proc/{os.getpid()}/stat")  # Linux: a process's state is in /proc/<pid>/stat
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -149,6 +150,14 @@ def process_running(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process: it exists
         return True
+    if _PROC_STAT:  # its state in /proc: the supervisor asks for each rank at every round, psutil took ~0.1 ms
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2][1:2] not in (b"Z", b"X", b"")
+        except FileNotFoundError:  # ended since
+            return False
+        except OSError:
+            pass
     try:
         import psutil
 

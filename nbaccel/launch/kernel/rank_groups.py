@@ -8,8 +8,9 @@ worker/exec_entry.py). So the launcher knows the group of every rank that ever r
 started, saw die and restarted, and of one that died before the launcher saw it. `RankGroups`:
 - `stop_orphans()`: while the launch runs, SIGTERM the group of each registered rank that has ended (what it
   left running, holding its output pipes, ends with it);
-- `close()`: when the launch ends, stop every registered group (SIGTERM, SIGKILL after `grace`), then end the
-  keeper and remove the folder;
+- `end()` then `close()`: when the launch ends, stop every registered group (SIGTERM, SIGKILL after `grace`),
+  then signal the keeper; `close` removes the folder and reaps the keeper (the caller's own cleanup can run
+  in between, while the keeper exits);
 - the keeper (kernel/group_keeper.sh), a small shell process started first: when the kernel dies before `close`
   (SIGKILL, the OOM killer), it stops the registered groups itself.
 """
@@ -36,6 +37,7 @@ class RankGroups:
         self.folder = make_user_dir(GROUPS_PREFIX)
         self._stopped: set[int] = set()  # groups of ended ranks already sent SIGTERM by stop_orphans
         self._keeper: subprocess.Popen | None = None
+        self._keeper_signalled = False
         try:
             self._start_keeper()
         except BaseException:  # interrupted: the keeper must not outlive the launch that never got this object
@@ -73,17 +75,27 @@ class RankGroups:
         """Stop every registered group (its rank, if still alive, with it): SIGTERM, SIGKILL after `grace` s."""
         stop_groups(self.leaders(), grace)
 
-    def close(self, grace: float = STOP_GRACE) -> None:
-        """Stop every registered group, end the keeper and remove the folder."""
+    def end(self, grace: float = STOP_GRACE) -> None:
+        """Stop every registered group and signal the keeper to end (it is reaped by `close`: the caller can
+        do its own cleanup meanwhile, while the keeper exits)."""
         try:
             self.stop(grace)
         finally:
-            if self._keeper is not None:  # the script and its `tail`: the session it leads
+            if self._keeper is not None and not self._keeper_signalled:  # the script and its `sleep`: its session
+                self._keeper_signalled = True
                 with contextlib.suppress(OSError):
                     os.killpg(self._keeper.pid, signal.SIGKILL)
+
+    def close(self, grace: float = STOP_GRACE) -> None:
+        """Stop every registered group, end the keeper and remove the folder (`end` first, if not yet)."""
+        try:
+            if not self._keeper_signalled:
+                self.end(grace)
+        finally:
+            remove_dir(self.folder)
+            if self._keeper is not None:
                 self._keeper.wait()
                 self._keeper = None
-            remove_dir(self.folder)
 
 
 def registered(folder: str | None) -> list[int]:

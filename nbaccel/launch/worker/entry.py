@@ -81,10 +81,19 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         from .. import serialize, shared_tensors
 
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
-        sink(Status(sink.rank, RankState.RUNNING, device=device).to_wire())
+        running = Status(sink.rank, RankState.RUNNING, device=device).to_wire()
         start_memory_reports(telemetry, sink)
-        # which raw torch.distributed collective the function is blocked in, if any (sampled, costs no call)
-        raw = None if thread_rank else watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value))
+        raw = None
+        if thread_rank:
+            sink(running)
+        else:
+            # which raw torch.distributed collective the function is blocked in, if any (sampled, costs no call).
+            # Its thread sends the status: a write here woke the kernel, which took the rank's core on a busy
+            # machine right when the function should start.
+            sink.queue(running)
+            raw = watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value), first=sink.flush)
+            if raw is None:
+                sink.flush()
         try:
             value = function(*args, **kwargs)
         except SystemExit as exc:

@@ -8,11 +8,13 @@ rank was handed to another parent) and kills the rank then.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL = 0.5  # seconds between checks where there is no parent-death signal
@@ -29,15 +31,26 @@ def die_with_parent() -> None:
 
 
 def _set_death_signal() -> bool:
-    if not sys.platform.startswith("linux"):
+    prctl = load_prctl()
+    try:
+        return prctl is not None and prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except Exception:
         return False
+
+
+@functools.cache
+def load_prctl() -> Any:
+    """libc's `prctl` (None off Linux), looked up once per process. The launcher calls it before it forks
+    (kernel/module_preload.py): a forked rank then calls the inherited function instead of paying ctypes'
+    library and symbol lookup (~0.5 ms in a fresh fork, on every rank's way to the user's function)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except Exception:
-        return False
+        return None
 
 
 def _watch(parent: int) -> None:

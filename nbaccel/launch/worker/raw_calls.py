@@ -14,6 +14,7 @@ question from their status snapshots (worker/pool_rank.py `snapshot`).
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 import threading
@@ -55,15 +56,17 @@ class RawCollectiveWatch:
     """The sampling thread (see the module docstring); `send(**fields)` gets each report; `stop()` ends it."""
 
     def __init__(self, send: Callable[..., None], main_ident: int | None = None,
-                 interval: float = SAMPLE) -> None:
+                 interval: float = SAMPLE, first: Callable[[], None] | None = None) -> None:
         self._send = send
+        self._first = first
         self._main = threading.main_thread().ident if main_ident is None else main_ident
         self._interval = interval
         self._stop = threading.Event()
         self._inside: tuple[str, str] | None = None  # (op, site) of the raw collective the rank is in
         self._started = 0.0
-        self._thread = threading.Thread(target=self._run, name="nbaccel-raw-collectives", daemon=True)
-        self._thread.start()
+        # a bare daemon thread: threading.Thread.start waits until the new thread runs, which on a busy machine
+        # held the rank 1-3 ms on its way to the user's function (the watch's first look is SAMPLE s away)
+        _thread.start_new_thread(self._run, ())
 
     def stop(self) -> None:
         self._stop.set()
@@ -72,6 +75,8 @@ class RawCollectiveWatch:
         from ...utils import collective_trace
 
         try:
+            if self._first is not None:  # e.g. the rank's `running` status, sent off the rank's main thread
+                self._first()
             while not self._stop.wait(self._interval):
                 frame = sys._current_frames().get(self._main)
                 found = None if frame is None or collective_trace.current() is not None else raw_collective(frame)
@@ -100,9 +105,11 @@ class RawCollectiveWatch:
                    stack="".join(traceback.format_list(stack[-10:])))
 
 
-def watch_raw_collectives(send: Callable[..., None]) -> RawCollectiveWatch | None:
+def watch_raw_collectives(send: Callable[..., None], first: Callable[[], None] | None = None,
+                          ) -> RawCollectiveWatch | None:
     """Start the watch for the calling thread (the one that runs the rank's function or script); None where
-    the interpreter has no `sys._current_frames` (it is CPython's)."""
+    the interpreter has no `sys._current_frames` (it is CPython's). `first`: called by the watch's thread
+    before its first look."""
     if not hasattr(sys, "_current_frames"):
         return None
-    return RawCollectiveWatch(send, threading.get_ident())
+    return RawCollectiveWatch(send, threading.get_ident(), first=first)
