@@ -40,3 +40,21 @@ def test_a_parent_others_can_enter_is_not_used(monkeypatch, tmp_path):
     made = private_dirs.make_store_dir()
     assert os.path.dirname(made) == str(tmp_path) and os.path.basename(made).startswith("nbaccel-store-")
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+
+
+def test_a_launch_s_small_folders_live_in_memory_unless_a_temporary_folder_was_chosen(monkeypatch, tmp_path):
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK)):
+        import pytest
+
+        pytest.skip("no writable /dev/shm here")
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")  # the system's default
+    store = private_dirs.make_store_dir()
+    try:
+        assert os.path.dirname(store) == f"/dev/shm/nbaccel-{os.getuid()}"
+        assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    finally:
+        private_dirs.remove_dir(store)
+    assert private_dirs.temp_parent(private_dirs.GROUPS_PREFIX) == "/dev/shm"
+    assert private_dirs.temp_parent(private_dirs.ELASTIC_LOGS_PREFIX) == "/tmp"  # logs can grow: on disk
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # e.g. TMPDIR set: the user's choice
+    assert private_dirs.temp_parent(private_dirs.STORE_PREFIX) == str(tmp_path)
