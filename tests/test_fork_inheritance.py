@@ -81,3 +81,25 @@ def test_forked_ranks_run_multi_threaded_ops_keep_the_thread_settings_and_inheri
     nbaccel = sorted(line.split("] ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[rank"))
     reference = [line for line in proc.stdout.splitlines() if line.startswith("settings")]
     assert nbaccel == reference == ["settings False meta"] * 2, proc.stdout
+
+
+def test_an_interrupt_while_the_fork_thread_starts_the_ranks_waits_for_it_then_stops_the_launch():
+    """A launch's ranks are forked in one hand-off to the fork thread: interrupted while it forks, the caller
+    waits for it to finish (so it knows every rank it started, to stop them), then the interrupt ends the call."""
+    import signal
+    import threading
+    import time
+
+    from nbaccel.launch.kernel.fork_thread import run_forks
+
+    finished: list[bool] = []
+
+    def forks() -> None:  # stands for the forks of a launch's ranks
+        time.sleep(0.5)
+        finished.append(True)
+
+    main = threading.main_thread().ident
+    threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_forks(forks)
+    assert finished == [True]

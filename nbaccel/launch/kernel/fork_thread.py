@@ -63,6 +63,24 @@ def start_process(process: Any, start_method: str) -> None:
         raise error
 
 
+def run_forks(forks: Callable[[], None]) -> None:
+    """Run `forks` (which forks ranks, e.g. every rank of a launch, one after the other) in the fork thread, in
+    one hand-off: the caller's thread waits once instead of once per rank (~0.1-0.3 ms each on 2 cores).
+
+    Interrupted while waiting, it lets `forks` finish, then raises: the caller stops what `forks` started (it
+    records every process it started where the caller sees it)."""
+    carried = _thread_settings()
+    done: Future = Future()
+    _fork_thread_jobs().put((lambda: _with_settings(carried, forks), done))
+    try:
+        error = done.exception()
+    except BaseException:
+        _wait_quietly(done)
+        raise
+    if error is not None:
+        raise error
+
+
 def _fork_thread_jobs() -> queue.SimpleQueue:
     global _jobs, _jobs_pid
     with _lock:

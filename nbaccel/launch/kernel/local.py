@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
 from ..worker.entry import run_worker
-from .fork_thread import start_process
+from .fork_thread import run_forks, start_process
 from .pipes import Pipes
 from .placement_base import Backend, StartedRank
 from .plan import Program
@@ -49,17 +49,28 @@ class LocalBackend(Backend):
         assert payload is not None, "a launch's ranks run its function"
         ctx = get_context(plan.start_method)
         pipes = Pipes(ctx, 0)
-        try:
+        forked = plan.start_method == "fork"
+
+        def start_ranks() -> None:
             for spec in plan.ranks():
                 pipes.add(ctx)
                 channel, out, err = pipes.worker_ends(spec.local_rank)
                 proc = ctx.Process(target=run_worker,
                                    args=(payload, channel, out, err, plan.rank_environ(spec.local_rank)),
                                    name=f"nbaccel-rank-{spec.rank}")
-                with main_module_hidden(plan.start_method):
-                    start_process(proc, plan.start_method)
+                if forked:  # here in the fork thread already
+                    proc.start()
+                else:
+                    with main_module_hidden(plan.start_method):
+                        start_process(proc, plan.start_method)
                 self.processes.append(proc)
                 close_quietly(channel, out, err)  # the worker holds them now; end of stream when it exits
+
+        try:
+            if forked:  # every rank from the fork thread, in one hand-off
+                run_forks(start_ranks)
+            else:
+                start_ranks()
         except BaseException:
             stop_processes(self.processes)
             pipes.close_all()
