@@ -37,7 +37,7 @@ class RankGroups:
         self.folder = make_user_dir(GROUPS_PREFIX)
         self._stopped: set[int] = set()  # groups of ended ranks already sent SIGTERM by stop_orphans
         self._keeper: subprocess.Popen | None = None
-        self._keeper_signalled = False
+        self._ended = False  # `end` ran: the groups were stopped and the keeper signalled
         try:
             self._start_keeper()
         except BaseException:  # interrupted: the keeper must not outlive the launch that never got this object
@@ -84,18 +84,18 @@ class RankGroups:
     def end(self, grace: float = STOP_GRACE) -> None:
         """Stop every registered group and signal the keeper to end (it is reaped by `close`: the caller can
         do its own cleanup meanwhile, while the keeper exits)."""
+        self._ended = True
         try:
             self.stop(grace)
         finally:
-            if self._keeper is not None and not self._keeper_signalled:  # the script and its `sleep`: its session
-                self._keeper_signalled = True
+            if self._keeper is not None:  # the script and its `sleep`: the session it leads
                 with contextlib.suppress(OSError):
                     os.killpg(self._keeper.pid, signal.SIGKILL)
 
     def close(self, grace: float = STOP_GRACE) -> None:
         """Stop every registered group, end the keeper and remove the folder (`end` first, if not yet)."""
         try:
-            if not self._keeper_signalled:
+            if not self._ended:
                 self.end(grace)
         finally:
             remove_dir(self.folder)
