@@ -579,6 +579,39 @@ def test_worker_sink_sender_thread_stops_and_starts_again():
     assert senders() == []  # close ends it too
 
 
+def test_worker_sink_sender_started_early_ticks_only_once_the_rank_reports():
+    """A launched rank's watch thread starts the sink's sender early (off the rank's way to its function): its
+    memory ticks wait for the first telemetry message, so a rank that never reports is still sampled by the
+    kernel; a sender the rank stopped is not started again."""
+    import multiprocessing
+
+    from nbaccel.launch.channel import WorkerSink, recv_all
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sink = WorkerSink(writer, rank=0, interval=0.01)
+    ticks: list[int] = []
+    sink.ticker, sink.tick_interval = (lambda: ticks.append(1)), 0.0
+
+    def senders():
+        return [t for t in threading.enumerate() if t.name == "nbaccel-telemetry"]
+
+    sink.start_sender_early()
+    assert len(senders()) == 1
+    time.sleep(0.15)
+    assert ticks == []  # nothing reported yet
+    sink.send("step", step=1)
+    deadline = time.monotonic() + 5
+    while not ticks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ticks
+    sink.stop_sender()
+    sink.start_sender_early()
+    assert senders() == []  # stopped by the rank: it stays stopped
+    assert [m["step"] for batch in recv_all(reader)[0] for m in batch.get("messages", [batch])] == [1]
+    sink.close()
+    reader.close()
+
+
 def test_collective_messages_deferred_by_the_worker_sink_are_the_plain_sink_ones():
     """A launcher's sink queues each collective as a tuple and makes its message when it sends the queue: the
     kernel gets the same fields as a plain sink does (the enter's `time` is the collective's `started`)."""

@@ -64,6 +64,8 @@ class WorkerSink:
         self.defer: Callable[[tuple[Any, ...]], None] = self._defer
         self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
         self.tick_interval = 1.0
+        self._sender_started = False  # a sender thread was started at least once
+        self._ticks_wait = False  # started early (`start_sender_early`): no ticks before the first telemetry
 
     def __call__(self, message: Message) -> None:
         if self.closed:
@@ -123,9 +125,22 @@ class WorkerSink:
         except OSError:
             pass
 
+    def start_sender_early(self) -> None:
+        """Start the sender thread now, from a thread other than the one that reports (a launched rank's watch
+        thread): the rank's first telemetry message (PartialState's first traced collective) then pays no
+        thread start on its way. Its ticks (memory samples) still wait for that first telemetry message, so a
+        rank that never reports is sampled by the kernel. Nothing happens once a sender was ever started
+        (e.g. stopped since by `stop_sender`) or the sink is closed."""
+        with self._lock:
+            if self._sender_started or self._closed:
+                return
+            self._ticks_wait = True
+        self._start_sender()
+
     def _start_sender(self) -> None:
         with self._lock:
             if self._thread is None:
+                self._sender_started = True
                 self._thread = threading.Thread(target=self._sender, args=(self._stop,), name="nbaccel-telemetry",
                                                 daemon=True)
                 self._thread.start()
@@ -147,7 +162,7 @@ class WorkerSink:
         next_tick = 0.0
         while not stop.wait(self._interval):
             ticker = self.ticker
-            if ticker is not None and time.monotonic() >= next_tick:
+            if ticker is not None and not self._ticks_wait and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.tick_interval
                 try:
                     ticker()
@@ -167,6 +182,9 @@ class WorkerSink:
             if type(message) is tuple:  # deferred (`defer`): made now
                 message = message[0](*message[1:])
                 message["local_rank"] = self.local_rank
+                self._ticks_wait = False  # telemetry: the ticks may start
+            elif self._ticks_wait and message.get("kind") in BATCHED_KINDS:
+                self._ticks_wait = False
             batch.append(message)
         if last is not None:
             if not batch:

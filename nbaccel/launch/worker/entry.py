@@ -90,8 +90,11 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             # which raw torch.distributed collective the function is blocked in, if any (sampled, costs no call).
             # Its thread sends the status: a write here woke the kernel, which took the rank's core on a busy
             # machine right when the function should start.
+            # It also starts the sink's sender thread, which PartialState's first traced collective would start
+            # in this thread otherwise.
             sink.queue(running)
-            raw = watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value), first=sink.flush)
+            raw = watch_raw_collectives(partial(sink.send, MessageKind.COLLECTIVE.value),
+                                        first=partial(_first_in_watch, sink))
             if raw is None:
                 sink.flush()
         try:
@@ -137,6 +140,13 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             _destroy_process_group()
         telemetry.detach()
         flush_std()
+
+
+def _first_in_watch(sink: WorkerSink) -> None:
+    """What the raw-collective watch's thread does first, off the rank's way to its function: send the queued
+    statuses, start the telemetry sender thread."""
+    sink.flush()
+    sink.start_sender_early()
 
 
 def _spawned() -> bool:
