@@ -91,6 +91,7 @@ RANK_STEPS = [
     ("nbaccel.launch.worker.entry", "execute", "execute"),
     ("nbaccel.launch.worker.entry", "start_memory_reports", "  memory reports"),
     ("nbaccel.launch.worker.entry", "watch_raw_collectives", "  raw collective watch"),
+    ("nbaccel.launch.worker.entry", "wait_for_keeper", "  wait for the keeper"),
 ]
 
 

@@ -81,6 +81,15 @@ def run_forks(forks: Callable[[], None]) -> None:
         raise error
 
 
+def run_soon(job: Callable[[], None]) -> Future:
+    """Run `job` in the fork thread after what is queued there, without waiting for it: e.g. starting a helper
+    process (subprocess.Popen waits until its child execs, and a rank forked meanwhile from another thread
+    would hold the pipe it waits on). Its Future says when it is done."""
+    done: Future = Future()
+    _fork_thread_jobs().put((job, done))
+    return done
+
+
 def _fork_thread_jobs() -> queue.SimpleQueue:
     global _jobs, _jobs_pid
     with _lock:

@@ -57,7 +57,8 @@ class LaunchSession:
             functions = plan.program is Program.FUNCTION  # a pool's values come back in its replies
             self.result_dir = make_result_dir() if backend.result_folder and functions else None
             # each rank registers the process group it leads: every one is stopped with the launch
-            self.groups = RankGroups() if backend.rank_groups else None
+            # a function's ranks wait for the keeper before they run it: it starts while they start (`start`)
+            self.groups = RankGroups(keeper_now=not functions) if backend.rank_groups else None
             self.plan = plan.with_folders(self.store_dir, self.result_dir,
                                           self.groups.folder if self.groups else None)
         except BaseException:
@@ -68,7 +69,10 @@ class LaunchSession:
     def start(self, payload: Payload | None = None) -> list[StartedRank]:
         """Start the ranks through the backend (`open` first); on failure the backend stopped them."""
         with gc_frozen(self.plan.start_method if self.backend.freezes_gc else "none"):
-            return self.backend.start(self.plan, payload)
+            ranks = self.backend.start(self.plan, payload)
+        if self.groups is not None and self.plan.program is Program.FUNCTION:
+            self.groups.start_keeper_soon()  # the ranks wait for it before they run the function
+        return ranks
 
     def close(self) -> None:
         """Release everything the launch owns; the ranks are stopped (or being stopped) by the caller."""

@@ -21,9 +21,11 @@ import contextlib
 import os
 import signal
 import subprocess
+from concurrent.futures import Future
 
 from ...utils.constants import RANK_GROUPS_ENV
-from ..private_dirs import GROUPS_PREFIX, KEEPER_PREFIX, make_user_dir, remove_dir
+from ..private_dirs import GROUPS_PREFIX, KEEPER_PREFIX, NO_KEEPER, make_user_dir, remove_dir
+from .fork_thread import run_soon
 from .interrupts import interrupts_held
 from .process_trees import STOP_GRACE, process_running, signal_groups, stop_groups
 
@@ -31,18 +33,46 @@ KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.
 
 
 class RankGroups:
-    """The registry of one launch's (or pool's) rank groups and its keeper. Make it before any rank starts."""
+    """The registry of one launch's (or pool's) rank groups and its keeper. Make it before any rank starts.
 
-    def __init__(self) -> None:
+    `keeper_now=False`: the keeper is started by `start_keeper_soon` instead, while the ranks start (ranks that
+    wait for it before they run user code: worker/parent_death.py `wait_for_keeper`)."""
+
+    def __init__(self, keeper_now: bool = True) -> None:
         self.folder = make_user_dir(GROUPS_PREFIX)
         self._stopped: set[int] = set()  # groups of ended ranks already sent SIGTERM by stop_orphans
         self._keeper: subprocess.Popen | None = None
         self._ended = False  # `end` ran: the groups were stopped and the keeper signalled
+        self._starting: Future | None = None  # `start_keeper_soon`'s job in the fork thread
         try:
-            self._start_keeper()
+            if keeper_now:
+                self._start_keeper()
         except BaseException:  # interrupted: the keeper must not outlive the launch that never got this object
             self.close()
             raise
+
+    def start_keeper_soon(self) -> None:
+        """Start the keeper from the fork thread (kernel/fork_thread.py), after the ranks' forks: waiting for its
+        exec (~0.3 ms on a quiet machine, 4-13 ms on a busy one, all of it before the first fork when it came
+        first) overlaps the ranks' start instead. Not from a thread of its own: a rank forked while `Popen` waits
+        for the keeper's exec would inherit, and hold, the pipe it waits on. Each rank waits for the keeper's
+        name in the folder before its function runs (worker/parent_death.py `wait_for_keeper`): nothing a rank
+        starts can outlive a kernel killed in between."""
+        self._starting = run_soon(self._start_keeper)
+
+    def _keeper_started(self) -> None:
+        """Wait until `start_keeper_soon`'s job is done (the keeper's handle is known, or there is none), through
+        interrupts (it takes milliseconds): raised afterwards, with the keeper known to `close`."""
+        started = self._starting
+        interrupted: BaseException | None = None
+        while started is not None and not started.done():
+            try:
+                started.exception()
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                interrupted = exc
+        self._starting = None
+        if interrupted is not None:
+            raise interrupted
 
     def _start_keeper(self) -> None:
         # an interrupt waits meanwhile: a KeyboardInterrupt inside Popen would leave the keeper running unknown
@@ -53,12 +83,12 @@ class RankGroups:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             except OSError:  # no keeper: the launch still stops every group, unless the kernel itself is killed
                 self._keeper = None
+                _touch(self.folder, NO_KEEPER)  # the ranks waiting for a keeper go on without one
                 return
             # named in the folder: another launch that sweeps dead kernels' folders (private_dirs.py) leaves
-            # this one to its keeper, which still has to read it after this kernel's death
-            with contextlib.suppress(OSError):
-                os.close(os.open(os.path.join(self.folder, f"{KEEPER_PREFIX}{self._keeper.pid}"),
-                                 os.O_WRONLY | os.O_CREAT, 0o600))
+            # this one to its keeper, which still has to read it after this kernel's death; the ranks that wait
+            # for a keeper see it there
+            _touch(self.folder, f"{KEEPER_PREFIX}{self._keeper.pid}")
 
     def environ(self) -> dict[str, str]:
         """What the ranks' environment needs to register their groups."""
@@ -86,11 +116,10 @@ class RankGroups:
         do its own cleanup meanwhile, while the keeper exits)."""
         self._ended = True
         try:
+            self._keeper_started()
             self.stop(grace)
         finally:
-            if self._keeper is not None:  # the script and its `sleep`: the session it leads
-                with contextlib.suppress(OSError):
-                    os.killpg(self._keeper.pid, signal.SIGKILL)
+            self._signal_keeper()
 
     def close(self, grace: float = STOP_GRACE) -> None:
         """Stop every registered group, end the keeper and remove the folder (`end` first, if not yet)."""
@@ -98,10 +127,23 @@ class RankGroups:
             if not self._ended:
                 self.end(grace)
         finally:
+            self._keeper_started()  # (`end` waited already, unless it was interrupted first)
+            self._signal_keeper()
             remove_dir(self.folder)
             if self._keeper is not None:
                 self._keeper.wait()
                 self._keeper = None
+
+
+    def _signal_keeper(self) -> None:
+        if self._keeper is not None:  # the script and its `sleep`: the session it leads (not reaped yet)
+            with contextlib.suppress(OSError):
+                os.killpg(self._keeper.pid, signal.SIGKILL)
+
+
+def _touch(folder: str, name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.close(os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def registered(folder: str | None) -> list[int]:
