@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import re
@@ -176,7 +177,8 @@ def _wait_until(condition, timeout: float = 10.0) -> bool:
 def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_import(monkeypatch):
     """`observe` (the launch's forwarding thread) only updates the model: the widget view is drawn by the
     dashboard's own thread, and the first metric's chart libraries are imported on another one while the
-    tables keep being redrawn (here the import is held until the tables showed the last values)."""
+    tables keep being redrawn (here the import is held until the tables showed the last values), with the
+    heap frozen (gc) until the view closes."""
     pytest.importorskip("bqplot")
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
@@ -213,6 +215,7 @@ def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_i
             assert _wait_until(lambda: board._drawn_version == board.model.version)
             panel = board._view.panels["loss"]
             assert panel.chart is None and "rank 1" in panel.table.value  # values shown, chart on its way
+            assert gc.get_freeze_count() > 0  # collections skip the heap while the import runs
             assert board._view.table.value == rank_table_html(board.model)  # the rank table is up to date
             release.set()
             assert _wait_until(lambda: panel.chart is not None and len(panel.chart.line.x) == 10)
@@ -222,6 +225,7 @@ def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_i
         release.set()
         InteractiveShell.clear_instance()
     assert not board._drawer.is_alive()
+    assert gc.get_freeze_count() == 0  # the heap went back to the collections when the view closed
 
 
 def _enter_and_leave_the_gate() -> None:

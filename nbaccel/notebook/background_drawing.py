@@ -4,7 +4,9 @@ The launch's supervising thread reads the ranks' pipes and hands every message t
 there, a redraw (or worse, the first chart's `import bqplot`, which imports pandas: a second or more on a
 busy machine) would hold the ranks' printed lines back. So the dashboard draws on a thread of its own
 (dashboard.py), and the chart libraries are imported on another one the first time a metric is logged
-(`load_charts_in_background`), while the tables keep redrawing.
+(`load_charts_in_background`), while the tables keep redrawing. That import also freezes the kernel's heap
+(gc.freeze) until the live view closes (`thaw`): a full collection it would trigger holds the GIL, and so the
+forwarding thread, for a fraction of a second.
 
 A fork taken while another thread is inside an import (or a redraw) would leave the child with module locks
 held by a thread it does not have: its first import of that module (numpy, pandas) would wait forever. The
@@ -16,6 +18,7 @@ hook, until no such import or redraw is running (`forks_wait`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import threading
@@ -80,6 +83,7 @@ def forks_wait() -> contextlib.AbstractContextManager[None]:
 
 
 def import_chart_modules() -> None:
+    """Import what the live chart and the end-of-run PNG need."""
     for name in CHART_MODULES:
         importlib.import_module(name)
 
@@ -93,6 +97,8 @@ class _Charts:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self.waiting: list[Callable[[], None]] = []
+        self.frozen = False  # the heap is in gc's permanent generation since the import (until `thaw`)
+        self.thaw_when_done = False
 
     def start(self, on_loaded: Callable[[], None] | None) -> None:
         with self.lock:
@@ -104,7 +110,20 @@ class _Charts:
                 self.thread = threading.Thread(target=self._import, name="nbaccel-chart-imports", daemon=True)
                 self.thread.start()
 
+    def thaw(self) -> None:
+        """Give the frozen heap back to the collections (under `lock`)."""
+        if self.frozen:
+            self.frozen = False
+            gc.unfreeze()
+
     def _import(self) -> None:
+        # The import makes ~80k objects: enough to trigger full collections, which walk the whole kernel heap
+        # (torch's, imported for the forked ranks) holding the GIL 0.2-0.6 s on a busy machine, the forwarding
+        # thread's included. Frozen objects are skipped; `thaw` (the dashboard's close) gives them back.
+        with self.lock:
+            if gc.isenabled():
+                gc.freeze()
+                self.frozen = True
         try:
             with forks_wait():
                 import_chart_modules()
@@ -115,6 +134,8 @@ class _Charts:
         with self.lock:
             self.done.set()
             waiting, self.waiting = self.waiting, []
+            if self.thaw_when_done:
+                self.thaw()
         for callback in waiting:
             try:
                 callback()
@@ -136,8 +157,19 @@ def load_charts_in_background(on_loaded: Callable[[], None] | None = None) -> No
     _charts.start(on_loaded)
 
 
+def thaw() -> None:
+    """After the live view that imported the chart libraries: the heap frozen for the import (gc.freeze)
+    goes back to the collections (a full one may then run: the live view is over)."""
+    with _charts.lock:
+        if _charts.done.is_set():
+            _charts.thaw()
+        elif _charts.thread is not None:  # still importing: the import thread thaws when it is done
+            _charts.thaw_when_done = True
+
+
 def load_charts(timeout: float | None = None) -> bool:
     """Import the chart libraries now (or wait for the background import); whether they are loaded."""
     _charts.start(None)
     _charts.done.wait(timeout)
+    thaw()  # no live view to protect: the caller waited
     return charts_loaded()

@@ -176,6 +176,7 @@ class Dashboard:
         drawer = self._drawer  # joined outside the lock: it may be waiting for it
         if drawer is not None and drawer is not threading.current_thread():
             drawer.join(timeout=5)
+        background_drawing.thaw()
 
     def _end(self, results: list | None, failures: dict | None) -> None:
         """Final states and the static summary (under the lock)."""
