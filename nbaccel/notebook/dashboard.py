@@ -139,8 +139,7 @@ class Dashboard:
                 return self
             self._started = True
             self._guard(self._create_view)
-            self._drawn_version = self.model.version
-            self._throttle.mark()
+            self._drawn_version = self.model.version  # the throttle starts with the first change: drawn at once
             self._drawer = threading.Thread(target=self._draw_changes, name="nbaccel-dashboard", daemon=True)
             self._drawer.start()
         return self
