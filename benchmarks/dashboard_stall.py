@@ -9,20 +9,23 @@ second (a little arithmetic per step), and at every step stamps `time.time()`, r
 shows) and prints a line carrying its stamp. After its last step a rank idles `--tail` seconds, so the live
 view (not the end-of-run summary) shows every step.
 
-This process reads the kernel's IOPub messages as they arrive and stamps each one: what the notebook would
-show at that moment. Per step and rank, the lag is (first message that shows the step) - (the rank's stamp):
+This process receives the kernel's IOPub messages (raw frames, stamped on arrival, decoded after the run).
+Per step and rank, the lag is (the first message that shows the step) - (the rank's stamp), timed by the
+kernel's sending of the message (its header's date: a frontend on the machine shows it a few ms later) and,
+in the `arrived` columns, by its arrival here (which on a busy machine adds this reader's own waits):
 
 - line: the `stream` message carrying the rank's printed line (forwarded through the cell's output);
-- step: the widget's per-rank table (a `comm_msg` updating the HTML widget) showing that step or a later one;
+- step: the widget's per-rank table (a `comm_msg` updating its HTML widget) showing that step or a later one;
 - metric: the widget's metric table of `mark` showing that step's value or a later one;
-- first metric: the lag of the first logged metric (the moment the dashboard builds its first chart).
+- first metric: the lag of the first logged metric (when the dashboard adds its first metric panels);
+- first chart: from the first step to the first chart (a bqplot Figure widget) reaching the notebook.
 
 Every run is a fresh kernel, so the chart libraries are imported at each run's first metric, as in a
 user's first launch. Variants are checkouts (`--checkout before=DIR --checkout after=DIR`); they alternate in
 each round, quiet and under a busy machine (`--busy N` processes spinning on the CPU for the busy runs).
 
     python benchmarks/dashboard_stall.py --checkout before=/tmp/before --checkout after=. [--rounds 2]
-        [--steps 2500] [--rate 500] [--busy 2]
+        [--steps 2500] [--rate 500] [--busy 2]     (no --checkout: this checkout alone)
 """
 
 from __future__ import annotations
@@ -233,8 +236,9 @@ TABLE = ["line max", "line p95", "step max", "step p95", "metric max", "metric p
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkout", action="append", required=True, metavar="NAME=DIR",
-                        help="a variant: its name and the checkout its kernel imports nbaccel from")
+    parser.add_argument("--checkout", action="append", metavar="NAME=DIR",
+                        help="a variant: its name and the checkout its kernel imports nbaccel from (default: this "
+                             "checkout alone)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--rate", type=float, default=500.0, help="steps per second each rank aims at")
@@ -244,7 +248,8 @@ def main() -> None:
                         help="the launch's dashboard= (False: none, the floor of the printed lines' lag)")
     parser.add_argument("--json", help="write every run's row here")
     args = parser.parse_args()
-    variants = [(name, Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.checkout)]
+    checkouts = args.checkout or [f"this={ROOT}"]
+    variants = [(name, Path(path).resolve()) for name, path in (item.split("=", 1) for item in checkouts)]
     loads = ["quiet"] + (["busy"] if args.busy else [])
     rows: list[dict] = []
     for index in range(args.rounds):
