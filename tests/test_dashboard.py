@@ -175,8 +175,8 @@ def _wait_until(condition, timeout: float = 10.0) -> bool:
 
 
 def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_import(monkeypatch):
-    """`observe` (the launch's forwarding thread) only updates the model: the widget view is drawn by the
-    dashboard's own thread, and the first metric's chart libraries are imported on another one while the
+    """`observe` (the launch's forwarding thread) only updates the model: the widget view is built (in the place
+    `start` reserved) and drawn by the dashboard's own thread, and the first metric's chart libraries are imported on another one while the
     tables keep being redrawn (here the import is held until the tables showed the last values), with the
     heap frozen (gc) until the view closes."""
     pytest.importorskip("bqplot")
@@ -206,7 +206,7 @@ def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_i
     monkeypatch.setattr(WidgetView, "render", render)
     InteractiveShell.instance()  # display() needs a shell to publish through
     try:
-        with capture_output():
+        with capture_output() as captured:
             board = Dashboard(2, mode="widget", max_redraws_per_second=50).start()
             drawn_on.clear()  # start() draws the empty view here; from now on the dashboard's thread draws
             for message in scripted_stream()[:-2]:
@@ -224,6 +224,11 @@ def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_i
     finally:
         release.set()
         InteractiveShell.clear_instance()
+    # start() only reserved the view's place (and the summary chart's): the widget went there by an update
+    place = captured.outputs[0].transient["display_id"]
+    assert not any("widget-view" in kind for kind in captured.outputs[0].data)
+    widget = [o for o in captured.outputs if "application/vnd.jupyter.widget-view+json" in o.data]
+    assert widget and all(o.update and o.transient["display_id"] == place for o in widget)
     assert not board._drawer.is_alive()
     assert gc.get_freeze_count() == 0  # the heap went back to the collections when the view closed
 

@@ -204,13 +204,12 @@ class Dashboard:
         if self.mode == "widget":
             from IPython.display import display
 
-            from .widget_view import WidgetView
-
             _enable_colab_widgets()
-            self._view = WidgetView(self.model, on_charts_loaded=self._charts_loaded)
-            bundle = self._view.mimebundle(_FALLBACK_HTML, _FALLBACK_TEXT)
-            self._display_handle = display(bundle, raw=True, display_id=True)
-            # The place of the summary's chart, right below the live view (empty until the run ends).
+            # The live view's place, then the summary chart's right below it (empty until the run ends), reserved
+            # here; the dashboard's thread builds the widgets there (`import ipywidgets` takes 0.05-0.2 s that the
+            # ranks' first lines would wait for on this thread).
+            self._display_handle = display({"text/html": _FALLBACK_HTML, "text/plain": _FALLBACK_TEXT}, raw=True,
+                                           display_id=True)
             self._chart_handle = display({"text/plain": ""}, raw=True, display_id=True)
         elif self.mode == "html":
             from .render import HtmlView
@@ -225,6 +224,20 @@ class Dashboard:
 
             self._view = PlainView(self.model, interval=self.plain_interval)
 
+    def _show_widget_view(self) -> None:
+        """On the dashboard's thread: build the widget view (outside the lock), draw it and show it in its place."""
+        with background_drawing.forks_wait():  # imports ipywidgets the first time
+            from .widget_view import WidgetView
+
+            view = WidgetView(None, on_charts_loaded=self._charts_loaded)
+        with self._lock:
+            if self._finished or self._closed:  # a run shorter than the build: its summary is shown already
+                view.close()
+                return
+            self._view = view
+            self._redraw()
+            self._display_handle.update(view.mimebundle(_FALLBACK_HTML, _FALLBACK_TEXT), raw=True)
+
     def _finish_view(self) -> None:
         if self.mode == "widget":
             from .render import metrics_png, png_bundle, summary_html, summary_text
@@ -235,7 +248,8 @@ class Dashboard:
             if png is not None:
                 names = ", ".join(sorted(self.model.metrics))
                 self._chart_handle.update(png_bundle(png, f"{self.model.title}: chart of {names}"), raw=True)
-            self._view.close()  # its output is gone: free the widgets (and keep them out of saved widget state)
+            if self._view is not None:  # its output is gone: free the widgets (and keep them out of saved widget state)
+                self._view.close()
         elif self._view is not None:
             self._view.finish(self.model)
 
@@ -248,6 +262,8 @@ class Dashboard:
 
     def _draw_changes(self) -> None:
         """The dashboard's thread: redraw after each change, no sooner than the throttle allows, until the end."""
+        if self.mode == "widget":
+            self._guard(self._show_widget_view)
         while True:
             self._changed.wait()
             delay = self._throttle.delay()

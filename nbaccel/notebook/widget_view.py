@@ -106,7 +106,7 @@ class WidgetView:
     the dashboard's lock so the launch's thread never waits for it) and the next `render` shows them. None:
     the libraries are imported and the charts built in `render` itself."""
 
-    def __init__(self, model: DashboardModel, on_charts_loaded: Callable[[], None] | None = None):
+    def __init__(self, model: DashboardModel | None, on_charts_loaded: Callable[[], None] | None = None):
         self.on_charts_loaded = on_charts_loaded
         self.header = widgets.HTML()
         self.table = widgets.HTML()
@@ -123,7 +123,8 @@ class WidgetView:
             [self.header, self.table, widgets.HBox([self.progress, self.progress_text]), self.charts]
         )
         self.root.add_class("nbaccel-dashboard")
-        self.render(model)
+        if model is not None:  # None: the widgets only (the dashboard renders under its lock)
+            self.render(model)
 
     def render(self, model: DashboardModel) -> None:
         self.header.value = render.header_html(model)
