@@ -94,6 +94,7 @@ class RankPool:
         self._finalizer: weakref.finalize | None = None
         self._observers: list[tuple[Any, Callable[[dict], None]]] = [(o, observer_of(o)) for o in observers]
         self._reader: TelemetryReader | None = None
+        self._every_rank = list(range(self.world_size))  # the selection of a call on every rank
         self._start()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -370,7 +371,7 @@ class RankPool:
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
-            return list(range(self.world_size))
+            return self._every_rank  # a call reads its selection, never changes it
         if isinstance(ranks, int) and not isinstance(ranks, bool):
             ranks = [ranks]
         try:

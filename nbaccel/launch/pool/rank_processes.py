@@ -74,9 +74,12 @@ class RankOutput:
         self.closed_fds.update((self.out_fd, self.err_fd))
         self._output_poll = None
 
-    def take(self) -> tuple[str, str]:
-        """What the rank wrote since the last take: (stdout, stderr)."""
-        if self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
+    def take(self, poll: bool = True) -> tuple[str, str]:
+        """What the rank wrote since the last take: (stdout, stderr). `poll=False`: only what was read already
+        (the caller just read the pipes that were ready: pool/call.py's quick wait)."""
+        if not poll:
+            pass
+        elif self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
             for fd, events in self._output_poll.poll(0):
                 if events & select.POLLNVAL:  # closed on this side (the pool is stopping)
                     self._closed(fd)
