@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
 from ..errors import oom_hint
@@ -105,6 +105,7 @@ class RankProcesses:
         through its backend (kernel/persistent.py), which owns the processes."""
         self.ranks: list[StartedRank] = []  # the pool's ranks, as the backend started them
         self.outputs: list[RankOutput] = []  # by rank: what each wrote
+        self.quick_polls: dict[tuple[int, ...], Any] = {}  # pool/call.py's poll objects, by selection of ranks
         self.closed = False
         self.start_method = plan.start_method
         # what every launch owns (preload, private FileStore folder, rank groups and their keeper): the session's
