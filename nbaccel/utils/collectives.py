@@ -427,11 +427,11 @@ def _gather_packed(tensors: list[torch.Tensor], world: int, plan: packing.Plan |
     `plan`: their packing plan, when the caller has it."""
     if plan is None:
         plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
-    # the send and receive buffers are only scratch (the all-gather reads the one, unpacking copies out of the
-    # other): reuse the plan's when no other thread is using them
+    buffer = packing.pack(plan, tensors)
+    # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when no other
+    # thread is using it
     reuse = plan.lock.acquire(blocking=False)
     try:
-        buffer = packing.pack(plan, tensors, reuse)
         rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), plan.receive if reuse else None, world)
         if reuse and plan.receive is None and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
             plan.receive = rows.view(-1)

@@ -29,7 +29,6 @@ except ImportError:  # pragma: no cover - every torch 2.x build here has them
 
 
 _INDEX_LIMIT = 1 << 18  # reorder with a cached index (8 bytes a unit) up to 256K units; beyond, data dominates
-_KEEP_SEND_BYTES = 1 << 20  # a gather's send buffer up to this size is kept with its plan (`pack`)
 _CACHE_SIZE = 32  # layouts remembered; with the limits here at most ~100 MiB of cached index and buffers
 
 
@@ -55,7 +54,6 @@ class Plan:
     world: int
     flat_inputs: bool = False  # every input is 1-D
     receive: torch.Tensor | None = None  # a gather's receive buffer, kept for the next gather of this layout
-    send: torch.Tensor | None = None  # its send buffer (`pack(..., reuse=True)`)
     stacked: tuple[int, ...] | None = None  # one dtype, several tensors of one shape: (count, *gathered shape)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -124,21 +122,11 @@ def _reorder_index(plan: Plan, group: Group, tensors: Sequence[torch.Tensor]) ->
     return torch.cat(parts)
 
 
-def pack(plan: Plan, tensors: Sequence[torch.Tensor], reuse: bool = False) -> torch.Tensor:
-    """One 1-D buffer holding every tensor (a view of the input when it is a single contiguous tensor).
-
-    `reuse`: the caller holds `plan.lock`, is done with the buffer before it releases it, and no input is part
-    of a graph (gather: its plans are remembered only for such inputs, and its checked path runs without
-    autograd): 1-D tensors are then packed into the plan's own send buffer (kept up to 1 MiB), one allocation
-    less per call."""
+def pack(plan: Plan, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D buffer holding every tensor (a view of the input when it is a single contiguous tensor)."""
     if not plan.mixed:
         if plan.flat_inputs and len(tensors) > 1:
-            if reuse and plan.send is not None:
-                return torch.cat(tensors, out=plan.send)
-            buffer = torch.cat(tensors)  # 1-D tensors: no per-tensor view needed
-            if reuse and buffer.numel() * buffer.element_size() <= _KEEP_SEND_BYTES:
-                plan.send = buffer
-            return buffer
+            return torch.cat(tensors)  # 1-D tensors: no per-tensor view needed
         return _flatten(tensors)
     flats = [_flatten([tensors[i] for i in group.members]) for group in plan.groups]
     return torch.cat([flat.view(-1).view(torch.uint8) for flat in flats])
