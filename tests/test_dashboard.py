@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import io
+import multiprocessing
 import re
+import threading
 import time
 
 import pytest
@@ -159,7 +162,120 @@ def test_dashboard_redraws_are_throttled_with_a_trailing_redraw(capsys):
     dashboard.finish()
     out = capsys.readouterr().out
     assert "rank 0 on cpu:0: finished" in out and "rank 1 on cpu:1: finished" in out
-    assert dashboard.model.finished and dashboard._timer is None
+    assert dashboard.model.finished and not dashboard._drawer.is_alive()  # the drawing thread ended with it
+
+
+def _wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_caller_never_draws_and_the_tables_go_on_while_the_chart_libraries_import(monkeypatch):
+    """`observe` (the launch's forwarding thread) only updates the model: the widget view is built (in the place
+    `start` reserved) and drawn by the dashboard's own thread, and the first metric's chart libraries are imported on another one while the
+    tables keep being redrawn (here the import is held until the tables showed the last values), with the
+    heap frozen (gc) until the view closes."""
+    pytest.importorskip("bqplot")
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from nbaccel.notebook import background_drawing
+    from nbaccel.notebook.widget_view import WidgetView
+
+    importing, release = threading.Event(), threading.Event()
+    real_import = background_drawing.import_chart_modules
+
+    def slow_import():
+        importing.set()
+        assert release.wait(30)
+        real_import()
+
+    drawn_on: set[str] = set()
+    real_render = WidgetView.render
+
+    def render(view, model):
+        drawn_on.add(threading.current_thread().name)
+        real_render(view, model)
+
+    monkeypatch.setattr(background_drawing, "import_chart_modules", slow_import)
+    monkeypatch.setattr(background_drawing, "_charts", background_drawing._Charts())  # not imported yet
+    monkeypatch.setattr(WidgetView, "render", render)
+    InteractiveShell.instance()  # display() needs a shell to publish through
+    try:
+        with capture_output() as captured:
+            board = Dashboard(2, mode="widget", max_redraws_per_second=50).start()
+            drawn_on.clear()  # start() draws the empty view here; from now on the dashboard's thread draws
+            for message in scripted_stream()[:-2]:
+                board.observe(message)
+            assert importing.wait(10)
+            assert _wait_until(lambda: board._drawn_version == board.model.version)
+            panel = board._view.panels["loss"]
+            assert panel.chart is None and "rank 1" in panel.table.value  # values shown, chart on its way
+            assert gc.get_freeze_count() > 0  # collections skip the heap while the import runs
+            assert board._view.table.value == rank_table_html(board.model)  # the rank table is up to date
+            release.set()
+            assert _wait_until(lambda: panel.chart is not None and len(panel.chart.line.x) == 10)
+            assert drawn_on == {"nbaccel-dashboard"}
+            board.finish([None, None])
+    finally:
+        release.set()
+        InteractiveShell.clear_instance()
+    # start() only reserved the view's place (and the summary chart's): the widget went there by an update
+    place = captured.outputs[0].transient["display_id"]
+    assert not any("widget-view" in kind for kind in captured.outputs[0].data)
+    widget = [o for o in captured.outputs if "application/vnd.jupyter.widget-view+json" in o.data]
+    assert widget and all(o.update and o.transient["display_id"] == place for o in widget)
+    assert not board._drawer.is_alive()
+    assert gc.get_freeze_count() == 0  # the heap went back to the collections when the view closed
+
+
+def _enter_and_leave_the_gate() -> None:
+    from nbaccel.notebook import background_drawing
+
+    with background_drawing.forks_wait():  # in a child: would wait forever if it inherited the parent's hold
+        pass
+
+
+def test_a_fork_waits_for_a_chart_import_or_redraw_in_progress():
+    """A process forked mid-import would inherit module locks held by a thread it does not have: while the
+    dashboard imports or draws on its threads, `os.fork` (here multiprocessing's) waits; the child's gate is
+    free; an import and a redraw run side by side."""
+    from nbaccel.notebook import background_drawing
+
+    holding, release, forked = threading.Event(), threading.Event(), threading.Event()
+
+    def hold():
+        with background_drawing.forks_wait():
+            holding.set()
+            release.wait(30)
+
+    child = multiprocessing.get_context("fork").Process(target=_enter_and_leave_the_gate)
+    holder = threading.Thread(target=hold)
+    forker = threading.Thread(target=lambda: (child.start(), forked.set()))
+    holder.start()
+    try:
+        assert holding.wait(10)
+        side_by_side = threading.Thread(target=_enter_and_leave_the_gate)
+        side_by_side.start()
+        side_by_side.join(10)
+        assert not side_by_side.is_alive()  # a redraw does not wait for an import (nor the other way)
+        forker.start()
+        assert not forked.wait(0.3)  # held back while the import/redraw runs
+        release.set()
+        assert forked.wait(10)
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        release.set()
+        holder.join(10)
+        forker.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def test_plain_view_throttles_progress_lines():
@@ -246,7 +362,8 @@ def test_widget_view_builds_table_progress_and_chart():
     assert "finished" in view.table.value and "cpu:1" in view.table.value
     assert view.progress.value == 1.0 and view.progress.layout.display is None
     panel = view.panels["loss"]
-    assert list(panel.line.x) == [float(s) for s in range(1, 11)] and len(panel.line.y) == 10
+    chart = panel.chart
+    assert list(chart.line.x) == [float(s) for s in range(1, 11)] and len(chart.line.y) == 10
     assert "rank 1" in panel.table.value
     epochs = WidgetView(replay(_epoch_stream({0: (61, 2, 17, 22), 1: (59, 2, 15, 22)})))
     assert epochs.progress_text.value == "epoch 2: 68% (15/22 batches)" and epochs.progress.value == pytest.approx(15 / 22)
@@ -255,11 +372,11 @@ def test_widget_view_builds_table_progress_and_chart():
     assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/html"] == "<i>fallback</i>"
     assert bundle["text/plain"] == "dashboard"  # not ipywidgets' "VBox(children=...)"
     # the live chart's axes fit the data: steps 1..10, a loss >= 0 gets no negative axis
-    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 10.0) and panel.y_scale.min >= 0
-    assert list(panel.x_axis.tick_values) == [2.0, 4.0, 6.0, 8.0, 10.0]  # round steps, none outside the data
-    assert list(panel.y_axis.tick_values) == [0.6, 0.8, 1.0, 1.2, 1.4]  # the mean loss goes 1.5 -> 0.6
+    assert (chart.x_scale.min, chart.x_scale.max) == (1.0, 10.0) and chart.y_scale.min >= 0
+    assert list(chart.x_axis.tick_values) == [2.0, 4.0, 6.0, 8.0, 10.0]  # round steps, none outside the data
+    assert list(chart.y_axis.tick_values) == [0.6, 0.8, 1.0, 1.2, 1.4]  # the mean loss goes 1.5 -> 0.6
     view.close()
-    assert view.root.comm is None and panel.line.comm is None
+    assert view.root.comm is None and chart.line.comm is None
 
 
 def test_chart_axes_fit_the_values():

@@ -1,8 +1,10 @@
 """`Dashboard`: the live per-rank view of a launch, fed with the launcher's channel messages.
 
 The launcher calls `dashboard(message)` (or `.observe(message)`) from its supervising thread for every
-message; the model is updated at once and the view redrawn at most `max_redraws_per_second` times (a
-trailing redraw catches the last change of a burst). Where it draws is chosen by `mode`:
+message, the thread that also forwards the ranks' output: the model is updated there and nothing else. The
+view is redrawn by the dashboard's own thread, at most `max_redraws_per_second` times, as soon as the
+throttle allows after a change (so a burst's last change is drawn too); the chart libraries are imported on
+another thread at the first metric (background_drawing.py). Where it draws is chosen by `mode`:
 
 - "widget": ipywidgets in a notebook (widget_view.py); at `finish` the widget's output is replaced by the
   static summary (an HTML table, then a PNG chart in the output reserved below it), so a saved notebook
@@ -25,6 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import background_drawing
 from .dashboard_model import DashboardModel
 
 MODES = ("auto", "widget", "html", "terminal", "plain")
@@ -104,7 +107,7 @@ class Dashboard:
         title: str | None = None,
         total_steps: int | None = None,
         mode: str = "auto",
-        max_redraws_per_second: float = 4.0,
+        max_redraws_per_second: float = 5.0,
         plain_interval: float = 10.0,
         **launch_info: Any,
     ):
@@ -115,8 +118,11 @@ class Dashboard:
         self.plain_interval = plain_interval
         self.redraws = 0
         self._throttle = Throttle(1.0 / max_redraws_per_second)
-        self._lock = threading.RLock()
-        self._timer: threading.Timer | None = None
+        self._lock = threading.RLock()  # the model and the view: updated and drawn one thread at a time
+        self._changed = threading.Event()  # something to draw: the model changed, or the charts can be built
+        self._ended = threading.Event()  # finished or closed: the drawing thread stops
+        self._charts_arrived = False
+        self._drawer: threading.Thread | None = None
         self._view: Any = None
         self._display_handle: Any = None
         self._chart_handle: Any = None
@@ -133,37 +139,25 @@ class Dashboard:
                 return self
             self._started = True
             self._guard(self._create_view)
-            self._drawn_version = self.model.version
-            self._throttle.mark()
+            self._drawn_version = self.model.version  # the throttle starts with the first change: drawn at once
+            self._drawer = threading.Thread(target=self._draw_changes, name="nbaccel-dashboard", daemon=True)
+            self._drawer.start()
         return self
 
     def observe(self, message: dict[str, Any]) -> None:
-        """Apply one channel message; redraws are throttled. Never raises: a view error is warned once."""
+        """Apply one channel message to the model; the dashboard's thread redraws (throttled). Never raises."""
         with self._lock:
             if not self.model.update(message) or not self._started or self._finished:
                 return
-            if self._throttle.ready():
-                self._redraw()
-            elif self._timer is None:
-                self._timer = threading.Timer(max(self._throttle.delay(), 0.0), self._trailing_redraw)
-                self._timer.daemon = True
-                self._timer.start()
+        self._changed.set()
 
     __call__ = observe
 
     def finish(self, results: list | None = None, failures: dict | None = None) -> None:
         """The launch is over: mark final states and leave the static summary on display."""
         with self._lock:
-            if self._finished:
-                return
-            if not self._started:
-                self.start()
-            self._cancel_timer()
-            self.model.finish(results, failures)
-            self._finished = True
-            self._redraw()
-            self._guard(self._finish_view)
-            self.close()
+            self._end(results, failures)
+        self.close()
 
     def close(self, results: list | None = None, failures: dict | None = None) -> None:
         """End the live view; what is displayed stays. A started dashboard not finished yet is finished
@@ -171,13 +165,29 @@ class Dashboard:
         reported their end then show as failed ("stopped before reporting its end", e.g. an interrupt)."""
         with self._lock:
             if not self._finished and (self._started or results is not None or failures is not None):
-                self.finish(results, failures)
-            if self._closed:
-                return
-            self._closed = True
-            self._cancel_timer()
-            if self.mode in ("html", "terminal", "plain") and self._view is not None:
-                self._guard(self._view.close)
+                self._end(results, failures)
+            if not self._closed:
+                self._closed = True
+                self._ended.set()
+                self._changed.set()  # the drawing thread wakes up and sees the end
+                if self.mode in ("html", "terminal", "plain") and self._view is not None:
+                    self._guard(self._view.close)
+        drawer = self._drawer  # joined outside the lock: it may be waiting for it
+        if drawer is not None and drawer is not threading.current_thread():
+            drawer.join(timeout=5)
+        background_drawing.thaw()
+
+    def _end(self, results: list | None, failures: dict | None) -> None:
+        """Final states and the static summary (under the lock)."""
+        if self._finished:
+            return
+        if not self._started:
+            self.start()
+        self.model.finish(results, failures)
+        self._finished = True
+        self._ended.set()
+        self._redraw()
+        self._guard(self._finish_view)
 
     def __enter__(self) -> Dashboard:
         return self.start()
@@ -194,13 +204,12 @@ class Dashboard:
         if self.mode == "widget":
             from IPython.display import display
 
-            from .widget_view import WidgetView
-
             _enable_colab_widgets()
-            self._view = WidgetView(self.model)
-            bundle = self._view.mimebundle(_FALLBACK_HTML, _FALLBACK_TEXT)
-            self._display_handle = display(bundle, raw=True, display_id=True)
-            # The place of the summary's chart, right below the live view (empty until the run ends).
+            # The live view's place, then the summary chart's right below it (empty until the run ends), reserved
+            # here; the dashboard's thread builds the widgets there (`import ipywidgets` takes 0.05-0.2 s that the
+            # ranks' first lines would wait for on this thread).
+            self._display_handle = display({"text/html": _FALLBACK_HTML, "text/plain": _FALLBACK_TEXT}, raw=True,
+                                           display_id=True)
             self._chart_handle = display({"text/plain": ""}, raw=True, display_id=True)
         elif self.mode == "html":
             from .render import HtmlView
@@ -215,6 +224,20 @@ class Dashboard:
 
             self._view = PlainView(self.model, interval=self.plain_interval)
 
+    def _show_widget_view(self) -> None:
+        """On the dashboard's thread: build the widget view (outside the lock), draw it and show it in its place."""
+        with background_drawing.forks_wait():  # imports ipywidgets the first time
+            from .widget_view import WidgetView
+
+            view = WidgetView(None, on_charts_loaded=self._charts_loaded)
+        with self._lock:
+            if self._finished or self._closed:  # a run shorter than the build: its summary is shown already
+                view.close()
+                return
+            self._view = view
+            self._redraw()
+            self._display_handle.update(view.mimebundle(_FALLBACK_HTML, _FALLBACK_TEXT), raw=True)
+
     def _finish_view(self) -> None:
         if self.mode == "widget":
             from .render import metrics_png, png_bundle, summary_html, summary_text
@@ -225,7 +248,8 @@ class Dashboard:
             if png is not None:
                 names = ", ".join(sorted(self.model.metrics))
                 self._chart_handle.update(png_bundle(png, f"{self.model.title}: chart of {names}"), raw=True)
-            self._view.close()  # its output is gone: free the widgets (and keep them out of saved widget state)
+            if self._view is not None:  # its output is gone: free the widgets (and keep them out of saved widget state)
+                self._view.close()
         elif self._view is not None:
             self._view.finish(self.model)
 
@@ -236,16 +260,38 @@ class Dashboard:
         self._throttle.mark()
         self.redraws += 1
 
-    def _trailing_redraw(self) -> None:
-        with self._lock:
-            self._timer = None
-            if not self._finished and self._drawn_version != self.model.version:
-                self._redraw()
+    def _draw_changes(self) -> None:
+        """The dashboard's thread: redraw after each change, no sooner than the throttle allows, until the end."""
+        if self.mode == "widget":
+            self._guard(self._show_widget_view)
+        while True:
+            self._changed.wait()
+            delay = self._throttle.delay()
+            if self._ended.is_set() or (delay > 0 and self._ended.wait(delay)):
+                return
+            self._changed.clear()  # a change from now on sets it again: drawn by the next round
+            with background_drawing.forks_wait():
+                self._prepare_view()
+                with self._lock:
+                    if self._finished or self._closed:
+                        return
+                    if self._drawn_version != self.model.version or self._charts_arrived:
+                        self._charts_arrived = False
+                        self._redraw()
+                    if getattr(self._view, "charts_pending", False):  # a metric's chart still to build
+                        self._charts_loaded()
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _prepare_view(self) -> None:
+        """What the view builds without the model (the widget view's charts): outside the lock, so `observe`
+        (the launch's thread) never waits for it."""
+        prepare = getattr(self._view, "prepare", None)
+        if prepare is not None and not self._broken:
+            self._guard(prepare)
+
+    def _charts_loaded(self) -> None:
+        """The chart libraries are imported (background_drawing.py): build the charts at the next redraw."""
+        self._charts_arrived = True
+        self._changed.set()
 
     def _guard(self, action: Callable[[], Any]) -> None:
         """Run a drawing action; a failure disables drawing (with one warning) instead of breaking the launch."""
