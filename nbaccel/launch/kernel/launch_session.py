@@ -42,6 +42,7 @@ class LaunchSession:
         self.store_dir: str | None = None  # the FileStore's owner-only folder, when the backend asks for one
         self.result_dir: str | None = None
         self._tracker: contextlib.AbstractContextManager[None] | None = None
+        self._keeper_later = False  # the rank groups' keeper starts after the ranks (`start`)
         self._closed = False
 
     def open(self) -> LaunchPlan:
@@ -57,8 +58,9 @@ class LaunchSession:
             functions = plan.program is Program.FUNCTION  # a pool's values come back in its replies
             self.result_dir = make_result_dir() if backend.result_folder and functions else None
             # each rank registers the process group it leads: every one is stopped with the launch
-            # a function's ranks wait for the keeper before they run it: it starts while they start (`start`)
-            self.groups = RankGroups(keeper_now=not functions) if backend.rank_groups else None
+            # a function's ranks wait for the keeper before they run it: it can start while they start (`start`)
+            self._keeper_later = functions and backend.keeper_after_start
+            self.groups = RankGroups(keeper_now=not self._keeper_later) if backend.rank_groups else None
             self.plan = plan.with_folders(self.store_dir, self.result_dir,
                                           self.groups.folder if self.groups else None)
         except BaseException:
@@ -70,7 +72,7 @@ class LaunchSession:
         """Start the ranks through the backend (`open` first); on failure the backend stopped them."""
         with gc_frozen(self.plan.start_method if self.backend.freezes_gc else "none"):
             ranks = self.backend.start(self.plan, payload)
-        if self.groups is not None and self.plan.program is Program.FUNCTION:
+        if self.groups is not None and self._keeper_later:
             self.groups.start_keeper_soon()  # the ranks wait for it before they run the function
         return ranks
 

@@ -37,6 +37,7 @@ class LocalBackend(Backend):
     private_store = True
     result_folder = True
     rank_groups = True
+    keeper_after_start = True  # every rank is forked (or spawned) by `start` before it returns
 
     def __init__(self) -> None:
         self.processes: list[Any] = []
