@@ -51,6 +51,7 @@ class Probe:
 
     port: int | None = None
     modules: tuple[str, ...] = ()
+    launch: bool = True  # a launch's function (False: RankPool's ranks): what the agent preloads for them
 
 
 @dataclass(frozen=True)

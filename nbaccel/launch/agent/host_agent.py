@@ -334,6 +334,9 @@ def main() -> int:
     except (EOFError, OSError):
         return 0
     kernel.send(hello(probe))
+    # while the kernel checks every host's hello (one round trip, and the slowest host's login and imports),
+    # import what the ranks will inherit: then the Start message finds the agent ready to fork
+    preload(probe.launch)
     try:
         start = commands.recv()
     except (EOFError, OSError):
@@ -352,10 +355,32 @@ def main() -> int:
             pass
         if relay.backend is not None:
             relay.backend.stop()
+            relay.backend.close()
         return 1
     relay.serve()
     return 0
 
 
+def preload(launch: bool) -> None:
+    """Import what this host's ranks import before their function runs (they fork from here and inherit it)."""
+    from ..kernel.module_preload import preload_worker_modules
+    from ..kernel.placements import select_backend  # noqa: F401  (Relay.start's imports, paid now)
+    from ..kernel.start_methods import choose_start_method
+
+    try:
+        preload_worker_modules(choose_start_method(None)[0], launch=launch)
+    except Exception:
+        pass  # Relay.start imports them again, and reports to the kernel what fails
+
+
+def leave(code: int) -> None:
+    """Exit without the interpreter's teardown: everything this agent started is stopped and reaped by now
+    (Relay.serve), and unwinding a process that imported torch costs ~0.3 s, which the kernel would wait for
+    (it waits for every agent's exit before the launch returns)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

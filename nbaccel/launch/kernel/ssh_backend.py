@@ -135,6 +135,11 @@ class SshBackend(Backend):
     def __init__(self) -> None:
         self.agents: list[Agent] = []
         self._exits: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        # a byte per queued exit: the supervisor's wait wakes on it (wait_objects), not at its next poll, once
+        # the relay closed the rank's pipes (the exit comes right after their end of file)
+        self._exit_wake = os.pipe()
+        for fd in self._exit_wake:
+            os.set_blocking(fd, False)
         self._reported: set[int] = set()
         self._stopping = False
         self.world_size = 0
@@ -159,7 +164,8 @@ class SshBackend(Backend):
             modules = tuple(referenced_modules(data)) if data is not None else ()
             for agent in self.agents:
                 try:
-                    agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
+                    agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules,
+                                     launch=not self.pool))
                 except OSError:  # its session already ended (ssh could not reach the host): the hello wait says why
                     pass
             self._wait_hellos(plan)
@@ -316,6 +322,11 @@ class SshBackend(Backend):
         for name in list(agent.writers[i]):
             self._close_writer(agent, i, name)
         self._exits.put((agent.first_rank + i, code))
+        if not self._released:  # its fds closed: their numbers may be another file's now
+            try:
+                os.write(self._exit_wake[1], b"\0")
+            except OSError:
+                pass  # full: the supervisor has wake-ups enough to read
         if (agent.index, i) in self.remote:
             self.remote[(agent.index, i)].report_exit(code)
 
@@ -386,9 +397,14 @@ class SshBackend(Backend):
 
     # ------------------------------------------------------------------ the Backend protocol
     def wait_objects(self) -> list[Any]:
-        return []
+        return [] if self._released else [self._exit_wake[0]]
 
     def poll_exits(self) -> list[tuple[int, int]]:
+        try:
+            while not self._released and os.read(self._exit_wake[0], 4096):
+                pass
+        except OSError:
+            pass  # read empty
         exits = []
         while True:
             try:
@@ -441,6 +457,7 @@ class SshBackend(Backend):
                 agent.process.stderr.close()
         for rank in self.remote.values():
             rank.close_exit()  # a rank whose exit was never reported counts as exited (-1)
+        close_quietly(*self._exit_wake)
 
 
 class SlurmBackend(SshBackend):
