@@ -6,7 +6,8 @@ stdout are the channel (host_protocol.py). Before any rank starts, every agent a
 versions (compared with the kernel's), the modules the pickled function refers to by name that it cannot
 import, its address and, on the first host, a rendezvous port it can open.
 Then each agent starts its host's ranks, which meet through torch's TCPStore on the first host
-(`MASTER_ADDR`/`MASTER_PORT`, init_method env://). A relay thread per agent turns the agent's frames back
+(`MASTER_ADDR`/`MASTER_PORT`, init_method env://), held by that host's agent from its hello on (every rank a
+client, TORCHELASTIC_USE_AGENT_STORE), so no rank waits for rank 0 to open it. A relay thread per agent turns the agent's frames back
 into local pipes of the usual shape (a channel Connection and two output fds per rank), so the supervisor
 watches the ranks of every host exactly as it watches local ones, and labels their lines `[host rank N]`.
 An agent that goes away (killed, its host lost) fails its ranks; stopping closes every session, and each
@@ -248,6 +249,9 @@ class SshBackend(Backend):
         # the host's name as the user gave it, for errors only the rank can word (a module missing there); the
         # kernel stamps it on the rank's messages itself (supervisor.py, pool/rank_processes.py)
         environ[LAUNCH_HOST_ENV] = agent.host
+        if self.agents[0].hello is not None and self.agents[0].hello.port is not None:
+            # the first host's agent holds the store (host_agent.open_store): every rank is its client
+            environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         # each agent runs its host's ranks as local processes (its LocalBackend), the same program
         return dataclasses.replace(plan, placement=Placement.LOCAL, node_rank=agent.index,
                                    num_nodes=len(self.agents), master_addr=master, port=port, hosts=None, timeout=None,
