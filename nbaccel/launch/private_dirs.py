@@ -3,7 +3,9 @@
 A folder's name carries the pid of the kernel that made it. A kernel killed with SIGKILL cannot remove its
 folders, so making a folder first removes those whose kernel no longer runs. The FileStore folders live in
 one owner-only parent per user (`<tmp>/nbaccel-<uid>`), so that sweep reads nbaccel's entries only, not all
-of /tmp (thousands of entries on a busy machine: milliseconds on every launch).
+of /tmp (thousands of entries on a busy machine: milliseconds on every launch). A folder that names its keeper
+(an empty `keeper-<pid>` file: the process that outlives the kernel to stop what the folder lists and remove it,
+kernel/rank_groups.py) is left to that keeper while it runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 STORE_PREFIX = "store-"
 WATCH_PREFIX = "watch-"  # `nbaccel launch`'s collective watch (its Unix socket)
 GROUPS_PREFIX = "groups-"  # where a launch's ranks register their process groups (kernel/rank_groups.py)
+KEEPER_PREFIX = "keeper-"  # in a folder: the pid of the process that removes it after the kernel's death
 ELASTIC_LOGS_PREFIX = "elastic-"  # torch elastic's log folder of one launch (torch's own is /tmp/torchelastic_*)
 
 
@@ -26,7 +29,8 @@ def make_private_dir(prefix: str, root: str) -> str:
 
 
 def remove_orphans(prefix: str, root: str) -> None:
-    """Remove this user's `<prefix><pid>-...` folders of `root` whose pid no longer runs."""
+    """Remove this user's `<prefix><pid>-...` folders of `root` whose pid no longer runs, unless their keeper
+    still runs."""
     import psutil  # here: importing nbaccel's launcher does not import psutil
 
     try:
@@ -38,11 +42,24 @@ def remove_orphans(prefix: str, root: str) -> None:
         if not pid.isdigit() or psutil.pid_exists(int(pid)):  # another user's process counts as alive
             continue
         path = os.path.join(root, name)
+        if _keeper_running(path):  # it stops the dead kernel's rank groups listed there, then removes it
+            continue
         try:
             if os.stat(path).st_uid == os.getuid():
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
+
+
+def _keeper_running(path: str) -> bool:
+    import psutil
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    pids = [name[len(KEEPER_PREFIX):] for name in names if name.startswith(KEEPER_PREFIX)]
+    return any(pid.isdigit() and psutil.pid_exists(int(pid)) for pid in pids)
 
 
 def make_store_dir() -> str:

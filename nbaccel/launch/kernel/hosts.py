@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,8 +148,10 @@ def attach(address: str | None) -> Any:
     if ray.is_initialized():
         return ray
     try:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="ERROR",
-                 log_to_driver=False)
+        with warnings.catch_warnings():  # Ray's tip on num_gpus=0: the agents' actors want the GPUs hidden then
+            warnings.filterwarnings("ignore", "Tip: In future versions of Ray", FutureWarning)
+            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="ERROR",
+                     log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise HostError(RAY, f"hosts='ray': no Ray cluster to attach to ({exc}). Start one (`ray start --head` "
                         "and `ray start --address ...` on the other nodes), set RAY_ADDRESS, or call ray.init() "

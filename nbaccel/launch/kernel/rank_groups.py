@@ -22,7 +22,7 @@ import signal
 import subprocess
 
 from ...utils.constants import RANK_GROUPS_ENV
-from ..private_dirs import GROUPS_PREFIX, make_user_dir, remove_dir
+from ..private_dirs import GROUPS_PREFIX, KEEPER_PREFIX, make_user_dir, remove_dir
 from .interrupts import interrupts_held
 from .process_trees import STOP_GRACE, process_running, signal_groups, stop_groups
 
@@ -51,6 +51,12 @@ class RankGroups:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             except OSError:  # no keeper: the launch still stops every group, unless the kernel itself is killed
                 self._keeper = None
+                return
+            # named in the folder: another launch that sweeps dead kernels' folders (private_dirs.py) leaves
+            # this one to its keeper, which still has to read it after this kernel's death
+            with contextlib.suppress(OSError):
+                os.close(os.open(os.path.join(self.folder, f"{KEEPER_PREFIX}{self._keeper.pid}"),
+                                 os.O_WRONLY | os.O_CREAT, 0o600))
 
     def environ(self) -> dict[str, str]:
         """What the ranks' environment needs to register their groups."""
