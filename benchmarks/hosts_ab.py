@@ -29,7 +29,6 @@ HERE = Path(__file__).resolve().parent
 def child(kind: str, root: str) -> None:
     """Serve launches: one per line read from stdin, its wall time (s) written back as a JSON line."""
     import cloudpickle
-
     import hosts  # this folder's hosts.py (it puts its own checkout on sys.path: ours goes before it)
 
     sys.path.insert(0, root)
