@@ -46,8 +46,9 @@ class KernelFrame(str, Enum):
 @dataclass(frozen=True)
 class Probe:
     """The kernel's first message: `port` is the rendezvous port whose store this host's agent opens (the
-    first host only; 0: a free one; host_agent.open_store), None on the other hosts; `modules`, the modules the pickled function refers to
-    by name (serialize.referenced_modules), to check that this host can import them."""
+    first host only; 0: a free one; host_agent.open_store), None on the other hosts; `modules`, the modules
+    the pickled function refers to by name (serialize.referenced_modules), to check that this host can import
+    them."""
 
     port: int | None = None
     modules: tuple[str, ...] = ()

@@ -2,8 +2,8 @@
 
 It answers the kernel's probe (versions, address, on the first host the rendezvous port of the store it opens
 for the ranks, and which of the modules the pickled function names by reference this host's Python cannot
-find), imports what the ranks will inherit while the kernel checks every host's answer, starts this host's ranks with the
-backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
+find), imports what the ranks will inherit while the kernel checks every host's answer, starts this host's
+ranks with the backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
 RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
@@ -44,7 +44,6 @@ SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once th
 READ_SIZE = 65536
 READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 STORE_TIMEOUT = 300.0  # seconds the rendezvous store's own client waits (it is not used: the ranks have theirs)
-_STORE_PROCESS: list[int] = []  # the pid of the first host's rendezvous store (open_store), reaped at the end
 
 
 def connection_address() -> str | None:
@@ -79,15 +78,13 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
         return port, error
     ready_r, ready_w = os.pipe()
     alive_r, alive_w = os.pipe()  # the agent holds its write end: its end of file ends the store's process
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
+    if os.fork() == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
         os.close(ready_r)
         os.close(alive_w)
         _serve_store(port, ready_w, alive_r)
     os.close(ready_w)
     os.close(alive_r)
     _SESSION_FDS.append(alive_w)  # the ranks forked later do not keep the store alive
-    _STORE_PROCESS.append(pid)
     with os.fdopen(ready_r, "rb") as ready:
         answer = ready.read().decode(errors="replace")
     if not answer.isdigit():  # taken since the probe (another process of this host), or torch refused

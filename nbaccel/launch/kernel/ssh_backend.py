@@ -7,9 +7,10 @@ versions (compared with the kernel's), the modules the pickled function refers t
 import, its address and, on the first host, a rendezvous port it can open.
 Then each agent starts its host's ranks, which meet through torch's TCPStore on the first host
 (`MASTER_ADDR`/`MASTER_PORT`, init_method env://), held by that host's agent from its hello on (every rank a
-client, TORCHELASTIC_USE_AGENT_STORE), so no rank waits for rank 0 to open it. A relay thread per agent turns the agent's frames back
-into local pipes of the usual shape (a channel Connection and two output fds per rank), so the supervisor
-watches the ranks of every host exactly as it watches local ones, and labels their lines `[host rank N]`.
+client, TORCHELASTIC_USE_AGENT_STORE), so no rank waits for rank 0 to open it. A relay thread per agent turns
+the agent's frames back into local pipes of the usual shape (a channel Connection and two output fds per
+rank), so the supervisor watches the ranks of every host exactly as it watches local ones, and labels their
+lines `[host rank N]`.
 An agent that goes away (killed, its host lost) fails its ranks; stopping closes every session, and each
 agent stops its ranks when its session ends.
 
