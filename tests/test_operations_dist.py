@@ -102,8 +102,9 @@ def _check_values_and_types(rank: int):
     assert type(flat) is dict and list(flat) == list(rows)
     assert all(torch.equal(flat[k], torch.cat([rows[k] - 100 * rank, rows[k] + 100 - 100 * rank])) for k in rows)
     kept = flat["t0"].clone()
-    gather({f"t{i}": torch.zeros(3) for i in range(4)})  # same layout again: earlier results stay as they were
-    assert torch.equal(flat["t0"], kept)
+    # same layout again (the receive buffer kept from the first): right values, earlier results stay as they were
+    again = gather({f"t{i}": torch.zeros(3) + rank for i in range(4)})
+    assert torch.equal(flat["t0"], kept) and all(t.tolist() == [0, 0, 0, 1, 1, 1] for t in again.values())
     param = torch.nn.Parameter(torch.full((2,), float(rank)))
     pair = gather((torch.full((2, 2), rank), torch.full((1,), rank), param))
     assert type(pair) is tuple and not pair[2].requires_grad

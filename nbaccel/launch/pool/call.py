@@ -32,6 +32,7 @@ MISMATCH_GRACE = 2.0  # seconds a rank may wait in a collective that another ran
 PROGRESS_DELAY = 0.5  # seconds a cell runs before on_progress is called (quick cells: never)
 PROGRESS_INTERVAL = 0.3  # seconds between on_progress calls
 QUICK_WAIT = 0.005  # seconds to wait on the command pipes alone before the full watch (most calls are quick)
+QUICK_POLLS_KEPT = 16  # selections of ranks whose quick-wait poll objects a pool keeps
 # the wire strings a call's messages are compared with, looked up once (an Enum member's `.value` costs ~0.2 us)
 _SHOWN = frozenset({MessageKind.DISPLAY.value, MessageKind.CLEAR_OUTPUT.value})
 _REPLY = MessageKind.REPLY.value
@@ -52,7 +53,8 @@ class Call:
 
     def __init__(self, ranks: list[StartedRank], streams: list[RankOutput], selected: list[int], call_id: int,
                  timeout: float, on_progress: Callable[[RankResults], None] | None = None,
-                 on_display: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+                 on_display: Callable[[int, dict[str, Any]], None] | None = None,
+                 quick_polls: dict[tuple[int, ...], Any] | None = None) -> None:
         self.ranks = ranks
         self.streams = streams  # by rank: its output pipes and what was read of them (rank_processes.py)
         self.selected = selected
@@ -68,24 +70,41 @@ class Call:
         self.on_display = on_display  # a rank's display() / clear_output while the call runs
         self.changed = False
         self.progress_at = time.monotonic() + PROGRESS_DELAY
-        self.prompts = PromptRelay()  # a rank's input()/pdb; time at prompts is not counted by the hang checks
+        self._prompts: PromptRelay | None = None  # made at a rank's first input()/pdb prompt (`prompts`)
+        self._direct: set[int] = set()  # selected ranks of this machine (`_quick_poller`)
+        self._fds: dict[int, int] = {}
+        self._poller: Any = None
+        self.quick_polls = {} if quick_polls is None else quick_polls  # `_quick_poller`'s, by selection
 
-    def run(self, make: Callable[[int], tuple]) -> RankResults:
+    @property
+    def prompts(self) -> PromptRelay:
+        """The relay of the ranks' input()/pdb prompts; time at prompts is not counted by the hang checks."""
+        if self._prompts is None:
+            self._prompts = PromptRelay()
+        return self._prompts
+
+    def run(self, make: Callable[[int], tuple], values_only: bool = False) -> RankResults | list[Any]:
         """Send `make(call_id)` to the selected ranks (pickled once for all of them: a pushed value or a
         function's payload is copied once, not once per rank) and wait for their replies. Plain `pickle`:
         commands hold only plain values, and `Connection.send`'s pickler copies copyreg's table at each
-        call (2.3 us of a 3 us message)."""
+        call (2.3 us of a 3 us message). `values_only`: when every rank replied with a value, the plain list of
+        values (`RankPool.run`: no per-rank results to build); otherwise, as always, the results."""
         command = pickle.dumps(make(self.call_id), pickle.HIGHEST_PROTOCOL)
+        poller = self._quick_poller()
+        if poller is not None:  # what a rank wrote between calls (background threads) is not this call's
+            self._drain_ready(poller.poll(0))
+            self.changed = False
         for index in self.selected:
             rank = self.ranks[index]
-            self.streams[index].take()  # what a rank wrote between calls (background threads) is not this call's
+            self.streams[index].take(poll=index not in self._direct)
             if rank.status_unanswered:
                 _discard_stale(rank)
             try:
                 rank.channel.send_bytes(command)
             except (OSError, ValueError):
                 self._dead(index)
-        self._quick_replies()
+        if poller is not None:
+            self._quick_replies(poller)
         check_at = time.monotonic() + CHECK_INTERVAL
         asked: set[int] = set()
         try:
@@ -127,31 +146,81 @@ class Call:
         except KeyboardInterrupt:
             self._interrupt()
             raise
+        if values_only:
+            values = self._values()
+            if values is not None:
+                return values
         return self.results()
 
-    def _quick_replies(self) -> None:
-        """Read the replies that come within QUICK_WAIT, watching the command pipes only: one poll object
-        instead of a selector over every pipe and sentinel (a third of a trivial call's kernel time). The
-        full loop in `run` then takes over (output, exits, hang checks); a rank that died reads as EOF."""
+    def _quick_poller(self) -> Any:
+        """One poll object for the quick wait (None where `select.poll` is missing): the selected ranks' command
+        pipes, then the output pipes of those that run on this machine (`_direct`), in that order; made once
+        per selection of ranks and kept with the ranks (`quick_polls`).
+
+        The order is what lets a reply come without reading the rank's output pipes again: a rank writes its
+        output (flushed) before its reply, and one poll pass checks the descriptors in the order registered,
+        so when the pass that finds a reply checks that rank's output pipes, whatever it printed is there. A
+        trivial call then costs two `poll` calls less per rank (a quarter of its kernel side). A rank on
+        another host is excluded: its output and its reply reach the kernel through different relays."""
         if not hasattr(select, "poll"):
-            return
-        poller = select.poll()
-        waiting: dict[int, int] = {}
-        for index in self.pending:
-            fd = self.ranks[index].channel.fileno()
-            poller.register(fd, select.POLLIN)
-            waiting[fd] = index
+            return None
+        key = tuple(self.selected)
+        kept = self.quick_polls.get(key)
+        if kept is None:
+            poller, fds, direct = select.poll(), {}, set()
+            for index in self.selected:
+                fd = self.ranks[index].channel.fileno()
+                poller.register(fd, select.POLLIN)
+                fds[fd] = index
+            for index in self.selected:
+                if self.ranks[index].host is None:
+                    direct.add(index)
+                    for fd in self.streams[index].open_fds():
+                        poller.register(fd, select.POLLIN)
+                        fds[fd] = -1 - index  # an output pipe: negative
+            if len(self.quick_polls) >= QUICK_POLLS_KEPT:
+                self.quick_polls.clear()
+            kept = self.quick_polls[key] = (poller, fds, direct)
+        self._poller, self._fds, self._direct = kept
+        return self._poller
+
+    def _drain_ready(self, events: list[tuple[int, int]]) -> list[int]:
+        """Read the ready output pipes of `events` (one poll's answer); return the ranks whose command pipe is
+        ready, in the order polled."""
+        replies = []
+        for fd, _ in events:
+            index = self._fds.get(fd)
+            if index is None:
+                continue
+            if index >= 0:
+                replies.append(index)
+                continue
+            output = self.streams[-1 - index]
+            output.drain(fd)
+            self.changed = True  # live views (on_progress) show it
+            if fd in output.closed_fds:  # end of file: the rank exited (its command pipe says so too)
+                self._poller.unregister(fd)
+                self._fds.pop(fd, None)
+        return replies
+
+    def _quick_replies(self, poller: Any) -> None:
+        """Read the replies that come within QUICK_WAIT, with one poll object instead of a selector over every
+        pipe and sentinel (`_quick_poller`). The full loop in `run` then takes over (output, exits, hang
+        checks), also as soon as a rank that already replied sends more; a rank that died reads as EOF."""
         deadline = time.monotonic() + QUICK_WAIT
-        while waiting:
+        while self.pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            for fd, _ in poller.poll(left * 1000):
-                poller.unregister(fd)
-                self._reply(waiting.pop(fd))
+            for index in self._drain_ready(poller.poll(left * 1000)):
+                if index not in self.pending:
+                    return
+                self._reply(index, output_read=index in self._direct)
 
     # -------------------------------------------------------------------------------------- messages
-    def _reply(self, index: int) -> None:
+    def _reply(self, index: int, output_read: bool = False) -> None:
+        """Read one message of rank `index`. `output_read`: its output pipes were read after the message came
+        (`_quick_poller`), so a reply takes what was read without reading them again."""
         rank = self.ranks[index]
         try:
             message = rank.channel.recv()
@@ -169,7 +238,7 @@ class Call:
         if kind != _REPLY or message.get("id") != self.call_id:
             return  # a late reply of an interrupted earlier call
         self.replies[index] = message
-        self.outputs[index] = self.streams[index].take()
+        self.outputs[index] = self.streams[index].take(poll=not output_read)
         self.pending.discard(index)
         if message.get("pg_broken") and message.get("error") and self.broken is None:
             error = message["error"]
@@ -248,7 +317,7 @@ class Call:
 
     def _check(self) -> None:
         states = self.states()
-        now = self.prompts.wall()
+        now = self._prompts.wall() if self._prompts is not None else time.time()
         diagnosis = diagnose(states, now, self.timeout, min(MISMATCH_GRACE, self.timeout))
         if diagnosis is not None:
             raise Hang(diagnosis, states, now)
@@ -270,6 +339,21 @@ class Call:
                 self._reply(conns[conn])
 
     # -------------------------------------------------------------------------------------- results
+    def _values(self) -> list[Any] | None:
+        """The selected ranks' values, or None when a rank failed or a value cannot be loaded here (the results
+        then say what happened)."""
+        values = []
+        for index in self.selected:
+            reply = self.replies[index]
+            if "error" in reply or "value_error" in reply:
+                return None
+            data = reply.get("value")
+            try:
+                values.append(None if data is None else loads(data))
+            except Exception:
+                return None
+        return values
+
     def results(self) -> RankResults:
         return RankResults(self._result(index) for index in self.selected)
 

@@ -94,6 +94,7 @@ class RankPool:
         self._finalizer: weakref.finalize | None = None
         self._observers: list[tuple[Any, Callable[[dict], None]]] = [(o, observer_of(o)) for o in observers]
         self._reader: TelemetryReader | None = None
+        self._every_rank = list(range(self.world_size))  # the selection of a call on every rank
         self._start()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -286,7 +287,10 @@ class RankPool:
         if not callable(function):
             raise TypeError(f"function must be callable, got {type(function).__name__}")
         payload = dumps_payload(function, args, kwargs)
-        results = self._call(lambda call_id: (PoolCommand.RUN.value, call_id, payload), None, None, report=True)
+        results = self._call(lambda call_id: (PoolCommand.RUN.value, call_id, payload), None, None, report=True,
+                             values_only=True)
+        if not isinstance(results, RankResults):  # every rank returned: its values, no results built
+            return results
         results.raise_if_failed()
         return results.values
 
@@ -321,13 +325,17 @@ class RankPool:
     # ------------------------------------------------------------------------------------------ the wait
     def _call(self, make: Callable[[int], tuple], ranks: Iterable[int] | None,
               timeout: float | None, on_progress: Callable[[RankResults], None] | None = None,
-              report: bool = False) -> RankResults:
+              report: bool = False, values_only: bool = False) -> RankResults | list[Any]:
+        """Run one call (pool/call.py) and handle what it ends with (a hang, an interrupt, a broken process
+        group). `values_only` (with nothing attached to report to): a plain list of values when every rank
+        returned one."""
         timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout")
         with self._lock:
             if self._workers is None:
                 raise RuntimeError("the RankPool is shut down: start a new one (or %ranks start)")
             selected = self._select(ranks)
-            call = Call(self._workers.ranks, self._workers.outputs, selected, next(self._ids), timeout, on_progress, _DisplayTarget())
+            call = Call(self._workers.ranks, self._workers.outputs, selected, next(self._ids), timeout, on_progress,
+                        _DisplayTarget(), self._workers.quick_polls)
             runs_code = report  # exec and run ask for a report
             report = report and bool(self._observers)  # status messages for a cell / function call
             if report:
@@ -335,7 +343,10 @@ class RankPool:
                     worker = self._workers.ranks[index]
                     self._notify(status_message(index, RankState.RUNNING, worker.device, host=worker.host))
             try:
-                results = call.run(make)
+                results = call.run(make, values_only and not report)
+                if not isinstance(results, RankResults):
+                    self._failed_ranks = []
+                    return results
                 if runs_code:  # exec/run: the ranks that failed are what `debug` opens
                     self._failed_ranks = [result.rank for result in results if result.error is not None]
                 if report:
@@ -370,7 +381,7 @@ class RankPool:
 
     def _select(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
-            return list(range(self.world_size))
+            return self._every_rank  # a call reads its selection, never changes it
         if isinstance(ranks, int) and not isinstance(ranks, bool):
             ranks = [ranks]
         try:

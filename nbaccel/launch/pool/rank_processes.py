@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
 from ..errors import oom_hint
@@ -74,9 +74,12 @@ class RankOutput:
         self.closed_fds.update((self.out_fd, self.err_fd))
         self._output_poll = None
 
-    def take(self) -> tuple[str, str]:
-        """What the rank wrote since the last take: (stdout, stderr)."""
-        if self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
+    def take(self, poll: bool = True) -> tuple[str, str]:
+        """What the rank wrote since the last take: (stdout, stderr). `poll=False`: only what was read already
+        (the caller just read the pipes that were ready: pool/call.py's quick wait)."""
+        if not poll:
+            pass
+        elif self._output_poll is not None:  # one poll instead of a read of each pipe (most calls print nothing)
             for fd, events in self._output_poll.poll(0):
                 if events & select.POLLNVAL:  # closed on this side (the pool is stopping)
                     self._closed(fd)
@@ -102,6 +105,7 @@ class RankProcesses:
         through its backend (kernel/persistent.py), which owns the processes."""
         self.ranks: list[StartedRank] = []  # the pool's ranks, as the backend started them
         self.outputs: list[RankOutput] = []  # by rank: what each wrote
+        self.quick_polls: dict[tuple[int, ...], Any] = {}  # pool/call.py's poll objects, by selection of ranks
         self.closed = False
         self.start_method = plan.start_method
         # what every launch owns (preload, private FileStore folder, rank groups and their keeper): the session's
