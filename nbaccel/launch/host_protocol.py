@@ -45,12 +45,14 @@ class KernelFrame(str, Enum):
 
 @dataclass(frozen=True)
 class Probe:
-    """The kernel's first message: `port` is the rendezvous port to check on this host (the first host
-    only; 0: pick a free one), None on the other hosts; `modules`, the modules the pickled function refers to
-    by name (serialize.referenced_modules), to check that this host can import them."""
+    """The kernel's first message: `port` is the rendezvous port whose store this host's agent opens (the
+    first host only; 0: a free one; host_agent.open_store), None on the other hosts; `modules`, the modules
+    the pickled function refers to by name (serialize.referenced_modules), to check that this host can import
+    them."""
 
     port: int | None = None
     modules: tuple[str, ...] = ()
+    launch: bool = True  # a launch's function (False: RankPool's ranks): what the agent preloads for them
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Hello:
     versions: dict[str, str]
     address: str | None  # this host's address as the kernel's SSH connection reached it
     gpus: int
-    port: int | None = None  # the rendezvous port, free on this host (answer to Probe.port)
+    port: int | None = None  # the rendezvous port, its store open on this host (answer to Probe.port)
     port_error: str | None = None  # why the asked port cannot be opened here
     missing: tuple[tuple[str, str], ...] = ()  # (module, why) for each of Probe.modules this host cannot import
 

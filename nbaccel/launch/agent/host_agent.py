@@ -1,8 +1,9 @@
 """The host agent: `python -m nbaccel.launch.agent.host_agent`, started by the kernel on each host over SSH.
 
-It answers the kernel's probe (versions, address, a free rendezvous port, and which of the modules the
-pickled function names by reference this host's Python cannot find), starts this host's ranks with the
-backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
+It answers the kernel's probe (versions, address, on the first host the rendezvous port of the store it opens
+for the ranks, and which of the modules the pickled function names by reference this host's Python cannot
+find), imports what the ranks will inherit while the kernel checks every host's answer, starts this host's
+ranks with the backend of the plan it is sent (a launch's: LocalBackend, each rank runs worker/entry.py's run_worker;
 RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
@@ -42,6 +43,7 @@ DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or
 SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
 READ_SIZE = 65536
 READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
+STORE_TIMEOUT = 300.0  # seconds the rendezvous store's own client waits (it is not used: the ranks have theirs)
 
 
 def connection_address() -> str | None:
@@ -63,10 +65,64 @@ def probe_port(port: int | None) -> tuple[int | None, str | None]:
         return sock.getsockname()[1], None
 
 
+def open_store(port: int | None) -> tuple[int | None, str | None]:
+    """On the first host (`port` not None; 0: a free one): open the ranks' rendezvous store, torch's TCPStore
+    server, now, in a process of its own that lives as long as this agent; the ranks connect to it as clients
+    (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). Opened by rank 0 instead, it would be up only
+    once that rank runs, and a rank of another host that came first would back off ~0.5 s before it tried
+    again. Not in this process: the ranks fork from here, and a fork copies no thread (the store's server is
+    one) but whatever lock such a thread held. (the port, None), or (port, why not) when the rendezvous
+    cannot listen on it here."""
+    port, error = probe_port(port)
+    if port is None or error is not None:
+        return port, error
+    ready_r, ready_w = os.pipe()
+    alive_r, alive_w = os.pipe()  # the agent holds its write end: its end of file ends the store's process
+    if os.fork() == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
+        os.close(ready_r)
+        os.close(alive_w)
+        _serve_store(port, ready_w, alive_r)
+    os.close(ready_w)
+    os.close(alive_r)
+    _SESSION_FDS.append(alive_w)  # the ranks forked later do not keep the store alive
+    with os.fdopen(ready_r, "rb") as ready:
+        answer = ready.read().decode(errors="replace")
+    if not answer.isdigit():  # taken since the probe (another process of this host), or torch refused
+        return port, f"port {port} cannot be opened on {socket.gethostname()} ({answer or 'the store ended'})"
+    return int(answer), None
+
+
+def _serve_store(port: int, ready_w: int, alive_r: int) -> None:
+    """The store's process: open the store, say its port (or why not), hold it until the agent ends."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ..worker.parent_death import die_with_parent
+
+    die_with_parent()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # not the SSH session's stderr: the session ends with the agent, not with this
+        os.dup2(devnull, fd)
+    try:  # it listens on every interface, as rank 0's store would (README: what a launch exposes)
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=STORE_TIMEOUT))
+        os.write(ready_w, str(store.port).encode())
+    except BaseException as exc:
+        os.write(ready_w, str(exc).encode(errors="replace")[:2000])
+        os._exit(1)
+    os.close(ready_w)
+    try:
+        while os.read(alive_r, 4096):
+            pass
+    finally:
+        os._exit(0)
+
+
 def hello(probe: Probe) -> Hello:
     import torch
 
-    port, error = probe_port(probe.port)
+    port, error = open_store(probe.port)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Hello(hostname=socket.gethostname(), pid=os.getpid(), versions=versions(),
                  address=connection_address(), gpus=gpus, port=port, port_error=error,
@@ -334,6 +390,9 @@ def main() -> int:
     except (EOFError, OSError):
         return 0
     kernel.send(hello(probe))
+    # while the kernel checks every host's hello (one round trip, and the slowest host's login and imports),
+    # import what the ranks will inherit: then the Start message finds the agent ready to fork
+    preload(probe.launch)
     try:
         start = commands.recv()
     except (EOFError, OSError):
@@ -352,10 +411,32 @@ def main() -> int:
             pass
         if relay.backend is not None:
             relay.backend.stop()
+            relay.backend.close()
         return 1
     relay.serve()
     return 0
 
 
+def preload(launch: bool) -> None:
+    """Import what this host's ranks import before their function runs (they fork from here and inherit it)."""
+    from ..kernel.module_preload import preload_worker_modules
+    from ..kernel.placements import select_backend  # noqa: F401  (Relay.start's imports, paid now)
+    from ..kernel.start_methods import choose_start_method
+
+    try:
+        preload_worker_modules(choose_start_method(None)[0], launch=launch)
+    except Exception:
+        pass  # Relay.start imports them again, and reports to the kernel what fails
+
+
+def leave(code: int) -> None:
+    """Exit without the interpreter's teardown: everything this agent started is stopped and reaped by now
+    (Relay.serve), and unwinding a process that imported torch costs ~0.3 s, which the kernel would wait for
+    (it waits for every agent's exit before the launch returns)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -6,9 +6,11 @@ stdout are the channel (host_protocol.py). Before any rank starts, every agent a
 versions (compared with the kernel's), the modules the pickled function refers to by name that it cannot
 import, its address and, on the first host, a rendezvous port it can open.
 Then each agent starts its host's ranks, which meet through torch's TCPStore on the first host
-(`MASTER_ADDR`/`MASTER_PORT`, init_method env://). A relay thread per agent turns the agent's frames back
-into local pipes of the usual shape (a channel Connection and two output fds per rank), so the supervisor
-watches the ranks of every host exactly as it watches local ones, and labels their lines `[host rank N]`.
+(`MASTER_ADDR`/`MASTER_PORT`, init_method env://), held by that host's agent from its hello on (every rank a
+client, TORCHELASTIC_USE_AGENT_STORE), so no rank waits for rank 0 to open it. A relay thread per agent turns
+the agent's frames back into local pipes of the usual shape (a channel Connection and two output fds per
+rank), so the supervisor watches the ranks of every host exactly as it watches local ones, and labels their
+lines `[host rank N]`.
 An agent that goes away (killed, its host lost) fails its ranks; stopping closes every session, and each
 agent stops its ranks when its session ends.
 
@@ -135,6 +137,11 @@ class SshBackend(Backend):
     def __init__(self) -> None:
         self.agents: list[Agent] = []
         self._exits: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        # a byte per queued exit: the supervisor's wait wakes on it (wait_objects), not at its next poll, once
+        # the relay closed the rank's pipes (the exit comes right after their end of file)
+        self._exit_wake = os.pipe()
+        for fd in self._exit_wake:
+            os.set_blocking(fd, False)
         self._reported: set[int] = set()
         self._stopping = False
         self.world_size = 0
@@ -159,7 +166,8 @@ class SshBackend(Backend):
             modules = tuple(referenced_modules(data)) if data is not None else ()
             for agent in self.agents:
                 try:
-                    agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules))
+                    agent.send(Probe(port=first_port if agent.index == 0 else None, modules=modules,
+                                     launch=not self.pool))
                 except OSError:  # its session already ended (ssh could not reach the host): the hello wait says why
                     pass
             self._wait_hellos(plan)
@@ -242,6 +250,9 @@ class SshBackend(Backend):
         # the host's name as the user gave it, for errors only the rank can word (a module missing there); the
         # kernel stamps it on the rank's messages itself (supervisor.py, pool/rank_processes.py)
         environ[LAUNCH_HOST_ENV] = agent.host
+        if self.agents[0].hello is not None and self.agents[0].hello.port is not None:
+            # the first host's agent holds the store (host_agent.open_store): every rank is its client
+            environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         # each agent runs its host's ranks as local processes (its LocalBackend), the same program
         return dataclasses.replace(plan, placement=Placement.LOCAL, node_rank=agent.index,
                                    num_nodes=len(self.agents), master_addr=master, port=port, hosts=None, timeout=None,
@@ -316,6 +327,11 @@ class SshBackend(Backend):
         for name in list(agent.writers[i]):
             self._close_writer(agent, i, name)
         self._exits.put((agent.first_rank + i, code))
+        if not self._released:  # its fds closed: their numbers may be another file's now
+            try:
+                os.write(self._exit_wake[1], b"\0")
+            except OSError:
+                pass  # full: the supervisor has wake-ups enough to read
         if (agent.index, i) in self.remote:
             self.remote[(agent.index, i)].report_exit(code)
 
@@ -386,9 +402,14 @@ class SshBackend(Backend):
 
     # ------------------------------------------------------------------ the Backend protocol
     def wait_objects(self) -> list[Any]:
-        return []
+        return [] if self._released else [self._exit_wake[0]]
 
     def poll_exits(self) -> list[tuple[int, int]]:
+        try:
+            while not self._released and os.read(self._exit_wake[0], 4096):
+                pass
+        except OSError:
+            pass  # read empty
         exits = []
         while True:
             try:
@@ -441,6 +462,7 @@ class SshBackend(Backend):
                 agent.process.stderr.close()
         for rank in self.remote.values():
             rank.close_exit()  # a rank whose exit was never reported counts as exited (-1)
+        close_quietly(*self._exit_wake)
 
 
 class SlurmBackend(SshBackend):
