@@ -70,10 +70,13 @@ class LaunchSession:
 
     def start(self, payload: Payload | None = None) -> list[StartedRank]:
         """Start the ranks through the backend (`open` first); on failure the backend stopped them."""
+        later = self.groups if self._keeper_later else None
+        if later is not None and hasattr(self.backend, "after_forks"):
+            self.backend.after_forks = later.start_keeper_soon  # queued right behind the forks (fork thread)
         with gc_frozen(self.plan.start_method if self.backend.freezes_gc else "none"):
             ranks = self.backend.start(self.plan, payload)
-        if self.groups is not None and self._keeper_later:
-            self.groups.start_keeper_soon()  # the ranks wait for it before they run the function
+        if later is not None and not later.keeper_asked:  # e.g. spawned ranks: started here, not by the fork thread
+            later.start_keeper_soon()  # the ranks wait for it before they run the function
         return ranks
 
     def close(self) -> None:

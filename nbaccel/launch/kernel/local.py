@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,9 @@ class LocalBackend(Backend):
     def __init__(self) -> None:
         self.processes: list[Any] = []
         self._reported: set[int] = set()
+        # queued by the launch session (the rank groups' keeper start): run by the fork thread right after the
+        # forks, with no hand-off back to this thread in between
+        self.after_forks: Callable[[], Any] | None = None
 
     def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:
         """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
@@ -69,7 +73,7 @@ class LocalBackend(Backend):
 
         try:
             if forked:  # every rank from the fork thread, in one hand-off
-                run_forks(start_ranks)
+                run_forks(start_ranks, then=self.after_forks)
             else:
                 start_ranks()
         except BaseException:

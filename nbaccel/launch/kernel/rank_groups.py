@@ -58,7 +58,13 @@ class RankGroups:
         for the keeper's exec would inherit, and hold, the pipe it waits on. Each rank waits for the keeper's
         name in the folder before its function runs (worker/parent_death.py `wait_for_keeper`): nothing a rank
         starts can outlive a kernel killed in between."""
-        self._starting = run_soon(self._start_keeper)
+        if self._starting is None and self._keeper is None:
+            self._starting = run_soon(self._start_keeper)
+
+    @property
+    def keeper_asked(self) -> bool:
+        """Whether the keeper was started or asked for (`start_keeper_soon`)."""
+        return self._starting is not None or self._keeper is not None
 
     def _keeper_started(self) -> None:
         """Wait until `start_keeper_soon`'s job is done (the keeper's handle is known, or there is none), through
