@@ -456,6 +456,9 @@ def after_end_training(lib):
     """`end_training` destroys the process group (no launcher that forked the ranks owns it here): the state
     keeps its description, and collectives after it raise on both."""
     accelerator = lib.Accelerator(cpu=True)
+    # every rank past gloo's connect first: a rank that destroys its group while the other still completes the
+    # mesh ends that one's init with "Connection closed by peer" (seen under accelerate on a busy machine)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"initialized": torch.distributed.is_initialized(),
             "state": (str(accelerator.distributed_type), accelerator.num_processes, accelerator.process_index),
