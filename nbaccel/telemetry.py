@@ -218,7 +218,7 @@ def _on_collective(event: str, trace: collective_trace.in_collective) -> None:
 
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------
 
-FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages: the dashboard redraws at most 4/s
+FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages (the dashboard redraws at most 5/s by default)
 
 
 def start_sampler(interval: float = 0.5) -> None:
