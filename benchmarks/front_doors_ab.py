@@ -2,7 +2,9 @@
 
   launch      notebook_launcher(fn, num_processes=2) as in benchmarks/launch.py (PartialState, all_reduce,
               results back, dashboard "auto" with its output captured): ms per launch, in one kernel-like process
-  pool.exec   RankPool(2).exec("a = 1 + 1") as in benchmarks/ranks.py: ms per call on running ranks
+  pool.exec   RankPool(2).exec("a = 1 + 1") as in benchmarks/ranks.py: ms per call on running ranks, the calls
+              right after the pool started (the ranks may still finish their own start meanwhile)
+  pool.exec settled   the same calls 1 s after the pool started: the steady state of a notebook's later cells
   cli         `nbaccel launch --num_processes 2 --cpu script.py` (join, one all_reduce, exit) as in
               benchmarks/cli_launch.py: wall seconds of the whole command
 
@@ -24,11 +26,12 @@ from pathlib import Path
 
 from cli_launch import SCRIPT  # benchmarks/cli_launch.py's script: the same `nbaccel launch` row
 
-INNER = {"launch": 5, "pool.exec": 200}  # repetitions inside one process (median taken there)
+INNER = {"launch": 5, "pool.exec": 200, "pool.exec settled": 200}  # repetitions inside one process (median taken there)
 
 CHILD = r"""
 import contextlib, io, json, os, statistics, sys, time
 what, inner = sys.argv[1], int(sys.argv[2])
+settle = 1.0 if what.endswith("settled") else 0.0
 import torch, torch.distributed as dist
 if what == "launch":
     from nbaccel import notebook_launcher
@@ -52,6 +55,7 @@ else:
     from nbaccel import RankPool
 
     with RankPool(2, timeout=30) as pool:
+        time.sleep(settle)
         for _ in range(20):
             pool.exec("a = 1 + 1")
         times = []
@@ -79,7 +83,7 @@ def measure(root: str, what: str, tmp: Path) -> float:
 def main() -> None:
     root_a, root_b = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    whats = ("launch", "pool.exec", "cli")
+    whats = ("launch", "pool.exec", "pool.exec settled", "cli")
     times: dict[tuple[str, str], list[float]] = {(w, r): [] for w in whats for r in "AB"}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -93,7 +97,7 @@ def main() -> None:
         a, b = times[(what, "A")], times[(what, "B")]
         ratio = statistics.median(x / y for x, y in zip(a, b))
         unit, scale = ("s", 1) if what == "cli" else ("ms", 1000)
-        print(f"  {what:<10} A {statistics.median(a) * scale:8.2f} {unit} ({min(a) * scale:.2f}-{max(a) * scale:.2f})"
+        print(f"  {what:<17} A {statistics.median(a) * scale:8.2f} {unit} ({min(a) * scale:.2f}-{max(a) * scale:.2f})"
               f"   B {statistics.median(b) * scale:8.2f} {unit} ({min(b) * scale:.2f}-{max(b) * scale:.2f})"
               f"   A/B {ratio:.3f}")
 
