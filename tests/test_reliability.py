@@ -4,6 +4,7 @@ still reported with its type and traceback."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,7 +123,14 @@ def test_fifty_runs_of_a_correct_two_rank_script_all_exit_zero(tmp_path: Path) -
                 started.append(subprocess.Popen([sys.executable, str(script)], env=rank_env, cwd=tmp_path,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         for process in started:
-            out, _ = process.communicate(timeout=180)
+            try:
+                out, _ = process.communicate(timeout=180)
+            except subprocess.TimeoutExpired:  # a hang: say where it was, leave nothing running
+                where = _where_stuck(process.pid)
+                for other in started:
+                    other.kill()
+                    other.communicate()
+                pytest.fail(f"a rank still ran after 180 s (run {first // at_once}):\n{where}")
             if process.returncode != 0:
                 failures.append(f"exit {process.returncode}: {out[-500:]}")
     assert failures == [], f"{len(failures)} of {2 * runs} ranks failed:\n" + "\n".join(failures)
@@ -197,3 +205,20 @@ def test_nbaccel_launch_shows_type_and_traceback_when_str_raises(tmp_path: Path)
                          capture_output=True, text=True, timeout=150, env=_env(), cwd=tmp_path)
     assert run.returncode == 1
     assert "UnprintableError" in run.stderr and "in main" in run.stderr, run.stderr
+
+
+def _where_stuck(pid: int) -> str:
+    """A hung rank's threads (name, scheduler state) and, where py-spy is installed, their stacks."""
+    lines = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        lines.append(f"thread {tid} {stat[stat.index('('):stat.rindex(')') + 1]} {stat[stat.rindex(')') + 2]}")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if Path(spy).exists():
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=60)
+        lines.append(dump.stdout + dump.stderr)
+    return "\n".join(lines)
