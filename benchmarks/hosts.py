@@ -15,6 +15,7 @@ resolve the names normally. Each run: the function returns its rank after joinin
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -65,11 +66,65 @@ def run_torchrunx(config: Path) -> list[int]:
     return [result.rank(i) for i in range(4)]
 
 
+# The floor's program on each host (`python -c`): import torch, fork 2 ranks that join the process group (gloo)
+# through the TCPStore the first host's process opens once they are forked (a fork after the store's server
+# thread started copies whatever lock that thread held: 1 launch in 6 hung), print their ranks, exit. Each rank
+# waits for the store to listen first (torch's own client would back off 0.3-0.5 s). The barrier is what makes
+# it correct, not extra: a rank that exits while another still builds gloo's mesh fails that one. Every process
+# leaves with os._exit, as nbaccel's agent does.
+FLOOR_PROGRAM = """
+import os, socket, sys, time
+import torch.distributed as dist
+node, address, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # both hosts are this machine (nbaccel sets the same)
+children = []
+for local in range(2):
+    pid = os.fork()
+    if pid == 0:
+        while socket.socket().connect_ex((address, port)):
+            time.sleep(0.002)
+        dist.init_process_group("gloo", store=dist.TCPStore(address, port, is_master=False),
+                                rank=2 * node + local, world_size=4)
+        dist.barrier()
+        os.write(1, f"{dist.get_rank()}\\n".encode())  # one write: whole lines
+        os._exit(0)
+    children.append(pid)
+if node == 0:
+    store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False)
+os._exit(max(os.waitpid(pid, 0)[1] for pid in children) and 1)  # not unwinding torch's modules: ~0.3 s
+"""
+
+
+def run_floor(config: Path, python: str = sys.executable, program: str = FLOOR_PROGRAM) -> list[int]:
+    """The least code that gives the same result over SSH: per host one `ssh HOST python -c FLOOR_PROGRAM`,
+    all at once; the ranks come back on stdout; wait for both sessions. (`python`, `program`: the timeline's
+    stamping wrapper and program, benchmarks/hosts_timeline.py.)"""
+    import shlex
+    import subprocess
+
+    with socket.socket() as sock:  # a free port for the first host's store, as nbaccel's kernel picks one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sessions = [subprocess.Popen(["ssh", "-F", str(config), "-T", "-o", "BatchMode=yes", "--", name,
+                                  shlex.join([python, "-c", program, str(node), "127.0.0.1", str(port)])],
+                                 stdout=subprocess.PIPE, text=True)
+                for node, name in enumerate(NAMES)]
+    ranks = []
+    for session in sessions:
+        try:
+            out, _ = session.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for each in sessions:
+                each.kill()
+            raise
+        assert session.returncode == 0, f"the floor's session ended with {session.returncode}"
+        ranks += [int(line) for line in out.split()]
+    return ranks
+
+
 def force_torchrunx_over_ssh() -> None:
     """torchrunx's launcher decides "this machine: no SSH" by resolving the host name; make that one decision
     see a remote address, so it logs in over SSH as it would to another machine."""
-    import socket
-
     from torchrunx.utils import environment
 
     fake = types.SimpleNamespace(**{name: getattr(socket, name) for name in dir(socket) if not name.startswith("__")})

@@ -1,13 +1,17 @@
-"""Two checkouts of nbaccel, A and B, launching on 2 hosts x 2 ranks over SSH, interleaved with torchrunx.
+"""Two checkouts of nbaccel, A and B, launching on 2 hosts x 2 ranks over SSH, interleaved with torchrunx and
+the floor.
 
 The launch of benchmarks/hosts.py (`notebook_launcher(f, num_processes=2, hosts=[a, b])`, f joins the process
 group and returns its rank; torchrunx's `Launcher(hostnames=[a, b], workers_per_host=2).run(f)`), on one
-private sshd of 127.0.0.1 (tests/ssh_server.py), both hosts this machine. Each variant lives in a process of
+private sshd of 127.0.0.1 (tests/ssh_server.py), both hosts this machine. The floor is the least code that
+gives the same result over SSH (benchmarks/hosts.py run_floor: per host one `ssh HOST python -c ...` at once,
+which imports torch and forks 2 ranks that join the group through the first host's TCPStore and print their
+ranks): how far a launch is from what the logins and torch's import allow. Each variant lives in a process of
 its own that imports its checkout (as a kernel would, for many launches), warmed up by one launch; then every
 round runs one launch of each variant, in an order shuffled per round, so load drifts hit all alike. The ratios
 are taken per round; their medians are reported with the machine's load.
 
-    python benchmarks/hosts_ab.py A_ROOT B_ROOT [rounds] [--no-torchrunx]
+    python benchmarks/hosts_ab.py A_ROOT B_ROOT [rounds] [--no-torchrunx] [--no-floor]
     (e.g. a checkout of main as A, this worktree as B)
 """
 
@@ -35,10 +39,12 @@ def child(kind: str, root: str) -> None:
     for name in [name for name in sys.modules if name == "nbaccel" or name.startswith("nbaccel.")]:
         del sys.modules[name]
     cloudpickle.register_pickle_by_value(hosts)
+    config = Path(os.environ["NBACCEL_SSH_CONFIG"])
     if kind == "torchrunx":
         hosts.force_torchrunx_over_ssh()
-        config = Path(os.environ["NBACCEL_SSH_CONFIG"])
         run = lambda: hosts.run_torchrunx(config)  # noqa: E731
+    elif kind == "floor":
+        run = lambda: hosts.run_floor(config)  # noqa: E731
     else:
         run = hosts.run_nbaccel
     import nbaccel
@@ -65,6 +71,8 @@ def main() -> None:
     variants = {"A": ("nbaccel", a_root), "B": ("nbaccel", b_root)}
     if "--no-torchrunx" not in sys.argv:
         variants["torchrunx"] = ("torchrunx", b_root)
+    if "--no-floor" not in sys.argv:
+        variants["floor"] = ("floor", b_root)
     children: dict[str, subprocess.Popen] = {}
     try:
         env = dict(os.environ, NBACCEL_SSH_CONFIG=str(hosts.bench_config(server)), TORCHRUNX_LOG_DIR="")
@@ -96,13 +104,19 @@ def main() -> None:
         for name, values in times.items():
             print(f"  {name:9s} median {statistics.median(values):.2f} s  min {min(values):.2f} s  "
                   f"all {', '.join(f'{v:.2f}' for v in values)}")
-        print(f"  B / A: {statistics.median(b / a for a, b in zip(times['A'], times['B'])):.2f}x (median of the "
-              "rounds' ratios)")
-        if "torchrunx" in times:
-            for name in ("A", "B"):
-                ratio = statistics.median(times[name]) / statistics.median(times["torchrunx"])
-                paired = statistics.median(x / t for x, t in zip(times[name], times["torchrunx"]))
-                print(f"  {name} / torchrunx: {ratio:.2f}x (medians), {paired:.2f}x (median of the rounds' ratios)")
+
+        def ratios(top: str, bottom: str) -> str:
+            by_medians = statistics.median(times[top]) / statistics.median(times[bottom])
+            by_rounds = statistics.median(x / y for x, y in zip(times[top], times[bottom]))
+            return f"{by_medians:.2f}x (medians), {by_rounds:.2f}x (median of the rounds' ratios)"
+
+        print(f"  B / A: {ratios('B', 'A')}")
+        for name in ("A", "B"):
+            for anchor in ("torchrunx", "floor"):
+                if anchor in times:
+                    print(f"  {name} / {anchor}: {ratios(name, anchor)}")
+        if "torchrunx" in times and "floor" in times:
+            print(f"  torchrunx / floor: {ratios('torchrunx', 'floor')}")
     finally:
         for process in children.values():
             if process.poll() is None:

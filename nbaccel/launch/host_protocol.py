@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-AGENT_MODULE = "nbaccel.launch.agent.host_agent"
+AGENT_MODULE = "nbaccel.launch.agent"  # its __main__.py
 STOP = "stop"
 
 

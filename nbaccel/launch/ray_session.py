@@ -2,7 +2,7 @@
 stdin and stdout as bytes through its methods (`write`, `read`).
 
 `hosts="ray"` (kernel/ray_backend.py) places one such actor on each node, in the launch's placement group,
-and runs the host agent in it (`python -m nbaccel.launch.agent.host_agent`), exactly as sshd runs it for
+and runs the host agent in it (`python -m nbaccel.launch.agent`), exactly as sshd runs it for
 `hosts=[...]`. The actor holds the node's share of the group (its CPUs; its GPUs, for which Ray sets
 CUDA_VISIBLE_DEVICES, and the command inherits it). Ray's own channel carries the bytes; nothing here opens a
 port. The command is this node's Python (`sys.executable` of the Ray worker) running a module.

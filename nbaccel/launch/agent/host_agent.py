@@ -1,4 +1,5 @@
-"""The host agent: `python -m nbaccel.launch.agent.host_agent`, started by the kernel on each host over SSH.
+"""The host agent: `python -m nbaccel.launch.agent` (agent/__main__.py), started by the kernel on each host over
+SSH.
 
 It answers the kernel's probe (versions, address, on the first host the rendezvous port of the store it opens
 for the ranks, and which of the modules the pickled function names by reference this host's Python cannot
@@ -25,6 +26,7 @@ forked here do not keep this process's ends of the SSH session open (`_release_s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import queue
 import signal
@@ -393,6 +395,11 @@ def main() -> int:
     # while the kernel checks every host's hello (one round trip, and the slowest host's login and imports),
     # import what the ranks will inherit: then the Start message finds the agent ready to fork
     preload(probe.launch)
+    # collections on again (agent/__main__.py turned them off for the imports), the imported heap frozen: no
+    # collection here or in a rank forked from here walks torch's objects again (local.py's ranks inherit the
+    # same frozen heap from the kernel: start_methods.gc_frozen)
+    gc.freeze()
+    gc.enable()
     try:
         start = commands.recv()
     except (EOFError, OSError):
@@ -436,7 +443,3 @@ def leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main())

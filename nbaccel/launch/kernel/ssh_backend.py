@@ -1,7 +1,7 @@
 """Placements ssh and slurm: ranks on several hosts, one agent per host started over SSH (or srun in a SLURM
 allocation), running a launch's function or RankPool's rank loop.
 
-The kernel runs `ssh HOST python -m nbaccel.launch.agent.host_agent` per host; the SSH session's stdin and
+The kernel runs `ssh HOST python -m nbaccel.launch.agent` per host; the SSH session's stdin and
 stdout are the channel (host_protocol.py). Before any rank starts, every agent answers a probe: its
 versions (compared with the kernel's), the modules the pickled function refers to by name that it cannot
 import, its address and, on the first host, a rendezvous port it can open.
