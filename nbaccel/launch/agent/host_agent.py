@@ -8,7 +8,9 @@ ranks with the backend of the plan it is sent (a launch's: LocalBackend, each ra
 RankPool's: PersistentBackend, each rank runs worker/pool_rank.py's loop), and relays their pipes, output and
 exits to the kernel over its stdin/stdout (host_protocol.py), and the kernel's messages to them. It
 stops its ranks and exits when the kernel says stop or the SSH session closes (stdin ends), so a kernel that
-dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself.
+dies leaves nothing running; its ranks die with it (PR_SET_PDEATHSIG) if it is killed itself. A launch's
+agent also leaves on its own once every rank's exit is reported (a restart starts new agents: launcher.py),
+so its end overlaps the kernel's handling of the last exit instead of waiting for the kernel's stop.
 
 Order: everything goes to the kernel on one stream (this process's stdout), and a rank's output that came
 before one of its messages goes before it. A rank flushes its stdout/stderr before it sends a message (a
@@ -197,6 +199,7 @@ class Relay:
         self.backend: Any = None
         self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
         self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
+        self.leaves_when_done = False  # a launch's ranks: nothing is left to relay once every one exited
 
     def start(self, start: Start) -> None:
         from ..kernel.module_preload import preload_worker_modules
@@ -206,6 +209,7 @@ class Relay:
 
         method, _ = choose_start_method(None)
         plan = dataclasses.replace(start.plan, start_method=method)
+        self.leaves_when_done = plan.program is Program.FUNCTION
         preload_worker_modules(method, launch=plan.program is Program.FUNCTION)
         self.backend = select_backend(plan)
         if plan.program is Program.POOL:  # RankPool's ranks: commands and status both ways, telemetry
@@ -246,6 +250,8 @@ class Relay:
                     elif id(obj) in readers and readers[id(obj)] in self.pipes:
                         self._read_pipe(readers[id(obj)])
                 self._report_exits()
+                if self.leaves_when_done and self.backend.finished():
+                    return
         finally:
             self.backend.stop()
             try:
