@@ -15,7 +15,6 @@ resolve the names normally. Each run: the function returns its rank after joinin
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -102,9 +101,9 @@ def run_floor(config: Path, python: str = sys.executable, program: str = FLOOR_P
     import shlex
     import subprocess
 
-    with socket.socket() as sock:  # a free port for the first host's store, as nbaccel's kernel picks one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from nbaccel.utils.other import get_free_port
+
+    port = get_free_port("127.0.0.1")  # the first host's store port, picked as nbaccel's kernel picks one
     sessions = [subprocess.Popen(["ssh", "-F", str(config), "-T", "-o", "BatchMode=yes", "--", name,
                                   shlex.join([python, "-c", program, str(node), "127.0.0.1", str(port)])],
                                  stdout=subprocess.PIPE, text=True)
@@ -125,6 +124,8 @@ def run_floor(config: Path, python: str = sys.executable, program: str = FLOOR_P
 def force_torchrunx_over_ssh() -> None:
     """torchrunx's launcher decides "this machine: no SSH" by resolving the host name; make that one decision
     see a remote address, so it logs in over SSH as it would to another machine."""
+    import socket
+
     from torchrunx.utils import environment
 
     fake = types.SimpleNamespace(**{name: getattr(socket, name) for name in dir(socket) if not name.startswith("__")})
