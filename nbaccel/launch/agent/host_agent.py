@@ -48,6 +48,7 @@ SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once th
 READ_SIZE = 65536
 READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 STORE_TIMEOUT = 300.0  # seconds the rendezvous store's own client waits (it is not used: the ranks have theirs)
+LISTEN_BACKLOG = 1024  # ranks connecting to the store before it serves wait here (torch's own server's backlog)
 
 
 def connection_address() -> str | None:
@@ -57,47 +58,65 @@ def connection_address() -> str | None:
     return parts[2] if len(parts) == 4 else None
 
 
-def probe_port(port: int | None) -> tuple[int | None, str | None]:
-    """(the port, None) when the rendezvous can listen on it here (0: a free one), else (port, why not)."""
+def listen_port(port: int | None) -> tuple[socket.socket | None, str | None]:
+    """(a socket listening on `port` (0: a free one) for the rendezvous here, None) or (None, why not); (None,
+    None) when `port` is None (not the first host). Listening from now on, the port stays ours until the store
+    takes the socket over, and a rank that connects early waits in its backlog instead of backing off."""
     if port is None:
         return None, None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("", port))
-        except OSError as exc:
-            return port, f"port {port} cannot be opened on {socket.gethostname()} ({exc.strerror})"
-        return sock.getsockname()[1], None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store: a port in TIME_WAIT is free
+    try:
+        sock.bind(("", port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        return None, f"port {port} cannot be opened on {socket.gethostname()} ({exc.strerror})"
+    return sock, None
 
 
 def open_store(port: int | None) -> tuple[int | None, str | None]:
     """On the first host (`port` not None; 0: a free one): open the ranks' rendezvous store, torch's TCPStore
-    server, now, in a process of its own that lives as long as this agent; the ranks connect to it as clients
+    server, in a process of its own that lives as long as this agent; the ranks connect to it as clients
     (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). Opened by rank 0 instead, it would be up only
     once that rank runs, and a rank of another host that came first would back off ~0.5 s before it tried
     again. Not in this process: the ranks fork from here, and a fork copies no thread (the store's server is
-    one) but whatever lock such a thread held. (the port, None), or (port, why not) when the rendezvous
-    cannot listen on it here."""
-    port, error = probe_port(port)
-    if port is None or error is not None:
+    one) but whatever lock such a thread held. The socket listens before the fork and the store serves it
+    (`master_listen_fd`), so the hello does not wait for the store's process to run; whether torch opened the
+    store is read before any rank starts (`check_store`). (the port, None), or (port, why not) when the
+    rendezvous cannot listen on it here."""
+    sock, error = listen_port(port)
+    if sock is None:
         return port, error
+    listening = sock.getsockname()[1]
     ready_r, ready_w = os.pipe()
     alive_r, alive_w = os.pipe()  # the agent holds its write end: its end of file ends the store's process
     if os.fork() == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
         os.close(ready_r)
         os.close(alive_w)
-        _serve_store(port, ready_w, alive_r)
+        _serve_store(sock.fileno(), listening, ready_w, alive_r)
+    sock.close()  # the store's process holds it: no rank forked later inherits it
     os.close(ready_w)
     os.close(alive_r)
     _SESSION_FDS.append(alive_w)  # the ranks forked later do not keep the store alive
-    with os.fdopen(ready_r, "rb") as ready:
-        answer = ready.read().decode(errors="replace")
-    if not answer.isdigit():  # taken since the probe (another process of this host), or torch refused
-        return port, f"port {port} cannot be opened on {socket.gethostname()} ({answer or 'the store ended'})"
-    return int(answer), None
+    _STORE_READY.append(ready_r)
+    return listening, None
 
 
-def _serve_store(port: int, ready_w: int, alive_r: int) -> None:
-    """The store's process: open the store, say its port (or why not), hold it until the agent ends."""
+def check_store() -> None:
+    """Before this host's ranks start: RuntimeError if torch could not open the store on the listening socket
+    (the agent reports it to the kernel, which stops every host). Long answered by then."""
+    while _STORE_READY:
+        with os.fdopen(_STORE_READY.pop(), "rb") as ready:
+            answer = ready.read().decode(errors="replace")
+        if not answer.isdigit():
+            raise RuntimeError(f"the rendezvous store could not open on {socket.gethostname()}: "
+                               f"{answer or 'its process ended'}")
+
+
+def _serve_store(listen_fd: int, port: int, ready_w: int, alive_r: int) -> None:
+    """The store's process: open the store on the socket, say its port (or why not), hold it until the agent
+    ends."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -110,7 +129,7 @@ def _serve_store(port: int, ready_w: int, alive_r: int) -> None:
         os.dup2(devnull, fd)
     try:  # it listens on every interface, as rank 0's store would (README: what a launch exposes)
         store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=STORE_TIMEOUT))
+                              timeout=timedelta(seconds=STORE_TIMEOUT), master_listen_fd=listen_fd)
         os.write(ready_w, str(store.port).encode())
     except BaseException as exc:
         os.write(ready_w, str(exc).encode(errors="replace")[:2000])
@@ -207,6 +226,7 @@ class Relay:
         from ..kernel.plan import Program
         from ..kernel.start_methods import choose_start_method
 
+        check_store()
         method, _ = choose_start_method(None)
         plan = dataclasses.replace(start.plan, start_method=method)
         self.leaves_when_done = plan.program is Program.FUNCTION
@@ -364,6 +384,7 @@ class Relay:
 
 
 _SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
+_STORE_READY: list[int] = []  # the store's process says here whether torch opened the store (open_store)
 
 
 def _release_session_in_child() -> None:
