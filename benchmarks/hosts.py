@@ -93,6 +93,10 @@ if node == 0:
 os._exit(max(os.waitpid(pid, 0)[1] for pid in children) and 1)  # not unwinding torch's modules: ~0.3 s
 """
 
+# The same with torch's import run without garbage collection, as nbaccel's agent imports (agent/__main__.py):
+# ~0.12 s less on this VM. Not what a user's least code does; what the machine allows.
+FLOOR_PROGRAM_NO_GC = "import gc\ngc.disable()\n" + FLOOR_PROGRAM
+
 
 def run_floor(config: Path, python: str = sys.executable, program: str = FLOOR_PROGRAM) -> list[int]:
     """The least code that gives the same result over SSH: per host one `ssh HOST python -c FLOOR_PROGRAM`,

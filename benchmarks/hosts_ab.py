@@ -11,7 +11,8 @@ its own that imports its checkout (as a kernel would, for many launches), warmed
 round runs one launch of each variant, in an order shuffled per round, so load drifts hit all alike. The ratios
 are taken per round; their medians are reported with the machine's load.
 
-    python benchmarks/hosts_ab.py A_ROOT B_ROOT [rounds] [--no-torchrunx] [--no-floor]
+    python benchmarks/hosts_ab.py A_ROOT B_ROOT [rounds] [--no-torchrunx] [--no-floor] [--floor-nogc]
+    (--floor-nogc: also the floor with torch imported without garbage collection, as nbaccel's agent does)
     (e.g. a checkout of main as A, this worktree as B)
 """
 
@@ -45,6 +46,8 @@ def child(kind: str, root: str) -> None:
         run = lambda: hosts.run_torchrunx(config)  # noqa: E731
     elif kind == "floor":
         run = lambda: hosts.run_floor(config)  # noqa: E731
+    elif kind == "floor-nogc":
+        run = lambda: hosts.run_floor(config, program=hosts.FLOOR_PROGRAM_NO_GC)  # noqa: E731
     else:
         run = hosts.run_nbaccel
     import nbaccel
@@ -73,6 +76,8 @@ def main() -> None:
         variants["torchrunx"] = ("torchrunx", b_root)
     if "--no-floor" not in sys.argv:
         variants["floor"] = ("floor", b_root)
+    if "--floor-nogc" in sys.argv:
+        variants["floor-nogc"] = ("floor-nogc", b_root)
     children: dict[str, subprocess.Popen] = {}
     try:
         env = dict(os.environ, NBACCEL_SSH_CONFIG=str(hosts.bench_config(server)), TORCHRUNX_LOG_DIR="")
@@ -102,7 +107,7 @@ def main() -> None:
         print(f"2 hosts x 2 ranks over SSH (both hosts this machine), {rounds} interleaved rounds, load average "
               f"{min(loads):.1f}-{max(loads):.1f}; A = {a_root}, B = {b_root}")
         for name, values in times.items():
-            print(f"  {name:9s} median {statistics.median(values):.2f} s  min {min(values):.2f} s  "
+            print(f"  {name:10s} median {statistics.median(values):.2f} s  min {min(values):.2f} s  "
                   f"all {', '.join(f'{v:.2f}' for v in values)}")
 
         def ratios(top: str, bottom: str) -> str:
@@ -112,7 +117,7 @@ def main() -> None:
 
         print(f"  B / A: {ratios('B', 'A')}")
         for name in ("A", "B"):
-            for anchor in ("torchrunx", "floor"):
+            for anchor in ("torchrunx", "floor", "floor-nogc"):
                 if anchor in times:
                     print(f"  {name} / {anchor}: {ratios(name, anchor)}")
         if "torchrunx" in times and "floor" in times:
