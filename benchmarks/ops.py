@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -32,43 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # noqa: E402 - beside this file
 
 
-def drained_sink(rank: int):
-    """A launcher's telemetry sink for this rank (nbaccel's WorkerSink, as a launched rank has), its pipe read
-    and discarded by a thread as the kernel's supervisor reads it. Imported from whatever nbaccel is first on
-    the path (benchmarks/telemetry_path.py --tree)."""
-    from multiprocessing import Pipe
-    from threading import Thread
-
-    from nbaccel.launch.channel import WorkerSink
-
-    kernel_end, worker_end = Pipe(duplex=False)
-
-    def drain() -> None:
-        try:
-            while True:
-                kernel_end.recv()
-        except (EOFError, OSError):
-            pass
-
-    Thread(target=drain, daemon=True).start()
-    return WorkerSink(worker_end, rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: bool = False) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: bool = False) -> None:
+    join_ranks(rank, world, port, init=False)  # Accelerate's PartialState opens the group when installed
     import torch.distributed as dist
 
     try:
@@ -151,8 +118,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
     if rank == 0:
         queue.put(walls)
         queue.put({name: (statistics.median(values), cpus[name] / rounds) for name, values in walls.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def main() -> None:
@@ -162,20 +128,7 @@ def main() -> None:
                         help="run each rank's raw torch.distributed watch (worker/raw_calls.py), as a launch does")
     args = parser.parse_args()
     world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, queue, args.raw_watch)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        walls = queue.get(timeout=600)
-        medians = queue.get(timeout=60)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    walls, medians = run_ranks(_worker, args.rounds, args.raw_watch, world=world, results=2)
     print(f"{world} gloo processes, torch {torch.__version__}, {args.rounds} rounds of one call per variant, "
           f"raw-call watch {'on' if args.raw_watch else 'off'} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
