@@ -46,23 +46,26 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
         return run
 
     raw, call = collectives._all_gather_fn()
-    timed_launch = timed("the all-gather call (async: its start)", raw)
 
     class TimedWork:  # an asynchronous all-gather's handle, its wait timed
         def __init__(self, work) -> None:
             self.wait = timed("the all-gather's wait (async)", work.wait)
 
-    def timed_all_gather(*args):
-        if len(args) < 4 or not args[3]:  # async_op not set: the whole call
-            return timed("the all-gather call", raw)(*args)
-        return TimedWork(timed_launch(*args))
+    def timed_collective(fn):
+        whole, start = timed("the all-gather call", fn), timed("the all-gather call (async: its start)", fn)
 
-    collectives._all_gather_fn = lambda: (timed_all_gather, call)
+        def run(*args):  # (output, input, group, async_op)
+            return TimedWork(start(*args)) if len(args) > 3 and args[3] else whole(*args)
+        return run
+
+    timed_raw = timed_collective(raw)
+    collectives._all_gather_fn = lambda: (timed_raw, call)
     packing.pack = timed("pack", packing.pack)
     packing.unpack_gathered = timed("unpack", packing.unpack_gathered)
-    if hasattr(packing, "fill_stacked"):  # this branch's stacked gather: results made during the all-gather
-        packing.stacked_results = timed("results made (during the all-gather)", packing.stacked_results)
-        packing.fill_stacked = timed("unpack (one copy into the results)", packing.fill_stacked)
+    for name, step in (("stacked_results", "results tensor (made during the all-gather)"),
+                       ("fill_stacked", "unpack (one copy into the results)")):
+        if hasattr(packing, name):  # the stacked gather since fast-gather (issue 42)
+            setattr(packing, name, timed(step, getattr(packing, name)))
     collectives._layout = timed("layout key", collectives._layout)
     collectives.rebuild_flat = timed("rebuild the dict", collectives.rebuild_flat)
     trace = collectives.in_collective

@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import torch
@@ -37,12 +39,25 @@ def run_ranks(worker: Callable[..., None], *args: Any, world: int = 2, results: 
     for proc in procs:
         proc.start()
     try:
-        return [queue.get(timeout=timeout if i == 0 else 60) for i in range(results)]
+        return [_next(queue, procs, timeout if i == 0 else 60) for i in range(results)]
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def _next(queue: Any, procs: list[Any], timeout: float) -> Any:
+    """The next item a rank puts on `queue`; RuntimeError as soon as a rank has died (its traceback is on
+    stderr) or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return queue.get(timeout=1)
+        except Empty:
+            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks gave no result (exit codes {[p.exitcode for p in procs]})") from None
 
 
 def join_ranks(rank: int, world: int, port: int, tree: str | None = None, init: bool = True) -> None:
