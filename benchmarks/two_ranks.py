@@ -11,10 +11,10 @@ telemetry sink whose pipe a thread reads and discards, as the kernel's superviso
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -23,9 +23,14 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """nbaccel's port pick (below the ephemeral range: a bind(0) port can become another connection's source
+    port before the ranks bind it); this checkout's nbaccel, whichever tree the ranks import."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    try:
+        from nbaccel.utils.other import get_free_port
+    finally:
+        del sys.path[0]
+    return get_free_port("127.0.0.1")
 
 
 def run_ranks(worker: Callable[..., None], *args: Any, world: int = 2, results: int = 1,
