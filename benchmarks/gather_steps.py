@@ -7,7 +7,9 @@ telemetry sink attached (as a notebook_launcher worker runs), alternated round b
 raw all-gather of a flat buffer of the same size, in a shuffled order, the same on both ranks). On rank 0 each
 step is wrapped in a perf_counter_ns timer (~0.3-1 us of each figure is the wrapper): the layout key, the
 packing, the collective trace's enter and exit (the telemetry's listener included), the all-gather call
-itself, the unpacking and the rebuilt dict. Between two gathers torch and gloo run, so the steps run with
+itself, the unpacking and the rebuilt dict. Since fast-gather (issue 42) tensors of one shape start the
+all-gather asynchronously: its start and its wait are timed apart, with the results tensor and the rebuilt
+dict made in between, and the unpacking is one copy into that tensor after the wait. Between two gathers torch and gloo run, so the steps run with
 cold caches, as in a training loop. Printed: the medians, the gather's and the floor's median wall time,
 and the minor page faults of rank 0's main thread per call.
 
