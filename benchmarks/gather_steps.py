@@ -18,16 +18,20 @@ and the minor page faults of rank 0's main thread per call.
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import resource
-import statistics
 import time
-from pathlib import Path
 
 import torch
-from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # beside this file
+from two_ranks import (  # beside this file
+    drained_sink,
+    join_ranks,
+    leave_ranks,
+    medians_us,
+    run_ranks,
+    tree_arguments,
+    tree_header,
+)
 
 
 def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> None:
@@ -93,19 +97,14 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
             walls[name].append(clock() - start)
             faults[name] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     if rank == 0:
-        queue.put(({name: statistics.median(values) / 1e3 for name, values in spent.items()},
-                   {name: statistics.median(values) / 1e3 for name, values in walls.items()},
-                   {name: count / rounds for name, count in faults.items()}))
+        queue.put((medians_us(spent), medians_us(walls), {name: count / rounds for name, count in faults.items()}))
     leave_ranks()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=800)
-    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
-    args = parser.parse_args()
+    args = tree_arguments(__doc__, rounds=800)
     [(steps, walls, faults)] = run_ranks(_worker, args.rounds, args.tree)
-    print(f"{args.tree}: {args.rounds} rounds (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    print(tree_header(args))
     for name, us in steps.items():
         print(f"  {name:<26} {us:7.1f} us")
     print(f"  gather wall {walls['gather']:.1f} us, floor {walls['floor']:.1f} us: {walls['gather'] / walls['floor']:.2f}x;"

@@ -19,15 +19,19 @@ archive` of an earlier commit) can be timed with the same script, alternated wit
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # beside this file
+from two_ranks import (  # beside this file
+    drained_sink,
+    join_ranks,
+    leave_ranks,
+    run_ranks,
+    tree_arguments,
+    tree_header,
+)
 
 
 def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> None:
@@ -80,12 +84,9 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1500)
-    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
-    args = parser.parse_args()
+    args = tree_arguments(__doc__, rounds=1500)
     [(steps, walls)] = run_ranks(_worker, args.rounds, args.tree)
-    print(f"{args.tree}: {args.rounds} rounds (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    print(tree_header(args))
     print("  per collective, rank 0, median:")
     for name, us in steps.items():
         print(f"    {name:<24} {us:6.2f} us")

@@ -10,7 +10,9 @@ telemetry sink whose pipe a thread reads and discards, as the kernel's superviso
 
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +87,25 @@ def leave_ranks() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tree_arguments(doc: str, rounds: int) -> argparse.Namespace:
+    """The command line of a benchmark that times one source tree: `--rounds` and `--tree` (the checkout whose
+    nbaccel the ranks import: this one by default, or e.g. a `git archive` of an earlier commit)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
+    return parser.parse_args()
+
+
+def medians_us(samples: dict[str, list[int]]) -> dict[str, float]:
+    """The median of each list of nanosecond samples, in microseconds."""
+    return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
+
+
+def tree_header(args: argparse.Namespace) -> str:
+    """The first line of a report: the tree, the rounds and the machine's load."""
+    return f"{args.tree}: {args.rounds} rounds (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
 
 
 def drained_sink(rank: int):
