@@ -325,6 +325,34 @@ def test_a_rendezvous_port_the_first_host_cannot_open_is_named(ssh_config):
     assert all_gone(agents_of(ssh_config), within=5)
 
 
+def touch(path):
+    Path(path).touch()
+
+
+def test_a_store_torch_refuses_on_the_first_host_is_named_before_any_rank_starts(ssh_config, tmp_path,
+                                                                                  monkeypatch):
+    # the first host's agent listens on the port itself and torch's store serves that socket in a process of
+    # its own (host_agent.open_store): the hello waits for torch's answer, so no rank of any host starts
+    python = tmp_path / "store-refusing-python"
+    python.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import runpy, sys, torch.distributed as dist\n"
+        "real = dist.TCPStore\n"
+        "def refusing(*args, **kwargs):\n"
+        "    if kwargs.get(\"master_listen_fd\") is not None:\n"
+        "        raise RuntimeError(\"refused by the test\")\n"
+        "    return real(*args, **kwargs)\n"
+        "dist.TCPStore = refusing\n"
+        f"sys.argv = sys.argv[:1]; runpy.run_module(\"{AGENT_MODULE}\", run_name=\"__main__\")'\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("NBACCEL_SSH_PYTHON", str(python))
+    ran = tmp_path / "a-rank-ran"
+    with pytest.raises(HostError, match=r"rendezvous cannot listen on 'nbaccel-host-a': the store could not "
+                       r"open on port \d+ of .*refused by the test"):
+        notebook_launcher(touch, (str(ran),), num_processes=1, hosts=list(HOSTS), dashboard=False)
+    assert not ran.exists()
+    assert all_gone(agents_of(ssh_config), within=SESSION_END_GRACE + 10)
+
+
 def test_a_module_the_hosts_cannot_import_is_named_before_any_rank_starts(ssh_config, tmp_path, monkeypatch):
     # a training function in a .py file next to the notebook: importable in the kernel (its folder is on the
     # kernel's path), so cloudpickle sends it by name; the hosts' Python does not have that folder on its path

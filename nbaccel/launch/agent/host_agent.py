@@ -81,10 +81,11 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
     (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). Opened by rank 0 instead, it would be up only
     once that rank runs, and a rank of another host that came first would back off ~0.5 s before it tried
     again. Not in this process: the ranks fork from here, and a fork copies no thread (the store's server is
-    one) but whatever lock such a thread held. The socket listens before the fork and the store serves it
-    (`master_listen_fd`), so the hello does not wait for the store's process to run; whether torch opened the
-    store is read before any rank starts (`check_store`). (the port, None), or (port, why not) when the
-    rendezvous cannot listen on it here."""
+    one) but whatever lock such a thread held. The socket listens here first and the store serves it
+    (`master_listen_fd`): the port is held from the probe on (no window between a probe and the store's own
+    bind), and a rank that connects early waits in the backlog. The hello waits for torch's answer, so a store
+    that cannot open stops the launch before any rank of any host starts. (the port, None), or (port, why
+    not) when the rendezvous cannot listen on it here."""
     sock, error = listen_port(port)
     if sock is None:
         return port, error
@@ -99,19 +100,12 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
     os.close(ready_w)
     os.close(alive_r)
     _SESSION_FDS.append(alive_w)  # the ranks forked later do not keep the store alive
-    _STORE_READY.append(ready_r)
+    with os.fdopen(ready_r, "rb") as ready:
+        answer = ready.read().decode(errors="replace")
+    if not answer.isdigit():  # torch refused the socket
+        return listening, (f"the store could not open on port {listening} of {socket.gethostname()} "
+                           f"({answer or 'its process ended'})")
     return listening, None
-
-
-def check_store() -> None:
-    """Before this host's ranks start: RuntimeError if torch could not open the store on the listening socket
-    (the agent reports it to the kernel, which stops every host). Long answered by then."""
-    while _STORE_READY:
-        with os.fdopen(_STORE_READY.pop(), "rb") as ready:
-            answer = ready.read().decode(errors="replace")
-        if not answer.isdigit():
-            raise RuntimeError(f"the rendezvous store could not open on {socket.gethostname()}: "
-                               f"{answer or 'its process ended'}")
 
 
 def _serve_store(listen_fd: int, port: int, ready_w: int, alive_r: int) -> None:
@@ -226,7 +220,6 @@ class Relay:
         from ..kernel.plan import Program
         from ..kernel.start_methods import choose_start_method
 
-        check_store()
         method, _ = choose_start_method(None)
         plan = dataclasses.replace(start.plan, start_method=method)
         self.leaves_when_done = plan.program is Program.FUNCTION
@@ -384,7 +377,6 @@ class Relay:
 
 
 _SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
-_STORE_READY: list[int] = []  # the store's process says here whether torch opened the store (open_store)
 
 
 def _release_session_in_child() -> None:
