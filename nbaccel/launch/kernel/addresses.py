@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import socket
 
-from ...utils.other import get_free_port
 from ..errors import PortInUseError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on `host` right now and that no outgoing connection can take before the ranks
     bind it (utils.other.get_free_port says why)."""
+    # imported here: utils.other brings the config file and yaml (~8 ms), which a host agent, importing this
+    # module with the plan it unpickles, never needs (its ranks wait for that import)
+    from ...utils.other import get_free_port
+
     return get_free_port(host)
 
 
