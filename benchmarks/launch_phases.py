@@ -32,6 +32,8 @@ import torch.distributed as dist  # noqa: E402
 from nbaccel import notebook_launcher  # noqa: E402
 
 STAMPS: list[tuple[str, float, float]] = []  # (step, start, end) in this process
+FORKED = [0.0]  # in a forked child: when its at-fork hook ran (the fork's end, child side)
+os.register_at_fork(after_in_child=lambda: FORKED.__setitem__(0, time.perf_counter()))
 RANK_FILES = tempfile.mkdtemp(prefix="launch-phases-")
 
 
@@ -66,6 +68,9 @@ KERNEL_STEPS = [
     ("nbaccel.launch.kernel.launch_session", "RankGroups", "  rank groups + keeper"),
     ("nbaccel.launch.kernel.launch_session", "LaunchSession.start", "session.start (forks)"),
     ("nbaccel.launch.kernel.local", "start_process", "  one fork"),
+    ("nbaccel.launch.kernel.pipes", "Pipes.add", "  pipes of a rank"),
+    ("multiprocessing.process", "BaseProcess.start", "  Process.start"),
+    ("nbaccel.launch.kernel.rank_groups", "RankGroups._start_keeper", "  keeper start"),
     ("nbaccel.launch.kernel.launcher", "make_dashboard", "dashboard made"),
     ("nbaccel.launch.kernel.observers", "DashboardHandle.start", "dashboard start"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor.__init__", "supervisor init"),
@@ -91,7 +96,6 @@ RANK_STEPS = [
     ("nbaccel.launch.worker.entry", "execute", "execute"),
     ("nbaccel.launch.worker.entry", "start_memory_reports", "  memory reports"),
     ("nbaccel.launch.worker.entry", "watch_raw_collectives", "  raw collective watch"),
-    ("nbaccel.launch.worker.entry", "wait_for_keeper", "  wait for the keeper"),
 ]
 
 
@@ -167,6 +171,7 @@ def instrument_rank_entry() -> None:
     def run_worker(*args, **kwargs):
         forked = time.perf_counter()
         STAMPS.clear()  # the kernel's, inherited
+        STAMPS.append(("forked (child's at-fork hook)", FORKED[0], FORKED[0]))
         STAMPS.append(("rank entry", forked, forked))
         save_at_exit(RANK_FILES, STAMPS)
         try:
@@ -178,7 +183,8 @@ def instrument_rank_entry() -> None:
 
 
 def floor_worker(rank: int, port: int, folder: str) -> None:
-    stamps = [("rank entry", time.perf_counter(), time.perf_counter())]
+    stamps = [("forked (child's at-fork hook)", FORKED[0], FORKED[0]),
+              ("rank entry", time.perf_counter(), time.perf_counter())]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     start = time.perf_counter()
     dist.init_process_group("gloo", rank=rank, world_size=2)

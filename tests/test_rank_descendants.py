@@ -337,9 +337,8 @@ def _keeper_named() -> list[str]:
 @pytest.mark.parametrize("options", [{}, {"start_method": "spawn"}, {"max_restarts": 1}],
                          ids=["fork", "spawn", "elastic"])
 def test_the_launch_s_keeper_runs_before_a_rank_runs_its_function(options: dict) -> None:
-    """A function launch's keeper may start after the ranks' forks (kernel/rank_groups.py `start_keeper_soon`),
-    never after their functions: each rank sees it named in its group folder (torch elastic's ranks, which its
-    agent forks at any time, get a keeper started before them)."""
+    """A launch's keeper starts before its ranks (kernel/rank_groups.py `spawn_keeper`): each rank, forked,
+    spawned or started by torch elastic's agent, sees it named in its group folder when its function runs."""
     for _ in range(2):  # the second launch: the fork thread and the modules are warm, the forks fastest
         named = notebook_launcher(_keeper_named, num_processes=2, dashboard=False, **options)
         assert all(len(names) == 1 and names[0] != "keeper-none" for names in named), named
