@@ -5,7 +5,8 @@ output captured). Each step of the launching process and of a rank is wrapped in
 CLOCK_MONOTONIC: one clock for the kernel and its forked ranks); a rank writes its stamps to a file before it
 exits. Reported per step: the median over the launches of its duration and of when it starts, in ms after the
 call (kernel) or after the fork (rank), and the same for a raw fork floor (launch.py's) for comparison.
-Run: python benchmarks/launch_phases.py [launches]   (a profile of the kernel side: add --cprofile)
+Run: python benchmarks/launch_phases.py [launches]   (a profile of the kernel side: add --cprofile; the launch
+without its dashboard, to tell its cost apart: --no-dashboard)
 """
 
 from __future__ import annotations
@@ -229,7 +230,8 @@ def run_nbaccel(profile: bool) -> tuple[float, list, list]:
 
             profiler = cProfile.Profile()
             profiler.enable()
-        results = notebook_launcher(rank_side(nbaccel_worker), num_processes=2)
+        results = notebook_launcher(rank_side(nbaccel_worker), num_processes=2,
+                                    **({"dashboard": False} if "--no-dashboard" in sys.argv else {}))
         if profile:
             profiler.disable()
     end = time.perf_counter()
@@ -243,7 +245,7 @@ def run_nbaccel(profile: bool) -> tuple[float, list, list]:
     if profile:
         import pstats
 
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats(os.environ.get("PHASES_SORT", "cumulative")).print_stats(45)
     return start, kernel, ranks
 
 
