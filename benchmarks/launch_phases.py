@@ -74,6 +74,7 @@ KERNEL_STEPS = [
     ("nbaccel.launch.kernel.rank_groups", "RankGroups._start_keeper", "  keeper start"),
     ("nbaccel.launch.kernel.launcher", "make_dashboard", "dashboard made"),
     ("nbaccel.launch.kernel.observers", "DashboardHandle.start", "dashboard start"),
+    ("nbaccel.notebook.dashboard", "Dashboard._create_view", "  its view"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor.__init__", "supervisor init"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor.run", "supervisor.run"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor._drain", "  drain"),
@@ -97,6 +98,13 @@ RANK_STEPS = [
     ("nbaccel.launch.worker.entry", "execute", "execute"),
     ("nbaccel.launch.worker.entry", "start_memory_reports", "  memory reports"),
     ("nbaccel.launch.worker.entry", "watch_raw_collectives", "  raw collective watch"),
+    ("nbaccel.launch.worker.rank_display", "finish", "  rank_display.finish"),
+    ("nbaccel.launch.shared_tensors", "dumps_value", "  result pickled"),
+    ("nbaccel.launch.worker.entry", "flush_std", "  flush_std"),
+    ("nbaccel.launch.worker.entry", "_stop_telemetry_sampler", "  telemetry sampler stop"),
+    ("nbaccel.launch.channel", "WorkerSink.__call__", "  sink writes"),
+    ("nbaccel.telemetry", "detach", "  telemetry.detach"),
+    ("nbaccel.launch.channel", "WorkerSink.close", "sink.close"),
 ]
 
 
