@@ -6,7 +6,8 @@ CLOCK_MONOTONIC: one clock for the kernel and its forked ranks); a rank writes i
 exits. Reported per step: the median over the launches of its duration and of when it starts, in ms after the
 call (kernel) or after the fork (rank), and the same for a raw fork floor (launch.py's) for comparison.
 Run: python benchmarks/launch_phases.py [launches]   (a profile of the kernel side: add --cprofile; the launch
-without its dashboard, to tell its cost apart: --no-dashboard)
+without its dashboard, to tell its cost apart: --no-dashboard; the floor's ranks meeting in nbaccel's private
+rendezvous store instead of torch's env:// one, to tell the launch's own cost from the rendezvous's: --quick-floor)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 from nbaccel import notebook_launcher  # noqa: E402
 
+QUICK_FLOOR = "--quick-floor" in sys.argv
 STAMPS: list[tuple[str, float, float]] = []  # (step, start, end) in this process
 FORKED = [0.0]  # in a forked child: when its at-fork hook ran (the fork's end, child side)
 os.register_at_fork(after_in_child=lambda: FORKED.__setitem__(0, time.perf_counter()))
@@ -196,7 +198,13 @@ def floor_worker(rank: int, port: int, folder: str) -> None:
               ("rank entry", time.perf_counter(), time.perf_counter())]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     start = time.perf_counter()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if QUICK_FLOOR:  # the same rendezvous as nbaccel's ranks: the launch's own cost, the rendezvous's gain aside
+        from nbaccel.utils.file_rendezvous import QuickFileStore
+
+        store = QuickFileStore(os.path.join(folder, "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
     stamps.append(("init_process_group", start, time.perf_counter()))
     start = time.perf_counter()
     value = torch.ones(1)
@@ -222,8 +230,9 @@ def run_floor() -> tuple[float, list, list]:
     end = time.perf_counter()
     ranks = []
     for name in os.listdir(folder):
-        with open(os.path.join(folder, name)) as file:
-            ranks.append(json.load(file))
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as file:
+                ranks.append(json.load(file))
         os.remove(os.path.join(folder, name))
     os.rmdir(folder)
     return start, [*(("an exit seen", t, t) for t in joined[:1]), ("whole call", start, end)], ranks
@@ -300,7 +309,8 @@ def main() -> None:
     for i in range(launches):
         floor_runs.append(run_floor())
         nbaccel_runs.append(run_nbaccel(profile and i == launches - 1))
-    report("floor (raw fork + init_process_group + all_reduce)", floor_runs)
+    report("floor (raw fork + init_process_group" + (" over QuickFileStore" if QUICK_FLOOR else "") + " + all_reduce)",
+           floor_runs)
     report("nbaccel notebook_launcher", nbaccel_runs)
     os.rmdir(RANK_FILES)
 
