@@ -12,7 +12,6 @@ import importlib
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -21,14 +20,14 @@ from typing import Any
 import torch  # noqa: F401  (forked ranks inherit it)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from nbaccel.utils.other import get_free_port
+
 LIB = sys.argv[1] if __name__ == "__main__" else "nbaccel"
 lib = importlib.import_module(LIB)
 
 
 def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
+    return str(get_free_port("127.0.0.1"))  # below the ephemeral range: see get_free_port
 
 
 def launch(function: Any, args: tuple = (), **options: Any) -> Any:

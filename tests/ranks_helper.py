@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
+from nbaccel.utils.other import get_free_port
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return get_free_port("127.0.0.1")  # below the ephemeral range: see get_free_port
 
 
 def _entry(payload: bytes, rank: int, world_size: int, port: int, init: bool, extra_env: dict, conn) -> None:

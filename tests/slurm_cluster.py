@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbaccel.utils.other import get_free_port
+
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd")
 PLUGINS = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")
 
@@ -47,12 +49,6 @@ def missing_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def start_cluster(folder: Path, timeout: float = 30.0) -> SlurmCluster:
     """Write the configuration, start both daemons, wait until the node is idle; RuntimeError otherwise."""
     node = socket.gethostname()
@@ -60,8 +56,8 @@ def start_cluster(folder: Path, timeout: float = 30.0) -> SlurmCluster:
         (folder / sub).mkdir(parents=True, exist_ok=True)
     conf = folder / "slurm.conf"
     conf.write_text(
-        f"ClusterName=nbaccel\nSlurmctldHost={node}(127.0.0.1)\nSlurmctldPort={_free_port()}\n"
-        f"SlurmdPort={_free_port()}\nAuthType=auth/none\nCredType=cred/none\nSlurmUser=root\nSlurmdUser=root\n"
+        f"ClusterName=nbaccel\nSlurmctldHost={node}(127.0.0.1)\nSlurmctldPort={get_free_port()}\n"
+        f"SlurmdPort={get_free_port()}\nAuthType=auth/none\nCredType=cred/none\nSlurmUser=root\nSlurmdUser=root\n"
         f"StateSaveLocation={folder / 'state'}\nSlurmdSpoolDir={folder / 'spool'}\n"
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}\nSlurmdPidFile={folder / 'slurmd.pid'}\n"
         f"SlurmctldLogFile={folder / 'slurmctld.log'}\nSlurmdLogFile={folder / 'slurmd.log'}\n"

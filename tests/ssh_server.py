@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nbaccel.utils.other import get_free_port
 
 HOSTS = ("nbaccel-host-a", "nbaccel-host-b")
 SSHD = "/usr/sbin/sshd"
@@ -33,12 +34,6 @@ class SshServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _keygen(path: Path) -> None:
@@ -66,7 +61,7 @@ def start_server(folder: Path, timeout: float = 20.0) -> SshServer:
     _keygen(user_key)
     shutil.copy(folder / "user_key.pub", folder / "authorized_keys")
     os.chmod(folder / "authorized_keys", 0o600)
-    port = _free_port()
+    port = get_free_port("127.0.0.1")
     (folder / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\nPidFile {folder / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {folder / 'authorized_keys'}\nPasswordAuthentication no\n"

@@ -23,14 +23,13 @@ from nbaccel.commands.launch import (
 )
 from nbaccel.commands.main import build_parser
 from nbaccel.utils.config_file import LaunchConfig, load_config
+from nbaccel.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return get_free_port("127.0.0.1")  # below the ephemeral range: see get_free_port
 
 
 def start(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:

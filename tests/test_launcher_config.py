@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +13,7 @@ from nbaccel.launch import notebook_launcher
 from nbaccel.launch.kernel import plan as launcher_module
 from nbaccel.launch.kernel.saved_config import apply_saved_config, default, is_default
 from nbaccel.utils.config_file import ConfigError
+from nbaccel.utils.other import get_free_port
 
 ENV_NAMES = ("NBACCEL_MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION", "NBACCEL_GRADIENT_ACCUMULATION_STEPS",
              "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "NBACCEL_USE_CPU", "MASTER_PORT", "WORLD_SIZE")
@@ -31,9 +31,7 @@ def worker_env():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return get_free_port("127.0.0.1")  # below the ephemeral range: see get_free_port
 
 
 def test_signature_defaults_stay_accelerates():

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nbaccel.utils.other import get_free_port
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -40,18 +41,12 @@ def _path() -> str:
     return os.pathsep.join([str(ROOT), str(SIDE), str(LIBRARIES)])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_reference(tmp_path: Path, lora: bool) -> dict:
     """Rank 0's result of trainer_run.py started by torchrun on 2 processes."""
     out = tmp_path / f"torchrun-{lora}.json"
     env = {**os.environ, "PYTHONPATH": _path(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(LIBRARIES / "trainer_run.py"), *(["--lora"] if lora else []),
+               "--master_port", str(get_free_port("127.0.0.1")), str(LIBRARIES / "trainer_run.py"), *(["--lora"] if lora else []),
                str(out)]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     # (rank 0 writes its result when training is over; a torchrun that then fails while its ranks exit, which

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from process_helpers import live_children
 from nbaccel.launch import LaunchError, notebook_launcher
 from nbaccel.launch.pool import RankFailedError, RankPool
 from nbaccel.utils.exception_report import report_exception, safe_message
+from nbaccel.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,12 +40,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------ 1. a correct script exits 0
@@ -117,7 +111,7 @@ def test_fifty_runs_of_a_correct_two_rank_script_all_exit_zero(tmp_path: Path) -
     for first in range(0, runs, at_once):
         started = []
         for _ in range(first, min(runs, first + at_once)):
-            port = str(_free_port())
+            port = str(get_free_port("127.0.0.1"))
             for rank in (0, 1):
                 rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), MASTER_PORT=port)
                 started.append(subprocess.Popen([sys.executable, str(script)], env=rank_env, cwd=tmp_path,
@@ -130,7 +124,8 @@ def test_fifty_runs_of_a_correct_two_rank_script_all_exit_zero(tmp_path: Path) -
                 for other in started:
                     other.kill()
                     other.communicate()
-                pytest.fail(f"a rank still ran after 180 s (run {first // at_once}):\n{where}")
+                pytest.fail(f"a rank still ran after 180 s (run {first // at_once}):\n{where}\n"
+                            f"ranks that failed before it: {failures}")
             if process.returncode != 0:
                 failures.append(f"exit {process.returncode}: {out[-500:]}")
     assert failures == [], f"{len(failures)} of {2 * runs} ranks failed:\n" + "\n".join(failures)

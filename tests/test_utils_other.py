@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
 import torch
 
-from nbaccel.utils import constants
+from nbaccel.utils import constants, other
 from nbaccel.utils.other import (
     convert_bytes,
     extract_model_from_parallel,
+    get_free_port,
     get_pretty_name,
     is_port_in_use,
     merge_dicts,
@@ -94,6 +96,41 @@ def test_small_helpers():
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
     assert not is_port_in_use(free)
+
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_where_no_connection_can_take_it():
+    """The ranks bind the port a second or more after it is picked. A port from the ephemeral range (what port 0
+    gives) can meanwhile become the source port of another process's outgoing connection: the store's bind then
+    fails with EADDRINUSE while its peers wait (seen as a rank hung for 180 s in test_reliability's 50 runs)."""
+    start = other._ephemeral_start()
+    if start is None:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here: the system picks the port")
+    with socket.socket() as server:  # a connection of the kind that would take an ephemeral port
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()) as client:
+            assert client.getsockname()[1] >= start
+            for _ in range(50):
+                port = get_free_port("127.0.0.1")
+                assert other.LOWEST_PICKED_PORT <= port < start
+                with socket.socket() as store:
+                    store.bind(("127.0.0.1", port))
+
+
+def test_picking_a_port_leaves_the_seeded_random_stream_alone():
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    get_free_port()
+    assert [random.random() for _ in range(3)] == expected
+
+
+def test_without_a_known_ephemeral_range_the_system_picks_the_port(monkeypatch):
+    monkeypatch.setattr(other, "_EPHEMERAL_RANGE", "/nonexistent/ip_local_port_range")
+    port = get_free_port("127.0.0.1")
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", port))
 
 
 # --- Accelerate 1.15 names: safetensors cleaning, regional compilation, module order, load ----------------

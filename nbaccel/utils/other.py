@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -231,11 +232,49 @@ def is_port_in_use(port: int | None = None) -> bool:
         return sock.connect_ex(("localhost", port or DEFAULT_MAIN_PROCESS_PORT)) == 0
 
 
-def get_free_port() -> int:
-    """A TCP port on localhost that is free right now."""
+# Ports are picked from LOWEST_PICKED_PORT up to the start of the system's ephemeral range, with a generator of
+# their own: picking a port must not move the user's seeded `random` stream.
+LOWEST_PICKED_PORT = 20000
+_port_choice = random.Random()
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def get_free_port(host: str = "") -> int:
+    """A TCP port that is free on `host` ("" = every interface) right now, below the ephemeral range.
+
+    The port goes to processes that bind it a second or more later (after torch's import). A port of the
+    ephemeral range, which binding port 0 would give, can meanwhile become the source port of any outgoing
+    connection on the machine (a store client or gloo pair of another launch); the store's bind then fails with
+    EADDRINUSE and its peers wait for a store that never opens. The system hands out no port below that range on
+    its own, so one picked there stays free until something binds it by number. Where the range leaves no room
+    (or is unknown: not Linux), the system picks as with port 0."""
+    below = _ephemeral_start()
+    if below is not None and below - LOWEST_PICKED_PORT >= 1024:
+        for _ in range(64):
+            port = _port_choice.randrange(LOWEST_PICKED_PORT, below)
+            if _can_bind(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_start() -> int | None:
+    """The first port of the system's ephemeral range, or None where it cannot be read."""
+    try:
+        with open(_EPHEMERAL_RANGE) as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def get_pretty_name(obj: Any) -> str:

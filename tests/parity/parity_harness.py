@@ -27,6 +27,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from nbaccel.utils.other import get_free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 LIBRARIES = ("accelerate", "nbaccel")
@@ -36,12 +38,6 @@ class RankFailure(AssertionError):
     """A rank raised, exited non-zero or ran past the time limit; carries every rank's output."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(fn: Callable, lib: str, num_processes: int = 2, args: tuple = (), timeout: float = 180) -> list:
     """Run `fn(lib_module, *args)` on `num_processes` ranks of library `lib`; the per-rank return values."""
     if lib not in LIBRARIES:
@@ -49,7 +45,7 @@ def run_ranks(fn: Callable, lib: str, num_processes: int = 2, args: tuple = (), 
     with tempfile.TemporaryDirectory(prefix=f"parity-{lib}-") as tmp:
         spec = Path(tmp) / "spec.pkl"
         spec.write_bytes(pickle.dumps({"module": fn.__module__, "name": fn.__name__, "lib": lib, "args": args}))
-        port = _free_port()
+        port = get_free_port("127.0.0.1")
         procs = []
         for rank in range(num_processes):
             env = dict(os.environ)

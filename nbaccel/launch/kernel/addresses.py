@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import socket
 
+from ...utils.other import get_free_port
 from ..errors import PortInUseError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on `host` right now and that no outgoing connection can take before the ranks
+    bind it (utils.other.get_free_port says why)."""
+    return get_free_port(host)
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
