@@ -5,8 +5,8 @@ torch's FileStore checks for a missing key every 10 ms. gloo's full-mesh connect
 peer's address, and the first rank there waits for the last one: the last rank's `init_process_group` then took
 2-13 ms on 2 cores (one poll period at random on the launch's path, ~5 ms on average), where it takes 2-5 ms
 when the wait ends as soon as the key is written. `QuickFileStore` keeps the FileStore (an owner-only file:
-nothing listens on the network) and waits by checking for the keys itself, every 0.2 ms at first, backing
-off to every 2 ms (one check reads a small file in memory: ~30 us).
+nothing listens on the network) and waits by checking for the keys itself, every 0.2-0.5 ms during the first
+0.1 s of a wait, backing off to every 10 ms after that (one check reads a small file in memory: ~30 us).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-FIRST_PAUSE = 0.0002  # seconds between the first checks for a missing key
-LONGEST_PAUSE = 0.002  # ... growing by half each time up to this
+FIRST_PAUSE = 0.0002  # seconds between the first checks for a missing key, growing by half each time up to
+SHORT_WAIT_PAUSE = 0.0005  # ... this during the first SHORT_WAIT seconds of a wait (the ranks of a launch
+SHORT_WAIT = 0.1  # arrive within milliseconds of each other: ~5% of a core while a rank waits), then up to
+LONG_WAIT_PAUSE = 0.01  # this, the FileStore's own pause (a rank that waits long for a slow peer costs little)
 # every store made here, kept for the process's life: torch keeps only the C++ part of a Python store, whose
 # overrides (these methods) went with the Python object when it was freed ("Not implemented" in a new group)
 _KEPT: list[QuickFileStore] = []
@@ -42,13 +44,14 @@ class QuickFileStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout if timeout is not None else self._store.timeout).total_seconds()
         deadline = time.monotonic() + limit if limit > 0 else None  # 0: no limit (torch's meaning)
-        pause = FIRST_PAUSE
+        pause, short_until = FIRST_PAUSE, time.monotonic() + SHORT_WAIT
         while not self._store.check(keys):
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise dist.DistStoreError(f"timed out after {limit:g} s waiting for the keys {keys} in the "
                                           f"rendezvous file {self.path}")
             time.sleep(pause)
-            pause = min(pause * 1.5, LONGEST_PAUSE)
+            pause = min(pause * 1.5, SHORT_WAIT_PAUSE if now < short_until else LONG_WAIT_PAUSE)
 
     def get(self, key: str) -> bytes:
         self.wait([key])
