@@ -7,7 +7,9 @@ telemetry sink attached (as a notebook_launcher worker runs), alternated round b
 raw all-gather of a flat buffer of the same size, in a shuffled order, the same on both ranks). On rank 0 each
 step is wrapped in a perf_counter_ns timer (~0.3-1 us of each figure is the wrapper): the layout key, the
 packing, the collective trace's enter and exit (the telemetry's listener included), the all-gather call
-itself, the unpacking and the rebuilt dict. Between two gathers torch and gloo run, so the steps run with
+itself, the unpacking and the rebuilt dict. Since fast-gather (issue 42) tensors of one shape start the
+all-gather asynchronously: its start and its wait are timed apart, with the results tensor and the rebuilt
+dict made in between, and the unpacking is one copy into that tensor after the wait. Between two gathers torch and gloo run, so the steps run with
 cold caches, as in a training loop. Printed: the medians, the gather's and the floor's median wall time,
 and the minor page faults of rank 0's main thread per call.
 
@@ -16,30 +18,24 @@ and the minor page faults of rank 0's main thread per call.
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import resource
-import socket
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from two_ranks import (  # beside this file
+    drained_sink,
+    join_ranks,
+    leave_ranks,
+    medians_us,
+    run_ranks,
+    tree_arguments,
+    tree_header,
+)
 
 
-def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
-    sys.path.insert(0, tree)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from ops import drained_sink  # benchmarks/ops.py, beside this file
-
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> None:
+    join_ranks(rank, world, port, tree)
     from nbaccel import telemetry
     from nbaccel.utils import collectives, packing
 
@@ -56,17 +52,33 @@ def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
         return run
 
     raw, call = collectives._all_gather_fn()
-    timed_all_gather = timed("the all-gather call", raw)
-    collectives._all_gather_fn = lambda: (timed_all_gather, call)
+
+    class TimedWork:  # an asynchronous all-gather's handle, its wait timed
+        def __init__(self, work) -> None:
+            self.wait = timed("the all-gather's wait (async)", work.wait)
+
+    def timed_collective(fn):
+        whole, start = timed("the all-gather call", fn), timed("the all-gather call (async: its start)", fn)
+
+        def run(*args):  # (output, input, group, async_op)
+            return TimedWork(start(*args)) if len(args) > 3 and args[3] else whole(*args)
+        return run
+
+    timed_raw = timed_collective(raw)
+    collectives._all_gather_fn = lambda: (timed_raw, call)
     packing.pack = timed("pack", packing.pack)
     packing.unpack_gathered = timed("unpack", packing.unpack_gathered)
+    for name, step in (("stacked_results", "results tensor (made during the all-gather)"),
+                       ("fill_stacked", "unpack (one copy into the results)")):
+        if hasattr(packing, name):  # the stacked gather since fast-gather (issue 42)
+            setattr(packing, name, timed(step, getattr(packing, name)))
     collectives._layout = timed("layout key", collectives._layout)
     collectives.rebuild_flat = timed("rebuild the dict", collectives.rebuild_flat)
     trace = collectives.in_collective
     trace.__enter__ = timed("trace enter (telemetry)", trace.__enter__)
     trace.__exit__ = timed("trace exit (telemetry)", trace.__exit__)
     data = {f"t{i}": torch.randn(1024) for i in range(16)}
-    flat, out = torch.randn(16 * 1024), torch.empty(2 * 16 * 1024)
+    flat, out = torch.randn(16 * 1024), torch.empty(world * 16 * 1024)
     for _ in range(30):
         collectives.gather(data)
     spent.clear()
@@ -85,34 +97,14 @@ def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
             walls[name].append(clock() - start)
             faults[name] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     if rank == 0:
-        queue.put(({name: statistics.median(values) / 1e3 for name, values in spent.items()},
-                   {name: statistics.median(values) / 1e3 for name, values in walls.items()},
-                   {name: count / rounds for name, count in faults.items()}))
-    dist.barrier()
-    dist.destroy_process_group()
+        queue.put((medians_us(spent), medians_us(walls), {name: count / rounds for name, count in faults.items()}))
+    leave_ranks()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=800)
-    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
-    args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(rank, port, args.rounds, args.tree, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        steps, walls, faults = queue.get(timeout=600)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    print(f"{args.tree}: {args.rounds} rounds (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    args = tree_arguments(__doc__, rounds=800)
+    [(steps, walls, faults)] = run_ranks(_worker, args.rounds, args.tree)
+    print(tree_header(args))
     for name, us in steps.items():
         print(f"  {name:<26} {us:7.1f} us")
     print(f"  gather wall {walls['gather']:.1f} us, floor {walls['floor']:.1f} us: {walls['gather'] / walls['floor']:.2f}x;"

@@ -5,9 +5,10 @@
 Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
 at least pay), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
-checks), (d) accelerate.utils.gather when Accelerate is installed, (e) nbaccel.utils.gather with a
-launcher's telemetry sink attached (what a notebook_launcher worker runs: every collective queues its
-`collective` enter/exit messages for the kernel's deadlock detection). Then gather_object and
+checks), and the same overlapped (the all-gather started asynchronously, the results made while it
+runs), (d) accelerate.utils.gather when Accelerate is installed, (e) nbaccel.utils.gather with a launcher's
+telemetry sink attached (what a notebook_launcher worker runs: every collective queues its `collective`
+enter/exit messages for the kernel's deadlock detection). Then gather_object and
 broadcast_object_list of a small dict, nbaccel against Accelerate.
 
 Each round times ONE call of every variant, in an order shuffled per round (the same on both ranks: they
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -32,43 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # noqa: E402 - beside this file
 
 
-def drained_sink(rank: int):
-    """A launcher's telemetry sink for this rank (nbaccel's WorkerSink, as a launched rank has), its pipe read
-    and discarded by a thread as the kernel's supervisor reads it. Imported from whatever nbaccel is first on
-    the path (benchmarks/telemetry_path.py --tree)."""
-    from multiprocessing import Pipe
-    from threading import Thread
-
-    from nbaccel.launch.channel import WorkerSink
-
-    kernel_end, worker_end = Pipe(duplex=False)
-
-    def drain() -> None:
-        try:
-            while True:
-                kernel_end.recv()
-        except (EOFError, OSError):
-            pass
-
-    Thread(target=drain, daemon=True).start()
-    return WorkerSink(worker_end, rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: bool = False) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: bool = False) -> None:
+    join_ranks(rank, world, port, init=False)  # Accelerate's PartialState opens the group when installed
     import torch.distributed as dist
 
     try:
@@ -98,6 +66,17 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
         parts = received.view(world, len(keys), -1).transpose(0, 1).reshape(len(keys), -1).unbind(0)
         return dict(zip(keys, parts))
 
+    def overlapped() -> dict:
+        """The same with the all-gather started asynchronously and the results made while it runs (what
+        nbaccel's gather does for tensors of one shape since issue 42's fast-gather), then one copy."""
+        received = torch.empty(world * flat.numel())
+        work = all_gather(received, torch.cat(list(data.values())), None, True)
+        results = torch.empty(len(keys), world * flat.numel() // len(keys))
+        gathered = dict(zip(keys, results.unbind(0)))
+        work.wait()
+        results.view(len(keys), world, -1).copy_(received.view(world, len(keys), -1).transpose(0, 1))
+        return gathered
+
     from nbaccel import telemetry
 
     sink = drained_sink(rank)
@@ -114,6 +93,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
         traced: lambda: ops.gather(data),
         "gather: floor (one raw all-gather)": lambda: all_gather(out, flat),
         "gather: by hand (cat, all-gather, split)": by_hand,
+        "gather: by hand, overlapped": overlapped,
         "gather_object: nbaccel": lambda: ops.gather_object([small]),
         "broadcast_object_list: nbaccel": lambda: ops.broadcast_object_list(to_send),
     }
@@ -124,6 +104,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
 
     # results agree before timing anything
     assert all(torch.equal(ops.gather(data)[k], v) for k, v in by_hand().items())
+    assert all(torch.equal(ops.gather(data)[k], v) for k, v in overlapped().items())
     if acc is not None:
         mine, theirs = ops.gather(data), acc.gather(data)
         assert all(torch.equal(mine[k], theirs[k]) for k in data)
@@ -151,8 +132,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue, raw_watch: boo
     if rank == 0:
         queue.put(walls)
         queue.put({name: (statistics.median(values), cpus[name] / rounds) for name, values in walls.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def main() -> None:
@@ -162,20 +142,7 @@ def main() -> None:
                         help="run each rank's raw torch.distributed watch (worker/raw_calls.py), as a launch does")
     args = parser.parse_args()
     world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, queue, args.raw_watch)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        walls = queue.get(timeout=600)
-        medians = queue.get(timeout=60)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    walls, medians = run_ranks(_worker, args.rounds, args.raw_watch, world=world, results=2)
     print(f"{world} gloo processes, torch {torch.__version__}, {args.rounds} rounds of one call per variant, "
           f"raw-call watch {'on' if args.raw_watch else 'off'} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
@@ -200,6 +167,9 @@ def main() -> None:
           f"{quartiles[0]:.2f}-{quartiles[2]:.2f}x over {len(paired)} rounds")
     print(f"gather, nbaccel / by hand:      {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)'):5.2f}x "
           f"wall, {ratio('gather: nbaccel', 'gather: by hand (cat, all-gather, split)', 1):5.2f}x CPU")
+    print(f"gather, by hand / floor:        {ratio('gather: by hand (cat, all-gather, split)', floor):5.2f}x wall; "
+          f"overlapped / floor {ratio('gather: by hand, overlapped', floor):5.2f}x wall "
+          f"(nbaccel / overlapped {ratio('gather: nbaccel', 'gather: by hand, overlapped'):5.2f}x)")
     if "gather: accelerate" in medians:
         print(f"gather, accelerate / nbaccel:   {ratio('gather: accelerate', 'gather: nbaccel'):5.2f}x wall, "
               f"{ratio('gather: accelerate', 'gather: nbaccel', 1):5.2f}x CPU  (goal >= 5x)")

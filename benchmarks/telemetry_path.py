@@ -19,28 +19,23 @@ archive` of an earlier commit) can be timed with the same script, alternated wit
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
-import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from two_ranks import (  # beside this file
+    drained_sink,
+    join_ranks,
+    leave_ranks,
+    run_ranks,
+    tree_arguments,
+    tree_header,
+)
 
 
-def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
-    sys.path.insert(0, tree)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from ops import drained_sink  # benchmarks/ops.py, beside this file
-
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> None:
+    join_ranks(rank, world, port, tree)
     from nbaccel import telemetry
     from nbaccel.utils import collective_trace
     from nbaccel.utils import operations as ops
@@ -85,31 +80,13 @@ def _worker(rank: int, port: int, rounds: int, tree: str, queue) -> None:
     if rank == 0:
         queue.put(({name: statistics.median(values) / 1e3 for name, values in sorted(spent.items())},
                    {name: statistics.median(values) * 1e6 for name, values in walls.items()}))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1500)
-    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
-    args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(rank, port, args.rounds, args.tree, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        steps, walls = queue.get(timeout=600)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    print(f"{args.tree}: {args.rounds} rounds (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    args = tree_arguments(__doc__, rounds=1500)
+    [(steps, walls)] = run_ranks(_worker, args.rounds, args.tree)
+    print(tree_header(args))
     print("  per collective, rank 0, median:")
     for name, us in steps.items():
         print(f"    {name:<24} {us:6.2f} us")

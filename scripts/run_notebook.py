@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import queue
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -81,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.notebook.is_file():
         parser.error(f"no notebook at {args.notebook}")
     notebook = nbformat.read(args.notebook, as_version=4)
+    # the kernel's sockets as files in a private folder (IPC), not TCP ports that any local user could reach
+    sockets = tempfile.mkdtemp(prefix="nbaccel-kernel-")
+    manager = AsyncKernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
     client = ScriptedInputClient(
-        notebook, timeout=args.timeout, kernel_name="python3",
+        notebook, km=manager, timeout=args.timeout, kernel_name="python3",
         resources={"metadata": {"path": str(args.notebook.parent.resolve())}},
     )
     failed = None
@@ -90,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         client.execute()
     except CellExecutionError as error:
         failed = error
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     for index, cell in enumerate(notebook.cells, start=1):
         if cell.cell_type == "code" and cell.get("outputs"):
             print(f"--- cell {index}")

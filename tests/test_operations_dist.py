@@ -206,6 +206,39 @@ def test_every_operation_on_nested_data_two_ranks():
     assert run_ranks(_check_values_and_types, init=True) == [True, True]
 
 
+def _same_shape_gathers(rank: int):
+    """Containers of same-shape tensors (gathered with their results made while the data travels): values,
+    shapes, contiguity and storage as a per-tensor torch.cat gives them, first call and the remembered one."""
+    from nbaccel.utils import gather
+
+    world = torch.distributed.get_world_size()
+    found = []
+    for make in (lambda r: {k: torch.arange(6.0).reshape(2, 3) + 10 * k + 100 * r for k in range(4)},
+                 lambda r: (torch.tensor(r), torch.tensor(10 + r)),  # 0-dim: 1-D results
+                 lambda r: [torch.full((2,), r, dtype=torch.int64), torch.full((2,), 5 + r, dtype=torch.int64)]):
+        mine, everyone = make(rank), [make(r) for r in range(world)]
+        for _ in range(2):  # checked, then remembered (fast path, kept receive buffer)
+            out = gather(mine)
+            assert type(out) is type(mine)
+            results = list(out.values()) if isinstance(out, dict) else list(out)
+            for i, result in enumerate(results):
+                parts = [(list(e.values()) if isinstance(e, dict) else list(e))[i] for e in everyone]
+                want = torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
+                assert torch.equal(result, want) and result.dtype == want.dtype and result.is_contiguous()
+                assert not result.requires_grad
+            found.append([r.shape for r in results])
+            kept = [r.clone() for r in results]
+            gather(make(rank + world))  # the same layout again must leave these results alone
+            assert all(torch.equal(r, k) for r, k in zip(results, kept))
+    return found
+
+
+def test_same_shape_tensors_gather_like_torch_cat_on_three_ranks():
+    found = run_ranks(_same_shape_gathers, world_size=3, init=True)
+    assert found[0] == found[1] == found[2]
+    assert found[0][0] == [torch.Size([6, 3])] * 4 and found[0][2] == [torch.Size([3])] * 2
+
+
 def _check_trace(rank: int):
 
     from nbaccel.utils import collective_trace, gather, reduce

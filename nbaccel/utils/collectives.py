@@ -192,10 +192,11 @@ def all_gather_rows(
     return out.view(world, flat.numel())
 
 
-def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> None:
-    """Run a torch collective; a size mismatch between ranks becomes an error that says what to do."""
+def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a torch collective (or wait for one), returning what it returns; a size mismatch between ranks
+    becomes an error that says what to do."""
     try:
-        fn(*args)
+        return fn(*args)
     except RuntimeError as exc:
         if "size" not in str(exc):
             raise
@@ -389,6 +390,8 @@ def _gather_known(data: Any, facts: _GroupFacts) -> Any:
         return None
     if plan is None:
         return None
+    if plan.stacked is not None:
+        return _gather_stacked(data, items, facts.world, plan)
     return rebuild_flat(data, _gather_packed(items, facts.world, plan))
 
 
@@ -410,6 +413,8 @@ def _gather_checked(tensor: Any, facts: _GroupFacts) -> Any:
             if len(facts.checked) >= _CHECKED_LAYOUTS:
                 facts.checked.clear()
             facts.checked[_layout(tensors)] = plan
+        if flat is not None and plan.stacked is not None:
+            return _gather_stacked(tensor, tensors, world, plan)
         results = _gather_packed(tensors, world, plan)
     else:  # no byte views on XLA: one buffer per dtype
         results = [None] * len(tensors)
@@ -436,6 +441,33 @@ def _gather_packed(tensors: list[torch.Tensor], world: int, plan: packing.Plan |
         if reuse and plan.receive is None and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
             plan.receive = rows.view(-1)
         return packing.unpack_gathered(plan, rows, tensors)
+    finally:
+        if reuse:
+            plan.lock.release()
+
+
+def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: packing.Plan) -> Any:
+    """`_gather_packed` for a plain dict, list or tuple (`data`) of tensors of one dtype and one shape (a
+    stacked plan), returning `data` rebuilt: the all-gather is started asynchronously and the results'
+    tensors and container are made while the data travels (they are views of one new tensor, as
+    `unpack_gathered` makes them); one reordering copy fills them once it has arrived."""
+    buffer = packing.pack(plan, tensors)
+    all_gather, call = _all_gather_fn()
+    reuse = plan.lock.acquire(blocking=False)  # the receive buffer is scratch: reused when no other thread has it
+    try:
+        rows = plan.receive if reuse else None
+        if rows is None:
+            rows = buffer.new_empty(world * buffer.numel())
+            if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+                plan.receive = rows
+        results = packing.stacked_results(plan, buffer)
+        with in_collective("gather", call, _traced(tensors, buffer)):
+            work = _call_checked("gather", all_gather, rows, buffer, None, True)  # async_op=True
+            gathered = rebuild_flat(data, list(results.unbind(0)))
+            if work is not None:  # (a backend that completes in the call returns no work)
+                _call_checked("gather", work.wait)
+        packing.fill_stacked(plan, rows, results)
+        return gathered
     finally:
         if reuse:
             plan.lock.release()

@@ -144,6 +144,19 @@ def unpack(plan: Plan, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) ->
     return results
 
 
+def stacked_results(plan: Plan, buffer: torch.Tensor) -> torch.Tensor:
+    """For a stacked plan: the empty (count, *gathered shape) tensor whose rows become the gathered tensors
+    (`unbind(0)`; `fill_stacked` writes the data), so they can be handed out before the data arrives."""
+    return torch.empty(plan.stacked, dtype=buffer.dtype, device=buffer.device)
+
+
+def fill_stacked(plan: Plan, rows: torch.Tensor, results: torch.Tensor) -> None:
+    """Copy an all-gathered (world, total) buffer into `stacked_results`'s tensor: one reordering copy (the
+    same data and layout as `unpack_gathered` makes; `rows` may be reused afterwards)."""
+    count, block = plan.stacked[0], plan.groups[0].block
+    results.view(count, plan.world, block).copy_(rows.view(plan.world, count, block).transpose(0, 1))
+
+
 def unpack_gathered(plan: Plan, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Split an all-gathered (world, total) buffer into one tensor per input, concatenated along dim 0.
 
