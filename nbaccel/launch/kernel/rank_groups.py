@@ -99,7 +99,6 @@ class RankGroups:
                 _reap(self._keeper)
                 self._keeper = None
 
-
     def _signal_keeper(self) -> None:
         if self._keeper is not None:  # the script and its `sleep`: the session it leads (not reaped yet)
             with contextlib.suppress(OSError):
