@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,12 +29,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as torch_mp  # noqa: E402
 
 from nbaccel import notebook_launcher  # noqa: E402
+from nbaccel.utils.other import get_free_port  # noqa: E402
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    # below the ephemeral range: a port from bind(0) could become another connection's source port before the
+    # ranks bind it (a run hung 12 min in Accelerate's variant, its rank 1 connecting to a store never opened)
+    return get_free_port("127.0.0.1")
 
 
 def floor_worker(rank: int, port: int) -> None:

@@ -5,7 +5,9 @@ output captured). Each step of the launching process and of a rank is wrapped in
 CLOCK_MONOTONIC: one clock for the kernel and its forked ranks); a rank writes its stamps to a file before it
 exits. Reported per step: the median over the launches of its duration and of when it starts, in ms after the
 call (kernel) or after the fork (rank), and the same for a raw fork floor (launch.py's) for comparison.
-Run: python benchmarks/launch_phases.py [launches]   (a profile of the kernel side: add --cprofile)
+Run: python benchmarks/launch_phases.py [launches]   (a profile of the kernel side: add --cprofile; the launch
+without its dashboard, to tell its cost apart: --no-dashboard; the floor's ranks meeting in nbaccel's private
+rendezvous store instead of torch's env:// one, to tell the launch's own cost from the rendezvous's: --quick-floor)
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import torch.distributed as dist  # noqa: E402
 
 from nbaccel import notebook_launcher  # noqa: E402
 
+QUICK_FLOOR = "--quick-floor" in sys.argv
 STAMPS: list[tuple[str, float, float]] = []  # (step, start, end) in this process
+FORKED = [0.0]  # in a forked child: when its at-fork hook ran (the fork's end, child side)
+os.register_at_fork(after_in_child=lambda: FORKED.__setitem__(0, time.perf_counter()))
 RANK_FILES = tempfile.mkdtemp(prefix="launch-phases-")
 
 
@@ -66,8 +71,12 @@ KERNEL_STEPS = [
     ("nbaccel.launch.kernel.launch_session", "RankGroups", "  rank groups + keeper"),
     ("nbaccel.launch.kernel.launch_session", "LaunchSession.start", "session.start (forks)"),
     ("nbaccel.launch.kernel.local", "start_process", "  one fork"),
+    ("nbaccel.launch.kernel.pipes", "Pipes.add", "  pipes of a rank"),
+    ("multiprocessing.process", "BaseProcess.start", "  Process.start"),
+    ("nbaccel.launch.kernel.rank_groups", "RankGroups._start_keeper", "  keeper start"),
     ("nbaccel.launch.kernel.launcher", "make_dashboard", "dashboard made"),
     ("nbaccel.launch.kernel.observers", "DashboardHandle.start", "dashboard start"),
+    ("nbaccel.notebook.dashboard", "Dashboard._create_view", "  its view"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor.__init__", "supervisor init"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor.run", "supervisor.run"),
     ("nbaccel.launch.kernel.supervisor", "Supervisor._drain", "  drain"),
@@ -91,7 +100,13 @@ RANK_STEPS = [
     ("nbaccel.launch.worker.entry", "execute", "execute"),
     ("nbaccel.launch.worker.entry", "start_memory_reports", "  memory reports"),
     ("nbaccel.launch.worker.entry", "watch_raw_collectives", "  raw collective watch"),
-    ("nbaccel.launch.worker.entry", "wait_for_keeper", "  wait for the keeper"),
+    ("nbaccel.launch.worker.rank_display", "finish", "  rank_display.finish"),
+    ("nbaccel.launch.shared_tensors", "dumps_value", "  result pickled"),
+    ("nbaccel.launch.worker.entry", "flush_std", "  flush_std"),
+    ("nbaccel.launch.worker.entry", "_stop_telemetry_sampler", "  telemetry sampler stop"),
+    ("nbaccel.launch.channel", "WorkerSink.__call__", "  sink writes"),
+    ("nbaccel.telemetry", "detach", "  telemetry.detach"),
+    ("nbaccel.launch.channel", "WorkerSink.close", "sink.close"),
 ]
 
 
@@ -167,6 +182,7 @@ def instrument_rank_entry() -> None:
     def run_worker(*args, **kwargs):
         forked = time.perf_counter()
         STAMPS.clear()  # the kernel's, inherited
+        STAMPS.append(("forked (child's at-fork hook)", FORKED[0], FORKED[0]))
         STAMPS.append(("rank entry", forked, forked))
         save_at_exit(RANK_FILES, STAMPS)
         try:
@@ -178,10 +194,17 @@ def instrument_rank_entry() -> None:
 
 
 def floor_worker(rank: int, port: int, folder: str) -> None:
-    stamps = [("rank entry", time.perf_counter(), time.perf_counter())]
+    stamps = [("forked (child's at-fork hook)", FORKED[0], FORKED[0]),
+              ("rank entry", time.perf_counter(), time.perf_counter())]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     start = time.perf_counter()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if QUICK_FLOOR:  # the same rendezvous as nbaccel's ranks: the launch's own cost, the rendezvous's gain aside
+        from nbaccel.utils.file_rendezvous import QuickFileStore
+
+        store = QuickFileStore(os.path.join(folder, "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
     stamps.append(("init_process_group", start, time.perf_counter()))
     start = time.perf_counter()
     value = torch.ones(1)
@@ -207,8 +230,9 @@ def run_floor() -> tuple[float, list, list]:
     end = time.perf_counter()
     ranks = []
     for name in os.listdir(folder):
-        with open(os.path.join(folder, name)) as file:
-            ranks.append(json.load(file))
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as file:
+                ranks.append(json.load(file))
         os.remove(os.path.join(folder, name))
     os.rmdir(folder)
     return start, [*(("an exit seen", t, t) for t in joined[:1]), ("whole call", start, end)], ranks
@@ -223,7 +247,8 @@ def run_nbaccel(profile: bool) -> tuple[float, list, list]:
 
             profiler = cProfile.Profile()
             profiler.enable()
-        results = notebook_launcher(rank_side(nbaccel_worker), num_processes=2)
+        results = notebook_launcher(rank_side(nbaccel_worker), num_processes=2,
+                                    **({"dashboard": False} if "--no-dashboard" in sys.argv else {}))
         if profile:
             profiler.disable()
     end = time.perf_counter()
@@ -237,7 +262,7 @@ def run_nbaccel(profile: bool) -> tuple[float, list, list]:
     if profile:
         import pstats
 
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats(os.environ.get("PHASES_SORT", "cumulative")).print_stats(45)
     return start, kernel, ranks
 
 
@@ -284,7 +309,8 @@ def main() -> None:
     for i in range(launches):
         floor_runs.append(run_floor())
         nbaccel_runs.append(run_nbaccel(profile and i == launches - 1))
-    report("floor (raw fork + init_process_group + all_reduce)", floor_runs)
+    report("floor (raw fork + init_process_group" + (" over QuickFileStore" if QUICK_FLOOR else "") + " + all_reduce)",
+           floor_runs)
     report("nbaccel notebook_launcher", nbaccel_runs)
     os.rmdir(RANK_FILES)
 

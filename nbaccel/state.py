@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .utils import collective_trace, constants
+from .utils import collective_trace, constants, file_rendezvous
 from .utils import xla as _xla
 from .utils.dataclasses import DistributedType, PrecisionType
 from .utils.environment import (
@@ -290,8 +290,14 @@ class PartialState:
                               and bool(os.environ.get(constants.INIT_METHOD_ENV)))
         if private_rendezvous:
             # a launcher's private rendezvous (e.g. a FileStore in an owner-only folder: nothing listens on the
-            # network); MASTER_ADDR/MASTER_PORT stay set for code that reads them
-            kwargs["init_method"] = os.environ[constants.INIT_METHOD_ENV]
+            # network); MASTER_ADDR/MASTER_PORT stay set for code that reads them. A file:// one is waited on
+            # without the FileStore's 10 ms polls (utils/file_rendezvous.py)
+            url = os.environ[constants.INIT_METHOD_ENV]
+            store = file_rendezvous.store_for(url, world_size, timeout)
+            if store is None:
+                kwargs["init_method"] = url
+            else:
+                kwargs["store"] = store
         if kwargs.get("init_method") is None and kwargs.get("store") is None:
             if info.source == "mpi":
                 # mpirun does not set torch's variables; the env:// rendezvous reads them

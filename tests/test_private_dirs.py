@@ -58,25 +58,3 @@ def test_a_launch_s_small_folders_live_in_memory_unless_a_temporary_folder_was_c
     assert private_dirs.temp_parent(private_dirs.ELASTIC_LOGS_PREFIX) == "/tmp"  # logs can grow: on disk
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # e.g. TMPDIR set: the user's choice
     assert private_dirs.temp_parent(private_dirs.STORE_PREFIX) == str(tmp_path)
-
-
-def test_a_rank_runs_its_function_once_the_launch_s_keeper_is_named_in_its_folder(tmp_path):
-    """The kernel starts a launch's keeper while the ranks start; a rank waits for it (its `keeper-<pid>` entry,
-    or `keeper-none`) before it runs user code, so nothing it starts can outlive a kernel killed meanwhile."""
-    import threading
-    import time
-
-    from nbaccel.launch.worker.parent_death import wait_for_keeper
-
-    folder = tmp_path / "groups"
-    folder.mkdir()
-    threading.Timer(0.3, lambda: (folder / f"{private_dirs.KEEPER_PREFIX}123").touch()).start()
-    started = time.monotonic()
-    wait_for_keeper(str(folder))
-    assert 0.25 < time.monotonic() - started < 5
-    (folder / "keeper-123").unlink()
-    (folder / private_dirs.NO_KEEPER).touch()  # the keeper could not start: the rank goes on
-    started = time.monotonic()
-    wait_for_keeper(str(folder))
-    assert time.monotonic() - started < 0.1
-    wait_for_keeper(str(tmp_path / "gone"))  # no folder: nothing to wait for

@@ -337,9 +337,34 @@ def _keeper_named() -> list[str]:
 @pytest.mark.parametrize("options", [{}, {"start_method": "spawn"}, {"max_restarts": 1}],
                          ids=["fork", "spawn", "elastic"])
 def test_the_launch_s_keeper_runs_before_a_rank_runs_its_function(options: dict) -> None:
-    """A function launch's keeper may start after the ranks' forks (kernel/rank_groups.py `start_keeper_soon`),
-    never after their functions: each rank sees it named in its group folder (torch elastic's ranks, which its
-    agent forks at any time, get a keeper started before them)."""
+    """A launch's keeper starts before its ranks (kernel/rank_groups.py `spawn_keeper`): each rank, forked,
+    spawned or started by torch elastic's agent, sees it named in its group folder when its function runs."""
     for _ in range(2):  # the second launch: the fork thread and the modules are warm, the forks fastest
         named = notebook_launcher(_keeper_named, num_processes=2, dashboard=False, **options)
         assert all(len(names) == 1 and names[0] != "keeper-none" for names in named), named
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists a process's files in /proc")
+def test_the_keeper_holds_no_file_of_the_kernel_but_dev_null() -> None:
+    """The keeper (os.posix_spawn, rank_groups.py `spawn_keeper`) outlives a killed kernel by a second or two:
+    a pipe it inherited (here one the kernel's own parent could have passed down) would hold off whoever waits
+    for that pipe's end. It holds /dev/null on 0-2 and its script, nothing else."""
+    from nbaccel.launch.kernel.rank_groups import KEEPER, RankGroups
+
+    read_end, write_end = os.pipe()
+    os.set_inheritable(write_end, True)
+    groups = RankGroups()
+    try:
+        keeper = groups._keeper
+        assert keeper is not None
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{keeper}/exe") != os.path.realpath("/bin/sh") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        files = {int(fd): os.readlink(f"/proc/{keeper}/fd/{fd}") for fd in os.listdir(f"/proc/{keeper}/fd")}
+        assert all(files[fd] == os.devnull for fd in (0, 1, 2)), files
+        assert set(files.values()) <= {os.devnull, KEEPER}, files
+    finally:
+        groups.close()
+        os.close(read_end)
+        os.close(write_end)
+    assert not is_alive(keeper)

@@ -63,7 +63,7 @@ def start_process(process: Any, start_method: str) -> None:
         raise error
 
 
-def run_forks(forks: Callable[[], None], then: Callable[[], Any] | None = None) -> None:
+def run_forks(forks: Callable[[], None]) -> None:
     """Run `forks` (which forks ranks, e.g. every rank of a launch, one after the other) in the fork thread, in
     one hand-off: the caller's thread waits once instead of once per rank (~0.1-0.3 ms each on 2 cores).
 
@@ -72,8 +72,6 @@ def run_forks(forks: Callable[[], None], then: Callable[[], Any] | None = None) 
     carried = _thread_settings()
     done: Future = Future()
     _fork_thread_jobs().put((lambda: _with_settings(carried, forks), done))
-    if then is not None:  # e.g. queues a job (`run_soon`) that the fork thread runs right after the forks
-        then()
     try:
         error = done.exception()
     except BaseException:
@@ -81,15 +79,6 @@ def run_forks(forks: Callable[[], None], then: Callable[[], Any] | None = None) 
         raise
     if error is not None:
         raise error
-
-
-def run_soon(job: Callable[[], None]) -> Future:
-    """Run `job` in the fork thread after what is queued there, without waiting for it: e.g. starting a helper
-    process (subprocess.Popen waits until its child execs, and a rank forked meanwhile from another thread
-    would hold the pipe it waits on). Its Future says when it is done."""
-    done: Future = Future()
-    _fork_thread_jobs().put((job, done))
-    return done
 
 
 def _fork_thread_jobs() -> queue.SimpleQueue:

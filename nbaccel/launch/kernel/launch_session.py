@@ -42,7 +42,6 @@ class LaunchSession:
         self.store_dir: str | None = None  # the FileStore's owner-only folder, when the backend asks for one
         self.result_dir: str | None = None
         self._tracker: contextlib.AbstractContextManager[None] | None = None
-        self._keeper_later = False  # the rank groups' keeper starts after the ranks (`start`)
         self._closed = False
 
     def open(self) -> LaunchPlan:
@@ -57,10 +56,9 @@ class LaunchSession:
             self.store_dir = make_store_dir() if backend.private_store else None
             functions = plan.program is Program.FUNCTION  # a pool's values come back in its replies
             self.result_dir = make_result_dir() if backend.result_folder and functions else None
-            # each rank registers the process group it leads: every one is stopped with the launch
-            # a function's ranks wait for the keeper before they run it: it can start while they start (`start`)
-            self._keeper_later = functions and backend.keeper_after_start
-            self.groups = RankGroups(keeper_now=not self._keeper_later) if backend.rank_groups else None
+            # each rank registers the process group it leads: every one is stopped with the launch (the keeper
+            # runs before any rank starts)
+            self.groups = RankGroups() if backend.rank_groups else None
             self.plan = plan.with_folders(self.store_dir, self.result_dir,
                                           self.groups.folder if self.groups else None)
         except BaseException:
@@ -70,14 +68,8 @@ class LaunchSession:
 
     def start(self, payload: Payload | None = None) -> list[StartedRank]:
         """Start the ranks through the backend (`open` first); on failure the backend stopped them."""
-        later = self.groups if self._keeper_later else None
-        if later is not None and hasattr(self.backend, "after_forks"):
-            self.backend.after_forks = later.start_keeper_soon  # queued right behind the forks (fork thread)
         with gc_frozen(self.plan.start_method if self.backend.freezes_gc else "none"):
-            ranks = self.backend.start(self.plan, payload)
-        if later is not None and not later.keeper_asked:  # e.g. spawned ranks: started here, not by the fork thread
-            later.start_keeper_soon()  # the ranks wait for it before they run the function
-        return ranks
+            return self.backend.start(self.plan, payload)
 
     def close(self) -> None:
         """Release everything the launch owns; the ranks are stopped (or being stopped) by the caller."""

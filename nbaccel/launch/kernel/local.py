@@ -10,7 +10,6 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -38,14 +37,10 @@ class LocalBackend(Backend):
     private_store = True
     result_folder = True
     rank_groups = True
-    keeper_after_start = True  # every rank is forked (or spawned) by `start` before it returns
 
     def __init__(self) -> None:
         self.processes: list[Any] = []
         self._reported: set[int] = set()
-        # queued by the launch session (the rank groups' keeper start): run by the fork thread right after the
-        # forks, with no hand-off back to this thread in between
-        self.after_forks: Callable[[], Any] | None = None
 
     def start(self, plan: LaunchPlan, payload: Payload | None) -> list[StartedRank]:
         """Start every rank, each with its own pipes (made right before it starts: no rank inherits another's)."""
@@ -73,7 +68,7 @@ class LocalBackend(Backend):
 
         try:
             if forked:  # every rank from the fork thread, in one hand-off
-                run_forks(start_ranks, then=self.after_forks)
+                run_forks(start_ranks)
             else:
                 start_ranks()
         except BaseException:

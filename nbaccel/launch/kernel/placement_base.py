@@ -138,7 +138,6 @@ class Backend:
     private_store: ClassVar[bool] = False
     result_folder: ClassVar[bool] = False
     rank_groups: ClassVar[bool] = False
-    keeper_after_start: ClassVar[bool] = False
 
     @classmethod
     def for_plan(cls, plan: LaunchPlan) -> Backend:

@@ -14,9 +14,6 @@ launch, a pool and a script:
 - `result_folder`: large tensors of a function's results come back through the launch's /dev/shm folder;
 - `rank_groups`: the ranks run on this machine and register the process groups they lead in the launch's
   folder (rank_groups.py), which the launch stops when it ends (and its keeper if the kernel dies first);
-- `keeper_after_start`: every rank was forked by `start` itself when it returns, so a function launch's keeper
-  can start after it (its ranks wait for it before the function): not torch elastic, whose agent thread forks
-  ranks at any time (a fork during the keeper's `Popen` would hold the pipe that `Popen` waits on);
 - `fail_fast`, `workers_may_not_start`: how the supervisor treats the first failure and missing ranks.
 
 `start(plan, payload)` returns one `StartedRank` per rank it supervises (a function's payload; None for a pool

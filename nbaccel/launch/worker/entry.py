@@ -22,7 +22,7 @@ from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
 from ..output import flush_std, redirect_std_fds
 from . import rank_display, rank_prompts
-from .parent_death import die_with_parent, lead_own_group, wait_for_keeper
+from .parent_death import die_with_parent, lead_own_group
 from .raw_calls import watch_raw_collectives
 
 if TYPE_CHECKING:
@@ -98,7 +98,6 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             if raw is None:
                 sink.flush()
         try:
-            wait_for_keeper(os.environ.get(RANK_GROUPS_ENV))  # what the function starts is stopped, whatever happens
             value = function(*args, **kwargs)
         except SystemExit as exc:
             if exc.code not in (None, 0):

@@ -16,8 +16,6 @@ import threading
 import time
 from typing import Any
 
-from ..private_dirs import KEEPER_PREFIX
-
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL = 0.5  # seconds between checks where there is no parent-death signal
 
@@ -78,33 +76,6 @@ def lead_own_group(registry: str | None = None) -> None:
         except OSError:  # already a session leader (torch elastic's subprocesses): its group is its own
             pass
     register_group(registry)
-
-
-KEEPER_WAIT = 10.0  # seconds a rank waits for its launch's keeper before it runs user code anyway
-
-
-def wait_for_keeper(registry: str | None, timeout: float = KEEPER_WAIT) -> None:
-    """Before a launched rank runs user code: wait until the launch's keeper runs (its `keeper-<pid>` entry, or
-    `keeper-none` when it could not start, in the registry folder), so that what the rank starts is stopped
-    even if the kernel dies now. The kernel starts the keeper while the ranks start (kernel/rank_groups.py
-    `start_keeper_soon`): it is there before a rank gets here, but on a busy machine; one folder listing
-    (~5 us, the folder in memory) then."""
-    if not registry:
-        return
-    deadline = None
-    while True:
-        try:
-            names = os.listdir(registry)
-        except OSError:  # no folder (another machine's, or the launch ended): nothing to wait for
-            return
-        if any(name.startswith(KEEPER_PREFIX) for name in names):
-            return
-        now = time.monotonic()
-        if deadline is None:
-            deadline = now + timeout
-        elif now >= deadline:
-            return
-        time.sleep(0.0005)
 
 
 def register_group(registry: str | None) -> None:
