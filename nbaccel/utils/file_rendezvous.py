@@ -85,6 +85,9 @@ class QuickFileStore(dist.Store):
     def num_keys(self) -> int:
         return self._store.num_keys()
 
+    def list_keys(self) -> list[str]:
+        return self._store.list_keys()
+
     def has_extended_api(self) -> bool:
         return self._store.has_extended_api()
 
