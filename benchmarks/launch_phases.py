@@ -214,14 +214,12 @@ def floor_worker(rank: int, port: int, folder: str) -> None:
 
 
 def run_floor() -> tuple[float, list, list]:
-    import socket
-
     import torch.multiprocessing as torch_mp
 
+    from nbaccel.utils.other import get_free_port
+
     folder = tempfile.mkdtemp(prefix="launch-phases-floor-")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = get_free_port("127.0.0.1")  # below the ephemeral range, as the launch's own port
     start = time.perf_counter()
     context = torch_mp.start_processes(floor_worker, args=(port, folder), nprocs=2, start_method="fork", join=False)
     joined = []

@@ -67,10 +67,10 @@ KERNEL = textwrap.dedent("""
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         step(model, optimizer, lambda loss: loss.backward())
 
-    def free_port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
+    from nbaccel.utils.other import get_free_port
+
+    def free_port():  # below the ephemeral range, as every launch's port (utils/other.py get_free_port)
+        return get_free_port("127.0.0.1")
 
     if variant == "nbaccel":
         from nbaccel import notebook_launcher

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 BLOCKS = 30
+
+from nbaccel.utils.other import get_free_port  # noqa: E402  (ports below the ephemeral range)
 
 _CODE = {
     "torch": (
@@ -85,10 +87,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env(rank: int, port: str) -> dict:
@@ -100,7 +98,7 @@ def _env(rank: int, port: str) -> dict:
 
 
 def _pair(code: str) -> list[str]:
-    port = str(_free_port())
+    port = str(get_free_port("127.0.0.1"))
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=_env(rank, port), stdout=subprocess.PIPE, text=True)
         for rank in range(2)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,13 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nbaccel.utils.other import get_free_port  # noqa: E402  (ports below the ephemeral range)
+
 BATCH = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _model():
@@ -144,7 +141,7 @@ def main() -> None:
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = get_free_port("127.0.0.1")
     procs = [ctx.Process(target=_worker, args=(r, world, port, args.rounds, args.steps, args.floor_twice, queue)) for r in range(world)]
     for proc in procs:
         proc.start()

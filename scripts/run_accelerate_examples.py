@@ -26,12 +26,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nbaccel.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent / "examples_parity"
@@ -82,10 +83,6 @@ class Outcome:
     tail: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stop(pid: int) -> None:
@@ -109,7 +106,7 @@ def _launcher(library: str) -> list[str]:
     started by torchrun itself, which is what `accelerate launch --multi_gpu` runs."""
     if library == "accelerate":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+                "--master_addr", "127.0.0.1", "--master_port", str(get_free_port("127.0.0.1"))]
     return [sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2"]
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from nbaccel.utils.other import get_free_port
 
 ACTIVE_NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # not another notebook's open tab
 _SETTINGS = {"notebook-extension/tracker": {"autoStartDefaultKernel": True},
@@ -55,9 +56,7 @@ class JupyterLab:
 def start_jupyterlab(root: Path, home: Path, env: dict[str, str] | None = None, timeout: float = 120) -> JupyterLab:
     """Start JupyterLab on `root`, its configuration, settings and log under `home`; RuntimeError with the
     end of its log if it does not answer within `timeout` seconds."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = get_free_port("127.0.0.1")  # below the ephemeral range: no connection takes it before the server binds
     token = secrets.token_hex(16)
     (home / "config").mkdir(parents=True, exist_ok=True)
     # Server extensions nothing here needs only slow the start-up down.
