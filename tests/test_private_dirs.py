@@ -58,3 +58,30 @@ def test_a_launch_s_small_folders_live_in_memory_unless_a_temporary_folder_was_c
     assert private_dirs.temp_parent(private_dirs.ELASTIC_LOGS_PREFIX) == "/tmp"  # logs can grow: on disk
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # e.g. TMPDIR set: the user's choice
     assert private_dirs.temp_parent(private_dirs.STORE_PREFIX) == str(tmp_path)
+
+
+def test_nbaccel_launch_s_line_lock_lives_in_a_private_folder_the_launch_removes(monkeypatch, tmp_path):
+    """The lock file the ranks' line relays share: in a `lines-<pid>-` folder, which the launch removes and which
+    the next launch's sweep removes after a launcher killed with SIGKILL (it was a bare /tmp/nbaccel-lines-*
+    file, left by every killed `nbaccel launch`)."""
+    from nbaccel.launch.kernel.torchrun import TorchrunScript
+    from nbaccel.utils.constants import LINE_LOCK_ENV
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(LINE_LOCK_ENV, raising=False)
+    root = tmp_path / f"nbaccel-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    orphan = root / f"{private_dirs.LINE_LOCK_PREFIX}{_dead_pid()}-abc"  # a killed launcher's
+    orphan.mkdir()
+    (orphan / "lock").touch()
+    script = TorchrunScript()
+    script._share_line_lock()
+    path = os.environ[LINE_LOCK_ENV]
+    folder = os.path.dirname(path)
+    assert os.path.dirname(folder) == str(root) and os.path.isfile(path)
+    assert os.path.basename(folder).startswith(f"{private_dirs.LINE_LOCK_PREFIX}{os.getpid()}-")
+    assert not orphan.exists()
+    script._cleanup.close()
+    os.close(script._done_read)
+    os.close(script._done_write)
+    assert not os.path.exists(folder) and LINE_LOCK_ENV not in os.environ

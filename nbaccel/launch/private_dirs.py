@@ -21,9 +21,10 @@ STORE_PREFIX = "store-"
 WATCH_PREFIX = "watch-"  # `nbaccel launch`'s collective watch (its Unix socket)
 GROUPS_PREFIX = "groups-"  # where a launch's ranks register their process groups (kernel/rank_groups.py)
 KEEPER_PREFIX = "keeper-"  # in a folder: the pid of the process that removes it after the kernel's death
+LINE_LOCK_PREFIX = "lines-"  # `nbaccel launch`'s lock file for the ranks' line relays
 ELASTIC_LOGS_PREFIX = "elastic-"  # torch elastic's log folder of one launch (torch's own is /tmp/torchelastic_*)
 # a few bytes each, made and removed by every launch and pool: kept in memory (`temp_parent`)
-IN_MEMORY_PREFIXES = frozenset({STORE_PREFIX, GROUPS_PREFIX})
+IN_MEMORY_PREFIXES = frozenset({STORE_PREFIX, GROUPS_PREFIX, LINE_LOCK_PREFIX})
 SHARED_MEMORY = "/dev/shm"
 
 

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ...utils.constants import COLLECTIVE_WATCH_ENV, EXEC_ENTRY, LINE_LOCK_ENV, RANK_GROUPS_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
 from ..errors import WorkerFailure
-from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
+from ..private_dirs import ELASTIC_LOGS_PREFIX, LINE_LOCK_PREFIX, make_user_dir, remove_dir
 from .process_trees import signal_name
 
 if TYPE_CHECKING:
@@ -161,16 +160,21 @@ class TorchrunScript:
                 logging.getLogger(name).setLevel(logging.ERROR)
 
     def _share_line_lock(self) -> None:
-        """A file for the ranks' line relays to lock while writing, named to them in LINE_LOCK_ENV (removed
-        after the launch). Where no file can be made each relay writes unlocked, still line by line."""
+        """A file for the ranks' line relays to lock while writing, named to them in LINE_LOCK_ENV, in a private
+        folder removed after the launch (or, after a launcher killed with SIGKILL, by the next launch's sweep).
+        Where no file can be made each relay writes unlocked, still line by line."""
         try:
-            fd, path = tempfile.mkstemp(prefix="nbaccel-lines-")
+            folder = make_user_dir(LINE_LOCK_PREFIX)
         except OSError:
             return
-        os.close(fd)
+        self._cleanup.callback(remove_dir, folder)
+        path = os.path.join(folder, "lock")
+        try:
+            open(path, "xb").close()
+        except OSError:
+            return
         os.environ[LINE_LOCK_ENV] = path
         self._cleanup.callback(os.environ.pop, LINE_LOCK_ENV, None)
-        self._cleanup.callback(_remove_quietly, path)
 
     def _start_watch(self) -> CollectiveWatch | None:
         """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
@@ -268,7 +272,3 @@ def _open_loopback_store(port: int | None) -> LoopbackStore:
         return open_loopback_store(0)
 
 
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
