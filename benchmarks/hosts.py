@@ -15,6 +15,7 @@ resolve the names normally. Each run: the function returns its rank after joinin
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def main(rounds: int = 5) -> None:
         print(f"  nbaccel / torchrunx: {ratio:.2f}x (medians), {paired:.2f}x (median of the rounds' ratios)")
     finally:
         server.stop()
+        shutil.rmtree(folder, ignore_errors=True)  # its keys and configs
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def main() -> None:
                     process.kill()
                     process.wait()
         server.stop()
+        shutil.rmtree(folder, ignore_errors=True)  # its keys and configs
 
 
 if __name__ == "__main__":

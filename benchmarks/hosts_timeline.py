@@ -320,6 +320,9 @@ def main() -> None:
                 print(f"  {statistics.median(values):7.3f} s  {key}")
     finally:
         server.stop()
+        import shutil  # here: this module is also the agents' wrapper, whose imports are timed
+
+        shutil.rmtree(folder, ignore_errors=True)  # its keys, configs and stamps
 
 
 if __name__ == "__main__":

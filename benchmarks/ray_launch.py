@@ -12,6 +12,7 @@ worker group, torch process group, the run's storage). Needs `pip install "ray[t
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def inside(rounds: int) -> None:
     print(f"nbaccel notebook_launcher(hosts='ray'): median {nb:.2f} s  {[round(t, 2) for t in times['nbaccel']]}")
     print(f"Ray Train TorchTrainer.fit():          median {rt:.2f} s  {[round(t, 2) for t in times['ray_train']]}")
     print(f"ratio nbaccel / Ray Train: {nb / rt:.2f}")
+    shutil.rmtree(storage, ignore_errors=True)  # Ray Train's run records
 
 
 def main() -> None:
@@ -76,12 +78,14 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import ray_cluster
 
-    cluster = ray_cluster.start_cluster(Path(tempfile.mkdtemp(prefix="nbaccel-raybench-")))
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-raybench-"))
+    cluster = ray_cluster.start_cluster(folder)
     try:
         subprocess.run(cluster.inside([sys.executable, __file__, "--inside", str(rounds)]), env=cluster.environ(),
                        check=True)
     finally:
         cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
