@@ -165,8 +165,9 @@ def unpack_gathered(plan: Plan, rows: torch.Tensor, tensors: Sequence[torch.Tens
     The results never share memory with `rows`, so a caller may reuse it.
     """
     if plan.stacked is not None:  # one dtype, several tensors of one shape: one copy, one split
-        rows = rows.view(plan.world, len(tensors), plan.groups[0].block).transpose(0, 1)
-        return list(rows.reshape(plan.stacked).unbind(0))
+        results = stacked_results(plan, rows)
+        fill_stacked(plan, rows, results)
+        return list(results.unbind(0))
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for group in plan.groups:
         if group.block:

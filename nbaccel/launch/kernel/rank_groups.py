@@ -18,6 +18,7 @@ started, saw die and restarted, and of one that died before the launcher saw it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 
@@ -116,13 +117,12 @@ def spawn_keeper(folder: str) -> int:
                (os.POSIX_SPAWN_DUP2, 1, 2)]
     argv = ["/bin/sh", KEEPER, str(os.getpid()), folder]
     env = {"PATH": os.environ.get("PATH", os.defpath)}
+    spawn = functools.partial(os.posix_spawn, argv[0], argv, env, setsid=True, setsigmask=(),
+                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
     try:
-        closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
-        return os.posix_spawn(argv[0], argv, env, file_actions=actions + closes, setsid=True, setsigmask=(),
-                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+        return spawn(file_actions=actions + [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()])
     except OSError:  # e.g. one of those closed meanwhile by another thread: without the closes
-        return os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True, setsigmask=(),
-                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+        return spawn(file_actions=actions)
 
 
 def _inherited_fds() -> list[int]:
