@@ -74,3 +74,38 @@ def test_each_line_of_two_ranks_printing_at_once_arrives_whole_through_a_pipe(tm
         assert seen[(rank, "out")] == [i for i in range(LINES) if i % 3 != 2], f"rank {rank}'s stdout lines"
         assert seen[(rank, "err")] == [i for i in range(LINES) if i % 3 == 2], f"rank {rank}'s stderr lines"
         assert f"rank {rank} done" in out.splitlines()
+
+
+ON_A_TERMINAL = """
+import os, sys
+from nbaccel.launch.worker.line_relay import relay_whole_lines
+relay_whole_lines()
+print("done", 0, end="")  # the line's first pieces, each a write of its own under python -u
+os.write(1, b"<prompt>")  # another writer on the same terminal: a rank, or the launch asking for a rank
+print(" user0")
+print("tty", sys.stdout.isatty())
+"""
+
+
+def test_on_a_terminal_a_rank_writes_each_line_in_one_write():
+    """No relay on a TTY (the rank keeps its terminal), yet a line is one write: another writer's bytes come
+    before or after it, never inside (`done[rank 1] (Pdb)  0 user0` was seen on a launch's terminal)."""
+    import pty
+
+    main, terminal = pty.openpty()
+    try:
+        subprocess.run([sys.executable, "-u", "-c", ON_A_TERMINAL], stdout=terminal, stderr=terminal, timeout=60,
+                       cwd=ROOT, check=True)
+        os.close(terminal)
+        output = b""
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:  # the terminal's other end is closed: everything was read
+                break
+            if not data:
+                break
+            output += data
+    finally:
+        os.close(main)
+    assert output.decode().replace("\r\n", "\n") == "<prompt>done 0 user0\ntty True\n", output

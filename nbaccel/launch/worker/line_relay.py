@@ -14,7 +14,10 @@ The relay forks before the rank starts any thread or imports torch, imports noth
 ignores the signals sent to the rank's process group (it must outlive the rank to write its last lines) and
 exits when every writer of its pipes has closed them: the rank (at exit it closes them and waits for the
 relay, so its last lines come before the launch's own report) and any child the rank left running.
-Terminals are left alone (a TTY shows each rank's redraws as they come).
+On a terminal there is no relay (the rank keeps its TTY: colours, progress bars), but `python -u` would still
+send `print("done", rank)` as several writes, between which another rank's line or the launch's prompt for a
+rank at a `breakpoint()` lands (`done[rank 1] (Pdb)  0`). So a TTY stream is line-buffered, as in a plain
+`python` on a terminal: each line, or `\r` redraw, is one write (`print(..., flush=True)` still shows at once).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def relay_whole_lines() -> int | None:
     """Route fds 1 and 2 (those that are not a terminal) through a line relay; returns its pid, or None
     when there is nothing to relay (both terminals, closed) or no relay can be started."""
     lock_path = os.environ.pop(LINE_LOCK_ENV, "")  # the rank's own children write through the rank's relay
+    _line_buffer_terminals()
     if fcntl is None or not hasattr(os, "fork"):
         return None
     targets = [fd for fd in (1, 2) if _relayable(fd)]
@@ -81,6 +85,16 @@ def relay_whole_lines() -> int | None:
         os.close(write_end)
     atexit.register(_close_and_wait, pid, originals)
     return pid
+
+
+def _line_buffer_terminals() -> None:
+    """A TTY stdout/stderr writes each line in one write (see the module docstring)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream.isatty():
+                stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, OSError, ValueError):  # replaced by the script's runner, or closed
+            pass
 
 
 def _relayable(fd: int) -> bool:
