@@ -20,7 +20,7 @@ from process_helpers import started_children
 from nbaccel import debug_launcher, notebook_launcher
 from nbaccel.launch import LaunchError, LaunchTimeout
 from nbaccel.launch.kernel.collective_tracker import CollectiveTracker
-from nbaccel.utils import broadcast, reduce
+from nbaccel.utils import broadcast, gather, reduce
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.abspath(__file__)
@@ -52,6 +52,11 @@ def different_operations():
 def different_shapes():
     state = _state()
     reduce(torch.ones(3 + state.process_index))
+
+
+def gathers_different_sizes():
+    state = _state()
+    return gather(torch.ones(3 + state.process_index))  # (no debug mode: nothing compares the sizes first)
 
 
 def returns_early():
@@ -151,6 +156,23 @@ def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
         r"for [\d.]+ s; rank 1 finished the function", first[1]), message
 
 
+def test_a_rank_killed_by_gloos_abort_is_named_with_its_stack_not_a_stale_collective(capfd):
+    # gloo aborts the rank whose buffer is too small for what arrives (SIGABRT, as under Accelerate): its last
+    # telemetry died with it, so the kernel still showed it in PartialState's rendezvous, and blamed a deadlock
+    # When both ranks' `enter` of the gather reached the kernel first, the differing shapes are the story;
+    # when the aborted rank's was lost, its death is: never a collective it had left.
+    message, elapsed, _ = _launch(gathers_different_sizes)
+    assert elapsed < BOUND, message
+    assert "killed by SIGABRT" in message and "PartialState" not in message, message
+    assert (re.match(r"ranks? 0(, 1)? failed; first: rank 0: killed by SIGABRT", message)  # (1: gloo's reset)
+            or "The shapes differ: [3] on rank 0, [4] on rank 1." in message), message
+    output = capfd.readouterr()
+    assert "Received data size doesn't match expected size" in output.err + output.out
+    # the rank's Python stack at the abort (faulthandler), with the user's line
+    assert f'File "{HERE}", line {_line(gathers_different_sizes, "gather(").rsplit(":", 1)[1]} in ' \
+           "gathers_different_sizes" in output.err + output.out, output
+
+
 def test_a_rank_that_returned_before_partial_state_is_named_instead_of_a_ten_minute_wait():
     # Accelerate's own test_notebook.py races two ranks on one queue into this (its test_fault_tolerant):
     # without the rendezvous traced, rank 0 waited out the process-group timeout in init_process_group
@@ -237,6 +259,31 @@ def test_tracker_rules():
     tracker.failed(1, "ValueError: bad")
     assert tracker.root_cause([0, 1], 0) == 1
     assert tracker.at_failure([0, 1], now) is None  # rank 1 failed on its own: its error is the story
+    # a rank killed by a signal (gloo's abort on a size mismatch) still shows a collective its finished peer
+    # went through: its exit died in its telemetry queue; the death is the story, not a deadlock
+    tracker = CollectiveTracker(grace=2)
+    for rank in (0, 1):
+        tracker.on_message(rank, _enter("PartialState", [], 90.0))
+    tracker.on_message(1, {"event": "exit", "op": "PartialState"})
+    tracker.on_message(1, _enter("gather", [[4]], 91.0))
+    tracker.on_message(1, {"event": "exit", "op": "gather"})
+    tracker.finished(1)
+    tracker.failed(0, "killed by SIGABRT (exit code -6)")
+    assert tracker.at_failure([0, 1], now) is None and tracker.root_cause([0], 0) == 0
+    # one killed inside a collective its finished peer never entered: that is the deadlock behind it
+    tracker.on_message(0, {"event": "exit", "op": "PartialState"})
+    tracker.on_message(0, _enter("gather", [[3]], 91.0))
+    tracker.on_message(0, _enter("reduce", [[3]], 92.0))
+    assert "rank 1 finished the function" in tracker.at_failure([0, 1], now).summary
+    tracker = CollectiveTracker(grace=2)  # the killed rank's abort broke its peer's gather: its death still leads
+    for rank in (0, 1):
+        tracker.on_message(rank, _enter("PartialState", [], 90.0))
+    tracker.on_message(1, {"event": "exit", "op": "PartialState"})
+    tracker.on_message(1, _enter("gather", [[4]], 91.0))
+    tracker.on_message(1, {"event": "error", "op": "gather"})
+    tracker.failed(0, "killed by SIGABRT (exit code -6)")
+    tracker.failed(1, "RuntimeError: Connection reset by peer")
+    assert tracker.at_failure([0, 1], now) is None and tracker.root_cause([0, 1], 1) == 0
     # a rank that finished had entered the collective another still shows: they met, and the other's `exit`
     # (batched telemetry) has not arrived yet; not a deadlock. One that never entered it: a deadlock.
     tracker = CollectiveTracker(grace=2)

@@ -203,8 +203,11 @@ class CollectiveTracker:
         """After a failure: the deadlock behind it, when every failed rank's error came out of a collective
         and the ranks could not have met (one finished, or their collectives differ)."""
         ranks = list(ranks)
-        failed = [rank for rank in ranks if self._rank(rank).phase == RankState.FAILED]
-        if not failed or any(self._rank(rank).failed_in is None and not self._rank(rank).inside for rank in failed):
+        states = [self._rank(rank) for rank in ranks]
+        # collectives some rank has left: all it entered once it finished, else all before its latest
+        went_through = max((state.entered - (state.phase != RankState.FINISHED) for state in states), default=0)
+        failed = [state for state in states if state.phase == RankState.FAILED]
+        if not failed or any(self._on_its_own(state, went_through) for state in failed):
             return None  # some rank failed on its own: that error is the story
         states = self.states(ranks, failure_view=True)
         waiting = [state for state in states if state.waiting(now) is not None]
@@ -212,6 +215,16 @@ class CollectiveTracker:
         if not waiting or not (cannot_join or len({state.signature() for state in waiting}) > 1):
             return None
         return describe_ranks("mismatch", states, now)
+
+    @staticmethod
+    def _on_its_own(state: RankCollectives, went_through: int) -> bool:
+        """A failed rank whose error did not come out of a collective. One killed by a signal reports no error,
+        and the telemetry it had queued (up to channel.BATCH_INTERVAL's worth) died with it: a collective it still
+        shows, which another rank has left, is one it had left too (a collective returns once every rank is in
+        it; gloo's abort on a size mismatch kills the rank in its next collective, never reported)."""
+        if state.failed_in is not None:
+            return False
+        return not state.inside or state.inside[-1]["seq"] <= went_through
 
     def root_cause(self, failed: Iterable[int], first: int | None) -> int | None:
         """The rank to name first: one whose error did not come out of a collective (the others' collectives

@@ -8,6 +8,7 @@ telemetry sink into the channel, runs the function and reports its return value 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ def run_worker(
     lead_own_group(env.get(RANK_GROUPS_ENV))  # what it starts is stopped with it, dead or alive (kernel/rank_groups.py)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
+    faulthandler.enable(2, all_threads=True)  # a fatal signal (gloo's abort on a size mismatch, a segfault) shows where
     os.environ.update(env)
     apply_cpu_threads()
     rank = int(os.environ.get("RANK", "0"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import faulthandler
 import linecache
 import os
 import pickle
@@ -69,6 +70,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     signal.signal(signal.SIGINT, _on_interrupt)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
+    faulthandler.enable(2, all_threads=True)  # a fatal signal (gloo's abort on a size mismatch, a segfault) shows where
     os.environ.update(env)
     apply_cpu_threads()  # a forked rank keeps the kernel's torch threads otherwise (and can hang in OpenMP)
     rank = int(os.environ.get("RANK", "0"))
