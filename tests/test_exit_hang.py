@@ -5,11 +5,13 @@ The hang these tests guard against: a DDP model outliving `end_training()` (a lo
 freed when it returns) used to drop the destroyed gloo group's last reference from its C++ reducer with the GIL
 held, and gloo's destructor joined a worker thread that needed the GIL (utils/process_group_exit.py). The
 launchers' exit watch covers whatever else may hang in a process's teardown: its bound is
-EXIT_HANG_GRACE (10 s); every test here ends in well under BOUND seconds or fails by timeout.
+NBACCEL_EXIT_HANG_GRACE (10 s by default, GRACE here); every test here ends in well under BOUND seconds or
+fails by timeout.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,18 +20,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nbaccel.utils.constants import EXIT_HANG_GRACE_ENV
+
 pytestmark = pytest.mark.timeout(180)
-BOUND = 90.0  # seconds: far above the exit watch's 10 s grace, far below "forever"
+BOUND = 90.0  # seconds: far above the exit watch's grace, far below "forever"
+GRACE = "3"  # the exit watch's grace for these tests (NBACCEL_EXIT_HANG_GRACE; 10 s by default)
 
 
-def launch_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+def launch_script(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProcess:
     """Run `body` as a script on 2 gloo ranks under `nbaccel launch`; kill everything if it passes BOUND."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
     proc = subprocess.Popen(
         [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", str(script)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, env={**os.environ, **env},
     )
     try:
         out, err = proc.communicate(timeout=BOUND)
@@ -127,9 +132,9 @@ HANGS_IN_TEARDOWN = """
 
 
 def test_nbaccel_launch_names_and_stops_a_rank_stuck_after_its_script(tmp_path):
-    result = launch_script(tmp_path, HANGS_IN_TEARDOWN)
+    result = launch_script(tmp_path, HANGS_IN_TEARDOWN, **{EXIT_HANG_GRACE_ENV: GRACE})
     assert result.returncode == 0, result.stderr  # every script completed
-    assert "rank(s) 1 finished the script but did not exit within 10 s" in result.stderr
+    assert f"rank(s) 1 finished the script but did not exit within {GRACE} s" in result.stderr
     assert "rank 0 total 3.0" in result.stdout and "rank 1 total 3.0" in result.stdout
 
 
@@ -142,9 +147,9 @@ def test_a_slow_exit_function_is_not_a_hang(tmp_path):
 
         state = PartialState()
         if state.process_index == 1:
-            atexit.register(time.sleep, 12)  # longer than the exit watch's grace
+            atexit.register(time.sleep, 5)  # longer than the exit watch's grace
         atexit.register(print, f"rank {state.process_index} exit function ran", flush=True)
-    """)
+    """, **{EXIT_HANG_GRACE_ENV: GRACE})
     assert result.returncode == 0, result.stderr
     assert "did not exit" not in result.stderr
     assert "rank 1 exit function ran" in result.stdout
@@ -162,11 +167,30 @@ def _returns_then_hangs_at_exit(x: int) -> int:
     return x * 10 + state.process_index
 
 
-def test_notebook_launcher_returns_results_of_ranks_stuck_after_returning(capfd):
+def test_notebook_launcher_returns_results_of_ranks_stuck_after_returning(capfd, monkeypatch):
     from nbaccel import notebook_launcher
+
+    monkeypatch.setenv(EXIT_HANG_GRACE_ENV, GRACE)
 
     results = notebook_launcher(_returns_then_hangs_at_exit, (4,), num_processes=2, start_method="spawn",
                                 dashboard=False)
     assert results == [40, 41]
     err = capfd.readouterr().err
-    assert "rank(s) 1 returned a result but did not exit within 10 s" in err
+    assert f"rank(s) 1 returned a result but did not exit within {GRACE} s" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "soon", "inf", "nan"])
+def test_a_bad_exit_grace_says_what_to_give(monkeypatch, value):
+    from nbaccel.launch.hang_report import exit_hang_grace
+
+    monkeypatch.setenv(EXIT_HANG_GRACE_ENV, " 2.5 ")
+    assert exit_hang_grace() == 2.5
+    monkeypatch.setenv(EXIT_HANG_GRACE_ENV, value)
+    with pytest.raises(ValueError, match=f"{EXIT_HANG_GRACE_ENV}={value!r}: give the seconds a finished rank may"):
+        exit_hang_grace()
+
+
+def test_a_bad_exit_grace_is_refused_before_any_rank_starts(tmp_path):
+    result = launch_script(tmp_path, "print('ran', flush=True)", **{EXIT_HANG_GRACE_ENV: "soon"})
+    assert result.returncode != 0 and "ran" not in result.stdout, result.stdout
+    assert f"{EXIT_HANG_GRACE_ENV}='soon': give the seconds" in result.stderr, result.stderr

@@ -21,8 +21,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..utils.collective_trace import UNEVEN_SHAPES, CollectiveRecord
-from ..utils.constants import INTERNAL_FRAMES_ENV
+from ..utils.constants import EXIT_HANG_GRACE_ENV, INTERNAL_FRAMES_ENV
 from .messages import RankState, rank_label
+
+EXIT_HANG_GRACE = 10.0  # seconds: the default of exit_hang_grace()
+
+
+def exit_hang_grace() -> float:
+    """Seconds a rank that finished (returned its result, or ended its script under `nbaccel launch`) gets to
+    end its process; one still running then is stuck tearing down (a destructor that waits forever) and is
+    named and stopped, its results standing. NBACCEL_EXIT_HANG_GRACE sets it (a long teardown of your own)."""
+    value = os.environ.get(EXIT_HANG_GRACE_ENV, "").strip()
+    if not value:
+        return EXIT_HANG_GRACE
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{EXIT_HANG_GRACE_ENV}={value!r}: give the seconds a finished rank may take to end its "
+                         f"process, a positive number (default {EXIT_HANG_GRACE:g}), or unset it")
+    return seconds
 
 
 @dataclass

@@ -33,6 +33,7 @@ INTERNAL_FRAMES_ENV = "NBACCEL_INTERNAL_FRAMES"
 LAUNCH_DEVICE_ENV = "NBACCEL_LAUNCH_DEVICE"  # the device string a worker shows in its status messages
 LAUNCH_HOST_ENV = "NBACCEL_LAUNCH_HOST"  # hosts=: the host a rank runs on (as named there), for its own errors
 MEMORY_INTERVAL_ENV = "NBACCEL_MEMORY_INTERVAL"  # seconds between memory messages (0: none)
+EXIT_HANG_GRACE_ENV = "NBACCEL_EXIT_HANG_GRACE"  # seconds a finished rank gets to end its process (launch/hang_report.py)
 RICH_DISPLAY_ENV = "NBACCEL_RICH_DISPLAY"  # a notebook launched the ranks: send display() output to the cell
 INIT_METHOD_ENV = "NBACCEL_INIT_METHOD"  # the process group's rendezvous, when a launcher gives a private one
 COLLECTIVE_WATCH_ENV = "NBACCEL_COLLECTIVE_WATCH"  # `nbaccel launch`: the socket its ranks report collectives to

@@ -11,8 +11,8 @@ report). After a failure, `after_failure` tells whether a deadlock was behind th
 
 It also watches the exit: a rank says `finished` after its script and every exit function it registered
 ran, and keeps its socket open until its process ends. When every connected rank has finished and one of
-them is still running EXIT_HANG_GRACE seconds later (stuck in a destructor during the interpreter's
-teardown), it calls `on_exit_hang` with those ranks: `nbaccel launch` names them, stops them and exits 0,
+them is still running exit_hang_grace() seconds later (10 s, or NBACCEL_EXIT_HANG_GRACE), stuck in a
+destructor during the interpreter's teardown, it calls `on_exit_hang` with those ranks: `nbaccel launch` names them, stops them and exits 0,
 since every script completed.
 
 The watch never fails a launch by itself: an error inside it ends the watching, not the run.
@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import recv_all
-from ..hang_report import Diagnosis, report_lines
+from ..hang_report import Diagnosis, exit_hang_grace, report_lines
 from ..messages import MessageKind, RankState
 from ..private_dirs import WATCH_PREFIX, make_user_dir
 from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
@@ -41,7 +41,6 @@ from .prompt_relay import PromptRelay
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
-EXIT_HANG_GRACE = 10.0  # seconds a rank that finished its script gets to end its process
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class ExitHang:
 
     def summary(self) -> str:
         ranks = ", ".join(map(str, self.ranks))
-        return (f"rank(s) {ranks} finished the script but did not exit within {self.grace:.0f} s (stuck tearing "
+        return (f"rank(s) {ranks} finished the script but did not exit within {self.grace:g} s (stuck tearing "
                 "down the process); stopped them. Every rank completed its script.")
 
 
@@ -87,6 +86,7 @@ class CollectiveWatch:
         self._on_deadlock = on_deadlock
         self._on_exit_hang = on_exit_hang
         self.exit_hang: ExitHang | None = None
+        self._exit_grace = exit_hang_grace()  # seconds a rank that finished its script gets to end its process
         self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
         self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
         self.prompts = PromptRelay()  # a rank's input()/breakpoint()/pdb (prompt_relay.py)
@@ -143,9 +143,9 @@ class CollectiveWatch:
         if not current or any(peer.finished_at is None for peer in current):
             return None  # some rank is still running its script
         now = time.monotonic()
-        stuck = tuple(sorted(peer.rank for peer in current if now - peer.finished_at >= EXIT_HANG_GRACE))
+        stuck = tuple(sorted(peer.rank for peer in current if now - peer.finished_at >= self._exit_grace))
         if stuck:
-            self.exit_hang = ExitHang(stuck, EXIT_HANG_GRACE)
+            self.exit_hang = ExitHang(stuck, self._exit_grace)
         return self.exit_hang
 
     def _read(self, conn: Connection) -> None:

@@ -23,7 +23,7 @@ from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures, oom_hint
-from ..hang_report import Diagnosis, report_lines
+from ..hang_report import Diagnosis, exit_hang_grace, report_lines
 from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
@@ -45,9 +45,6 @@ POLL = 0.1  # seconds between checks of the deadline when nothing happens
 DRAIN = 2.0  # seconds to wait for the last output after every worker has exited
 MARK_WAIT = 1.0  # seconds to wait for a display message whose marker the rank's stdout already shows
 EXIT_GRACE = 1.0  # seconds a rank that reported its exception gets to exit by itself before the others are stopped
-# seconds every rank's process gets to exit once all of them returned their results; one still running then is
-# stuck tearing down (a destructor that waits forever): it is named and stopped, and the results stand
-EXIT_HANG_GRACE = 10.0
 
 
 def _cell_output() -> Any:
@@ -93,6 +90,7 @@ class Supervisor:
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
         self._all_returned_at: float | None = None  # when the last rank returned its result
+        self._exit_grace = exit_hang_grace()  # then the seconds every rank's process gets to exit
         # rank -> the host it was started on (hosts=): stamped on its messages and named in every error and report
         self.hosts = {w.rank: w.host for w in self.workers if w.host}
         self.collectives = CollectiveTracker(hosts=self.hosts)
@@ -431,13 +429,13 @@ class Supervisor:
         return LaunchTimeout(text, self.failures, first_rank=self.first_failure, attempts=self.attempts)
 
     def _stuck_after_returning(self) -> bool:
-        """True once every rank has returned its result and EXIT_HANG_GRACE seconds passed without all of
+        """True once every rank has returned its result and the exit grace passed without all of
         their processes exiting."""
         if not self.workers or not all(w.has_result for w in self.workers):
             return False
         if self._all_returned_at is None:
             self._all_returned_at = time.monotonic()
-        return time.monotonic() - self._all_returned_at >= EXIT_HANG_GRACE
+        return time.monotonic() - self._all_returned_at >= self._exit_grace
 
     def _stop_stuck_ranks(self) -> None:
         """Name the ranks whose processes outlived their results, and stop them (their results stand)."""
@@ -447,7 +445,7 @@ class Supervisor:
         if self.exit_hang is not None:  # the backend's watch found them, and its front door names them
             return
         logger.warning(f"nbaccel: rank(s) {', '.join(map(str, stuck))} returned a result but did not exit within "
-              f"{EXIT_HANG_GRACE:.0f} s (stuck tearing down the process); stopped them. The results are "
+              f"{self._exit_grace:g} s (stuck tearing down the process); stopped them. The results are "
               "complete.")
 
     def _let_failed_ranks_exit(self) -> None:
