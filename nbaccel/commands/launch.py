@@ -592,6 +592,12 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
         check_script(settings)
     except (ConfigError, LaunchOptionError) as exc:
         parser.error(str(exc).replace("\n", "; "))
+    from ..launch.hang_report import exit_hang_grace  # here: `nbaccel --help` does not load launch
+
+    try:
+        exit_hang_grace()  # NBACCEL_EXIT_HANG_GRACE, read again by the launch's watch: a bad value in one line
+    except ValueError as exc:
+        parser.error(str(exc))
     return run_settings(settings)
 
 
