@@ -194,3 +194,14 @@ def test_a_bad_exit_grace_is_refused_before_any_rank_starts(tmp_path):
     result = launch_script(tmp_path, "print('ran', flush=True)", **{EXIT_HANG_GRACE_ENV: "soon"})
     assert result.returncode != 0 and "ran" not in result.stdout, result.stdout
     assert f"{EXIT_HANG_GRACE_ENV}='soon': give the seconds" in result.stderr, result.stderr
+
+
+def test_a_bad_exit_grace_is_refused_before_notebook_launcher_starts_a_rank(monkeypatch):
+    from process_helpers import started_children
+
+    from nbaccel import notebook_launcher
+
+    monkeypatch.setenv(EXIT_HANG_GRACE_ENV, "-1")
+    with pytest.raises(ValueError, match=f"{EXIT_HANG_GRACE_ENV}='-1': give the seconds"):
+        notebook_launcher(print, ("ran",), num_processes=2, dashboard=False)
+    assert not started_children(recursive=True)

@@ -32,6 +32,7 @@ from ...utils.constants import (
     RDZV_BACKENDS,
 )
 from ...utils.process_limits import check_process_count
+from ..hang_report import exit_hang_grace
 from ..rank_environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
@@ -349,6 +350,7 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
     rendezvous, the placement (this process, local, elastic, XLA, SSH hosts, SLURM) and the program, the
     timeout. Raises every bad-input error; starts nothing. notebook_launcher's (with or without hosts) and
     RankPool's and `nbaccel launch`'s (program script, from its checked settings: commands/launch.py) too."""
+    exit_hang_grace()  # a bad NBACCEL_EXIT_HANG_GRACE is refused now (the supervisor reads it once ranks run)
     if request.program is Program.POOL:
         return _pool_plan(request)
     if request.program is Program.SCRIPT:
