@@ -630,3 +630,28 @@ def test_without_the_notebook_extra_a_kernel_gets_live_html(monkeypatch):
     assert len(ids) == 2 and not any("widget-view" in kind for o in outputs for kind in o.data)
     last = [o for o in outputs if "text/html" in o.data][-1]
     assert last.update and "class='nbaccel-summary' data-state='finished'" in last.data["text/html"]
+
+
+def test_the_summary_chart_waits_for_the_live_views_import_of_matplotlib(monkeypatch):
+    """The end-of-run PNG imports matplotlib on the cell's thread; a live view's background import of the same
+    modules may still run on a busy machine, and two threads importing them at once race ("cannot import name
+    ... from partially initialized module 'matplotlib.ticker'"): the summary came without its chart. The PNG
+    waits for that import first (the import here is held until released, so the order is checked)."""
+    import matplotlib.backends.backend_agg  # noqa: F401  (imported already: the PNG alone takes well under 0.5 s)
+
+    from nbaccel.notebook import background_drawing
+
+    metrics_png(replay(scripted_stream()))
+    release, order = threading.Event(), []
+
+    def held_import() -> None:
+        release.wait(30)
+        order.append("background import")
+
+    monkeypatch.setattr(background_drawing, "_charts", background_drawing._Charts())
+    monkeypatch.setattr(background_drawing, "import_chart_modules", held_import)
+    background_drawing.load_charts_in_background()
+    threading.Timer(0.5, release.set).start()
+    png = metrics_png(replay(scripted_stream()))
+    order.append("summary chart")
+    assert order == ["background import", "summary chart"] and png.startswith(b"\x89PNG")

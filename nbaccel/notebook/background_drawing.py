@@ -167,6 +167,15 @@ def thaw() -> None:
             _charts.thaw_when_done = True
 
 
+def wait_for_background_import(timeout: float = 60.0) -> None:
+    """Before importing matplotlib on another thread: wait (up to `timeout` s) for the background import of the
+    chart libraries, when one was started. Two threads importing the same modules at once race: one of them
+    can find `matplotlib.ticker` partially initialized (an ImportError "most likely due to a circular import"),
+    which left a short run's summary without its chart on a busy machine."""
+    if _charts.thread is not None:
+        _charts.done.wait(timeout)
+
+
 def load_charts(timeout: float | None = None) -> bool:
     """Import the chart libraries now (or wait for the background import); whether they are loaded."""
     _charts.start(None)

@@ -16,6 +16,7 @@ import io
 import math
 
 from ..launch.messages import RankState
+from . import background_drawing
 from .dashboard_model import (
     DashboardModel,
     device_memory_text,
@@ -128,6 +129,7 @@ def metrics_png(model: DashboardModel, *, width: float = 4.0, height: float = 2.
     names = sorted(model.metrics)
     if not names:
         return None
+    background_drawing.wait_for_background_import()  # a live view's import of the same modules may still run
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
