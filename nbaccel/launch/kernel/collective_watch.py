@@ -12,8 +12,8 @@ report). After a failure, `after_failure` tells whether a deadlock was behind th
 It also watches the exit: a rank says `finished` after its script and every exit function it registered
 ran, and keeps its socket open until its process ends. When every connected rank has finished and one of
 them is still running exit_hang_grace() seconds later (10 s, or NBACCEL_EXIT_HANG_GRACE), stuck in a
-destructor during the interpreter's teardown, it calls `on_exit_hang` with those ranks: `nbaccel launch` names them, stops them and exits 0,
-since every script completed.
+destructor during the interpreter's teardown, it calls `on_exit_hang` with those ranks: `nbaccel launch`
+names them, stops them and exits 0, since every script completed.
 
 The watch never fails a launch by itself: an error inside it ends the watching, not the run.
 """
