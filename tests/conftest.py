@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,10 +94,16 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """A two-node Ray cluster in a private network namespace (tests/ray_cluster.py), one per session. Its
     processes are not children of this process: nothing to exempt from the per-test check."""
     import ray_cluster as cluster_module
 
-    yield from _session_service(cluster_module, cluster_module.start_cluster, tmp_path_factory.mktemp("ray"),
-                                "a Ray cluster", lambda cluster: set())
+    # a short folder of its own: Ray's Unix sockets live in it, and a socket's path has at most 107 bytes, which
+    # pytest's basetemp under a pytest-xdist worker (.../pytest-345/popen-gw0/ray0/...) overran
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-ray-"))
+    try:
+        yield from _session_service(cluster_module, cluster_module.start_cluster, folder, "a Ray cluster",
+                                    lambda cluster: set())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -71,11 +71,17 @@ def test_require_markers_decide_as_accelerates_on_this_machine():
                 == getattr(ours.require_torch_min_version(version=version)(case), "__unittest_skip__", False))
 
 
-def test_assert_exception_and_skip_helpers_behave_alike():
+def test_assert_exception_and_skip_helpers_behave_alike(monkeypatch):
+    for worker, port in ((None, 29500), ("gw3", 29503)):  # without pytest-xdist, and in its worker gw3
+        if worker is None:
+            monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+        else:
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        assert [(module.pytest_xdist_worker_id(), module.get_torch_dist_unique_port()) for module in (theirs, ours)] \
+            == [(port - 29500, port)] * 2
     for module in (theirs, ours):
         with module.assert_exception(ValueError, "bad"):
             raise ValueError("a bad value")
         with pytest.raises(AssertionError):
             with module.assert_exception(ValueError):
                 pass
-        assert module.pytest_xdist_worker_id() == 0 and module.get_torch_dist_unique_port() == 29500
