@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core machines: keep each rank
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("NBACCEL_CONFIG_FILE", str(ROOT / "test-output" / "no-config.yaml"))
 sys.path.insert(0, str(ROOT / "tests"))
+# the SIGINT handler of a Jupyter kernel and an interactive Python, which the interrupt tests rely on: a run
+# started in the background by a non-interactive shell inherits SIGINT ignored (POSIX), Python then keeps it
+# ignored, and so do pytest-xdist's workers
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from process_helpers import live_children  # noqa: E402  (needs the path above)
 

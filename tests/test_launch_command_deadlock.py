@@ -265,7 +265,7 @@ def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypa
     monkeypatch.setattr(collective_watch, "make_user_dir", lambda prefix: str(deep.mkdir() or deep))
     backend = TorchrunScript()
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
-        assert backend._start_watch() is None
+        assert backend._start_watch(exit_grace=10.0) is None
     backend.close()
     assert not deep.exists()
 

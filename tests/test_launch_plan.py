@@ -30,6 +30,16 @@ def test_the_plan_carries_the_timeout_and_the_debug_launchers_fork_flag(monkeypa
     assert build_plan(LaunchRequest(function=print, num_processes=2, debug_launcher=True)).timeout is None
 
 
+def test_the_plan_carries_the_exit_grace_read_once(monkeypatch):
+    # NBACCEL_EXIT_HANG_GRACE is read when the plan is built; the supervisor and the script launch's watch get
+    # the plan's value (a change of the variable after that does not reach a launch under way)
+    monkeypatch.delenv("NBACCEL_CONFIG_FILE", raising=False)
+    monkeypatch.delenv("NBACCEL_EXIT_HANG_GRACE", raising=False)
+    assert build_plan(LaunchRequest(function=print, num_processes=2)).exit_grace == 10.0
+    monkeypatch.setenv("NBACCEL_EXIT_HANG_GRACE", "2.5")
+    assert build_plan(LaunchRequest(function=print, num_processes=2)).exit_grace == 2.5
+
+
 def test_worker_config_writes_fork_launched_and_the_process_group_timeout():
     env = worker_environment(WorkerConfig(use_cpu=True, nproc_per_node=2, fork_launched=True, pg_timeout=40.0))
     assert env["FORK_LAUNCHED"] == "1" and env["NBACCEL_PG_TIMEOUT"] == "40.0"

@@ -595,7 +595,7 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     from ..launch.hang_report import exit_hang_grace  # here: `nbaccel --help` does not load launch
 
     try:
-        exit_hang_grace()  # NBACCEL_EXIT_HANG_GRACE, read again by the launch's watch: a bad value in one line
+        exit_hang_grace()  # NBACCEL_EXIT_HANG_GRACE (build_plan reads it for the launch): a bad value, one line
     except ValueError as exc:
         parser.error(str(exc))
     return run_settings(settings)

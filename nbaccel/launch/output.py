@@ -9,6 +9,7 @@ once and in order (carriage-return redraws of progress bars collapsed, their liv
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import sys
@@ -18,6 +19,12 @@ from typing import Any, TextIO
 from .screen import Screen
 
 READ_SIZE = 65536
+
+
+def show_fatal_signals() -> None:
+    """Have a fatal signal (gloo's abort on a size mismatch, a segfault) print every thread's Python stack to fd
+    2, the rank's stderr: a rank killed that way shows where it was, as a raised error would."""
+    faulthandler.enable(2, all_threads=True)
 
 
 def redirect_std_fds(stdout_fd: int, stderr_fd: int) -> None:

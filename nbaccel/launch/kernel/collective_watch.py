@@ -11,7 +11,7 @@ report). After a failure, `after_failure` tells whether a deadlock was behind th
 
 It also watches the exit: a rank says `finished` after its script and every exit function it registered
 ran, and keeps its socket open until its process ends. When every connected rank has finished and one of
-them is still running exit_hang_grace() seconds later (10 s, or NBACCEL_EXIT_HANG_GRACE), stuck in a
+them is still running the plan's exit_grace seconds later (10 s, or NBACCEL_EXIT_HANG_GRACE), stuck in a
 destructor during the interpreter's teardown, it calls `on_exit_hang` with those ranks: `nbaccel launch`
 names them, stops them and exits 0, since every script completed.
 
@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..channel import recv_all
-from ..hang_report import Diagnosis, exit_hang_grace, report_lines
+from ..hang_report import EXIT_HANG_GRACE, Diagnosis, report_lines
 from ..messages import MessageKind, RankState
 from ..private_dirs import WATCH_PREFIX, make_user_dir
 from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
@@ -70,7 +70,8 @@ class CollectiveWatch:
     """The listening end: start it before the ranks, `close` it after them (see the module docstring)."""
 
     def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE,
-                 on_exit_hang: Callable[[ExitHang], None] | None = None) -> None:
+                 on_exit_hang: Callable[[ExitHang], None] | None = None,
+                 exit_grace: float = EXIT_HANG_GRACE) -> None:
         self._folder = make_user_dir(WATCH_PREFIX)
         self.address = os.path.join(self._folder, "sock")  # short: a Unix socket's path has ~100 bytes at most
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -86,7 +87,7 @@ class CollectiveWatch:
         self._on_deadlock = on_deadlock
         self._on_exit_hang = on_exit_hang
         self.exit_hang: ExitHang | None = None
-        self._exit_grace = exit_hang_grace()  # seconds a rank that finished its script gets to end its process
+        self._exit_grace = exit_grace  # seconds a rank that finished its script gets to end its process
         self._peers: dict[Connection, _Peer] = {}  # one per rank process connected
         self._attempt = 0  # the newest attempt (TORCHELASTIC_RESTART_COUNT) a rank announced
         self.prompts = PromptRelay()  # a rank's input()/breakpoint()/pdb (prompt_relay.py)

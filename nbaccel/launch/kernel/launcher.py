@@ -192,7 +192,8 @@ def supervise(plan: LaunchPlan, handles: list[StartedRank], backend: Backend, re
         close_quietly(*(h.channel for h in handles), *(h.stdout_fd for h in handles), *(h.stderr_fd for h in handles))
         raise
     listeners = list(reporting.observers) + ([handle.observer] if handle else [])
-    supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout, groups=groups)  # streams looked up per write
+    supervisor = Supervisor(handles, backend, listeners, timeout=plan.timeout, groups=groups,  # streams: per write
+                            exit_grace=plan.exit_grace)
     if handle:
         handle.start()
     supervisor.notify(messages.launch(LaunchState.STARTED, num_processes=plan.supervised_ranks, **info))

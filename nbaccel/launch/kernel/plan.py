@@ -32,7 +32,7 @@ from ...utils.constants import (
     RDZV_BACKENDS,
 )
 from ...utils.process_limits import check_process_count
-from ..hang_report import exit_hang_grace
+from ..hang_report import EXIT_HANG_GRACE, exit_hang_grace
 from ..rank_environment import RankSpec, WorkerConfig, visible_gpus, worker_environment
 from ..shared_tensors import RESULT_DIR_ENV
 from ..views import views
@@ -161,6 +161,9 @@ class LaunchPlan:
     script: ScriptTarget | None = None  # Program.SCRIPT: the script every rank runs
     hosts: HostSet | None = None  # Placement.SSH/SLURM/RAY: the hosts, num_processes ranks on each
     program: Program = Program.FUNCTION
+    # seconds a rank that finished its work gets to end its process before it is named stuck and stopped
+    # (NBACCEL_EXIT_HANG_GRACE, read once here; the supervisor and `nbaccel launch`'s watch use this value)
+    exit_grace: float = EXIT_HANG_GRACE
 
     @property
     def supervised_ranks(self) -> int:
@@ -350,14 +353,16 @@ def build_plan(request: LaunchRequest) -> LaunchPlan:
     rendezvous, the placement (this process, local, elastic, XLA, SSH hosts, SLURM) and the program, the
     timeout. Raises every bad-input error; starts nothing. notebook_launcher's (with or without hosts) and
     RankPool's and `nbaccel launch`'s (program script, from its checked settings: commands/launch.py) too."""
-    exit_hang_grace()  # a bad NBACCEL_EXIT_HANG_GRACE is refused now (the supervisor reads it once ranks run)
+    exit_grace = exit_hang_grace()  # a bad NBACCEL_EXIT_HANG_GRACE is refused now, before any rank starts
     if request.program is Program.POOL:
-        return _pool_plan(request)
-    if request.program is Program.SCRIPT:
-        return _script_plan(request)
-    if request.hosts is not None:
-        return _host_plan(request)
-    return dataclasses.replace(_resolve(request), timeout=request.timeout)
+        plan = _pool_plan(request)
+    elif request.program is Program.SCRIPT:
+        plan = _script_plan(request)
+    elif request.hosts is not None:
+        plan = _host_plan(request)
+    else:
+        plan = dataclasses.replace(_resolve(request), timeout=request.timeout)
+    return dataclasses.replace(plan, exit_grace=exit_grace)
 
 
 def _resolve(request: LaunchRequest) -> LaunchPlan:

@@ -23,7 +23,7 @@ from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
 from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures, oom_hint
-from ..hang_report import Diagnosis, exit_hang_grace, report_lines
+from ..hang_report import EXIT_HANG_GRACE, Diagnosis, report_lines
 from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
 from ..screen import DisplayOrder
@@ -72,6 +72,7 @@ class Supervisor:
         world_rank_of: Callable[[int], int] | None = None,
         cell: Any = None,
         groups: RankGroups | None = None,
+        exit_grace: float = EXIT_HANG_GRACE,
     ) -> None:
         self.workers = list(workers)
         self.backend = backend
@@ -90,7 +91,7 @@ class Supervisor:
         self.generation = 0
         self._stopping = False  # exits after we stopped the workers are not failures
         self._all_returned_at: float | None = None  # when the last rank returned its result
-        self._exit_grace = exit_hang_grace()  # then the seconds every rank's process gets to exit
+        self._exit_grace = exit_grace  # then the seconds every rank's process gets to exit (the plan's)
         # rank -> the host it was started on (hosts=): stamped on its messages and named in every error and report
         self.hosts = {w.rank: w.host for w in self.workers if w.host}
         self.collectives = CollectiveTracker(hosts=self.hosts)

@@ -124,7 +124,7 @@ class TorchrunScript:
             own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
             self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
             plan = dataclasses.replace(plan, script=dataclasses.replace(plan.script, log_dir=own_logs))
-        self.watch = None if plan.script.no_python else self._start_watch()
+        self.watch = None if plan.script.no_python else self._start_watch(plan.exit_grace)
         if not plan.script.no_python:
             self._share_line_lock()
         args = torchrun.get_args_parser().parse_args(torchrun_arguments(
@@ -176,13 +176,14 @@ class TorchrunScript:
         os.environ[LINE_LOCK_ENV] = path
         self._cleanup.callback(os.environ.pop, LINE_LOCK_ENV, None)
 
-    def _start_watch(self) -> CollectiveWatch | None:
+    def _start_watch(self, exit_grace: float) -> CollectiveWatch | None:
         """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
         detection) where no Unix socket can be opened."""
         from .collective_watch import CollectiveWatch
 
         try:
-            watch = CollectiveWatch(on_deadlock=self._on_deadlock, on_exit_hang=self._on_exit_hang)
+            watch = CollectiveWatch(on_deadlock=self._on_deadlock, on_exit_hang=self._on_exit_hang,
+                                    exit_grace=exit_grace)
         except OSError as exc:
             warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
                           stacklevel=4)

@@ -8,7 +8,6 @@ telemetry sink into the channel, runs the function and reports its return value 
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from ...utils.constants import MEMORY_INTERVAL_ENV, RANK_GROUPS_ENV
 from .. import messages
 from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
-from ..output import flush_std, redirect_std_fds
+from ..output import flush_std, redirect_std_fds, show_fatal_signals
 from . import rank_display, rank_prompts
 from .parent_death import die_with_parent, lead_own_group
 from .raw_calls import watch_raw_collectives
@@ -42,7 +41,7 @@ def run_worker(
     lead_own_group(env.get(RANK_GROUPS_ENV))  # what it starts is stopped with it, dead or alive (kernel/rank_groups.py)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
-    faulthandler.enable(2, all_threads=True)  # a fatal signal (gloo's abort on a size mismatch, a segfault) shows where
+    show_fatal_signals()  # a rank killed by a signal shows its stack
     os.environ.update(env)
     apply_cpu_threads()
     rank = int(os.environ.get("RANK", "0"))

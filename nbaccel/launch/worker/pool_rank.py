@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import faulthandler
 import linecache
 import os
 import pickle
@@ -33,7 +32,7 @@ from typing import Any
 from ...utils.constants import LAUNCH_HOST_ENV, RANK_GROUPS_ENV
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
-from ..output import flush_std, redirect_std_fds
+from ..output import flush_std, redirect_std_fds, show_fatal_signals
 from . import rank_display, rank_prompts
 from .entry import _destroy_process_group, apply_cpu_threads
 from .parent_death import die_with_parent, lead_own_group
@@ -70,7 +69,7 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     signal.signal(signal.SIGINT, _on_interrupt)  # an interrupt only counts while a command runs (_handle)
     redirect_std_fds(stdout.fileno(), stderr.fileno())
     close_quietly(stdout, stderr)
-    faulthandler.enable(2, all_threads=True)  # a fatal signal (gloo's abort on a size mismatch, a segfault) shows where
+    show_fatal_signals()  # a rank killed by a signal shows its stack
     os.environ.update(env)
     apply_cpu_threads()  # a forked rank keeps the kernel's torch threads otherwise (and can hang in OpenMP)
     rank = int(os.environ.get("RANK", "0"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import faulthandler
 import functools
 import importlib.machinery
 import os
@@ -31,6 +30,7 @@ from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV, RANK_GROUPS_ENV
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
+from ..output import show_fatal_signals
 from . import rank_prompts
 from .line_relay import relay_whole_lines
 from .parent_death import die_with_parent, register_group
@@ -40,7 +40,7 @@ from .raw_calls import watch_raw_collectives
 def main(argv: list[str] | None = None) -> None:
     """Run `[--module] TARGET ARGS...` (the command line torchrun passes) as the rank's `__main__`."""
     relay_whole_lines()  # through a pipe, each line the rank writes arrives whole (line_relay.py)
-    faulthandler.enable(2, all_threads=True)  # a fatal signal (gloo's abort on a size mismatch, a segfault) shows where
+    show_fatal_signals()  # a rank killed by a signal shows its stack
     die_with_parent()  # torch elastic starts each rank in its own session: a SIGKILLed launch would leave it running
     register_group(os.environ.pop(RANK_GROUPS_ENV, None))  # its session: stopped with the launch, dead or alive
     argv = list(sys.argv[1:] if argv is None else argv)
