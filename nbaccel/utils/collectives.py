@@ -433,14 +433,23 @@ def _gather_packed(tensors: list[torch.Tensor], world: int, plan: packing.Plan |
     if plan is None:
         plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
     buffer = packing.pack(plan, tensors)
-    # the receive buffer is only scratch (unpacking copies out of it): reuse the plan's when no other
-    # thread is using it
+    with _receive_buffer(plan, buffer, world) as receive:
+        rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), receive, world)
+        return packing.unpack_gathered(plan, rows, tensors)
+
+
+@contextlib.contextmanager
+def _receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
+    """Where `world` ranks' `buffer`s arrive: the plan's own buffer when no other thread is using it (it is only
+    scratch, the results are copied out of it), kept for the next call when small; else a new one."""
     reuse = plan.lock.acquire(blocking=False)
     try:
-        rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), plan.receive if reuse else None, world)
-        if reuse and plan.receive is None and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
-            plan.receive = rows.view(-1)
-        return packing.unpack_gathered(plan, rows, tensors)
+        rows = plan.receive if reuse else None
+        if rows is None:
+            rows = buffer.new_empty(world * buffer.numel())
+            if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+                plan.receive = rows
+        yield rows
     finally:
         if reuse:
             plan.lock.release()
@@ -453,13 +462,7 @@ def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: pa
     `unpack_gathered` makes them); one reordering copy fills them once it has arrived."""
     buffer = packing.pack(plan, tensors)
     all_gather, call = _all_gather_fn()
-    reuse = plan.lock.acquire(blocking=False)  # the receive buffer is scratch: reused when no other thread has it
-    try:
-        rows = plan.receive if reuse else None
-        if rows is None:
-            rows = buffer.new_empty(world * buffer.numel())
-            if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
-                plan.receive = rows
+    with _receive_buffer(plan, buffer, world) as rows:
         results = packing.stacked_results(plan, buffer)
         with in_collective("gather", call, _traced(tensors, buffer)):
             work = _call_checked("gather", all_gather, rows, buffer, None, True)  # async_op=True
@@ -468,9 +471,6 @@ def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: pa
                 _call_checked("gather", work.wait)
         packing.fill_stacked(plan, rows, results)
         return gathered
-    finally:
-        if reuse:
-            plan.lock.release()
 
 
 def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
