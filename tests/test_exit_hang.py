@@ -196,6 +196,17 @@ def test_a_bad_exit_grace_is_refused_before_any_rank_starts(tmp_path):
     assert f"{EXIT_HANG_GRACE_ENV}='soon': give the seconds" in result.stderr, result.stderr
 
 
+def test_a_bad_exit_grace_is_one_usage_line_for_every_command_that_launches(tmp_path):
+    # `nbaccel test` runs its check script through the same settings as `nbaccel launch`
+    for command in (["launch", "--num_processes", "2", "--cpu", "job.py"], ["test"]):
+        (tmp_path / "job.py").write_text("print('ran', flush=True)\n")
+        result = subprocess.run([sys.executable, "-m", "nbaccel", *command], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=BOUND, env={**os.environ, EXIT_HANG_GRACE_ENV: "soon"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"error: {EXIT_HANG_GRACE_ENV}='soon': give the seconds" in result.stderr, result.stderr
+        assert "ran" not in result.stdout and "Running" not in result.stdout, result.stdout
+
+
 def test_a_bad_exit_grace_is_refused_before_notebook_launcher_starts_a_rank(monkeypatch):
     from process_helpers import started_children
 

@@ -434,6 +434,12 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail("DeepSpeed is selected but not installed: pip install deepspeed")
     if s.use_fsdp and s.use_deepspeed:
         fail("choose one of FSDP and DeepSpeed, not both")
+    from ..launch.hang_report import exit_hang_grace  # here: `nbaccel --help` does not load launch
+
+    try:
+        exit_hang_grace()  # NBACCEL_EXIT_HANG_GRACE, refused with the options (build_plan reads it for the launch)
+    except ValueError as error:
+        fail(str(error))
 
 
 def worker_config(s: LaunchSettings) -> WorkerConfig:
@@ -592,12 +598,6 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
         check_script(settings)
     except (ConfigError, LaunchOptionError) as exc:
         parser.error(str(exc).replace("\n", "; "))
-    from ..launch.hang_report import exit_hang_grace  # here: `nbaccel --help` does not load launch
-
-    try:
-        exit_hang_grace()  # NBACCEL_EXIT_HANG_GRACE (build_plan reads it for the launch): a bad value, one line
-    except ValueError as exc:
-        parser.error(str(exc))
     return run_settings(settings)
 
 
