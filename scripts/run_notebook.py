@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     failed = None
     try:
-        client.execute()
+        # the client shuts the kernel down at the end (given a manager, nbclient leaves it running otherwise: the
+        # kernel outlived this script and said "Parent appears to have exited" on the terminal after it)
+        client.execute(cleanup_kc=True)
     except CellExecutionError as error:
         failed = error
     finally:

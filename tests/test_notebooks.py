@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from notebook_outputs import Executed, check_quickstart, read_outputs
 from ssh_server import HOSTS
@@ -26,12 +27,17 @@ EXECUTED = ("01_quickstart", "02_debug_collectives", "03_checkpoint_and_resume",
 # 10_ray_cluster runs in tests/test_ray_launch.py, in the kernel of the session's Ray cluster
 
 
-def _scripted_input_client() -> type:
-    """scripts/run_notebook.py's client: a cell's `nbaccel.input` metadata lines answer its input requests."""
+def _demo_runner():
+    """scripts/run_notebook.py, `./run.sh demo`'s script, as a module."""
     spec = importlib.util.spec_from_file_location("run_notebook", NOTEBOOKS.parent / "scripts" / "run_notebook.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.ScriptedInputClient
+    return module
+
+
+def _scripted_input_client() -> type:
+    """scripts/run_notebook.py's client: a cell's `nbaccel.input` metadata lines answer its input requests."""
+    return _demo_runner().ScriptedInputClient
 
 
 def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
@@ -42,6 +48,20 @@ def run_notebook(name: str, workdir: Path, timeout: int = 240) -> Executed:
     seconds = time.monotonic() - started
     print(f"{name}: {seconds:.1f} s")
     return read_outputs(nb, seconds)
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_runner_shuts_its_kernel_down_before_it_returns(tmp_path, monkeypatch, capsys):
+    # `./run.sh demo`'s script: the kernel used to outlive it (and print ipykernel's "Parent appears to have
+    # exited, shutting down." on the terminal after the command had returned)
+    notebook = tmp_path / "pid.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import os; print(os.getpid())")],
+                                            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}}),
+                   notebook)
+    monkeypatch.chdir(tmp_path)
+    assert _demo_runner().main([str(notebook)]) == 0
+    kernel = int(capsys.readouterr().out.split("--- cell 1\n")[1].splitlines()[0])
+    assert not psutil.pid_exists(kernel) or psutil.Process(kernel).status() == psutil.STATUS_ZOMBIE
 
 
 def test_the_output_reader_joins_one_print_sent_as_two_messages():
