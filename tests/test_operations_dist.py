@@ -233,6 +233,80 @@ def _same_shape_gathers(rank: int):
     return found
 
 
+def _gathers_while_the_receive_buffer_is_taken(rank: int):
+    """A remembered layout's receive buffer belongs to one gather at a time: while another thread holds it (its
+    lock, taken here), a gather of that layout uses a new buffer, gives the right values, and neither replaces the
+    kept buffer nor releases the lock it does not hold. Both paths: same shapes (stacked) and mixed (packed)."""
+    from nbaccel.utils import collectives, gather
+
+    world = torch.distributed.get_world_size()
+    for make in (lambda r: {f"t{i}": torch.full((3,), 10.0 * i + r) for i in range(4)},
+                 lambda r: [torch.full((2,), float(r)), torch.full((5,), 7.0 + r)]):
+        checked = collectives._group_facts().checked
+        checked.clear()
+        gather(make(rank))  # checked once: the layout and its plan are remembered
+        [plan] = checked.values()
+        assert (plan.stacked is not None) == isinstance(make(0), dict)  # the dict: one shape; the list: two
+        gather(make(rank))  # remembered: the plan keeps its receive buffer
+        kept = plan.receive
+        assert kept is not None
+        with plan.lock:  # "another thread" is inside a gather of this layout
+            out = gather(make(rank + 1))
+            assert plan.lock.locked() and plan.receive is kept
+        items = list(out.values()) if isinstance(out, dict) else out
+        mine = [list(m.values()) if isinstance(m, dict) else m for m in (make(r + 1) for r in range(world))]
+        assert all(torch.equal(result, torch.cat([m[i] for m in mine])) for i, result in enumerate(items))
+        again = gather(make(rank))  # the lock is free again: the kept buffer is used, still right
+        assert plan.receive is kept and not plan.lock.locked()
+        items = list(again.values()) if isinstance(again, dict) else again
+        mine = [list(m.values()) if isinstance(m, dict) else m for m in (make(r) for r in range(world))]
+        assert all(torch.equal(result, torch.cat([m[i] for m in mine])) for i, result in enumerate(items))
+    return True
+
+
+def test_a_gather_while_another_holds_the_receive_buffer_uses_its_own():
+    assert run_ranks(_gathers_while_the_receive_buffer_is_taken, init=True) == [True, True]
+
+
+def _a_gather_interrupted_while_its_data_travels(rank: int):
+    """An interrupt between the asynchronous all-gather's start and its end (here: while the results are made)
+    leaves the kept receive buffer to that all-gather, which may still write into it: the plan drops it, its
+    lock is free, and the next gather of the layout takes a new buffer and gives the right values."""
+    from nbaccel.utils import collectives, gather, packing
+
+    world = torch.distributed.get_world_size()
+
+    def make(r: int) -> dict:
+        return {f"t{i}": torch.full((3,), 10.0 * i + r) for i in range(4)}
+
+    checked = collectives._group_facts().checked
+    checked.clear()
+    gather(make(rank))
+    [plan] = checked.values()
+    gather(make(rank))
+    assert plan.stacked is not None and plan.receive is not None
+    original = packing.stacked_results
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    packing.stacked_results = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gather(make(rank))
+    finally:
+        packing.stacked_results = original
+    assert plan.receive is None and not plan.lock.locked()
+    out = gather(make(rank + 2))
+    assert all(torch.equal(out[k], torch.cat([make(r + 2)[k] for r in range(world)])) for k in out)
+    assert plan.receive is not None  # a new buffer, kept again
+    return True
+
+
+def test_an_interrupted_gather_leaves_its_receive_buffer_behind():
+    assert run_ranks(_a_gather_interrupted_while_its_data_travels, init=True) == [True, True]
+
+
 def test_same_shape_tensors_gather_like_torch_cat_on_three_ranks():
     found = run_ranks(_same_shape_gathers, world_size=3, init=True)
     assert found[0] == found[1] == found[2]

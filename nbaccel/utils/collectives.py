@@ -433,26 +433,36 @@ def _gather_packed(tensors: list[torch.Tensor], world: int, plan: packing.Plan |
     if plan is None:
         plan = packing.plan_for(tensors, world, as_bytes=not _native(tensors[0].dtype))
     buffer = packing.pack(plan, tensors)
-    with _receive_buffer(plan, buffer, world) as receive:
+    receive, held = _take_receive_buffer(plan, buffer, world)
+    try:
         rows = all_gather_rows("gather", buffer, _traced(tensors, buffer), receive, world)
         return packing.unpack_gathered(plan, rows, tensors)
-
-
-@contextlib.contextmanager
-def _receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
-    """Where `world` ranks' `buffer`s arrive: the plan's own buffer when no other thread is using it (it is only
-    scratch, the results are copied out of it), kept for the next call when small; else a new one."""
-    reuse = plan.lock.acquire(blocking=False)
-    try:
-        rows = plan.receive if reuse else None
-        if rows is None:
-            rows = buffer.new_empty(world * buffer.numel())
-            if reuse and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
-                plan.receive = rows
-        yield rows
     finally:
-        if reuse:
+        if held:
             plan.lock.release()
+
+
+def _take_receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -> tuple[torch.Tensor, bool]:
+    """Where `world` ranks' `buffer`s arrive: the plan's own buffer when no other thread is using it (it is only
+    scratch, the results are copied out of it), kept for the next call when small; else a new one. The flag:
+    this thread now holds `plan.lock`, which the caller releases once the results are copied out.
+
+    A function and a `try`/`finally` at the caller, not a context manager: between two collectives, with cold
+    caches, a generator-based one cost ~10-15 us more per gather (benchmarks/RESULTS.md, 2026-11-29 15:30).
+    The lock is only taken without blocking, so one left held (an interrupt between this return and the
+    caller's `try`) costs the reuse, never a wait."""
+    held = plan.lock.acquire(blocking=False)
+    rows = plan.receive if held else None
+    if rows is None:
+        try:
+            rows = buffer.new_empty(world * buffer.numel())
+        except BaseException:  # out of memory, an interrupt: the lock is not the caller's to release yet
+            if held:
+                plan.lock.release()
+            raise
+        if held and rows.numel() * rows.element_size() <= _KEEP_RECEIVE_BYTES:
+            plan.receive = rows
+    return rows, held
 
 
 def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: packing.Plan) -> Any:
@@ -462,15 +472,23 @@ def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: pa
     `unpack_gathered` makes them); one reordering copy fills them once it has arrived."""
     buffer = packing.pack(plan, tensors)
     all_gather, call = _all_gather_fn()
-    with _receive_buffer(plan, buffer, world) as rows:
-        results = packing.stacked_results(plan, buffer)
+    rows, held = _take_receive_buffer(plan, buffer, world)
+    try:
         with in_collective("gather", call, _traced(tensors, buffer)):
             work = _call_checked("gather", all_gather, rows, buffer, None, True)  # async_op=True
+            results = packing.stacked_results(plan, buffer)
             gathered = rebuild_flat(data, list(results.unbind(0)))
             if work is not None:  # (a backend that completes in the call returns no work)
                 _call_checked("gather", work.wait)
         packing.fill_stacked(plan, rows, results)
         return gathered
+    except BaseException:
+        if held:  # the all-gather may have started and still write into it: later gathers take a new one
+            plan.receive = None
+        raise
+    finally:
+        if held:
+            plan.lock.release()
 
 
 def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
