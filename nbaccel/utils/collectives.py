@@ -448,7 +448,7 @@ def _take_receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -
     this thread now holds `plan.lock`, which the caller releases once the results are copied out.
 
     A function and a `try`/`finally` at the caller, not a context manager: between two collectives, with cold
-    caches, a generator-based one cost ~10-15 us more per gather (benchmarks/RESULTS.md, 2026-11-29 15:30).
+    caches, a generator-based one cost ~10-15 us more per gather (benchmarks/RESULTS.md, 2026-11-29 15:12).
     The lock is only taken without blocking, so one left held (an interrupt between this return and the
     caller's `try`) costs the reuse, never a wait."""
     held = plan.lock.acquire(blocking=False)
