@@ -107,13 +107,15 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
 
 
 def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    tracker = TensorBoardTracker("tb", tmp_path)
-    with pytest.raises(ImportError, match=r"pip install nbaccel\[tensorboard\]"):
-        tracker.start()
+    # neither tensorboard nor tensorboardX importable, whatever this environment has installed
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(tracking.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tensorboard", "tensorboardX") else real_find_spec(name, *a))
+    monkeypatch.setattr(tracking, "_is_main_process", lambda: True)  # start() runs only there
+    tracker = TensorBoardTracker("tb", tmp_path)
+    with pytest.raises(ImportError, match=r"pip install nbaccel\[tensorboard\]"):
+        tracker.start()
     with pytest.raises(ImportError, match=r"pip install nbaccel\[tensorboard\]"):
         filter_trackers("tensorboard", tmp_path)
 
