@@ -76,6 +76,40 @@ def test_each_line_of_two_ranks_printing_at_once_arrives_whole_through_a_pipe(tm
         assert f"rank {rank} done" in out.splitlines()
 
 
+STALLED = """
+    import os, sys, time
+    from nbaccel.launch.worker.line_relay import PARTIAL_WAIT
+
+    flag = sys.argv[1]
+    if os.environ["RANK"] == "0":
+        sys.stdout.write("part one, ")  # a print's first piece; then the rank stalls (a busy machine)
+        open(flag, "w").close()
+        time.sleep(PARTIAL_WAIT + 1.0)
+        print("part two")
+    else:
+        while not os.path.exists(flag):
+            time.sleep(0.01)
+        time.sleep(PARTIAL_WAIT + 0.4)  # after the relay would have given up on rank 0's first piece
+        print("rank one's line")
+"""
+
+
+def test_a_rank_that_stalls_in_the_middle_of_a_line_still_sends_it_whole(tmp_path):
+    """The window behind a line seen cut under load (`error file:error file: ...`): a rank stalls between two
+    pieces of one line for longer than the relay holds a partial line, while another rank prints. The rank's
+    stdout is line-buffered into its relay, so the pieces leave it as one write."""
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent(STALLED))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu", "-q",
+                          str(script), str(tmp_path / "flag")],
+                         capture_output=True, env=env, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    lines = run.stdout.decode().splitlines()
+    assert "part one, part two" in lines and "rank one's line" in lines, lines
+    assert lines.index("rank one's line") < lines.index("part one, part two"), lines
+
+
 ON_A_TERMINAL = """
 import os, sys
 from nbaccel.launch.worker.line_relay import relay_whole_lines

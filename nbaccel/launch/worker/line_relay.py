@@ -8,7 +8,10 @@ points the rank's fds 1 and 2 at pipes of its own, read by a small relay process
 writes only whole lines (a progress bar's carriage-return redraws count as line ends) to the real
 destination, under an exclusive lock on a file the launch shares with every rank (`LINE_LOCK_ENV`), so no
 other rank writes between the bytes of one line. A partial line is held until its end arrives, at most
-`PARTIAL_WAIT` seconds (then written as it is: a prompt or a `print(..., end="")` still shows).
+`PARTIAL_WAIT` seconds (then written as it is: a prompt or a `print(..., end="", flush=True)` still shows).
+The rank's sys.stdout and sys.stderr are line-buffered into the relay, as on a terminal, so a `print()` is one
+write: under `python -u` its pieces were separate writes, and on a busy machine a rank could stall between two
+of them for longer than PARTIAL_WAIT (`error file:error file: /tmp/.../1/error.json`, seen with the suite and a stress run on 2 cores).
 
 The relay forks before the rank starts any thread or imports torch, imports nothing after the fork,
 ignores the signals sent to the rank's process group (it must outlive the rank to write its last lines) and
@@ -28,6 +31,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 from ...utils.constants import LINE_LOCK_ENV
 
@@ -46,12 +50,13 @@ def relay_whole_lines() -> int | None:
     """Route fds 1 and 2 (those that are not a terminal) through a line relay; returns its pid, or None
     when there is nothing to relay (both terminals, closed) or no relay can be started."""
     lock_path = os.environ.pop(LINE_LOCK_ENV, "")  # the rank's own children write through the rank's relay
-    _line_buffer_terminals()
+    _line_buffer(fd for fd in (1, 2) if _is_terminal(fd))
     if fcntl is None or not hasattr(os, "fork"):
         return None
     targets = [fd for fd in (1, 2) if _relayable(fd)]
     if not targets:
         return None
+    _line_buffer(targets)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -87,14 +92,24 @@ def relay_whole_lines() -> int | None:
     return pid
 
 
-def _line_buffer_terminals() -> None:
-    """A TTY stdout/stderr writes each line in one write (see the module docstring)."""
+def _line_buffer(fds: Iterable[int]) -> None:
+    """sys.stdout/sys.stderr, where they write to one of `fds`, write each line in one write (see the module
+    docstring): on a terminal, and into a relay, where a line sent in pieces could otherwise wait past
+    PARTIAL_WAIT between two of them on a busy machine and go out cut."""
+    wanted = set(fds)
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream.isatty():
+            if stream.fileno() in wanted:
                 stream.reconfigure(line_buffering=True, write_through=False)
         except (AttributeError, OSError, ValueError):  # replaced by the script's runner, or closed
             pass
+
+
+def _is_terminal(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def _relayable(fd: int) -> bool:
