@@ -11,7 +11,8 @@ other rank writes between the bytes of one line. A partial line is held until it
 `PARTIAL_WAIT` seconds (then written as it is: a prompt or a `print(..., end="", flush=True)` still shows).
 The rank's sys.stdout and sys.stderr are line-buffered into the relay, as on a terminal, so a `print()` is one
 write: under `python -u` its pieces were separate writes, and on a busy machine a rank could stall between two
-of them for longer than PARTIAL_WAIT (`error file:error file: /tmp/.../1/error.json`, seen with the suite and a stress run on 2 cores).
+of them for longer than PARTIAL_WAIT (`error file:error file: /tmp/.../1/error.json`, seen with the suite and
+an interrupt stress run on 2 cores).
 
 The relay forks before the rank starts any thread or imports torch, imports nothing after the fork,
 ignores the signals sent to the rank's process group (it must outlive the rank to write its last lines) and
