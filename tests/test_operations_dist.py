@@ -253,15 +253,18 @@ def _gathers_while_the_receive_buffer_is_taken(rank: int):
         with plan.lock:  # "another thread" is inside a gather of this layout
             out = gather(make(rank + 1))
             assert plan.lock.locked() and plan.receive is kept
-        items = list(out.values()) if isinstance(out, dict) else out
-        mine = [list(m.values()) if isinstance(m, dict) else m for m in (make(r + 1) for r in range(world))]
-        assert all(torch.equal(result, torch.cat([m[i] for m in mine])) for i, result in enumerate(items))
+        assert _is_cat_of_every_rank(out, [make(r + 1) for r in range(world)])
         again = gather(make(rank))  # the lock is free again: the kept buffer is used, still right
         assert plan.receive is kept and not plan.lock.locked()
-        items = list(again.values()) if isinstance(again, dict) else again
-        mine = [list(m.values()) if isinstance(m, dict) else m for m in (make(r) for r in range(world))]
-        assert all(torch.equal(result, torch.cat([m[i] for m in mine])) for i, result in enumerate(items))
+        assert _is_cat_of_every_rank(again, [make(r) for r in range(world)])
     return True
+
+
+def _is_cat_of_every_rank(out, inputs: list) -> bool:
+    """Whether each tensor of a gathered dict or list `out` is the torch.cat of that item of every rank's input."""
+    items = list(out.values()) if isinstance(out, dict) else out
+    rows = [list(data.values()) if isinstance(data, dict) else data for data in inputs]
+    return all(torch.equal(result, torch.cat([row[i] for row in rows])) for i, result in enumerate(items))
 
 
 def test_a_gather_while_another_holds_the_receive_buffer_uses_its_own():
@@ -298,7 +301,7 @@ def _a_gather_interrupted_while_its_data_travels(rank: int):
         packing.stacked_results = original
     assert plan.receive is None and not plan.lock.locked()
     out = gather(make(rank + 2))
-    assert all(torch.equal(out[k], torch.cat([make(r + 2)[k] for r in range(world)])) for k in out)
+    assert _is_cat_of_every_rank(out, [make(r + 2) for r in range(world)])
     assert plan.receive is not None  # a new buffer, kept again
     return True
 

@@ -115,8 +115,8 @@ def _is_terminal(fd: int) -> bool:
 
 def _relayable(fd: int) -> bool:
     try:
-        return not os.isatty(fd) and os.fstat(fd) is not None
-    except OSError:
+        return not _is_terminal(fd) and os.fstat(fd) is not None
+    except OSError:  # closed
         return False
 
 
