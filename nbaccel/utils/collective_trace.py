@@ -143,16 +143,23 @@ class in_collective:  # noqa: N801 - used as a function: `with in_collective("ga
     listener registered with `with_record=False` reads the attributes below instead.
 
     `op`, `call`: as given; `seq`: this process's count of collectives entered; `started`: time.time() when
-    made; `site`: the user's line that called (looked up only while some listener is registered)."""
+    made; `site`: the user's line that called (looked up only while some listener is registered).
 
-    __slots__ = ("op", "call", "_tensors", "started", "seq", "site", "_record", "_previous")
+    With `announce=False` the listeners hear the enter only at `announce()`, which an asynchronous
+    collective calls once its communication has started: their work (the call site's look-up, the
+    telemetry's queueing) then overlaps the data's travel instead of delaying this rank's send, which its
+    peers wait for. A block left before `announce()` announces first, so listeners always hear an enter
+    before its exit or error."""
 
-    def __init__(self, op: str, call: str = "", tensors: Any = ()) -> None:
+    __slots__ = ("op", "call", "_tensors", "started", "seq", "site", "_record", "_previous", "_unheard")
+
+    def __init__(self, op: str, call: str = "", tensors: Any = (), *, announce: bool = True) -> None:
         global _count
         _count += 1
         self.op, self.call, self._tensors = op, call, tensors
         self.started, self.seq = time.time(), _count
-        self.site = _caller_site() if _listeners else ""
+        self.site = _caller_site() if _listeners and announce else ""
+        self._unheard = not announce and bool(_listeners)  # an enter the listeners are still to hear
         self._record: CollectiveRecord | None = None
         self._previous: in_collective | None = None
 
@@ -187,18 +194,30 @@ class in_collective:  # noqa: N801 - used as a function: `with in_collective("ga
     def __enter__(self) -> CollectiveRecord | None:
         global _current
         self._previous, _current = _current, self
-        if _listeners:
-            for listener in _trace_listeners:
-                listener("enter", self)
-            if _record_listeners:
-                record = self.record()
-                for listener in _record_listeners:
-                    listener("enter", record)
+        if _listeners and not self._unheard:
+            self._tell_enter()
         return self._record
+
+    def announce(self) -> None:
+        """Let the listeners hear the enter of a collective made with `announce=False` (once only)."""
+        if self._unheard:
+            self._unheard = False
+            self.site, self._record = _caller_site(), None  # a record made before had no site
+            self._tell_enter()
+
+    def _tell_enter(self) -> None:
+        for listener in _trace_listeners:
+            listener("enter", self)
+        if _record_listeners:
+            record = self.record()
+            for listener in _record_listeners:
+                listener("enter", record)
 
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
         global _current
         _current = self._previous
+        if self._unheard:  # left before its communication started (e.g. it raised): the enter first
+            self.announce()
         if _listeners:
             event = "exit" if kind is None else "error"
             for listener in _trace_listeners:
