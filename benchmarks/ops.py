@@ -4,10 +4,12 @@
 
 Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.gather, (b) ONE raw
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
-at least pay), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
+at least pay through torch.distributed's functions), and the same all-gather called on the process group
+itself (without torch's Python wrapper, as nbaccel's gather starts its all-gather), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
 checks), and the same overlapped (the all-gather started asynchronously, the results made while it
 runs), and that overlapped code inside nbaccel's collective trace with a launcher's telemetry sink
-attached (the least a launched rank's gather can cost with its hang report on), (d) accelerate.utils.gather
+attached, its enter announced once the all-gather started (the least a launched rank's gather can cost
+with its hang report on), (d) accelerate.utils.gather
 when Accelerate is installed, (e) nbaccel.utils.gather with a launcher's
 telemetry sink attached (what a notebook_launcher worker runs: every collective queues its `collective`
 enter/exit messages for the kernel's deadlock detection). Then gather_object and
@@ -88,8 +90,10 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: boo
         `telemetry on` this is), with none of nbaccel's checks or bookkeeping."""
         buffer = torch.cat(list(data.values()))
         received = torch.empty(world * flat.numel())
-        with in_collective("gather", "all_gather", [buffer]):
+        trace = in_collective("gather", "all_gather", [buffer], announce=False)
+        with trace:
             work = all_gather(received, buffer, None, True)
+            trace.announce()  # the listeners' work while the data travels, as nbaccel's gather does
             results = torch.empty(len(keys), world * flat.numel() // len(keys))
             gathered = dict(zip(keys, results.unbind(0)))
             work.wait()
@@ -107,10 +111,19 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: boo
 
         watch_raw_collectives(partial(sink.send, "collective"))
 
+    group = dist.group.WORLD
+    options = dist.distributed_c10d.AllgatherOptions()
+
+    def floor_on_the_group() -> None:
+        """The floor without torch.distributed's Python wrapper: the process group's own method, as nbaccel's
+        stacked gather starts its all-gather (shows what the wrapper costs every variant that goes through it)."""
+        group.all_gather_single(out, flat, options).wait()
+
     variants = {
         "gather: nbaccel": lambda: ops.gather(data),
         traced: lambda: ops.gather(data),
         "gather: floor (one raw all-gather)": lambda: all_gather(out, flat),
+        "gather: floor, on the process group": floor_on_the_group,
         "gather: by hand (cat, all-gather, split)": by_hand,
         "gather: by hand, overlapped": overlapped,
         least_traced: overlapped_traced,
@@ -194,6 +207,9 @@ def main() -> None:
           f"(nbaccel / overlapped {ratio('gather: nbaccel', 'gather: by hand, overlapped'):5.2f}x)")
     print(f"gather, by hand overlapped, telemetry on / floor: {ratio(least_traced, floor):5.2f}x wall (the least "
           f"code with the trace a launch runs; nbaccel, telemetry on / it {ratio(traced, least_traced):5.2f}x)")
+    print(f"gather, floor on the process group / floor: {ratio('gather: floor, on the process group', floor):5.2f}x "
+          f"wall (torch.distributed's wrapper left out; nbaccel, telemetry on / it "
+          f"{ratio(traced, 'gather: floor, on the process group'):5.2f}x)")
     if "gather: accelerate" in medians:
         print(f"gather, accelerate / nbaccel:   {ratio('gather: accelerate', 'gather: nbaccel'):5.2f}x wall, "
               f"{ratio('gather: accelerate', 'gather: nbaccel', 1):5.2f}x CPU  (goal >= 5x)")

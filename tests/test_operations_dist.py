@@ -30,7 +30,8 @@ def _nested(rank: int):
 
 
 class Counter:
-    """Counts calls to torch.distributed's collectives in this process."""
+    """Counts calls to torch.distributed's collectives in this process, and the all-gathers the stacked gather
+    starts on the process group directly (collectives._start_all_gather), each once."""
 
     NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
              "all_gather_object", "broadcast_object_list", "barrier")
@@ -38,7 +39,7 @@ class Counter:
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist, self.calls, self.saved = dist, [], {}
+        self.dist, self.calls, self.saved, self.inside = dist, [], {}, 0
         for name in self.NAMES:
             original = getattr(dist, name, None)
             if original is None:
@@ -47,9 +48,22 @@ class Counter:
 
             def wrapper(*args, _name=name, _original=original, **kwargs):
                 self.calls.append(_name)
-                return _original(*args, **kwargs)
+                self.inside += 1
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.inside -= 1
 
             setattr(dist, name, wrapper)
+        self.method = vars(dist.ProcessGroup).get("all_gather_single")  # the descriptor itself, to put back as is
+        if self.method is not None:
+
+            def direct(group, *args, _original=dist.ProcessGroup.all_gather_single):
+                if not self.inside:  # not already counted as torch.distributed's function
+                    self.calls.append("all_gather_single")
+                return _original(group, *args)
+
+            dist.ProcessGroup.all_gather_single = direct
 
     def take(self) -> list[str]:
         calls, self.calls = self.calls, []
@@ -58,6 +72,8 @@ class Counter:
     def restore(self) -> None:
         for name, original in self.saved.items():
             setattr(self.dist, name, original)
+        if self.method is not None:
+            self.dist.ProcessGroup.all_gather_single = self.method
 
 
 def _check_values_and_types(rank: int):
@@ -522,3 +538,41 @@ def test_check_operations_script_under_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok   gather (") == 1  # only rank 0 prints
     assert "FAIL" not in proc.stdout
+
+
+def _stacked_gathers_that_need_torchs_function(rank: int):
+    """The stacked gather starts its all-gather on the process group itself (collectives._start_all_gather);
+    where torch.distributed's function does more than call that method, the function is used."""
+    from torch.overrides import TorchFunctionMode
+
+    from nbaccel.utils import gather
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    data = {f"t{i}": torch.full((3,), float(10 * i + rank)) for i in range(4)}
+    gather(data)  # the layout is remembered: the next call takes the fast path
+    with Watch() as watch:
+        out = gather(data)
+    complex_data = {k: v * (1 + 1j) for k, v in data.items()}
+    gathered_complex = gather(complex_data)
+    gathered_complex = gather(complex_data)
+    return {
+        "mode_saw_the_all_gather": any(name.startswith("all_gather") for name in watch.seen),
+        "values": {k: v.tolist() for k, v in out.items()},
+        "complex": {k: v.tolist() for k, v in gathered_complex.items()},
+    }
+
+
+def test_a_stacked_gather_under_a_torch_function_mode_or_of_complex_data_goes_through_torchs_function():
+    for found in run_ranks(_stacked_gathers_that_need_torchs_function, init=True):
+        assert found["mode_saw_the_all_gather"]
+        assert found["values"] == {f"t{i}": [10.0 * i] * 3 + [10.0 * i + 1] * 3 for i in range(4)}
+        assert found["complex"] == {f"t{i}": [complex(10 * i, 10 * i)] * 3 + [complex(10 * i + 1, 10 * i + 1)] * 3
+                                    for i in range(4)}

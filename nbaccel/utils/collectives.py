@@ -168,6 +168,10 @@ def _reducible_as(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else torch.int64
 
 
+# the torch call a traced all-gather names (`_all_gather_fn`'s choice, by the torch installed)
+_ALL_GATHER_CALL = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def _all_gather_fn() -> tuple[Callable[..., Any], str]:
     """torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`."""
     fn = getattr(dist, "all_gather_single", None)
@@ -190,6 +194,30 @@ def all_gather_rows(
     with in_collective(op, call, traced if traced != () else [flat]):
         _call_checked(op, all_gather, out, flat)
     return out.view(world, flat.numel())
+
+
+_ASYNC_OPTIONS: list[Any] = []  # torch's AllgatherOptions with asyncOp set, made at the first direct start
+
+
+def _start_all_gather(group: Any, rows: torch.Tensor, buffer: torch.Tensor) -> Any:
+    """Start the all-gather of `buffer` (a dense tensor nbaccel packed) into `rows` on the default `group`,
+    returning its work.
+
+    torch.distributed's function is a Python wrapper around the process group's own method: its checks,
+    torch-function dispatch and coalescing bookkeeping cost ~17 us a call, more than the rest of a packed
+    gather's own work (benchmarks/RESULTS.md, 2026-11-29 18:40). Here the inputs are known: the
+    method is called directly. torch's function is used whenever its extra work could matter: a
+    torch-function mode or subclass active, complex data (viewed as real there), a torch whose process
+    group lacks the method, or no group."""
+    start = getattr(group, "all_gather_single", None)
+    if start is None or buffer.is_complex() or torch.overrides.has_torch_function((buffer, rows)):
+        all_gather, _ = _all_gather_fn()
+        return all_gather(rows, buffer, None, True)
+    if not _ASYNC_OPTIONS:
+        options = dist.distributed_c10d.AllgatherOptions()
+        options.asyncOp = True
+        _ASYNC_OPTIONS.append(options)
+    return start(rows, buffer, _ASYNC_OPTIONS[0])
 
 
 def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -391,7 +419,7 @@ def _gather_known(data: Any, facts: _GroupFacts) -> Any:
     if plan is None:
         return None
     if plan.stacked is not None:
-        return _gather_stacked(data, items, facts.world, plan)
+        return _gather_stacked(data, items, facts, plan)
     return rebuild_flat(data, _gather_packed(items, facts.world, plan))
 
 
@@ -414,7 +442,7 @@ def _gather_checked(tensor: Any, facts: _GroupFacts) -> Any:
                 facts.checked.clear()
             facts.checked[_layout(tensors)] = plan
         if flat is not None and plan.stacked is not None:
-            return _gather_stacked(tensor, tensors, world, plan)
+            return _gather_stacked(tensor, tensors, facts, plan)
         results = _gather_packed(tensors, world, plan)
     else:  # no byte views on XLA: one buffer per dtype
         results = [None] * len(tensors)
@@ -465,17 +493,19 @@ def _take_receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -
     return rows, held
 
 
-def _gather_stacked(data: Any, tensors: list[torch.Tensor], world: int, plan: packing.Plan) -> Any:
+def _gather_stacked(data: Any, tensors: list[torch.Tensor], facts: _GroupFacts, plan: packing.Plan) -> Any:
     """`_gather_packed` for a plain dict, list or tuple (`data`) of tensors of one dtype and one shape (a
-    stacked plan), returning `data` rebuilt: the all-gather is started asynchronously and the results'
-    tensors and container are made while the data travels (they are views of one new tensor, as
-    `unpack_gathered` makes them); one reordering copy fills them once it has arrived."""
+    stacked plan), returning `data` rebuilt: the all-gather is started asynchronously (`_start_all_gather`),
+    and the trace's listeners and the results' tensors and container are made while the data travels (they
+    are views of one new tensor, as `unpack_gathered` makes them); one reordering copy fills them once it
+    has arrived."""
     buffer = packing.pack(plan, tensors)
-    all_gather, call = _all_gather_fn()
-    rows, held = _take_receive_buffer(plan, buffer, world)
+    rows, held = _take_receive_buffer(plan, buffer, facts.world)
     try:
-        with in_collective("gather", call, _traced(tensors, buffer)):
-            work = _call_checked("gather", all_gather, rows, buffer, None, True)  # async_op=True
+        trace = in_collective("gather", _ALL_GATHER_CALL, _traced(tensors, buffer), announce=False)
+        with trace:
+            work = _call_checked("gather", _start_all_gather, facts.group(), rows, buffer)
+            trace.announce()  # the telemetry's share, while the data travels
             results = packing.stacked_results(plan, buffer)
             gathered = rebuild_flat(data, list(results.unbind(0)))
             if work is not None:  # (a backend that completes in the call returns no work)

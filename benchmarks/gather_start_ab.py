@@ -1,0 +1,111 @@
+"""Benchmark: a launched rank's stacked gather with and without its two late starts, interleaved in one run.
+
+    python benchmarks/gather_start_ab.py [--rounds 3000] [--accelerate]
+
+2 gloo processes gather benchmarks/ops.py's dict (16 float32 tensors of 1,024 elements) with a launcher's
+telemetry sink attached, as a notebook_launcher worker runs, in four ways, toggled call by call in the same
+processes so that the machine's drift hits them alike:
+- nbaccel as it is: the all-gather started on the process group itself (`collectives._start_all_gather`),
+  the collective trace's enter announced once it started (`in_collective(..., announce=False)`);
+- the same with the enter announced before the start (as every other collective does);
+- the same with the all-gather started through torch.distributed's function (its Python wrapper);
+- both earlier ways (nbaccel before 2026-11-29 18:40).
+Each round also runs the floor (one raw all-gather of a flat buffer of the same size) and, with
+`--accelerate`, Accelerate's gather, whose ~5 ms of Python between the others leaves the caches as cold as
+benchmarks/ops.py does. The order is shuffled per round, the same on both ranks. Printed: each way's median
+wall time, its ratio to the floor, and the median of its per-round ratios to nbaccel as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # noqa: E402 - beside this file
+
+
+def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerate: bool) -> None:
+    join_ranks(rank, world, port)
+    import torch.distributed as dist
+
+    from nbaccel import telemetry
+    from nbaccel.utils import collectives, operations
+    from nbaccel.utils.collective_trace import in_collective
+
+    data = {f"t{i}": torch.randn(1024) for i in range(16)}
+    flat, out = torch.randn(16 * 1024), torch.empty(world * 16 * 1024)
+
+    def through_torch(group, rows, buffer):  # the start before: torch.distributed's function
+        return dist.all_gather_single(rows, buffer, None, True)
+
+    def announced_first(op, call, tensors, announce=True):  # the enter before: heard at `with`
+        return in_collective(op, call, tensors)
+
+    direct_start, late_trace = collectives._start_all_gather, collectives.in_collective
+    ways = {
+        "nbaccel as it is": (direct_start, late_trace),
+        "enter announced first": (direct_start, announced_first),
+        "started through torch's function": (through_torch, late_trace),
+        "both as before": (through_torch, announced_first),
+    }
+    variants = [*ways, "floor (one raw all-gather)"]
+    if with_accelerate:
+        import accelerate.utils as acc
+
+        variants.append("accelerate")
+    sink = drained_sink(rank)
+    telemetry.attach(sink, rank)
+    operations.gather(data)  # the layout passes the checks once
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    clock = time.perf_counter
+    for round_ in range(-20, rounds):
+        order = list(variants)
+        random.Random(round_).shuffle(order)
+        for name in order:
+            if name in ways:
+                collectives._start_all_gather, collectives.in_collective = ways[name]
+                start = clock()
+                operations.gather(data)
+            elif name == "accelerate":
+                start = clock()
+                acc.gather(data)
+            else:
+                start = clock()
+                dist.all_gather_single(out, flat)
+            if round_ >= 0:
+                walls[name].append(clock() - start)
+    collectives._start_all_gather, collectives.in_collective = direct_start, late_trace
+    telemetry.detach()
+    if rank == 0:
+        queue.put(walls)
+    leave_ranks()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3000)
+    parser.add_argument("--accelerate", action="store_true", help="run Accelerate's gather in each round too")
+    args = parser.parse_args()
+    (walls,) = run_ranks(_worker, args.rounds, args.accelerate)
+    floor = statistics.median(walls["floor (one raw all-gather)"])
+    mine = walls["nbaccel as it is"]
+    print(f"2 gloo processes, torch {torch.__version__}, {args.rounds} rounds, accelerate in each round: "
+          f"{args.accelerate} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    for name, values in walls.items():
+        if name == "accelerate":
+            continue
+        paired = statistics.median(a / b for a, b in zip(values, mine))
+        print(f"  {name:<36} {statistics.median(values) * 1e6:7.1f} us  {statistics.median(values) / floor:5.2f}x "
+              f"the floor  {paired:5.3f}x nbaccel as it is (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()
