@@ -66,6 +66,9 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
 
     timed_raw = timed_collective(raw)
     collectives._all_gather_fn = lambda: (timed_raw, call)
+    if hasattr(collectives, "_start_all_gather"):  # the stacked gather's start on the process group (2026-11-29)
+        timed_start = timed("the all-gather call (async: its start)", collectives._start_all_gather)
+        collectives._start_all_gather = lambda *args: TimedWork(timed_start(*args))
     packing.pack = timed("pack", packing.pack)
     packing.unpack_gathered = timed("unpack", packing.unpack_gathered)
     for name, step in (("stacked_results", "results tensor (made during the all-gather)"),
@@ -77,6 +80,8 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
     trace = collectives.in_collective
     trace.__enter__ = timed("trace enter (telemetry)", trace.__enter__)
     trace.__exit__ = timed("trace exit (telemetry)", trace.__exit__)
+    if hasattr(trace, "announce"):  # an enter heard once the all-gather started (2026-11-29)
+        trace.announce = timed("trace announce (telemetry, during the all-gather)", trace.announce)
     data = {f"t{i}": torch.randn(1024) for i in range(16)}
     flat, out = torch.randn(16 * 1024), torch.empty(world * 16 * 1024)
     for _ in range(30):

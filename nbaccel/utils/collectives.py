@@ -196,7 +196,12 @@ def all_gather_rows(
     return out.view(world, flat.numel())
 
 
-_ASYNC_OPTIONS: list[Any] = []  # torch's AllgatherOptions with asyncOp set, made at the first direct start
+@functools.cache
+def _async_options() -> Any:
+    """torch's AllgatherOptions for an asynchronous all-gather (made once; the process group only reads it)."""
+    options = dist.distributed_c10d.AllgatherOptions()
+    options.asyncOp = True
+    return options
 
 
 def _start_all_gather(group: Any, rows: torch.Tensor, buffer: torch.Tensor) -> Any:
@@ -204,20 +209,17 @@ def _start_all_gather(group: Any, rows: torch.Tensor, buffer: torch.Tensor) -> A
     returning its work.
 
     torch.distributed's function is a Python wrapper around the process group's own method: its checks,
-    torch-function dispatch and coalescing bookkeeping cost ~17 us a call, more than the rest of a packed
-    gather's own work (benchmarks/RESULTS.md, 2026-11-29 18:40). Here the inputs are known: the
-    method is called directly. torch's function is used whenever its extra work could matter: a
-    torch-function mode or subclass active, complex data (viewed as real there), a torch whose process
-    group lacks the method, or no group."""
+    torch-function dispatch and coalescing bookkeeping cost ~17 us a call in a warm loop, 17-37 us between
+    real collectives (benchmarks/RESULTS.md, 2026-11-29 18:05). Here the inputs are known, so the method is
+    called directly; torch's function is used wherever its extra work could matter: a torch-function mode or
+    subclass active, complex data (viewed as real there), a torch whose process group lacks the method.
+    (Inside torch's private `_coalescing_manager` the all-gather runs at once rather than joining the batch;
+    torch's function would hand back a work that cannot be waited for, which a gather must do.)"""
     start = getattr(group, "all_gather_single", None)
     if start is None or buffer.is_complex() or torch.overrides.has_torch_function((buffer, rows)):
         all_gather, _ = _all_gather_fn()
         return all_gather(rows, buffer, None, True)
-    if not _ASYNC_OPTIONS:
-        options = dist.distributed_c10d.AllgatherOptions()
-        options.asyncOp = True
-        _ASYNC_OPTIONS.append(options)
-    return start(rows, buffer, _ASYNC_OPTIONS[0])
+    return start(rows, buffer, _async_options())
 
 
 def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> Any:
