@@ -1,15 +1,18 @@
-"""Benchmark: a launched rank's stacked gather with and without its two late starts, interleaved in one run.
+"""Benchmark: a launched rank's stacked gather with and without this round's three changes, interleaved in one run.
 
     python benchmarks/gather_start_ab.py [--rounds 3000] [--accelerate]
 
 2 gloo processes gather benchmarks/ops.py's dict (16 float32 tensors of 1,024 elements) with a launcher's
-telemetry sink attached, as a notebook_launcher worker runs, in four ways, toggled call by call in the same
+telemetry sink attached, as a notebook_launcher worker runs, in five ways, toggled call by call in the same
 processes so that the machine's drift hits them alike:
-- nbaccel as it is: the all-gather started on the process group itself (`collectives._start_all_gather`),
-  the collective trace's enter announced once it started (`in_collective(..., announce=False)`);
+- nbaccel as it is: a remembered layout of tensors of one dtype and shape found from its first tensor, with
+  `torch.stack` (the packing) checking the others (`collectives._gather_known_stacked`); the all-gather
+  started on the process group itself (`collectives._start_all_gather`); the collective trace's enter
+  announced once it started (`in_collective(..., announce=False)`);
+- the same with the whole layout key built for the look-up (as at c7c8a71);
 - the same with the enter announced before the start (as every other collective does);
 - the same with the all-gather started through torch.distributed's function (its Python wrapper);
-- both earlier ways (nbaccel before 2026-11-29 18:40).
+- both ways of starting as at c7c8a71 (with the stacked look-up).
 Each round also runs the floor (one raw all-gather of a flat buffer of the same size) and, with
 `--accelerate`, Accelerate's gather, whose ~5 ms of Python between the others leaves the caches as cold as
 benchmarks/ops.py does. The order is shuffled per round, the same on both ranks. Printed: each way's median
@@ -49,9 +52,14 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerat
     def announced_first(op, call, tensors, announce=True):  # the enter before: heard at `with`
         return in_collective(op, call, tensors)
 
+    def whole_key(data, items, facts):  # the look-up before: the whole layout key built for every gather
+        return None
+
     direct_start, late_trace = collectives._start_all_gather, collectives.in_collective
+    stacked_check = collectives._gather_known_stacked
     ways = {
         "nbaccel as it is": (direct_start, late_trace),
+        "whole layout key": (direct_start, late_trace),
         "enter announced first": (direct_start, announced_first),
         "started through torch's function": (through_torch, late_trace),
         "both as before": (through_torch, announced_first),
@@ -72,6 +80,7 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerat
         for name in order:
             if name in ways:
                 collectives._start_all_gather, collectives.in_collective = ways[name]
+                collectives._gather_known_stacked = whole_key if name == "whole layout key" else stacked_check
                 start = clock()
                 operations.gather(data)
             elif name == "accelerate":
@@ -83,6 +92,7 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerat
             if round_ >= 0:
                 walls[name].append(clock() - start)
     collectives._start_all_gather, collectives.in_collective = direct_start, late_trace
+    collectives._gather_known_stacked = stacked_check
     telemetry.detach()
     if rank == 0:
         queue.put(walls)

@@ -76,6 +76,8 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
         if hasattr(packing, name):  # the stacked gather since fast-gather (issue 42)
             setattr(packing, name, timed(step, getattr(packing, name)))
     collectives._layout = timed("layout key", collectives._layout)
+    if hasattr(collectives, "_gather_known_stacked"):  # the stacked look-up packs with torch.stack (2026-11-29)
+        torch.stack = timed("pack (torch.stack, which compares the shapes)", torch.stack)
     collectives.rebuild_flat = timed("rebuild the dict", collectives.rebuild_flat)
     trace = collectives.in_collective
     trace.__enter__ = timed("trace enter (telemetry)", trace.__enter__)

@@ -423,8 +423,14 @@ def _known_inputs(rank: int):
             found[name] = "no error"
         except (TypeError, ValueError) as exc:
             found[name] = f"{type(exc).__name__}: {exc}"
+    # the first tensor as remembered, another differs: its own layout (the stacked look-up must not take it)
+    found["middle_shape"] = {k: v.tolist() for k, v in gather({**rows, "t2": torch.full((2,), float(rank))}).items()}
+    found["middle_dtype"] = {k: (str(v.dtype), v.tolist())
+                             for k, v in gather({**rows, "t2": torch.tensor([rank, rank, rank])}).items()}
     graph = {k: v.clone().requires_grad_() for k, v in rows.items()}
     found["grad"] = [t.requires_grad or t.grad_fn is not None for t in gather(graph).values()]
+    with torch.no_grad():  # the same tensors without autograd: no graph to keep, the stacked way applies
+        found["grad_off"] = [t.requires_grad or t.grad_fn is not None for t in gather(graph).values()]
     found["lone_grad"] = gather(torch.tensor([1.0, 2.0], requires_grad=True)).requires_grad
     os.environ["NBACCEL_DEBUG_MODE"] = "1"  # turned on after the layout was remembered: checked again
     try:
@@ -459,7 +465,11 @@ def test_inputs_that_passed_the_checks_once_are_still_checked_where_it_matters()
         assert found["meta"].startswith("ValueError: gather: the tensors are on the 'meta' device")
         assert found["mixed_devices"].startswith("ValueError: gather: the tensors are on different devices")
         assert found["lone_meta"].startswith("ValueError: gather: the tensors are on the 'meta' device")
-        assert found["grad"] == [False] * 4 and found["lone_grad"] is False
+        assert found["grad"] == [False] * 4 and found["lone_grad"] is False and found["grad_off"] == [False] * 4
+        assert found["middle_shape"]["t2"] == [0.0, 0.0, 1.0, 1.0] and found["middle_shape"]["t1"] == [
+            10.0, 11.0, 12.0, 110.0, 111.0, 112.0]
+        assert found["middle_dtype"]["t2"] == ("torch.int64", [0, 0, 0, 1, 1, 1])
+        assert found["middle_dtype"]["t3"] == ("torch.float32", [30.0, 31.0, 32.0, 130.0, 131.0, 132.0])
         assert "rank 0: {'t0': 'float32[3]'" in found["debug"] and "rank 1: {'t0': 'float32[4]'" in found["debug"]
         assert found["no_group"] is True
         assert found["regrouped"] == [10.0, 11.0, 12.0, 110.0, 111.0, 112.0]
