@@ -439,7 +439,7 @@ def _gather_known_stacked(data: Any, items: list[Any], facts: _GroupFacts) -> An
     finds the plan, `torch.stack` (which is the packing) checks in C++ that every other item has its shape
     and device, and the dtypes are compared apart (stack would promote them). None when anything differs or
     a graph would have to be kept; the caller then builds the whole layout key. Costs ~2 us in a warm loop
-    against ~6 us for that key; 1-2.5% of a gather (benchmarks/RESULTS.md, 2026-11-29 18:37)."""
+    against ~6 us for that key; 1-2.5% of a gather (benchmarks/RESULTS.md, 2026-11-29 18:35)."""
     first = items[0] if items else None
     try:
         plan = facts.stacked.get((len(items), first.dtype, first.shape, first.device))
