@@ -59,6 +59,12 @@ def gathers_different_sizes():
     return gather(torch.ones(3 + state.process_index))  # (no debug mode: nothing compares the sizes first)
 
 
+def gathers_dicts_of_different_sizes():
+    state = _state()
+    sizes = 3 + state.process_index  # a stacked gather: its enter is heard once the all-gather started
+    return gather({"a": torch.ones(sizes), "b": torch.zeros(sizes)})
+
+
 def returns_early():
     state = _state()
     if state.process_index == 0:
@@ -156,24 +162,27 @@ def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
         r"for [\d.]+ s; rank 1 finished the function", first[1]), message
 
 
-def test_a_rank_killed_by_gloos_abort_is_named_with_its_stack_not_a_stale_collective(capfd):
+@pytest.mark.parametrize("function", [gathers_different_sizes, gathers_dicts_of_different_sizes])
+def test_a_rank_killed_by_gloos_abort_is_named_with_its_stack_not_a_stale_collective(capfd, function):
     # gloo aborts the rank whose buffer is too small for what arrives (SIGABRT, as under Accelerate): its last
     # telemetry died with it, so the kernel still showed it in PartialState's rendezvous, and blamed a deadlock.
     # Two right stories, by which reached the kernel first: both ranks' `enter` of the gather (the differing
     # shapes are reported at once, and every rank is stopped, perhaps before gloo's abort), or the abort (its
     # death, with its stack); never a collective it had left. The unit test above holds each order.
-    message, elapsed, _ = _launch(gathers_different_sizes)
+    message, elapsed, _ = _launch(function)
     assert elapsed < BOUND, message
     assert "PartialState" not in message, message
     if message.startswith("not every rank entered the same collective:"):
-        assert "The shapes differ: [3] on rank 0, [4] on rank 1." in message, message
+        assert "The shapes differ: [3] on rank 0, [4] on rank 1." in message or (
+            "The shapes differ: [3], [3] on rank 0, [4], [4] on rank 1." in message), message
+        assert _line(function, "gather(") in message, message
         return
     assert re.match(r"ranks? 0(, 1)? failed; first: rank 0: killed by SIGABRT", message), message  # (1: gloo's reset)
     output = capfd.readouterr()
     assert "Received data size doesn't match expected size" in output.err + output.out
     # the rank's Python stack at the abort (faulthandler), with the user's line
-    assert f'File "{HERE}", line {_line(gathers_different_sizes, "gather(").rsplit(":", 1)[1]} in ' \
-           "gathers_different_sizes" in output.err + output.out, output
+    assert f'File "{HERE}", line {_line(function, "gather(").rsplit(":", 1)[1]} in {function.__name__}' \
+           in output.err + output.out, output
 
 
 def test_a_rank_that_returned_before_partial_state_is_named_instead_of_a_ten_minute_wait():
