@@ -8,8 +8,11 @@ with the remote traceback, and no process outlives the call.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +31,7 @@ def _entry(payload: bytes, rank: int, world_size: int, port: int, init: bool, ex
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra_env,
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank that gives no result: its stacks (below)
     try:
         fn = cloudpickle.loads(payload)
         if init:
@@ -47,6 +51,14 @@ def _entry(payload: bytes, rank: int, world_size: int, port: int, init: bool, ex
         except Exception:
             pass
         conn.close()
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Have every live rank write its threads' stacks to stderr (faulthandler, registered in `_entry`)."""
+    for proc in procs:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
 
 
 def run_ranks(
@@ -75,7 +87,8 @@ def run_ranks(
     try:
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
-                errors.append(f"rank {rank}: no result within {timeout} s")
+                errors.append(f"rank {rank}: no result within {timeout} s (every rank's stacks: the captured stderr)")
+                _dump_stacks(procs)
                 break
             status, body = conn.recv()
             if status == "ok":
