@@ -9,6 +9,7 @@ with the remote traceback, and no process outlives the call.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -31,6 +32,7 @@ def _entry(payload: bytes, rank: int, world_size: int, port: int, init: bool, ex
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra_env,
     )
+    gc.freeze()  # the test process's heap, as a launch's ranks have it (a collection would finalize its garbage)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank that gives no result: its stacks (below)
     try:
         fn = cloudpickle.loads(payload)

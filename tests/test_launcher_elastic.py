@@ -6,6 +6,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 import torch  # noqa: F401  (forked workers inherit it)
 from process_helpers import live_children
 
@@ -202,3 +203,36 @@ def test_a_spawn_elastic_launch_ends_without_semaphore_noise(tmp_path: Path):
     assert "RESULTS [0, 1]" in done.stdout
     assert "sem_unlink" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-4000:]
     assert "leaked semaphore" not in done.stderr
+
+
+def _collects_everything() -> int:
+    import gc
+
+    return gc.collect() >= 0
+
+
+@pytest.mark.parametrize("options", [{"max_restarts": 1}, {}], ids=["elastic", "fork"])
+def test_ranks_collect_garbage_while_the_kernel_holds_a_gloo_group_in_uncollected_garbage(options: dict):
+    """A forked rank's collection must not finalize the kernel's garbage: a gloo process group destroyed in a
+    fork waits for ever (each rank here then hung in its gc.collect() until the timeout). Kernel garbage like
+    this lasts until the kernel's next full collection, which may be minutes away."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.self = cycle
+    cycle.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    gc.disable()  # no collection of the kernel's own before the ranks fork
+    try:
+        del cycle
+        assert notebook_launcher(_collects_everything, num_processes=2, dashboard=False, timeout=30,
+                                 **options) == [True, True]
+    finally:
+        gc.enable()
+        gc.collect()  # here, where the group was made, its destructor returns
+    assert live_children() == []

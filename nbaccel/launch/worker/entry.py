@@ -8,6 +8,7 @@ telemetry sink into the channel, runs the function and reports its return value 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -195,6 +196,12 @@ def _stop_telemetry_sampler(telemetry: Any) -> None:
 def elastic_entry(payload: Payload, channels: list[Connection], stdouts: list[Connection],
                   stderrs: list[Connection], env: dict[str, str]) -> None:
     """Entry point under torch elastic: it sets RANK/LOCAL_RANK/...; pick this local rank's pipes."""
+    if not _spawned():
+        # torch elastic's agent forks from its own thread, at no time the kernel can freeze its heap for
+        # (start_methods.gc_frozen); freeze it here, first. A collection in this rank would otherwise also
+        # finalize the kernel's uncollected garbage, whose C++ destructors were never meant to run in a
+        # fork: a gloo process group's waits for ever (tests/test_launcher_elastic.py).
+        gc.freeze()
     local_rank = int(os.environ["LOCAL_RANK"])
     for i in range(len(channels)):
         if i != local_rank:
