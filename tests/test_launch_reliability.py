@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -38,9 +39,13 @@ def test_no_descriptor_or_thread_left_after_30_launches():
 def test_no_descriptor_left_after_elastic_launches():
     notebook_launcher(_one, num_processes=2, dashboard=False, max_restarts=1)
     fds, threads = _open_fds(), threading.active_count()
-    for _ in range(3):
-        assert notebook_launcher(_one, num_processes=2, dashboard=False, max_restarts=1) == [1, 1]
-    assert (_open_fds(), threading.active_count()) == (fds, threads)
+    gc.disable()  # the launch must close what it opened, not leave it to a collection (it no longer runs one)
+    try:
+        for _ in range(3):
+            assert notebook_launcher(_one, num_processes=2, dashboard=False, max_restarts=1) == [1, 1]
+        assert (_open_fds(), threading.active_count()) == (fds, threads)
+    finally:
+        gc.enable()
 
 
 def _lan_address() -> str | None:
