@@ -174,15 +174,13 @@ def _reducible_as(dtype: torch.dtype) -> torch.dtype:
 
 
 # the torch call a traced all-gather names (`_all_gather_fn`'s choice, by the torch installed)
+# torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`
 _ALL_GATHER_CALL = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def _all_gather_fn() -> tuple[Callable[..., Any], str]:
-    """torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`."""
-    fn = getattr(dist, "all_gather_single", None)
-    if fn is not None:
-        return fn, "all_gather_single"
-    return dist.all_gather_into_tensor, "all_gather_into_tensor"
+    """torch's single-tensor all-gather function and its name (looked up at each call: tests count it)."""
+    return getattr(dist, _ALL_GATHER_CALL), _ALL_GATHER_CALL
 
 
 def all_gather_rows(
