@@ -193,15 +193,20 @@ def _stop_telemetry_sampler(telemetry: Any) -> None:
             pass
 
 
+def freeze_inherited_heap() -> None:
+    """In a rank that torch elastic or torch_xla forked (from a thread of theirs, at no time the kernel can
+    freeze its heap for, as start_methods.gc_frozen does): freeze the kernel's objects first thing. A
+    collection in this rank would otherwise also finalize the kernel's uncollected garbage, whose C++
+    destructors were never meant to run in a fork: a gloo process group's waits for ever
+    (tests/test_launcher_elastic.py). Spawned ranks inherit no heap."""
+    if not _spawned():
+        gc.freeze()
+
+
 def elastic_entry(payload: Payload, channels: list[Connection], stdouts: list[Connection],
                   stderrs: list[Connection], env: dict[str, str]) -> None:
     """Entry point under torch elastic: it sets RANK/LOCAL_RANK/...; pick this local rank's pipes."""
-    if not _spawned():
-        # torch elastic's agent forks from its own thread, at no time the kernel can freeze its heap for
-        # (start_methods.gc_frozen); freeze it here, first. A collection in this rank would otherwise also
-        # finalize the kernel's uncollected garbage, whose C++ destructors were never meant to run in a
-        # fork: a gloo process group's waits for ever (tests/test_launcher_elastic.py).
-        gc.freeze()
+    freeze_inherited_heap()
     local_rank = int(os.environ["LOCAL_RANK"])
     for i in range(len(channels)):
         if i != local_rank:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ..channel import close_quietly
-from .entry import run_worker
+from .entry import freeze_inherited_heap, run_worker
 from .parent_death import die_with_parent
 from .replica_threads import run_worker_thread
 
@@ -31,6 +31,7 @@ def xla_entry(index: int, payload: Payload, channels: list[Connection], stdouts:
 
     One replica per process: as any worker. Several (one thread per device): see `replica_threads`.
     """
+    freeze_inherited_heap()
     die_with_parent()
     local, own = replica_layout()
     if own.stop > len(channels):
