@@ -232,6 +232,28 @@ def _enter(op: str, shapes: list[list[int]], started: float, site: str = "x.py:1
             "site": site, "started": started}
 
 
+def test_the_tracker_flags_a_pair_exactly_when_the_hang_report_finds_a_difference():
+    """The tracker skips building the report's pair for records that agree (its per-collective fast path):
+    whatever two ranks' n-th collectives differ in, it flags them exactly when `difference` names it."""
+    from itertools import product
+
+    from nbaccel.launch.hang_report import RankProgress, difference
+    from nbaccel.launch.messages import RankState
+
+    base = _enter("reduce", [[3]], 90.0)
+    changes = [{}, {"op": "gather", "call": "gather"}, {"call": "all_reduce"}, {"shapes": [[4]]},
+               {"shapes": [[3], [3]]}, {"shapes": []}, {"dtypes": ["int64"]}, {"site": "y.py:2"},
+               {"started": 95.0}, {"op": "pad_across_processes", "call": "pad_across_processes"},
+               {"op": "pad_across_processes", "call": "pad_across_processes", "shapes": [[5]]}]
+    for first, second in product(changes, repeat=2):
+        tracker = CollectiveTracker(grace=2)
+        tracker.on_message(0, {**base, **first})
+        tracker.on_message(1, {**base, **second})
+        pair = [RankProgress(rank, RankState.RUNNING, snapshot={"collective": tracker.ranks[rank].inside[-1]})
+                for rank in (0, 1)]
+        assert (tracker.divergence is not None) == bool(difference(pair)), (first, second)
+
+
 def test_tracker_rules():
     now = 100.0
     # the same collective, both stuck long: slow, not a deadlock
