@@ -309,6 +309,32 @@ def test_tracker_rules():
     tracker.on_message(0, _enter("gather", [[3]], 91.0))
     tracker.on_message(0, _enter("reduce", [[3]], 92.0))
     assert "rank 1 finished the function" in tracker.at_failure([0, 1], now).summary
+    # killed by gloo's abort in its gather while its peer's telemetry of leaving the rendezvous was still
+    # batched: that peer is no longer in PartialState (the killed rank left it, so every rank had entered it);
+    # the death is the story, not a mismatch between the gather and PartialState
+    tracker = CollectiveTracker(grace=2)
+    for rank in (0, 1):
+        tracker.on_message(rank, _enter("PartialState", [], 90.0))
+    tracker.on_message(0, {"event": "exit", "op": "PartialState"})
+    tracker.on_message(0, _enter("gather", [[3]], 91.0))
+    tracker.failed(0, "killed by SIGABRT (exit code -6)")
+    assert tracker.at_failure([0, 1], now) is None and tracker.root_cause([0], 0) == 0
+    # what a rank has returned from: collectives nest (inside #1 and #3, it has left #2, not #1), and one an
+    # exception came out of may never have been entered by its peers
+    from nbaccel.launch.kernel.collective_tracker import _last_left
+
+    tracker = CollectiveTracker(grace=2)
+    for event in (_enter("gather_object", [], 90.0), _enter("all_gather", [[3]], 90.1),
+                  {"event": "exit", "op": "all_gather"}, _enter("all_gather", [[3]], 90.2)):
+        tracker.on_message(0, event)
+    assert _last_left(tracker.ranks[0]) == 2
+    tracker.on_message(0, {"event": "error", "op": "all_gather"})
+    assert _last_left(tracker.ranks[0]) == 2
+    tracker.on_message(0, _enter("reduce", [[3]], 90.3))
+    tracker.on_message(0, {"event": "error", "op": "reduce"})
+    assert _last_left(tracker.ranks[0]) == 3  # (only the latest error is kept: #3 counts as left)
+    tracker.finished(0)
+    assert _last_left(tracker.ranks[0]) == 4
     tracker = CollectiveTracker(grace=2)  # the killed rank's abort broke its peer's gather: its death still leads
     for rank in (0, 1):
         tracker.on_message(rank, _enter("PartialState", [], 90.0))

@@ -41,6 +41,21 @@ DEADLOCK_EXPLANATION = (
 )
 
 
+def _last_left(state: RankCollectives) -> int:
+    """The sequence number of the newest collective `state`'s rank has entered and returned from (0: none).
+    Not simply the one before its innermost: collectives nest, and a rank inside #5 and #7 has left #6, not
+    #5; nor one an exception came out of (its peers may never have entered it)."""
+    if state.phase == RankState.FINISHED:  # its end is sent at once, its last exits may still be batched
+        return state.entered
+    inside = {record["seq"] for record in state.inside}
+    if state.failed_in is not None:
+        inside.add(state.failed_in["seq"])
+    seq = state.entered
+    while seq in inside:
+        seq -= 1
+    return seq
+
+
 def _same_meeting(one: dict[str, Any], other: dict[str, Any]) -> bool:
     """Two records of one sequence number that `hang_report.difference` could find nothing between: the same
     operation, call and shapes. The common case, checked here first: building the pair of RankProgress for
@@ -112,12 +127,12 @@ class CollectiveTracker:
     def _compare(self, rank: int, record: dict[str, Any]) -> None:
         """Compare `rank`'s newest collective with the other ranks' collective of the same number."""
         seq = record["seq"]
-        mine = self._progress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work)
         for other, state in self.ranks.items():
             theirs = state.history.get(seq) if other != rank else None
             if theirs is None or _same_meeting(theirs, record):
                 continue
-            pair = sorted([mine, self._progress(other, RankState.RUNNING, snapshot={"collective": theirs}, work=self.work)],
+            pair = sorted([self._progress(rank, RankState.RUNNING, snapshot={"collective": record}, work=self.work),
+                           self._progress(other, RankState.RUNNING, snapshot={"collective": theirs}, work=self.work)],
                           key=lambda s: s.rank)
             reason = difference(pair)
             if reason:
@@ -211,11 +226,17 @@ class CollectiveTracker:
         and the ranks could not have met (one finished, or their collectives differ)."""
         ranks = list(ranks)
         states = [self._rank(rank) for rank in ranks]
-        # collectives some rank has left: all it entered once it finished, else all before its latest
-        went_through = max((state.entered - (state.phase != RankState.FINISHED) for state in states), default=0)
+        went_through = max(map(_last_left, states), default=0)  # collectives some rank has left
         failed = [state for state in states if state.phase == RankState.FAILED]
         if not failed or any(self._on_its_own(state, went_through) for state in failed):
             return None  # some rank failed on its own: that error is the story
+        if any(state.phase == RankState.RUNNING and state.inside and state.inside[-1]["seq"] <= went_through
+               for state in states):
+            # a running rank still shows a collective another rank has left: it has left it too (a collective
+            # returns once every rank is in it), its `exit` is on its way, and where it is now is unknown. A
+            # rank killed by gloo's abort as its peer's telemetry of leaving the rendezvous was still batched
+            # was reported waiting with that peer "in PartialState" (tests/test_launch_deadlock.py)
+            return None
         states = self.states(ranks, failure_view=True)
         waiting = [state for state in states if state.waiting(now) is not None]
         cannot_join = any(state.phase != RankState.RUNNING for state in states)
