@@ -152,8 +152,6 @@ def test_an_elastic_launch_and_its_interrupt_run_no_full_garbage_collection():
     import signal
     import time
 
-    import pytest
-
     full = []
 
     def heard(phase: str, info: dict) -> None:
@@ -237,7 +235,7 @@ def test_a_spawn_elastic_launch_ends_without_semaphore_noise(tmp_path: Path):
     assert "leaked semaphore" not in done.stderr
 
 
-def _collects_everything() -> int:
+def _collects_everything() -> bool:
     import gc
 
     return gc.collect() >= 0

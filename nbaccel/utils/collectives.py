@@ -173,8 +173,8 @@ def _reducible_as(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else torch.int64
 
 
-# the torch call a traced all-gather names (`_all_gather_fn`'s choice, by the torch installed)
-# torch's single-tensor all-gather: `all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`
+# torch's single-tensor all-gather, by the torch installed: `all_gather_single` (torch >= 2.13) or
+# `all_gather_into_tensor`; what `_all_gather_fn` calls and every traced all-gather names
 _ALL_GATHER_CALL = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 

@@ -59,7 +59,7 @@ def _last_left(state: RankCollectives) -> int:
 def _same_meeting(one: dict[str, Any], other: dict[str, Any]) -> bool:
     """Two records of one sequence number that `hang_report.difference` could find nothing between: the same
     operation, call and shapes. The common case, checked here first: building the pair of RankProgress for
-    `difference` made the kernel's work per traced collective ~3x dearer."""
+    `difference` made the kernel's work per traced collective 4-7x dearer (benchmarks/collective_tracker.py)."""
     return one["op"] == other["op"] and one["call"] == other["call"] and one["shapes"] == other["shapes"]
 
 
