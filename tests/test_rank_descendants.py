@@ -345,7 +345,6 @@ def test_the_launch_s_keeper_runs_before_a_rank_runs_its_function(options: dict)
         assert all(len(names) == 1 and names[0] != "keeper-none" for names in named), named
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists a process's files in /proc")
 def _files_once_the_script_runs(pid: int) -> dict[int, str]:
     """The files `pid` holds once its shell reads the keeper's script. Not as soon as it runs /bin/sh: the
     dynamic loader then still holds the C library open for a moment (seen once in CI as fd 3)."""
@@ -362,6 +361,7 @@ def _files_once_the_script_runs(pid: int) -> dict[int, str]:
         time.sleep(0.01)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists a process's files in /proc")
 def test_the_keeper_holds_no_file_of_the_kernel_but_dev_null() -> None:
     """The keeper (os.posix_spawn, rank_groups.py `spawn_keeper`) outlives a killed kernel by a second or two:
     a pipe it inherited (here one the kernel's own parent could have passed down) would hold off whoever waits
