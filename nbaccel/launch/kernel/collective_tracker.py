@@ -56,6 +56,13 @@ def _last_left(state: RankCollectives) -> int:
     return seq
 
 
+def _still_shows_a_left_one(states: Iterable[RankCollectives], went_through: int) -> bool:
+    """Some running rank still shows a collective numbered `went_through` or lower, which another rank has
+    returned from: so has it (a collective returns once every rank is in it), its `exit` still batched."""
+    return any(state.phase == RankState.RUNNING and state.inside and state.inside[-1]["seq"] <= went_through
+               for state in states)
+
+
 def _same_meeting(one: dict[str, Any], other: dict[str, Any]) -> bool:
     """Two records of one sequence number that `hang_report.difference` could find nothing between: the same
     operation, call and shapes. The common case, checked here first: building the pair of RankProgress for
@@ -218,8 +225,7 @@ class CollectiveTracker:
         deadlock. A finished rank that never entered that collective is one."""
         states = [self._rank(rank) for rank in ranks]
         went_through = max((state.entered for state in states if state.phase == RankState.FINISHED), default=0)
-        return any(state.phase == RankState.RUNNING and state.inside and state.inside[-1]["seq"] <= went_through
-                   for state in states)
+        return _still_shows_a_left_one(states, went_through)
 
     def at_failure(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """After a failure: the deadlock behind it, when every failed rank's error came out of a collective
@@ -230,8 +236,7 @@ class CollectiveTracker:
         failed = [state for state in states if state.phase == RankState.FAILED]
         if not failed or any(self._on_its_own(state, went_through) for state in failed):
             return None  # some rank failed on its own: that error is the story
-        if any(state.phase == RankState.RUNNING and state.inside and state.inside[-1]["seq"] <= went_through
-               for state in states):
+        if _still_shows_a_left_one(states, went_through):
             # a running rank still shows a collective another rank has left: it has left it too (a collective
             # returns once every rank is in it), its `exit` is on its way, and where it is now is unknown. A
             # rank killed by gloo's abort as its peer's telemetry of leaving the rendezvous was still batched
