@@ -98,7 +98,9 @@ def kernel(tmp_path, monkeypatch):
 
 
 def _ok(run: Execution) -> Execution:
-    assert run.error is None, (run.error, run.stdout, run.stderr)
+    if run.error is not None:  # pytest.fail: an assert's message would be cut to a few lines without -vv
+        pytest.fail(f"the cell failed: {run.error['ename']}: {run.error['evalue']}\n--- stdout\n{run.stdout}\n"
+                    f"--- stderr\n{run.stderr}\n--- prompts {run.prompts}", pytrace=False)
     return run
 
 

@@ -88,6 +88,49 @@ def test_destroy_process_group_ends_gloo_threads_after_nbaccels_collectives() ->
     assert notebook_launcher(_gloo_threads_after_collectives_and_destroy, num_processes=2, dashboard=False) == [0, 0]
 
 
+class _Holder:
+    """Refers to itself: once dropped, cyclic garbage that only a collection frees."""
+
+
+def _gloo_threads_at_exit_with_the_group_in_cyclic_garbage(report: str) -> int:
+    """The group held past the function by cyclic garbage old enough that only a full collection frees it
+    (as pdb's objects after a long `torch.distributed.breakpoint()` session can); an exit hook registered
+    before PartialState's (so it runs after it) writes how many gloo threads are left for finalization."""
+    import atexit
+    import gc
+
+    import torch.distributed as dist
+
+    from nbaccel import PartialState
+
+    def look() -> None:
+        names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+        Path(f"{report}.{os.environ['RANK']}").write_text(str(names.count("pt_gloo_runloop")))
+
+    atexit.register(look)
+    PartialState()
+    holder = _Holder()
+    holder.group, holder.me = dist.group.WORLD, holder
+    gc.collect()  # the holder survives a collection: it is now in the oldest generation
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads' names from /proc")
+def test_a_spawned_rank_frees_a_group_held_by_cyclic_garbage_before_finalization(tmp_path: Path) -> None:
+    """A spawned rank ends through the interpreter's exit. A group that only cyclic garbage still holds
+    outlived `destroy_process_group`, so gloo's threads ran into finalization (where one of them now and then
+    aborts the process, -6); nbaccel's teardown now collects it while the interpreter is whole."""
+    report = str(tmp_path / "threads")
+    assert notebook_launcher(_gloo_threads_at_exit_with_the_group_in_cyclic_garbage, (report,), num_processes=2,
+                             dashboard=False, start_method="spawn") == [2, 2]
+    deadline = time.monotonic() + 30  # the launch returns with the results, before the ranks' exit hooks ran
+    while not all(Path(f"{report}.{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [Path(f"{report}.{rank}").read_text() for rank in (0, 1)] == ["0", "0"]
+
+
 RUNS = 16  # in the suite (~25 s); NBACCEL_EXIT_RUNS=50 for the stress this test began as (~80 s quiet)
 
 

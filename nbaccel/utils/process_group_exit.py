@@ -17,11 +17,18 @@ threads, one of which may need the GIL to release its last collective's tensors:
 `Reducer::~Reducer -> ProcessGroupGloo::~ProcessGroupGloo -> std::thread::join`. A reference dropped from
 Python instead goes through torch's GIL-releasing holder, which cannot deadlock that way; so nbaccel holds
 the group until every wrapper that used it is gone, then drops it from Python.
+
+A group can also outlive `destroy_process_group` in cyclic garbage, which only a collection frees (e.g. a
+user's object that refers to itself and holds the group, or pdb's objects, which refer to the frames they
+stopped in). Garbage old enough waits for a full collection, which may first come at finalization, with
+gloo's threads running as above. So a group still alive after its destroy gets one collection while the
+interpreter is whole.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import time
@@ -80,10 +87,21 @@ def _destroy_at_exit(pid: int) -> None:
         return
     if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
         return  # leaving on an unhandled exception: never wait on peers here
+    end_process_groups()
+
+
+def end_process_groups() -> None:
+    """At a process's end, with the interpreter still whole: destroy the default process group (if one is
+    up), free a destroyed group that only cyclic garbage still holds, and give the threads of one still in
+    use (a DDP wrapper's) the moment they need (see the module docstring). Never raises."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
+            groups = [weakref.ref(group) for group in getattr(dist.distributed_c10d, "_pg_map", ())]
             dist.destroy_process_group()
+            release_unused_groups()
+            if any(group() is not None for group in groups):
+                gc.collect()  # a DDP wrapper it frees leaves its group in `_kept`, dropped just below
     except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
         pass
     wait_for_gloo_workers_to_settle()

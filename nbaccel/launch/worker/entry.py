@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import LAUNCH_DEVICE_ENV as DEVICE_ENV
 from ...utils.constants import MEMORY_INTERVAL_ENV, RANK_GROUPS_ENV
+from ...utils.process_group_exit import end_process_groups
 from .. import messages
 from ..channel import WorkerSink, close_quietly
 from ..messages import PRELOADABLE_MODULES, Failure, MessageKind, RankState, Result, Status
@@ -139,7 +140,7 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
     finally:
         sink.ticker = None
         if not thread_rank and _spawned():
-            _destroy_process_group()
+            end_process_groups()
         telemetry.detach()
         flush_std()
 
@@ -158,15 +159,6 @@ def _spawned() -> bool:
     from multiprocessing import spawn
 
     return spawn.is_forking(sys.argv)
-
-
-def _destroy_process_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def start_memory_reports(telemetry: Any, sink: WorkerSink) -> None:

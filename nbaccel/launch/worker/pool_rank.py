@@ -34,7 +34,7 @@ from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds, show_fatal_signals
 from . import rank_display, rank_prompts
-from .entry import _destroy_process_group, apply_cpu_threads
+from .entry import apply_cpu_threads
 from .parent_death import die_with_parent, lead_own_group
 
 # the commands by their wire strings, and the members the loop compares with: module constants, because an Enum
@@ -89,6 +89,16 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     _destroy_process_group()
     flush_std()
     os._exit(0)  # skip interpreter teardown: gloo threads and the kernel's inherited atexit hooks
+
+
+def _destroy_process_group() -> None:
+    """A plain destroy: the rank leaves with os._exit, so no group of its meets interpreter finalization."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def _set_up() -> str:
