@@ -93,9 +93,12 @@ class _Holder:
 
 
 def _gloo_threads_at_exit_with_the_group_in_cyclic_garbage(report: str) -> int:
-    """The group held past the function by cyclic garbage old enough that only a full collection frees it
-    (as pdb's objects after a long `torch.distributed.breakpoint()` session can); an exit hook registered
-    before PartialState's (so it runs after it) writes how many gloo threads are left for finalization."""
+    """The group held past the function by cyclic garbage old enough that only a full collection frees it;
+    an exit hook registered before PartialState's (so it runs after it) writes how many gloo threads are left
+    for finalization.
+
+    (A DDP model is no way to hold it here: torch's DDP leaves references to the group's Python object that
+    nothing frees, so after a DDP model the group always outlives its destroy; docs/launcher.md.)"""
     import atexit
     import gc
 

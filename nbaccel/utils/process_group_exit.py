@@ -101,7 +101,8 @@ def end_process_groups() -> None:
             dist.destroy_process_group()
             release_unused_groups()
             if any(group() is not None for group in groups):
-                gc.collect()  # a DDP wrapper it frees leaves its group in `_kept`, dropped just below
+                gc.collect()
+                release_unused_groups()  # a DDP wrapper the collection freed left its group in `_kept`
     except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
         pass
     wait_for_gloo_workers_to_settle()
