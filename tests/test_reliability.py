@@ -64,6 +64,12 @@ def test_script_under_nbaccel_launch_leaves_no_process_group_at_exit(tmp_path: P
         assert f"rank {rank} group at exit: False" in run.stdout, run.stdout + run.stderr
 
 
+def _gloo_threads() -> int:
+    """How many of this process's threads are gloo's worker threads (by the name torch gives them)."""
+    names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
+
+
 def _gloo_threads_after_collectives_and_destroy() -> int:
     import torch.distributed as dist
 
@@ -75,8 +81,7 @@ def _gloo_threads_after_collectives_and_destroy() -> int:
     pad_across_processes(torch.ones(state.process_index + 1))
     state.wait_for_everyone()
     dist.destroy_process_group()
-    names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
-    return names.count("pt_gloo_runloop")
+    return _gloo_threads()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads' names from /proc")
@@ -107,8 +112,7 @@ def _gloo_threads_at_exit_with_the_group_in_cyclic_garbage(report: str) -> int:
     from nbaccel import PartialState
 
     def look() -> None:
-        names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
-        Path(f"{report}.{os.environ['RANK']}").write_text(str(names.count("pt_gloo_runloop")))
+        Path(f"{report}.{os.environ['RANK']}").write_text(str(_gloo_threads()))
 
     atexit.register(look)
     PartialState()

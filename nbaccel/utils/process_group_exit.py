@@ -94,19 +94,27 @@ def end_process_groups() -> None:
     """At a process's end, with the interpreter still whole: destroy the default process group (if one is
     up), free a destroyed group that only cyclic garbage still holds, and give the threads of one still in
     use (a DDP wrapper's) the moment they need (see the module docstring). Never raises."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            groups = [weakref.ref(group) for group in getattr(dist.distributed_c10d, "_pg_map", ())]
-            dist.destroy_process_group()
-            release_unused_groups()
-            if any(group() is not None for group in groups):
-                gc.collect()
-                release_unused_groups()  # a DDP wrapper the collection freed left its group in `_kept`
-    except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
-        pass
+    ended = destroy_default_group()
+    release_unused_groups()
+    if any(group() is not None for group in ended):
+        gc.collect()
+        release_unused_groups()  # a DDP wrapper the collection freed left its group in `_kept`
     wait_for_gloo_workers_to_settle()
     release_unused_groups()
+
+
+def destroy_default_group() -> list[weakref.ref]:
+    """`destroy_process_group()` when a default group is up; weak references to the groups it ended (one
+    still alive afterwards is held by something else). Never raises: the process is on its way out."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return []
+        groups = [weakref.ref(group) for group in getattr(dist.distributed_c10d, "_pg_map", ())]
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the exit must go on; the group was about to vanish anyway
+        return []
+    return groups
 
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads

@@ -30,6 +30,7 @@ from types import CodeType
 from typing import Any
 
 from ...utils.constants import LAUNCH_HOST_ENV, RANK_GROUPS_ENV
+from ...utils.process_group_exit import destroy_default_group
 from ..channel import close_quietly
 from ..messages import MessageKind, PoolCommand, Ready
 from ..output import flush_std, redirect_std_fds, show_fatal_signals
@@ -86,19 +87,10 @@ def pool_worker(commands: Connection, status: Connection, stdout: Connection, st
     _send(commands, Ready(rank, device=device, pid=os.getpid()).to_wire())
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     serve(commands, namespace, rank)
-    _destroy_process_group()
+    # a plain destroy (no collection: the rank may be a fork of the kernel); os._exit skips finalization
+    destroy_default_group()
     flush_std()
     os._exit(0)  # skip interpreter teardown: gloo threads and the kernel's inherited atexit hooks
-
-
-def _destroy_process_group() -> None:
-    """A plain destroy: the rank leaves with os._exit, so no group of its meets interpreter finalization."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def _set_up() -> str:
