@@ -93,22 +93,45 @@ def start_jupyterlab(root: Path, home: Path, env: dict[str, str] | None = None, 
         time.sleep(0.5)
 
 
-def run_all_cells(page) -> None:
-    """Run > Run All Cells on the notebook on show, retried until its first code cell started (a click can
-    land before the menu is ready); RuntimeError if it never does."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+# What a cell shows of its run: output or an execution count once the kernel took it ("started"); [*] while
+# JupyterLab waits for the kernel ("queued"); an empty prompt when it never asked, or asked and had the
+# request cancelled ("idle"), as when the kernel connection is replaced just after the press.
+_CELL_STATE = """(cell) => {
+    const prompt = (cell.querySelector('.jp-InputPrompt') || {}).textContent || '';
+    if (/\\[[0-9]+\\]/.test(prompt) || cell.querySelector('.jp-OutputArea-output')) return 'started';
+    return prompt.includes('[*]') ? 'queued' : 'idle';
+}"""
 
-    prompt = page.locator(f"{ACTIVE_NOTEBOOK} .jp-CodeCell .jp-InputPrompt").first
-    for _attempt in range(4):
+
+def run_until_started(cell, press, timeout: float = 120) -> None:
+    """Call `press` (what asks JupyterLab to run `cell`, a cell without saved output) until the kernel has
+    started the cell. A queued cell is waited for; one whose prompt is (or falls back to) empty for 10 s
+    was dropped, and is pressed again. RuntimeError if it never starts."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        press()
+        idle_since = time.monotonic()
+        while time.monotonic() < deadline:
+            state = cell.evaluate(_CELL_STATE)
+            if state == "started":
+                return
+            if state == "queued":
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 10:
+                break
+            time.sleep(0.2)
+    raise RuntimeError(f"JupyterLab did not start the cell in {timeout:.0f} s")
+
+
+def run_all_cells(page) -> None:
+    """Run > Run All Cells on the notebook on show, again if its first code cell did not start (a click can
+    land before the menu is ready; a request can be cancelled); RuntimeError if it never does."""
+    def press() -> None:
+        page.keyboard.press("Escape")  # closes a menu an earlier click left open
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-        try:
-            page.wait_for_function("(node) => /\\[[*0-9]+\\]/.test(node.textContent)",
-                                   arg=prompt.element_handle(), timeout=10_000)
-            return
-        except PlaywrightTimeout:
-            page.keyboard.press("Escape")
-    raise RuntimeError("JupyterLab did not start running the notebook")
+
+    run_until_started(page.locator(f"{ACTIVE_NOTEBOOK} .jp-CodeCell").first, press)
 
 
 def open_in_lab(page, url: str):

@@ -33,7 +33,13 @@ if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)", allow_module_level=True)
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
-from jupyterlab_server import ACTIVE_NOTEBOOK, open_in_lab, start_all_cells, start_jupyterlab  # noqa: E402
+from jupyterlab_server import (  # noqa: E402
+    ACTIVE_NOTEBOOK,
+    open_in_lab,
+    run_until_started,
+    start_all_cells,
+    start_jupyterlab,
+)
 
 TRAIN_WITH_LAUNCHER = """\
 from nbaccel import notebook_launcher
@@ -132,20 +138,7 @@ def _drive_notebook(lab, page) -> None:
     if select_kernel.count():  # a JupyterLab that asks which kernel despite the setting
         select_kernel.click()
 
-    # Run both cells from the keyboard: Shift+Enter in the first cell's editor, then in the second. A key
-    # press that lands while the page is still wiring the kernel up is dropped: retry until it runs.
-    for index in (0, 1):
-        prompt = page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").nth(index)
-        for _attempt in range(4):
-            page.locator(".jp-Notebook .jp-Cell .cm-content").nth(index).click()
-            page.keyboard.press("Shift+Enter")
-            try:
-                page.wait_for_function("(node) => /\\[[*0-9]+\\]/.test(node.textContent)",
-                                       arg=prompt.element_handle(), timeout=10_000)
-                break
-            except playwright_sync.TimeoutError:
-                continue
-
+    _run_cell_from_the_keyboard(page, 0)
     # The live widget while the ranks run: its chart has a line with points.
     dashboard = page.locator(".nbaccel-dashboard")
     dashboard.first.wait_for(timeout=90_000)
@@ -168,6 +161,7 @@ def _drive_notebook(lab, page) -> None:
     assert "results" in first_cell.locator(".jp-OutputArea-output pre").last.inner_text()
 
     # The config widget: a bad value is refused next to its field, a good one saved.
+    _run_cell_from_the_keyboard(page, 1)
     form = page.locator(".nbaccel-config")
     form.wait_for(timeout=60_000)
     processes = form.locator(".nbaccel-config-num_processes input")
@@ -219,6 +213,18 @@ def _drive_notebook(lab, page) -> None:
     page.screenshot(path=str(OUTPUT / "config_reopened.png"))
     page.locator(".nbaccel-summary").first.scroll_into_view_if_needed()
     page.screenshot(path=str(OUTPUT / "reopened.png"))
+
+
+def _run_cell_from_the_keyboard(page, index: int) -> None:
+    """Shift+Enter in the cell's editor, again until the kernel started the cell (a key press that lands
+    while the page is still wiring the kernel up is dropped)."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+    def press() -> None:
+        cell.locator(".cm-content").click()
+        page.keyboard.press("Shift+Enter")
+
+    run_until_started(cell, press)
 
 
 def _check_summary(cell) -> None:
