@@ -43,11 +43,12 @@ def train(lora: bool = False) -> dict:
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
                                                  task_type="SEQ_CLS"))
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="trainer-run-"), per_device_train_batch_size=4,
-                             num_train_epochs=2, learning_rate=5e-3, logging_steps=1, save_strategy="no",
-                             report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=False)
-    trainer = Trainer(model=model, args=args, train_dataset=PairDataset())
-    result = trainer.train()
+    with tempfile.TemporaryDirectory(prefix="trainer-run-") as output_dir:  # nothing is saved: none left behind
+        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4, num_train_epochs=2,
+                                 learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to=[],
+                                 use_cpu=True, seed=0, data_seed=0, disable_tqdm=False)
+        trainer = Trainer(model=model, args=args, train_dataset=PairDataset())
+        result = trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"world_size": trainer.args.world_size, "process_index": trainer.args.process_index,
