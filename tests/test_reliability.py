@@ -65,9 +65,10 @@ def test_script_under_nbaccel_launch_leaves_no_process_group_at_exit(tmp_path: P
 
 
 def _gloo_threads() -> int:
-    """How many of this process's threads are gloo's worker threads (by the name torch gives them)."""
-    names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
-    return names.count("pt_gloo_runloop")
+    """How many of this process's threads are gloo's worker threads, read as the exit's settle wait reads them."""
+    from nbaccel.utils.process_group_exit import GLOO_WORKER_THREAD, _thread_states
+
+    return len(_thread_states("/proc/self/task", GLOO_WORKER_THREAD))
 
 
 def _gloo_threads_after_collectives_and_destroy() -> int:
