@@ -145,10 +145,16 @@ def open_in_lab(page, url: str):
     return context, view
 
 
-def start_all_cells(page) -> None:
-    """Once the kernel is idle (JupyterLab's kernel selection answered if it asks), Run All Cells."""
+def wait_for_kernel(page) -> None:
+    """Until the notebook's kernel is idle, answering JupyterLab's kernel selection if it asks despite the
+    setting."""
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
     select_kernel = page.locator(".jp-Dialog button", has_text="Select")
     if select_kernel.count():
         select_kernel.click()
+
+
+def start_all_cells(page) -> None:
+    """Once the kernel is idle, Run All Cells."""
+    wait_for_kernel(page)
     run_all_cells(page)

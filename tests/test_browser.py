@@ -39,6 +39,7 @@ from jupyterlab_server import (  # noqa: E402
     run_until_started,
     start_all_cells,
     start_jupyterlab,
+    wait_for_kernel,
 )
 
 TRAIN_WITH_LAUNCHER = """\
@@ -133,11 +134,7 @@ def _drive_notebook(lab, page) -> None:
     page.set_default_timeout(60_000)
     page.goto(f"{base}/lab/tree/{name}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-    select_kernel = page.locator(".jp-Dialog button", has_text="Select")
-    if select_kernel.count():  # a JupyterLab that asks which kernel despite the setting
-        select_kernel.click()
-
+    wait_for_kernel(page)
     _run_cell_from_the_keyboard(page, 0)
     # The live widget while the ranks run: its chart has a line with points.
     dashboard = page.locator(".nbaccel-dashboard")
