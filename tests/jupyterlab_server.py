@@ -124,14 +124,16 @@ def run_until_started(cell, press, timeout: float = 120) -> None:
 
 
 def run_all_cells(page) -> None:
-    """Run > Run All Cells on the notebook on show, again if its first code cell did not start (a click can
-    land before the menu is ready; a request can be cancelled); RuntimeError if it never does."""
+    """Run > Run All Cells on the notebook on show, again until its last code cell started (the cells run in
+    order, so every one before it has run). A click can land before the menu is ready, and JupyterLab can drop
+    a queued cell's request after earlier cells ran; pressed again, those earlier cells run once more.
+    RuntimeError if the last cell never starts."""
     def press() -> None:
         page.keyboard.press("Escape")  # closes a menu an earlier click left open
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
-    run_until_started(page.locator(f"{ACTIVE_NOTEBOOK} .jp-CodeCell").first, press)
+    run_until_started(page.locator(f"{ACTIVE_NOTEBOOK} .jp-CodeCell").last, press)
 
 
 def open_in_lab(page, url: str):

@@ -256,7 +256,9 @@ def test_live_bars_and_figure_from_the_ranks_in_jupyterlab(lab, page):
                    && /rank 1\] rank 1 training: +[1-9]\d?%/.test(node.textContent))""",
             timeout=120_000,
         )
-        page.locator(".nbaccel-live").first.scroll_into_view_if_needed()
+        # scrolled in one step in the page: the live area is redrawn as the bars move, and a located element
+        # can be replaced between Playwright's look-up and its scroll ("not attached to the DOM")
+        page.evaluate("() => document.querySelector('.nbaccel-live').scrollIntoView({block: 'center'})")
         page.screenshot(path=str(OUTPUT / "live_bars.png"), full_page=True)
         # the end: rank 0's confusion matrix (a PNG image), a table from each rank, the final bar lines
         page.wait_for_selector(".jp-OutputArea-output img", timeout=120_000)
