@@ -85,7 +85,9 @@ def launch(tmp_path: Path, name: str, package: str) -> subprocess.CompletedProce
     script = tmp_path / package / name
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(script_source(name, package))
-    env = environment_without()
+    # TMPDIR: Accelerate's notebook_launcher (test_notebook.py) leaves torch's pytorch-errorfile-* and
+    # torchelastic_* in the temp folder; they stay in the test's own
+    env = environment_without() | {"TMPDIR": str(tmp_path)}
     logs = tmp_path / f"logs-{package}"
     if name in RUN_AS_SCRIPT:
         env["ACCELERATE_NUM_PROCESSES"] = "2"

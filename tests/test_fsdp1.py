@@ -410,7 +410,7 @@ accelerator.save_model(model, sys.argv[1])
 
 def _launch(launcher: list[str], config: str, script: str, output: str, **extra: str) -> subprocess.CompletedProcess:
     env = environment_without("FSDP_", *LIBRARY_PREFIXES)
-    env.update(extra)
+    env.update(extra, TMPDIR=os.path.dirname(config))  # torchrun's torchelastic_* log folder: in the test's tmp_path
     return subprocess.run([sys.executable, *launcher, "--config_file", config, script, output], env=env,
                           capture_output=True, text=True, timeout=240, cwd=os.path.dirname(config))
 

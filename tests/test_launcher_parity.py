@@ -27,18 +27,21 @@ from nbaccel.launch import LaunchError, UnpicklableError, notebook_launcher
 HERE = Path(__file__).resolve().parent
 
 
-def run_cases(lib: str) -> dict:
+def run_cases(lib: str, tmp: Path) -> dict:
+    """The cases' outcomes on `lib`, run with TMPDIR in `tmp`: torch.multiprocessing leaves a
+    pytorch-errorfile-*.pickle per failed rank and torch elastic a torchelastic_* folder per restartable
+    launch of Accelerate's launcher in the temp folder, which must stay in the test's own."""
     done = subprocess.run([sys.executable, str(HERE / "launcher_parity_cases.py"), lib], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"{lib}: no result (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.mark.timeout(900)
-def test_launcher_cases_behave_as_on_accelerate():
-    accelerate = run_cases("accelerate")
-    nbaccel = run_cases("nbaccel")
+def test_launcher_cases_behave_as_on_accelerate(tmp_path):
+    accelerate = run_cases("accelerate", tmp_path)
+    nbaccel = run_cases("nbaccel", tmp_path)
     # docs/compat.md: Accelerate's launcher exports MIXED_PRECISION, which its Accelerator never reads
     assert accelerate.pop("mixed_precision") == [[0, "no"], [1, "no"]]
     assert nbaccel.pop("mixed_precision") == [[0, "bf16"], [1, "bf16"]]

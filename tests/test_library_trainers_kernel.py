@@ -44,7 +44,8 @@ def _path() -> str:
 def torchrun_reference(tmp_path: Path, lora: bool) -> dict:
     """Rank 0's result of trainer_run.py started by torchrun on 2 processes."""
     out = tmp_path / f"torchrun-{lora}.json"
-    env = {**os.environ, "PYTHONPATH": _path(), "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's torchelastic_* log folder stays in the test's own
+    env = {**os.environ, "PYTHONPATH": _path(), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(get_free_port("127.0.0.1")), str(LIBRARIES / "trainer_run.py"), *(["--lora"] if lora else []),
                str(out)]

@@ -538,9 +538,9 @@ def test_debug_mode_reports_mismatched_shapes_on_every_rank():
 
 
 @pytest.mark.timeout(90)
-def test_check_operations_script_under_torchrun():
+def test_check_operations_script_under_torchrun(tmp_path):
     script = ROOT / "nbaccel" / "test_utils" / "scripts" / "check_operations.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchrun's torchelastic_* logs: in tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
         capture_output=True, text=True, timeout=60, env=env,

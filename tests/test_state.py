@@ -705,7 +705,7 @@ def test_one_launched_process_has_accelerates_group(tmp_path, how, init_method):
     both build it with the caller's init_process_group arguments (here `init_method`)."""
     pytest.importorskip("accelerate")
     seen = {}
-    env = environment_without()
+    env = environment_without() | {"TMPDIR": str(tmp_path)}  # torchrun's torchelastic_* log folder: in tmp_path
     if init_method:
         env["STORE_FILE"] = str(tmp_path / "store")
     for package in ("accelerate", "nbaccel"):
