@@ -43,7 +43,7 @@ def launch(tmp_path: Path, package: str, *cases: str, stop_on_error: bool = Fals
     folder.mkdir()
     script = folder / SCRIPT.name
     script.write_text(re.sub(r"\baccelerate\b", package, SCRIPT.read_text()))
-    env = environment_without()
+    env = environment_without() | {"TMPDIR": str(folder)}  # torchrun's torchelastic_* log folder: in the test's own
     if package == "nbaccel":
         command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu"]
     else:
