@@ -10,7 +10,9 @@ packing, the collective trace's enter and exit (the telemetry's listener include
 itself, the unpacking and the rebuilt dict. Since fast-gather (issue 42) tensors of one shape start the
 all-gather asynchronously: its start and its wait are timed apart, with the results tensor and the rebuilt
 dict made in between, and the unpacking is one copy into that tensor after the wait. Between two gathers torch and gloo run, so the steps run with
-cold caches, as in a training loop. Printed: the medians, the gather's and the floor's median wall time,
+cold caches, as in a training loop. The small steps around them are timed too (the group's facts, debug
+mode's check, the dict's items, the receive buffer, the trace's making, the results' views), and what is left
+of the gather's median wall time is printed as the rest. Printed: the medians, the gather's and the floor's median wall time,
 and the minor page faults of rank 0's main thread per call.
 
 `--tree`: the source tree whose nbaccel to import (default: this one), to time an earlier checkout.
@@ -84,6 +86,13 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
     trace.__exit__ = timed("trace exit (telemetry)", trace.__exit__)
     if hasattr(trace, "announce"):  # an enter heard once the all-gather started (2026-11-29)
         trace.announce = timed("trace announce (telemetry, during the all-gather)", trace.announce)
+    # the smaller steps around them (2026-11-30), so that what is left untimed is the Python between the steps
+    for name, step in (("_group_facts", "the group's facts"), ("debug_mode_enabled", "debug mode's check"),
+                       ("plain_items", "the dict's items"), ("_take_receive_buffer", "the receive buffer"),
+                       ("in_collective", "trace made (its record's fields)")):
+        if hasattr(collectives, name):
+            setattr(collectives, name, timed(step, getattr(collectives, name)))
+    torch.Tensor.unbind = timed("the results' views (unbind)", torch.Tensor.unbind)
     data = {f"t{i}": torch.randn(1024) for i in range(16)}
     flat, out = torch.randn(16 * 1024), torch.empty(world * 16 * 1024)
     for _ in range(30):
@@ -114,6 +123,7 @@ def main() -> None:
     print(tree_header(args))
     for name, us in steps.items():
         print(f"  {name:<26} {us:7.1f} us")
+    print(f"  the rest (Python between the steps, the wrappers, the frees) {walls['gather'] - sum(steps.values()):7.1f} us")
     print(f"  gather wall {walls['gather']:.1f} us, floor {walls['floor']:.1f} us: {walls['gather'] / walls['floor']:.2f}x;"
           f" minor faults per call: gather {faults['gather']:.2f}, floor {faults['floor']:.2f}")
 
