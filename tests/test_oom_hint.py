@@ -54,6 +54,7 @@ def test_the_hint_without_a_sample_and_other_signals_without_it():
     assert str(WorkerFailure(1, None, "", "", -9, "SIGKILL", last_rss=3 << 30)).endswith(
         "its last memory sample: 3072.0 MiB resident)")
     assert str(WorkerFailure(1, None, "", "", -15, "SIGTERM")) == "killed by SIGTERM (exit code -15)"
+    assert str(WorkerFailure(1, None, "finished without returning a result")) == "finished without returning a result"
 
 
 def test_nbaccel_launch_names_sigkill_with_the_hint(tmp_path):

@@ -53,6 +53,8 @@ class WorkerFailure:
             return f"killed by SIGKILL (exit code {self.exitcode}; {oom_hint(self.last_rss)})"
         if self.signal:
             return f"killed by {self.signal} (exit code {self.exitcode})"
+        if self.exitcode is None:  # no process ended (e.g. a rank that finished without a result)
+            return self.message or "exited"
         return f"{self.message or 'exited'} (exit code {self.exitcode})"
 
     def summary(self) -> str:

@@ -369,11 +369,15 @@ class Supervisor:
                 self._fail(failure)
             if self.backend.workers_may_not_start:  # torch_xla picks how many run
                 self.workers = [w for w in self.workers if w.seen]
-            # e.g. torch_xla's process died under its threads
-            reason = self.backend.lost_reason() or "finished without returning a result"
-            for worker in self.workers:
-                if not worker.has_result and worker.rank not in self.failures:
-                    self._fail(WorkerFailure(worker.rank, None, reason))
+            # A rank without a result failed. Where the backend stops the group itself (torch elastic, which
+            # is not fail-fast: it stops every rank when one fails, then restarts or gives up), the ranks it
+            # stopped because another failed are no failures of their own, as in a fail-fast launch.
+            if self.backend.fail_fast or not self.failures:
+                # (the backend's reason when it knows one, e.g. torch_xla's process died under its threads)
+                reason = self.backend.lost_reason() or "finished without returning a result"
+                for worker in self.workers:
+                    if not worker.has_result and worker.rank not in self.failures:
+                        self._fail(WorkerFailure(worker.rank, None, reason))
         self._close()
         if outcome is LaunchState.TIMEOUT:
             raise self._timeout_error()
