@@ -67,6 +67,13 @@ def test_launcher_cases_behave_as_on_accelerate(tmp_path):
     refused = accelerate.pop("accelerator_in_the_kernel")
     assert refused["exception"] == "ValueError" and "should only be initialized inside" in refused["text"]
     assert nbaccel.pop("accelerator_in_the_kernel") == [[0, 2], [1, 2]]
+    # restarts used up: only rank 1 failed, and only it is listed (the ranks torch elastic stopped are not). On
+    # Accelerate the restarted attempt often fails first in rank 0's gloo connectFullMesh instead (3 of 4 runs
+    # here): its attempts share one store (docs/compat.md, "Restarts on one node get a fresh store per attempt")
+    theirs = accelerate.pop("child_failed_error_restarts")
+    assert ((theirs["ranks"], theirs["error"]) == ([1], "ValueError: rank one is broken")
+            or (theirs["ranks"] == [0] and "connectFullMesh" in theirs["error"])), theirs
+    assert nbaccel.pop("child_failed_error_restarts") == nbaccel["child_failed_error"]
     assert nbaccel == accelerate
     # and what they agree on is what Accelerate's tests require
     failure = nbaccel["child_failed_error"]
