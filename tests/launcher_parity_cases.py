@@ -215,7 +215,6 @@ def case_accelerator_in_the_kernel() -> Any:
 CASES = {
     "child_failed_error": case_child_failed_error,
     # restarts used up: the ranks torch elastic stopped because rank 1 failed are not among the failures
-    # (Accelerate's restarted attempt may fail in gloo's connect first: see tests/test_launcher_parity.py)
     "child_failed_error_restarts": lambda: case_child_failed_error(max_restarts=1),
     "static": case_static,
     "c10d": case_c10d,
@@ -231,8 +230,14 @@ CASES = {
 }
 
 
+# Run on nbaccel only, and compared with Accelerate's case without restarts: on Accelerate the restarted attempt
+# meets in the failed attempt's store (docs/compat.md), where its gloo group either fails to connect ("Connection
+# refused", 3 of 4 runs here) or waits for ever (seen in a suite run).
+NBACCEL_ONLY = frozenset({"child_failed_error_restarts"})
+
+
 def main() -> None:
-    names = sys.argv[2:] or list(CASES)
+    names = sys.argv[2:] or [name for name in CASES if LIB == "nbaccel" or name not in NBACCEL_ONLY]
     results: dict[str, Any] = {}
     for name in names:
         try:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (forked workers inherit it)
-from process_helpers import live_children
+from process_helpers import live_children, run_in_session
 
 from nbaccel import PartialState
 from nbaccel.launch import LaunchError, UnpicklableError, notebook_launcher
@@ -28,13 +27,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_cases(lib: str, tmp: Path) -> dict:
-    """The cases' outcomes on `lib`, run with TMPDIR in `tmp`: torch.multiprocessing leaves a
-    pytorch-errorfile-*.pickle per failed rank and torch elastic a torchelastic_* folder per restartable
-    launch of Accelerate's launcher in the temp folder, which must stay in the test's own."""
-    done = subprocess.run([sys.executable, str(HERE / "launcher_parity_cases.py"), lib], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
+    """The cases' outcomes on `lib`, run in a session of their own (past the time limit the ranks are killed
+    with the script) and with TMPDIR in `tmp`: torch.multiprocessing leaves a pytorch-errorfile-*.pickle per
+    failed rank and torch elastic a torchelastic_* folder per launch of Accelerate's launcher in the temp
+    folder, which must stay in the test's own."""
+    done = run_in_session([sys.executable, str(HERE / "launcher_parity_cases.py"), lib],
+                          dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp)), HERE.parent, 600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"{lib}: no result (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert lines, f"{lib}: no result (exit {done.returncode})\n{done.stdout[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -67,13 +67,10 @@ def test_launcher_cases_behave_as_on_accelerate(tmp_path):
     refused = accelerate.pop("accelerator_in_the_kernel")
     assert refused["exception"] == "ValueError" and "should only be initialized inside" in refused["text"]
     assert nbaccel.pop("accelerator_in_the_kernel") == [[0, 2], [1, 2]]
-    # restarts used up: only rank 1 failed, and only it is listed (the ranks torch elastic stopped are not). On
-    # Accelerate the restarted attempt often fails first in rank 0's gloo connectFullMesh instead (3 of 4 runs
-    # here): its attempts share one store (docs/compat.md, "Restarts on one node get a fresh store per attempt")
-    theirs = accelerate.pop("child_failed_error_restarts")
-    assert ((theirs["ranks"], theirs["error"]) == ([1], "ValueError: rank one is broken")
-            or (theirs["ranks"] == [0] and "connectFullMesh" in theirs["error"])), theirs
-    assert nbaccel.pop("child_failed_error_restarts") == nbaccel["child_failed_error"]
+    # restarts used up: only rank 1 failed, and only it is listed (not the ranks torch elastic stopped), as
+    # Accelerate lists it without restarts. Its own restarted attempt cannot be compared: it meets in the failed
+    # attempt's store and fails to connect or waits for ever (launcher_parity_cases.NBACCEL_ONLY)
+    assert nbaccel.pop("child_failed_error_restarts") == accelerate["child_failed_error"]
     assert nbaccel == accelerate
     # and what they agree on is what Accelerate's tests require
     failure = nbaccel["child_failed_error"]
