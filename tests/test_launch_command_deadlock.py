@@ -23,6 +23,7 @@ import pytest
 
 from nbaccel.commands.launch import resolve_settings, torchrun_arguments
 from nbaccel.commands.main import build_parser
+from nbaccel.launch.kernel.collective_watch import SOCKET_PARENTS
 from nbaccel.launch.private_dirs import WATCH_PREFIX
 from nbaccel.utils.constants import SCRIPT_ENTRY
 
@@ -42,8 +43,8 @@ PREAMBLE = """
 """
 
 
-def launch(tmp_path: Path, body: str, *options: str, processes: int = 2,
-           preamble: str = PREAMBLE) -> tuple[int, str, str, float]:
+def launch(tmp_path: Path, body: str, *options: str, processes: int = 2, preamble: str = PREAMBLE,
+           env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
     """Run `preamble` + `body` as tmp_path/job.py under `nbaccel launch`: (exit status, stdout, stderr, seconds)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(preamble) + textwrap.dedent(body))
@@ -52,7 +53,7 @@ def launch(tmp_path: Path, body: str, *options: str, processes: int = 2,
         [sys.executable, "-m", "nbaccel", "launch", "--num_processes", str(processes), "--cpu", *options,
          str(script)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env},
     )
     (tmp_path / "launcher.pid").write_text(str(proc.pid))  # what this launch's own private folders are named by
     try:
@@ -69,7 +70,9 @@ def own_watch_folders(tmp_path: Path) -> list[str]:
     """The collective-watch folders left by the launch `launch` ran last in tmp_path (named by its pid:
     nbaccel/launch/private_dirs.py), not those of other launches running on this machine."""
     pid = (tmp_path / "launcher.pid").read_text()
-    return glob.glob(os.path.join(tempfile.gettempdir(), f"nbaccel-{os.getuid()}", f"{WATCH_PREFIX}{pid}-*"))
+    parents = {tempfile.gettempdir(), *filter(None, SOCKET_PARENTS)}  # where a too deep one's socket goes
+    return [path for parent in parents
+            for path in glob.glob(os.path.join(parent, f"nbaccel-{os.getuid()}", f"{WATCH_PREFIX}{pid}-*"))]
 
 
 def line_of(tmp_path: Path, text: str) -> str:
@@ -255,19 +258,38 @@ def test_the_watch_is_one_more_torchrun_option(tmp_path):
     assert argv(str(job), "--x", watched=False)[-2:] == [str(job), "--x"]
 
 
+def test_a_temporary_folder_too_deep_for_a_socket_still_finds_the_deadlock(tmp_path):
+    """A Unix socket's path has 104-108 bytes at most. A TMPDIR too deep for one (here 150 bytes; a test's
+    tmp_path on CI was enough) once cost the launch its watch: no deadlock detection, no line relay (two ranks'
+    lines mixed), no prompts. The watch's socket now goes to a short folder, and goes with the launch."""
+    deep = tmp_path / ("d" * 150)
+    deep.mkdir()
+    code, out, err, seconds = launch(tmp_path, """
+        if rank == 0:
+            reduce(torch.ones(3))
+        else:
+            broadcast(torch.ones(3))
+    """, env={"TMPDIR": str(deep)})
+    assert "no deadlock detection" not in err
+    assert code == 1 and seconds < BOUND, err
+    assert "The operations differ: reduce (all_reduce) on rank 0, broadcast (broadcast) on rank 1." in err
+    assert own_watch_folders(tmp_path) == []
+
+
 def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypatch):
-    """A Unix socket path has ~100 bytes at most: a temporary folder too deep for one costs the deadlock
-    detection (with a warning), not the launch, and leaves nothing behind."""
+    """Where no folder is short enough for a socket's path, the launch loses its deadlock detection (with a
+    warning), not its run, and leaves nothing behind."""
     from nbaccel.launch.kernel import collective_watch
     from nbaccel.launch.kernel.torchrun import TorchrunScript
 
     deep = tmp_path / ("d" * 120)
-    monkeypatch.setattr(collective_watch, "make_user_dir", lambda prefix: str(deep.mkdir() or deep))
+    deep.mkdir()
+    monkeypatch.setattr(collective_watch, "SOCKET_PARENTS", (str(deep), str(deep)))
     backend = TorchrunScript()
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
         assert backend._start_watch(exit_grace=10.0) is None
     backend.close()
-    assert not deep.exists()
+    assert list(deep.glob(f"*/{WATCH_PREFIX}*")) == []
 
 
 def test_a_rank_stopped_in_its_teardown_still_finished():

@@ -79,11 +79,12 @@ def remove_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def make_user_dir(prefix: str) -> str:
-    """A new 0700 folder `<tmp>/nbaccel-<uid>/<prefix><pid>-<random>` (`<tmp>/nbaccel-<prefix>...` where the
-    per-user parent cannot be had), after removing the orphans of dead processes. `<tmp>` is the shared-memory
-    tmpfs for the small folders of every launch (`IN_MEMORY_PREFIXES`), else the temporary folder."""
-    parent = temp_parent(prefix)
+def make_user_dir(prefix: str, parent: str | None = None) -> str:
+    """A new 0700 folder `<parent>/nbaccel-<uid>/<prefix><pid>-<random>` (`<parent>/nbaccel-<prefix>...` where
+    the per-user folder cannot be had), after removing the orphans of dead processes. `<parent>` by default is
+    the shared-memory tmpfs for the small folders of every launch (`IN_MEMORY_PREFIXES`), else the temporary
+    folder."""
+    parent = parent or temp_parent(prefix)
     root = _user_root(parent)
     if root is None:
         return tempfile.mkdtemp(prefix=f"nbaccel-{prefix}", dir=parent)

@@ -35,12 +35,17 @@ from typing import Any
 from ..channel import recv_all
 from ..hang_report import EXIT_HANG_GRACE, Diagnosis, report_lines
 from ..messages import MessageKind, RankState
-from ..private_dirs import WATCH_PREFIX, make_user_dir
+from ..private_dirs import SHARED_MEMORY, WATCH_PREFIX, make_user_dir
 from .collective_tracker import CHECK_INTERVAL, DEADLOCK_EXPLANATION, DEADLOCK_HEAD, GRACE, CollectiveTracker
 from .prompt_relay import PromptRelay
 
 logger = logging.getLogger(__name__)
 CLOSE_WAIT = 2.0  # seconds `close` waits for what ranks that are still exiting send last
+SOCKET_NAME = "sock"
+# where the socket's folder is made, in this order: the temporary folder (None), then two short ones for a
+# temporary folder too deep for a socket (a Unix socket's path holds 104-108 bytes: a long TMPDIR, a job's
+# scratch folder, a test's tmp_path)
+SOCKET_PARENTS = (None, SHARED_MEMORY, "/tmp")
 
 
 @dataclass(frozen=True)
@@ -72,16 +77,13 @@ class CollectiveWatch:
     def __init__(self, on_deadlock: Callable[[Diagnosis], None], grace: float = GRACE,
                  on_exit_hang: Callable[[ExitHang], None] | None = None,
                  exit_grace: float = EXIT_HANG_GRACE) -> None:
-        self._folder = make_user_dir(WATCH_PREFIX)
-        self.address = os.path.join(self._folder, "sock")  # short: a Unix socket's path has ~100 bytes at most
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._server.bind(self.address)
-            self._server.listen(64)
+            self._folder = _listen_in_private_folder(self._server)
         except OSError:
             self._server.close()
-            shutil.rmtree(self._folder, ignore_errors=True)
             raise
+        self.address = os.path.join(self._folder, SOCKET_NAME)
         self.tracker = CollectiveTracker(grace, work="the script")
         self.deadlock: Diagnosis | None = None
         self._on_deadlock = on_deadlock
@@ -219,3 +221,25 @@ class CollectiveWatch:
 def report(diagnosis: Diagnosis) -> str:
     """The deadlock report `nbaccel launch` prints: notebook_launcher's words."""
     return "\n".join(report_lines(diagnosis, DEADLOCK_HEAD, DEADLOCK_EXPLANATION))
+
+
+def _listen_in_private_folder(server: socket.socket) -> str:
+    """Bind `server` to SOCKET_NAME in a new owner-only folder of the first of SOCKET_PARENTS where that works,
+    and listen; return the folder. Raises the last OSError where none does."""
+    error: OSError | None = None
+    for parent in SOCKET_PARENTS:
+        try:
+            folder = make_user_dir(WATCH_PREFIX, parent)
+        except OSError as exc:  # no such folder, not writable
+            error = exc
+            continue
+        try:
+            server.bind(os.path.join(folder, SOCKET_NAME))
+            server.listen(64)
+        except OSError as exc:  # "AF_UNIX path too long"
+            shutil.rmtree(folder, ignore_errors=True)
+            error = exc
+            continue
+        return folder
+    assert error is not None
+    raise error
