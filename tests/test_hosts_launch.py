@@ -221,6 +221,7 @@ def test_an_exit_code_names_the_rank_and_its_host(ssh_config):
     assert info.value.failures[3].host == HOSTS[1] and info.value.failures[3].exitcode == 3
     text = str(info.value)
     assert f"rank 3 on {HOSTS[1]} failed" in text and f"rank 3 on {HOSTS[1]}: exited with code 3" in text, text
+    assert "(exit code 3)" not in text, text  # said once
 
 
 def test_a_collective_mismatch_across_hosts_names_each_ranks_host(ssh_config):

@@ -57,6 +57,15 @@ def test_the_hint_without_a_sample_and_other_signals_without_it():
     assert str(WorkerFailure(1, None, "finished without returning a result")) == "finished without returning a result"
 
 
+def test_an_exit_code_is_said_once():
+    """A plain exit said its code twice: `rank 3 on gpu-b: exited with code 3 (exit code 3)`."""
+    assert WorkerFailure(3, None, "exited with code 3", "", 3, host="gpu-b").summary() == (
+        "rank 3 on gpu-b: exited with code 3")
+    assert str(WorkerFailure(3, None, "", "", 3)) == "exited with code 3"
+    assert str(WorkerFailure(0, None, "exited without returning a result", "", 0)) == (
+        "exited without returning a result (exit code 0)")
+
+
 def test_nbaccel_launch_names_sigkill_with_the_hint(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent("""

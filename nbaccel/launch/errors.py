@@ -55,10 +55,13 @@ class WorkerFailure:
             return f"killed by {self.signal} (exit code {self.exitcode})"
         if self.exitcode is None:  # no process ended (e.g. a rank that finished without a result)
             return self.message or "exited"
-        return f"{self.message or 'exited'} (exit code {self.exitcode})"
+        plain_exit = f"exited with code {self.exitcode}"
+        if self.message in ("", plain_exit):  # the message is the exit code already: said once
+            return plain_exit
+        return f"{self.message} (exit code {self.exitcode})"
 
     def summary(self) -> str:
-        """One line: `rank 1: ValueError: boom`, `rank 3 on gpu-b: exited with code 3 (exit code 3)`."""
+        """One line: `rank 1: ValueError: boom`, `rank 3 on gpu-b: exited with code 3`."""
         return f"{rank_label(self.rank, self.host)}: {self}"
 
     @property
