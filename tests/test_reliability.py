@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (imported here so forked workers inherit it instead of importing it again)
 from process_helpers import live_children
+from torch.distributed import TCPStore
 
 from nbaccel.launch import LaunchError, notebook_launcher
 from nbaccel.launch.pool import RankFailedError, RankPool
 from nbaccel.utils.exception_report import report_exception, safe_message
-from nbaccel.utils.other import get_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,22 +151,26 @@ def test_many_runs_of_a_correct_two_rank_script_all_exit_zero(tmp_path: Path) ->
     deterministic check above is the one that always fails on it; this one shows the exit codes themselves).
 
     Each rank is a fresh interpreter with the environment `nbaccel launch` gives it (RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT): the abort happens at interpreter finalization, which forked workers never reach
-    (they leave with os._exit) and which a fork of a warm parent did not reproduce (0 in 110). One
-    `nbaccel launch` per run costs ~8 s here (a third interpreter, the torchrun agent); this form is
-    the same processes without the agent, 2 runs at a time (~1.6 s per run on a quiet 2-core machine)."""
+    MASTER_ADDR/PORT, the agent's store): the abort happens at interpreter finalization, which forked workers
+    never reach (they leave with os._exit) and which a fork of a warm parent did not reproduce (0 in 110). One
+    `nbaccel launch` per run costs ~8 s here (a third interpreter, the torchrun agent); this form is the same
+    processes without the agent, 2 runs at a time (~1.6 s per run on a quiet 2-core machine). The test holds
+    each run's store, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): a port picked free for rank 0 to
+    bind a second later was once taken by then, in a suite run (EADDRINUSE)."""
     script = tmp_path / "ok.py"
     script.write_text(OK_SCRIPT)
     env = _env()
-    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+               TORCHELASTIC_USE_AGENT_STORE="True")
     failures: list[str] = []
     runs, at_once = int(os.environ.get("NBACCEL_EXIT_RUNS", RUNS)), 2
     for first in range(0, runs, at_once):
         started = []
-        for _ in range(first, min(runs, first + at_once)):
-            port = str(get_free_port("127.0.0.1"))
+        stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+                  for _ in range(first, min(runs, first + at_once))]
+        for store in stores:
             for rank in (0, 1):
-                rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), MASTER_PORT=port)
+                rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), MASTER_PORT=str(store.port))
                 started.append(subprocess.Popen([sys.executable, str(script)], env=rank_env, cwd=tmp_path,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         for process in started:
