@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -124,6 +125,21 @@ def test_picking_a_port_leaves_the_seeded_random_stream_alone():
     random.seed(1234)
     get_free_port()
     assert [random.random() for _ in range(3)] == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_picks_other_ports_than_its_parent():
+    """The generator of ports is reseeded in a forked child, as `random` reseeds its own: a child that copied
+    the parent's state would pick the very port the parent picks next, and the later bind of one would fail."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write_end, repr(other._port_choice.random()).encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end) as child:
+        assert float(child.read()) != other._port_choice.random()
 
 
 def test_without_a_known_ephemeral_range_the_system_picks_the_port(monkeypatch):

@@ -236,6 +236,8 @@ def is_port_in_use(port: int | None = None) -> bool:
 # their own: picking a port must not move the user's seeded `random` stream.
 LOWEST_PICKED_PORT = 20000
 _port_choice = random.Random()
+if hasattr(os, "register_at_fork"):  # a forked rank picks other ports than its kernel (as `random` reseeds its own)
+    os.register_at_fork(after_in_child=_port_choice.seed)
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
