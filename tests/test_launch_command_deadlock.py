@@ -284,7 +284,7 @@ def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypa
 
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
-    monkeypatch.setattr(collective_watch, "SOCKET_PARENTS", (str(deep), str(deep)))
+    monkeypatch.setattr(collective_watch, "SOCKET_PARENTS", (str(deep),))  # the only place, too deep
     backend = TorchrunScript()
     with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
         assert backend._start_watch(exit_grace=10.0) is None
