@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 # ignored, and so do pytest-xdist's workers
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from process_helpers import live_children  # noqa: E402  (needs the path above)
+from process_helpers import kill_and_reap, live_children  # noqa: E402  (needs the path above)
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +50,7 @@ def no_process_left_behind():
         children = live_children()
     if children:
         described = [f"pid {c.pid}: {' '.join(c.cmdline()[:4])}" for c in children]
-        for child in children:
-            child.kill()
+        kill_and_reap(children)
         pytest.fail("test left processes running: " + "; ".join(described))
 
 

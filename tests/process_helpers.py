@@ -34,6 +34,17 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def kill_and_reap(processes: list[psutil.Process]) -> None:
+    """SIGKILL `processes` and reap those that are this process's children: one killed and left unreaped stays a
+    zombie child of the test process, and every later test that counts its children would blame itself for it."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
 def all_gone(pids: list[int], within: float = 10.0) -> bool:
     """Wait up to `within` seconds for every process in `pids` to end; True once none runs."""
     deadline = time.monotonic() + within

@@ -63,6 +63,13 @@ def rank_pids(folder: Path) -> list[int]:
     return [int(p.read_text()) for p in folder.glob("pid-*")]
 
 
+def write_my_pid(folder) -> None:
+    """Write this rank's pid file in one step (rank_pids is polled while ranks start: a file it finds is whole)."""
+    part = Path(folder, f".pid-{os.environ['RANK']}")
+    part.write_text(str(os.getpid()))
+    part.rename(part.with_name(part.name[1:]))
+
+
 # ------------------------------------------------------------------------------------------ functions run
 def meet(tag):
     import torch
@@ -79,7 +86,7 @@ def meet(tag):
 
 def fail_on_second_host(folder):
     rank = int(os.environ["RANK"])
-    Path(folder, f"pid-{rank}").write_text(str(os.getpid()))
+    write_my_pid(folder)
     if rank == 3:
         time.sleep(1)
         raise ValueError("boom on the second host")
@@ -88,7 +95,7 @@ def fail_on_second_host(folder):
 
 def kill_my_agent(folder):
     rank = int(os.environ["RANK"])
-    Path(folder, f"pid-{rank}").write_text(str(os.getpid()))
+    write_my_pid(folder)
     if rank == 2:
         time.sleep(1)
         os.kill(os.getppid(), signal.SIGKILL)  # this host's agent
@@ -96,7 +103,7 @@ def kill_my_agent(folder):
 
 
 def sleep_long(folder):
-    Path(folder, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    write_my_pid(folder)
     time.sleep(120)
 
 
@@ -571,9 +578,9 @@ def test_a_killed_kernel_leaves_nothing_on_any_host(ssh_config, tmp_path):
                                                                    folder=str(tmp_path))],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while len(rank_pids(tmp_path)) < 4 and time.monotonic() < deadline and kernel.poll() is None:
-        time.sleep(0.2)
     try:
+        while len(rank_pids(tmp_path)) < 4 and time.monotonic() < deadline and kernel.poll() is None:
+            time.sleep(0.2)
         assert len(rank_pids(tmp_path)) == 4, kernel.stderr.read().decode() if kernel.poll() is not None else ""
         sessions = [p.pid for p in psutil.Process(kernel.pid).children()]  # the ssh clients
         # every process of the agents' trees, the first host's rendezvous store included (once its agent is
