@@ -112,8 +112,10 @@ def _gloo_threads_at_exit_with_the_group_in_cyclic_garbage(report: str) -> int:
 
     from nbaccel import PartialState
 
-    def look() -> None:
-        Path(f"{report}.{os.environ['RANK']}").write_text(str(_gloo_threads()))
+    def look() -> None:  # written whole, then named: the test polls for the name
+        part = Path(f"{report}.{os.environ['RANK']}.part")
+        part.write_text(str(_gloo_threads()))
+        part.rename(part.with_suffix(""))
 
     atexit.register(look)
     PartialState()
