@@ -277,8 +277,8 @@ def test_a_temporary_folder_too_deep_for_a_socket_still_finds_the_deadlock(tmp_p
 
 
 def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypatch):
-    """Where no folder is short enough for a socket's path, the launch loses its deadlock detection (with a
-    warning), not its run, and leaves nothing behind."""
+    """Where no folder is short enough for a socket's path, the launch loses its deadlock detection, prompts and
+    line relay (with a warning that names all three), not its run, and leaves nothing behind."""
     from nbaccel.launch.kernel import collective_watch
     from nbaccel.launch.kernel.torchrun import TorchrunScript
 
@@ -286,8 +286,9 @@ def test_a_launch_without_a_socket_runs_unwatched_and_says_so(tmp_path, monkeypa
     deep.mkdir()
     monkeypatch.setattr(collective_watch, "SOCKET_PARENTS", (str(deep),))  # the only place, too deep
     backend = TorchrunScript()
-    with pytest.warns(UserWarning, match="no deadlock detection in this launch"):
+    with pytest.warns(UserWarning, match="no deadlock detection in this launch") as caught:
         assert backend._start_watch(exit_grace=10.0) is None
+    assert "input(), breakpoint() and printed lines go straight to the terminal" in str(caught[0].message)
     backend.close()
     assert list(deep.glob(f"*/{WATCH_PREFIX}*")) == []
 

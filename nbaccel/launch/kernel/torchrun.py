@@ -177,15 +177,17 @@ class TorchrunScript:
         self._cleanup.callback(os.environ.pop, LINE_LOCK_ENV, None)
 
     def _start_watch(self, exit_grace: float) -> CollectiveWatch | None:
-        """The launch's collective watch, its socket named to the ranks; None (and a launch without deadlock
-        detection) where no Unix socket can be opened."""
+        """The launch's collective watch, its socket named to the ranks; None where no Unix socket can be opened:
+        a launch without deadlock detection, prompts or the line relay (all three go through the socket)."""
         from .collective_watch import CollectiveWatch
 
         try:
             watch = CollectiveWatch(on_deadlock=self._on_deadlock, on_exit_hang=self._on_exit_hang,
                                     exit_grace=exit_grace)
         except OSError as exc:
-            warnings.warn(f"nbaccel launch: no deadlock detection in this launch (cannot open its socket: {exc})",
+            warnings.warn("nbaccel launch: no deadlock detection in this launch, and the ranks' input(), "
+                          "breakpoint() and printed lines go straight to the terminal as under plain torchrun "
+                          f"(prompts not labelled, lines not kept whole): cannot open the watch's socket: {exc}",
                           stacklevel=4)
             return None
         os.environ[COLLECTIVE_WATCH_ENV] = watch.address
