@@ -40,7 +40,7 @@ def kill_and_reap(processes: list[psutil.Process]) -> None:
     for process in processes:
         try:
             process.kill()
-        except psutil.NoSuchProcess:
+        except psutil.Error:  # gone already, or not ours to kill
             pass
     psutil.wait_procs(processes, timeout=10)
 

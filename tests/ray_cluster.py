@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from process_helpers import kill_and_reap
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = Path(sys.executable).with_name("ray")
@@ -125,13 +126,7 @@ class RayCluster:
             except psutil.Error:
                 pass
         _, alive = psutil.wait_procs(nodes, timeout=20)
-        left = alive + self.processes()
-        for proc in left:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=10)
+        kill_and_reap(alive + self.processes())
         self.nodes.clear()
 
 
