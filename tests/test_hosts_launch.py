@@ -27,6 +27,7 @@ from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.host_protocol import AGENT_MODULE
 from nbaccel.launch.kernel.hosts import resolve_hosts
 from nbaccel.launch.kernel.launcher import notebook_launcher
+from nbaccel.utils.atomic_files import write_text
 
 pytestmark = pytest.mark.timeout(240)
 # the functions below travel by value, as a notebook's do: the hosts' Python does not have tests/ on its path
@@ -64,10 +65,8 @@ def rank_pids(folder: Path) -> list[int]:
 
 
 def write_my_pid(folder) -> None:
-    """Write this rank's pid file in one step (rank_pids is polled while ranks start: a file it finds is whole)."""
-    part = Path(folder, f".pid-{os.environ['RANK']}")
-    part.write_text(str(os.getpid()))
-    part.rename(part.with_name(part.name[1:]))
+    """Write this rank's pid file whole (rank_pids is polled while ranks start: a file it finds is complete)."""
+    write_text(Path(folder, f"pid-{os.environ['RANK']}"), str(os.getpid()), durable=False)
 
 
 # ------------------------------------------------------------------------------------------ functions run
@@ -567,6 +566,7 @@ sys.path.insert(0, {tests!r})
 import test_hosts_launch as t
 cloudpickle.register_pickle_by_value(t)
 from nbaccel.launch.kernel.launcher import notebook_launcher
+from nbaccel.utils.atomic_files import write_text
 notebook_launcher(t.sleep_long, ({folder!r},), num_processes=2, hosts=list(t.HOSTS), dashboard=False)
 """
 
@@ -742,6 +742,7 @@ def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
 
 SLURM_KERNEL = """
 from nbaccel.launch.kernel.launcher import notebook_launcher
+from nbaccel.utils.atomic_files import write_text
 
 def where():
     import os

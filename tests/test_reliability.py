@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 
 from nbaccel.launch import LaunchError, notebook_launcher
 from nbaccel.launch.pool import RankFailedError, RankPool
+from nbaccel.utils.atomic_files import write_text
 from nbaccel.utils.exception_report import report_exception, safe_message
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,10 +113,8 @@ def _gloo_threads_at_exit_with_the_group_in_cyclic_garbage(report: str) -> int:
 
     from nbaccel import PartialState
 
-    def look() -> None:  # written whole, then named: the test polls for the name
-        part = Path(f"{report}.{os.environ['RANK']}.part")
-        part.write_text(str(_gloo_threads()))
-        part.rename(part.with_suffix(""))
+    def look() -> None:  # written whole: the test polls for the name, then reads
+        write_text(f"{report}.{os.environ['RANK']}", str(_gloo_threads()), durable=False)
 
     atexit.register(look)
     PartialState()
