@@ -129,6 +129,19 @@ def test_a_rank_that_finished_while_another_waits_is_named(tmp_path):
                      r"rank 1 finished the script", err), err
 
 
+def test_a_raw_call_that_a_finished_rank_left_is_named(tmp_path):
+    code, out, err, _ = launch(tmp_path, """
+        import torch.distributed as dist
+
+        if rank == 0:
+            dist.all_reduce(torch.ones(3))
+    """)
+    assert code == 1, err
+    assert "nbaccel launch: rank 0 failed (exit code 1)" in err  # gloo's error, as before
+    assert re.search(rf"rank 0 waits in torch\.distributed\.all_reduce at {re.escape(line_of(tmp_path, 'dist.all_reduce('))} "
+                     r"for [\d.]+ s; rank 1 finished the script", err), err
+
+
 def test_a_rank_that_ends_before_partial_state_is_named(tmp_path):
     code, out, err, seconds = launch(tmp_path, """
         import os

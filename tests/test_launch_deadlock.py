@@ -84,6 +84,15 @@ def joins_late():
     return _state().process_index
 
 
+def raw_call_left_by_a_rank_that_returned():
+    import torch.distributed as dist
+
+    state = _state()
+    if state.process_index == 0:
+        dist.all_reduce(torch.ones(3))  # rank 1 never calls it: its return ends the call with gloo's error
+    return state.process_index
+
+
 def sleeps_on_rank_1():
     state = _state()
     if state.process_index == 0:
@@ -160,6 +169,23 @@ def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
     assert re.fullmatch(
         rf"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at {re.escape(_line(returns_early, 'reduce('))} "
         r"for [\d.]+ s; rank 1 finished the function", first[1]), message
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_raw_call_that_a_returned_rank_left_is_named_instead_of_gloos_connection_error(start_method):
+    """A rank that returns ends its peer's raw `dist.all_reduce` at once ("Connection closed by peer"), before
+    the watch's stack sample could show the peer waiting there: the rank names the raw call its error came
+    out of (worker/raw_calls.py `report_failure`)."""
+    message, elapsed, error = _launch(raw_call_left_by_a_rank_that_returned, start_method=start_method)
+    assert elapsed < BOUND, message
+    first = message.splitlines()[:2]
+    assert first[0] == "not every rank entered the same collective:", message
+    site = _line(raw_call_left_by_a_rank_that_returned, "dist.all_reduce(")
+    assert re.fullmatch(rf"rank 0 waits in torch\.distributed\.all_reduce at {re.escape(site)} for [\d.]+ s; "
+                        r"rank 1 finished the function", first[1]), message
+    assert "dist.all_reduce(torch.ones(3))" in message  # its stack, down to the user's line
+    assert "Connection closed by peer" in message or "Connection reset by peer" in message  # gloo's words, below
+    assert sorted(error.failures) == [0]
 
 
 @pytest.mark.parametrize("function", [gathers_different_sizes, gathers_dicts_of_different_sizes])
@@ -434,3 +460,19 @@ def test_tracker_raw_rules():
     left.on_message(0, raw("torch.distributed.all_reduce"))
     left.on_message(0, {"event": "raw", "op": None, "seen": now})
     assert not left.active()
+
+    # an error out of a raw call (sent just before the failure): named against a rank that finished, not on
+    # its own (so not the root cause); against a rank killed on its own, that death is the story
+    returned = CollectiveTracker()
+    returned.finished(1)
+    returned.on_message(0, {**raw("torch.distributed.all_reduce", started=now), "failed": True})
+    returned.failed(0, "RuntimeError: Connection closed by peer")
+    found = returned.at_failure([0, 1], now)
+    assert found is not None and found.kind == "mismatch", found
+    assert "rank 0 waits in torch.distributed.all_reduce at train.py:12" in found.summary
+    assert "rank 1 finished the function" in found.summary
+    killed = CollectiveTracker()
+    killed.on_message(0, {**raw("torch.distributed.all_reduce", started=now), "failed": True})
+    killed.failed(0, "RuntimeError: Connection reset by peer")
+    killed.failed(1, "killed by SIGKILL (exit code -9)")
+    assert killed.at_failure([0, 1], now) is None and killed.root_cause([0, 1], 0) == 1

@@ -63,6 +63,11 @@ def _still_shows_a_left_one(states: Iterable[RankCollectives], went_through: int
                for state in states)
 
 
+def _from_a_collective(state: RankCollectives) -> bool:
+    """Whether `state`'s rank failed with an error out of a collective, traced or raw."""
+    return state.failed_in is not None or state.failed_in_raw is not None
+
+
 def _same_meeting(one: dict[str, Any], other: dict[str, Any]) -> bool:
     """Two records of one sequence number that `hang_report.difference` could find nothing between: the same
     operation, call and shapes. The common case, checked here first: building the pair of RankProgress for
@@ -81,6 +86,7 @@ class RankCollectives:
     entered: int = 0  # collectives entered so far: the next one's sequence number is entered + 1
     history: dict[int, dict[str, Any]] = field(default_factory=dict)  # the last HISTORY records, by seq
     raw: dict[str, Any] | None = None  # the raw torch.distributed collective it was last seen blocked in
+    failed_in_raw: dict[str, Any] | None = None  # the raw collective its error came out of (its `raw` report)
     finished_at: float = 0.0  # when the kernel heard it finished (time.time())
 
 
@@ -110,7 +116,10 @@ class CollectiveTracker:
         """A `collective` message of `rank`."""
         state = self._rank(rank)
         if message.get("event") == "raw":  # sampled by the rank (worker/raw_calls.py): not numbered, not compared
-            state.raw = message if message.get("op") else None
+            if message.get("failed"):  # the rank's error came out of this raw call, sent just before the failure
+                state.raw, state.failed_in_raw = None, message
+            else:
+                state.raw = message if message.get("op") else None
             return
         if message.get("event") == "enter":
             state.entered += 1
@@ -186,7 +195,12 @@ class CollectiveTracker:
             record = state.inside[-1] if state.inside else None
             if failure_view and record is None and state.phase == RankState.FAILED:
                 record = state.failed_in
-            if state.phase == RankState.RUNNING and record is None and (raw := self._raw_wait(state)) is not None:
+            raw = None
+            if state.phase == RankState.RUNNING and record is None:
+                raw = self._raw_wait(state)
+            elif failure_view and record is None and state.phase == RankState.FAILED:
+                raw = state.failed_in_raw
+            if raw is not None:
                 states.append(self._progress(rank, RankState.RUNNING, work=self.work, raw_since=raw["started"],
                                            snapshot={"raw_call": raw["op"], "site": raw.get("site"),
                                                      "stack": raw.get("stack", "")}))
@@ -254,8 +268,9 @@ class CollectiveTracker:
         """A failed rank whose error did not come out of a collective. One killed by a signal reports no error,
         and the telemetry it had queued (up to channel.BATCH_INTERVAL's worth) died with it: a collective it still
         shows, which another rank has left, is one it had left too (a collective returns once every rank is in
-        it; gloo's abort on a size mismatch kills the rank in its next collective, never reported)."""
-        if state.failed_in is not None:
+        it; gloo's abort on a size mismatch kills the rank in its next collective, never reported). An error
+        out of a raw collective is not on its own either."""
+        if _from_a_collective(state):
             return False
         return not state.inside or state.inside[-1]["seq"] <= went_through
 
@@ -263,9 +278,9 @@ class CollectiveTracker:
         """The rank to name first: one whose error did not come out of a collective (the others' collectives
         broke because it went away), else `first`."""
         failed = list(failed)
-        if first is None or self._rank(first).failed_in is None:
+        if first is None or not _from_a_collective(self._rank(first)):
             return first
-        return next((rank for rank in failed if self._rank(rank).failed_in is None), first)
+        return next((rank for rank in failed if not _from_a_collective(self._rank(rank))), first)
 
     def where(self, ranks: Iterable[int], now: float) -> Diagnosis | None:
         """Where each rank is, when some rank is inside a collective (for a timeout); else None."""

@@ -80,13 +80,13 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
     device = device or os.environ.get(DEVICE_ENV, "cpu")
     sink.queue(Status(sink.rank, RankState.STARTING, device=device, pid=os.getpid(),
                       restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))).to_wire())
+    raw = None
     try:
         from .. import serialize, shared_tensors
 
         function, args, kwargs = payload.load() if isinstance(payload, serialize.Payload) else serialize.loads(payload)
         running = Status(sink.rank, RankState.RUNNING, device=device).to_wire()
         start_memory_reports(telemetry, sink)
-        raw = None
         if thread_rank:
             sink(running)
         else:
@@ -133,6 +133,8 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
         report = report_exception(exc, tb)
         flush_std()
         _stop_telemetry_sampler(telemetry)
+        if raw is not None:
+            raw.report_failure(exc)  # queued: it goes out with the failure, just before it
         failure = Failure(sink.rank, report.exc_type, report.message, report.traceback)
         sink(failure.to_wire())
         sink(Status(sink.rank, RankState.FAILED, device=device, error=failure.first_line).to_wire())

@@ -39,15 +39,24 @@ _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the rank entries'
 def raw_collective(frame: FrameType | None) -> tuple[str, list[traceback.FrameSummary]] | None:
     """(the torch.distributed collective the stack of `frame` is in, the stack from the outermost frame down
     to it), or None. The outermost such frame counts: torch's collectives call each other inside."""
+    return _outermost_collective(_callers(frame)[::-1])
+
+
+def _callers(frame: FrameType | None) -> list[tuple[FrameType, int]]:
+    """`frame` and its callers, innermost first, each with the line it is at."""
     frames = []
     while frame is not None:
-        frames.append(frame)
+        frames.append((frame, frame.f_lineno))
         frame = frame.f_back
-    for index in range(len(frames) - 1, -1, -1):
-        code = frames[index].f_code
+    return frames
+
+
+def _outermost_collective(frames: list[tuple[FrameType, int]]) -> tuple[str, list[traceback.FrameSummary]] | None:
+    """`raw_collective` of a stack given outermost first, each frame with its line."""
+    for index, (frame, _) in enumerate(frames):
+        code = frame.f_code
         if code.co_name in COLLECTIVES and _TORCH_DISTRIBUTED in code.co_filename:
-            stack = traceback.StackSummary.extract(
-                ((f, f.f_lineno) for f in reversed(frames[index:])), lookup_lines=True)
+            stack = traceback.StackSummary.extract(iter(frames[:index + 1]), lookup_lines=True)
             return f"torch.distributed.{code.co_name}", list(stack)
     return None
 
@@ -93,16 +102,39 @@ class RawCollectiveWatch:
                 self._send(event="raw", op=None, seen=now)
             return
         op, stack = found
-        # the line that called into torch.distributed: the innermost frame outside it
-        caller = next((entry for entry in reversed(stack) if _TORCH_DISTRIBUTED not in entry.filename), stack[-1])
-        site = f"{caller.filename}:{caller.lineno}"
-        # the user's part: below the last frame of the rank's entry (this folder), as in a traceback
-        start = next((i + 1 for i in range(len(stack) - 1, -1, -1) if stack[i].filename.startswith(_HERE)), 0)
-        stack = stack[start:]
+        site, shown = _site_and_stack(stack)
         if self._inside != (op, site):
             self._inside, self._started = (op, site), now
-        self._send(event="raw", op=op, site=site, started=self._started, seen=now,
-                   stack="".join(traceback.format_list(stack[-10:])))
+        self._send(event="raw", op=op, site=site, started=self._started, seen=now, stack=shown)
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Report that `exc` came out of a raw collective, when it did (gloo's "Connection closed by peer" in a
+        rank whose peer returned): sent before the rank's failure, so the kernel names the collective the
+        rank waited in rather than blaming it. The exception's own frames say where it was: a peer that
+        returns ends the call at once, often before any sample."""
+        tb = exc.__traceback__
+        if tb is None:
+            return
+        frames = _callers(tb.tb_frame.f_back)[::-1]  # where it was caught, and its callers
+        while tb is not None:  # the frames it came through, each at the line it was at then
+            frames.append((tb.tb_frame, tb.tb_lineno))
+            tb = tb.tb_next
+        found = _outermost_collective(frames)
+        if found is None:
+            return
+        op, stack = found
+        site, shown = _site_and_stack(stack)
+        now = time.time()
+        started = self._started if self._inside == (op, site) else now  # seen there: since when
+        self._send(event="raw", op=op, site=site, started=started, seen=now, stack=shown, failed=True)
+
+
+def _site_and_stack(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """The user's line that called into torch.distributed (the innermost frame outside it), and the stack to
+    show: the user's part, below the last frame of the rank's entry (this folder), as in a traceback."""
+    caller = next((entry for entry in reversed(stack) if _TORCH_DISTRIBUTED not in entry.filename), stack[-1])
+    start = next((i + 1 for i in range(len(stack) - 1, -1, -1) if stack[i].filename.startswith(_HERE)), 0)
+    return f"{caller.filename}:{caller.lineno}", "".join(traceback.format_list(stack[start:][-10:]))
 
 
 def watch_raw_collectives(send: Callable[..., None], first: Callable[[], None] | None = None,

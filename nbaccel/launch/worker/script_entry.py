@@ -34,7 +34,7 @@ from ..output import show_fatal_signals
 from . import rank_prompts
 from .line_relay import relay_whole_lines
 from .parent_death import die_with_parent, register_group
-from .raw_calls import watch_raw_collectives
+from .raw_calls import RawCollectiveWatch, watch_raw_collectives
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     as_module = argv[:1] == ["--module"]
     if as_module:
         argv = argv[1:]
-    sink = _connect()
-    ending = _Ending(sink)
+    ending = _Ending(*_connect())
     atexit.register(ending.at_exit)  # registered first, so it runs after every exit function the script adds
     try:
         _run(argv[0], argv[1:], as_module)
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         ending.report(exc.code in (None, 0), f"SystemExit: {exc.code}")
         raise
     except Exception as exc:
-        ending.report(False, _describe(exc))
+        ending.report(False, _describe(exc), exc)
         _print_uncaught(exc)
     except BaseException as exc:  # KeyboardInterrupt: Python's own ending (exit by the signal)
         ending.report(False, type(exc).__name__)
@@ -71,16 +70,19 @@ class _Ending:
     function it registered (a tracker's upload), so that what follows `finished` is only the interpreter's
     own teardown, which the launcher then gives a few seconds (kernel/collective_watch.py)."""
 
-    def __init__(self, sink: WorkerSink | None) -> None:
+    def __init__(self, sink: WorkerSink | None, raw_watch: RawCollectiveWatch | None) -> None:
         self.sink = sink
+        self.raw_watch = raw_watch
         self.succeeded = False
 
-    def report(self, ok: bool, error: str = "") -> None:
+    def report(self, ok: bool, error: str = "", exc: BaseException | None = None) -> None:
         if self.sink is None:
             return
         if ok:
             self.succeeded = True
             return
+        if exc is not None and self.raw_watch is not None:
+            self.raw_watch.report_failure(exc)  # a raw collective it came out of: sent just before the failure
         self.sink(Status(self.sink.rank, RankState.FAILED, error=error).to_wire())
         self.sink.close()
         self.sink = None
@@ -92,16 +94,17 @@ class _Ending:
             self.sink.closed = True
 
 
-def _connect() -> WorkerSink | None:
-    """A sink to the launch's collective watch, with the collective trace reporting into it; None when the
-    launch watches nothing (no variable) or the socket cannot be reached."""
+def _connect() -> tuple[WorkerSink | None, RawCollectiveWatch | None]:
+    """A sink to the launch's collective watch, with the collective trace reporting into it, and the watch on
+    the script's raw collectives; (None, None) when the launch watches nothing (no variable) or the socket
+    cannot be reached."""
     address = os.environ.pop(COLLECTIVE_WATCH_ENV, "")  # the rank's own children are not ranks
     if not address:
-        return None
+        return None, None
     try:
         conn = Client(address, family="AF_UNIX")
     except OSError:
-        return None
+        return None, None
     rank = int(os.environ.get("RANK", "0"))
     sink = WorkerSink(conn, rank, int(os.environ.get("LOCAL_RANK", str(rank))))
     sink(Status(rank, RankState.RUNNING, pid=os.getpid(),
@@ -112,10 +115,11 @@ def _connect() -> WorkerSink | None:
 
     collective_trace.add_listener(report, with_record=False)
     rank_prompts.install(rank_prompts.sink_sender(sink), conn.recv, rank)  # input()/pdb: asked on the launch's terminal
-    watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))  # the script's own calls
+    # the script's own calls
+    raw_watch = watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
-    return sink
+    return sink, raw_watch
 
 
 def _describe(exc: BaseException) -> str:
