@@ -329,6 +329,9 @@ def test_unpicklable_return_value_fails_the_rank():
         ({"rdzv_backend": "zmq"}, ValueError, "rdzv_backend"),
         ({"max_restarts": -1}, ValueError, "max_restarts"),
         ({"args": (1, 2)}, TypeError, "cannot be called with args"),
+        ({"args": 5}, TypeError, "args must be a tuple"),
+        ({"kwargs": [1]}, TypeError, r"kwargs must be a dict of keyword arguments \(name: value\), got \[1\]"),
+        ({"kwargs": {1: 2}}, TypeError, "kwargs must be a dict"),
         ({"dashboard": 3}, TypeError, "dashboard"),
     ],
 )

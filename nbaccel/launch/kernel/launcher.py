@@ -95,7 +95,7 @@ def notebook_launcher(
     if debug:  # the rank's prompts reach the cell (worker/rank_prompts.py)
         function = partial(post_mortem_on_error, function)
     request = LaunchRequest(
-        function=function, args=args, kwargs=dict(kwargs or {}), num_processes=num_processes,
+        function=function, args=args, kwargs={} if kwargs is None else kwargs, num_processes=num_processes,
         mixed_precision=mixed_precision, use_port=use_port, master_addr=master_addr, node_rank=node_rank,
         num_nodes=num_nodes, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
         rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,

@@ -268,6 +268,8 @@ def check_request(request: LaunchRequest, resolved: Any) -> str:
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
+    if not isinstance(request.kwargs, Mapping) or not all(isinstance(name, str) for name in request.kwargs):
+        raise TypeError(f"kwargs must be a dict of keyword arguments (name: value), got {request.kwargs!r:.80}")
     if num_processes is not None and (not is_int(num_processes) or num_processes < 1):
         raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
     if num_processes is not None:
