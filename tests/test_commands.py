@@ -161,6 +161,42 @@ def test_a_single_machine_launch_listens_on_loopback_only(tmp_path, restarts):
         assert all(a.startswith("127.") or a == "::1" for a in eval(addresses)), addresses
 
 
+def test_ctrl_c_before_a_launch_starts_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in the first second of `nbaccel launch`, while torch imports, printed the import's traceback."""
+    import nbaccel.commands.main as command
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "build_parser", interrupted)
+    code, out, err = nbaccel_inprocess(capsys, "launch", "job.py")
+    assert (code, out, err) == (130, "", "nbaccel: interrupted\n")
+
+
+INTERRUPTED_IN_NUMPYS_IMPORT = """
+import sys
+
+class Interrupt:  # Ctrl-C lands while numpy imports, the first time it is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+from nbaccel.commands.main import main
+sys.exit(main(["launch", "--help"]))
+"""
+
+
+def test_ctrl_c_while_torch_imports_numpy_is_not_lost():
+    """torch's C extension imports numpy and swallows what that import raises: an interrupt there was lost
+    and the command went on (here: printed its help and exited 0)."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_NUMPYS_IMPORT], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "nbaccel: interrupted\n"), done
+
+
 def test_missing_script_exits_2_with_one_line():
     code, _, err = nbaccel("launch", "--cpu", "no_such_script.py", timeout=30)
     assert code == 2 and "Traceback" not in err

