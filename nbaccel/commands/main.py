@@ -12,8 +12,10 @@ import argparse
 import contextlib
 import importlib
 import pkgutil
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 # Listed first, in this order, in `nbaccel --help`; any other module with `register` follows alphabetically.
 _PREFERRED_ORDER = ("config", "env", "launch", "test")
@@ -72,7 +74,6 @@ def build_parser() -> CommandParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `nbaccel` command with `argv` (default: sys.argv[1:]); returns the exit status."""
     try:
-        _import_numpy_before_torch()
         return _run_command(argv)
     except KeyboardInterrupt:
         # Ctrl-C outside a launch, which holds the signals itself (it stops its ranks and exits 130): while
@@ -81,17 +82,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _import_numpy_before_torch() -> None:
-    """torch's C extension imports numpy itself and drops whatever that import raised: a Ctrl-C landing there
-    (a fair share of torch's import) was lost, and `nbaccel launch` went on to start the ranks (3 of 20
-    interrupted `import torch`; 0 of 42 with numpy imported first). Imported here, before the commands import
-    torch, a Ctrl-C during it is an ordinary KeyboardInterrupt."""
-    with contextlib.suppress(ImportError):
-        import numpy  # noqa: F401
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """SIGINT held back (blocked) in the block, and delivered at its end. torch's import runs Python inside
+    its C extension, which does not expect an interrupt there: it drops an exception out of its numpy
+    import, so a Ctrl-C landing there was lost and `nbaccel launch` went on to start the ranks (about 1 in
+    10 signals sent 0.3-0.45 s in), and one out of pybind11 code aborted the process ("terminate called
+    after throwing an instance of 'pybind11::error_already_set'"). Held, it arrives once the imports are
+    done, as an ordinary KeyboardInterrupt. (Only the main thread receives it; elsewhere nothing is held.)"""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _run_command(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    with _ctrl_c_held():
+        parser = build_parser()  # the commands' modules import torch
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     func = getattr(args, "func", None)
     if func is None:
