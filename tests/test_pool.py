@@ -195,6 +195,23 @@ def test_mismatch_timeout_and_raw_collective_are_reported_and_the_pool_recovers(
         assert pool.restarts == 3
 
 
+def test_a_rank_that_answers_no_status_query_does_not_stop_the_hang_checks():
+    """Rank 1 is stopped (as a rank is whose one long C call holds the GIL: its status thread cannot answer)
+    while rank 0 waits in a collective: the call ends at the timeout, with where each rank is, instead of
+    waiting for an answer for ever."""
+    with RankPool(2, timeout=3) as pool:
+        pool.exec(SETUP)
+        start = time.monotonic()
+        with pytest.raises(RankTimeoutError) as caught:
+            pool.exec("import os, signal\nif state.process_index == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                      "dist.all_reduce(x)\n")
+        assert time.monotonic() - start < 3 + 10
+        message = str(caught.value)
+        assert "rank 0 waits in torch.distributed.all_reduce at cell line 4" in message, message
+        assert "rank 1 is still running, where is unknown: it answers no status query" in message, message
+        assert pool.exec("1 + 1").values == [2, 2]  # the stopped rank was replaced
+
+
 def test_restart_and_shutdown_leave_no_process():
     pool = RankPool(2, timeout=10)
     pool.exec("a = 1")

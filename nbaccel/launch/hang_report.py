@@ -103,6 +103,9 @@ class RankProgress:
             return f"{self.name} does not run this cell"
         if self.phase == RankState.DEAD:
             return f"{self.name} died ({self.error})"
+        if (self.snapshot or {}).get("unanswered"):
+            return (f"{self.name} is still running, where is unknown: it answers no status query (one long call "
+                    "that holds the GIL, or a stopped process)")
         line = (self.snapshot or {}).get("line")
         return f"{self.name} is still running" + (f" (cell line {line}, not in a collective)" if line else "")
 

@@ -109,8 +109,11 @@ class Call:
         asked: set[int] = set()
         try:
             while self.pending:
-                if not asked and time.monotonic() >= check_at:
-                    asked = self._ask_status()
+                if time.monotonic() >= check_at:
+                    if asked:  # a rank left a whole round unanswered: check the others without it
+                        self._unanswered(asked)
+                        self._check()
+                    asked |= self._ask_status(asked)
                     check_at = time.monotonic() + CHECK_INTERVAL
                 objects: dict[Any, tuple[str, int]] = {}
                 for index in self.selected:
@@ -269,9 +272,10 @@ class Call:
         self.pending.discard(index)
         self.broken = f"{rank_label(index, rank.host)} died ({how})"
 
-    def _ask_status(self) -> set[int]:
+    def _ask_status(self, outstanding: set[int]) -> set[int]:
+        """Ask the busy ranks for a snapshot, except those whose answer to an earlier query is `outstanding`."""
         asked = set()
-        for index in self.pending:
+        for index in self.pending - outstanding:
             try:
                 self.ranks[index].status.send(MessageKind.STATUS.value)
                 self.ranks[index].status_unanswered += 1
@@ -295,6 +299,16 @@ class Call:
             self.raw_seen.pop(index, None)
         elif self.raw_seen.get(index, (None,))[0] != raw:
             self.raw_seen[index] = (raw, snapshot.get("time", time.time()))
+
+    def _unanswered(self, indices: set[int]) -> None:
+        """Ranks that left a round of status queries unanswered for CHECK_INTERVAL: their status thread cannot
+        run (one long C call holds the GIL, or the process is stopped), so where they are is unknown. They
+        count as busy: the others' checks go on (a rank waiting in a collective meanwhile is stopped at the
+        timeout, as beside any busy rank), and an old snapshot, of a collective the rank may have left since,
+        is never compared with the others'. Without this, one silent rank stopped every check of the call."""
+        for index in indices:
+            self.snapshots[index] = {"unanswered": True}
+            self.raw_seen.pop(index, None)
 
     def states(self) -> list[RankProgress]:
         return [self._progress(index) for index in range(len(self.ranks))]
