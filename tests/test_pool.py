@@ -351,6 +351,9 @@ def test_rank_view_shows_equal_values_once_and_columns():
     many = RankResults([RankResult(0, stdout="".join(f"line {i}\n" for i in range(500)))])
     assert "300 earlier lines" in render_text(many) and "[rank 0] line 499" in render_text(many)
     assert "line 299\n" not in render_text(many) + "\n" and "line 300" in render_html(many)
+    dots = RankResults([RankResult(0, stdout="." * 1_000_000)])  # one line that grew: cut to its end too
+    assert len(render_html(dots)) < 40_000 and len(render_text(dots)) < 40_000
+    assert "968000 earlier characters" in render_text(dots)
     html = render_html(different)
     assert html.count("<b>rank ") == 2 and "ValueError: bad" in html and "all ranks" not in html
 

@@ -16,18 +16,27 @@ from ..messages import RankState
 from ..screen import resolve
 
 MAX_LINES = 200  # per rank and stream; the full text stays in RankResult.stdout / .stderr
+MAX_CHARS = 32_000  # per rank and stream, of those lines: one long line (dots printed with end="") is cut too
 STATUS_LABELS = {RankState.FINISHED: "", RankState.FAILED: "failed", RankState.WAITING: "stuck in a collective",
                  RankState.RUNNING: "running...", RankState.NOT_RUN: "not run"}
 
 
-def tail(text: str, max_lines: int = MAX_LINES) -> str:
+def tail(text: str, max_lines: int = MAX_LINES, max_chars: int = MAX_CHARS) -> str:
     """The last `max_lines` lines of `text` as a terminal shows them (a progress bar's carriage-return
-    redraws collapsed to its current state), saying how many were left out."""
+    redraws collapsed to its current state), and of those the last `max_chars` characters, saying what was
+    left out. The view is sent again at each live update: without the character bound, a line that grows
+    (`print(".", end="")`) was sent whole each time, megabytes in seconds."""
     lines = resolve(text).rstrip("\n").splitlines()
-    if len(lines) <= max_lines:
-        return "\n".join(lines)
-    return "\n".join([f"... ({len(lines) - max_lines} earlier lines: see .stdout/.stderr of the results)",
-                      *lines[-max_lines:]])
+    shown = "\n".join(lines[-max_lines:])
+    left_out = []
+    if len(lines) > max_lines:
+        left_out.append(f"{len(lines) - max_lines} earlier lines")
+    if len(shown) > max_chars:
+        left_out.append(f"{len(shown) - max_chars} earlier characters")
+        shown = shown[-max_chars:]
+    if not left_out:
+        return shown
+    return f"... ({' and '.join(left_out)}: see .stdout/.stderr of the results)\n{shown}"
 
 
 def split_progress(text: str) -> tuple[str, str]:
