@@ -43,18 +43,27 @@ def basic_function() -> None:
     print(f"PartialState:\n{lib.PartialState(cpu=True)}")
 
 
-def tough_nut_function(queues: Any) -> None:
+def tough_nut_function(queues: Any, counted: Any) -> None:
     """Accelerate's fault-tolerance test function, with one queue per rank: fail until this rank's counter
     reaches 0, then build the state. Accelerate's version shares one queue between the ranks, which races:
     a rank that looks while the other holds the item sees it empty and returns, and in a later attempt one
     rank builds PartialState alone and waits for its peer: forever on Accelerate; nbaccel names it within
-    seconds (tests/test_launch_deadlock.py)."""
-    queue = queues[int(os.environ["LOCAL_RANK"])]
+    seconds (tests/test_launch_deadlock.py).
+
+    A rank also fails only once its peer has taken this attempt's count (`counted`: attempts counted, per rank;
+    no lock, which a stopped rank could leave held): a rank that failed at once had torch elastic stop its peer
+    before the peer took it (once in a suite run, on nbaccel), and the peer's last attempt failed too."""
+    rank = int(os.environ["LOCAL_RANK"])
+    queue = queues[rank]
     if queue.empty():
         return
     trial = queue.get()
     if trial > 0:
         queue.put(trial - 1)
+        counted[rank] += 1
+        deadline = time.monotonic() + 60
+        while counted[1 - rank] < counted[rank] and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("The nut hasn't cracked yet! Try again.")
     print(f"PartialState:\n{lib.PartialState(cpu=True)}")
 
@@ -99,10 +108,12 @@ def case_c10d() -> bool:
 
 
 def case_fault_tolerant(max_restarts: int = 3, rdzv_backend: str = "static") -> dict[str, Any]:
-    queues = [multiprocessing.get_context("fork").Queue() for _ in range(2)]
+    context = multiprocessing.get_context("fork")
+    queues = [context.Queue() for _ in range(2)]
     for queue in queues:
         queue.put(max_restarts)
-    launch(tough_nut_function, (queues,), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
+    counted = context.RawArray("i", 2)  # attempts counted, per rank (tough_nut_function)
+    launch(tough_nut_function, (queues, counted), max_restarts=max_restarts, rdzv_backend=rdzv_backend)
     return {"returned": True, "queue_empty": all(queue.empty() for queue in queues)}
 
 
