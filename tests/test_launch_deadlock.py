@@ -130,6 +130,16 @@ def _launch(function, **kwargs):
     return str(caught.value), elapsed, caught.value
 
 
+def _deadlock_summary(function, **kwargs):
+    """Launch `function`, which must be stopped within BOUND with the deadlock report: (the report's summary
+    line, the whole message, the error)."""
+    message, elapsed, error = _launch(function, **kwargs)
+    assert elapsed < BOUND, message
+    lines = message.splitlines()
+    assert lines[0] == "not every rank entered the same collective:" and len(lines) > 1, message
+    return lines[1], message, error
+
+
 def test_different_operations_are_named_with_their_lines():
     message, elapsed, error = _launch(different_operations)
     assert elapsed < BOUND, message
@@ -162,13 +172,10 @@ def test_different_shapes_are_named_even_where_gloo_lets_one_rank_through():
 
 
 def test_a_rank_that_returned_is_named_instead_of_gloos_connection_error():
-    message, elapsed, _ = _launch(returns_early)
-    assert elapsed < BOUND, message
-    first = message.splitlines()[:2]
-    assert first[0] == "not every rank entered the same collective:", message
+    summary, message, _ = _deadlock_summary(returns_early)
     assert re.fullmatch(
         rf"rank 0 waits in reduce\(all_reduce, shape \[3\], float32\) at {re.escape(_line(returns_early, 'reduce('))} "
-        r"for [\d.]+ s; rank 1 finished the function", first[1]), message
+        r"for [\d.]+ s; rank 1 finished the function", summary), message
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -176,13 +183,10 @@ def test_a_raw_call_that_a_returned_rank_left_is_named_instead_of_gloos_connecti
     """A rank that returns ends its peer's raw `dist.all_reduce` at once ("Connection closed by peer"), before
     the watch's stack sample could show the peer waiting there: the rank names the raw call its error came
     out of (worker/raw_calls.py `report_failure`)."""
-    message, elapsed, error = _launch(raw_call_left_by_a_rank_that_returned, start_method=start_method)
-    assert elapsed < BOUND, message
-    first = message.splitlines()[:2]
-    assert first[0] == "not every rank entered the same collective:", message
+    summary, message, error = _deadlock_summary(raw_call_left_by_a_rank_that_returned, start_method=start_method)
     site = _line(raw_call_left_by_a_rank_that_returned, "dist.all_reduce(")
     assert re.fullmatch(rf"rank 0 waits in torch\.distributed\.all_reduce at {re.escape(site)} for [\d.]+ s; "
-                        r"rank 1 finished the function", first[1]), message
+                        r"rank 1 finished the function", summary), message
     assert "dist.all_reduce(torch.ones(3))" in message  # its stack, down to the user's line
     assert "What the ranks reported:\nrank 0 failed; first: rank 0: RuntimeError: " in message  # gloo's, below
     assert sorted(error.failures) == [0]
@@ -214,13 +218,10 @@ def test_a_rank_killed_by_gloos_abort_is_named_with_its_stack_not_a_stale_collec
 def test_a_rank_that_returned_before_partial_state_is_named_instead_of_a_ten_minute_wait():
     # Accelerate's own test_notebook.py races two ranks on one queue into this (its test_fault_tolerant):
     # without the rendezvous traced, rank 0 waited out the process-group timeout in init_process_group
-    message, elapsed, error = _launch(returns_before_joining)
-    assert elapsed < BOUND, message
-    first = message.splitlines()[:2]
-    assert first[0] == "not every rank entered the same collective:", message
+    summary, message, error = _deadlock_summary(returns_before_joining)
     site = _line(_state, "PartialState()")
     assert re.fullmatch(rf"rank 0 waits in PartialState\(init_process_group\) at {re.escape(site)} for [\d.]+ s; "
-                        r"rank 1 finished the function", first[1]), message
+                        r"rank 1 finished the function", summary), message
     assert str(error.failures[0]).startswith(f"stopped while waiting in PartialState(init_process_group) at {site}")
 
 
