@@ -118,8 +118,8 @@ from pathlib import Path
 folder = Path(sys.argv[1])
 if os.environ["RANK"] == "0":
     time.sleep(60)
-elif sys.argv[2] == "child":
-    child = subprocess.Popen(["sleep", "300"])
+elif sys.argv[2] in ("child", "detached"):  # detached: a session of its own, as a daemon starts
+    child = subprocess.Popen(["sleep", "300"], start_new_session=sys.argv[2] == "detached")
     (folder / "child").write_text(str(child.pid))
 if os.environ["RANK"] == "1":
     os.kill(os.getpid(), signal.SIGKILL)
@@ -157,6 +157,59 @@ def test_nbaccel_launch_stops_the_child_of_a_killed_rank(tmp_path: Path) -> None
     assert with_child < 3 * plain, (plain, with_child)
 
 
+def _detached_child_then_killed(folder: str) -> None:
+    """Rank 1 starts `sleep 300` in a session of its own (as a daemon, or a tool that detaches, starts one),
+    records its pid and SIGKILLs itself; rank 0 waits to be stopped. Once rank 1 is dead the sleep is in no
+    tree and no group of the launch: only its environment says whose it is."""
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+        return
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    Path(folder, "child").write_text(str(child.pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_notebook_launcher_stops_a_detached_child_of_a_killed_rank(tmp_path: Path, start_method: str) -> None:
+    try:
+        with pytest.raises(LaunchError, match="SIGKILL"):
+            notebook_launcher(_detached_child_then_killed, args=(str(tmp_path),), num_processes=2,
+                              start_method=start_method, dashboard=False, timeout=120)
+        alive = is_alive(int((tmp_path / "child").read_text()))
+    finally:
+        _kill_recorded(tmp_path / "child")
+    assert not alive, "the sleep the killed rank started in a session of its own outlived the launch"
+    assert live_children() == []
+
+
+def test_nbaccel_launch_stops_a_detached_child_of_a_killed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "kill.py"
+    script.write_text(SCRIPT)
+    _, run, survived = _launch(script, tmp_path, "detached")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert not survived, "the sleep the killed rank started in a session of its own outlived nbaccel launch"
+
+
+def test_rank_pool_stops_a_detached_child_of_a_killed_rank(tmp_path: Path) -> None:
+    source = textwrap.dedent(f"""
+        import os, signal, subprocess
+        from pathlib import Path
+        if os.environ["RANK"] == "1":
+            child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+            Path({str(tmp_path)!r}, "child").write_text(str(child.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    try:
+        with RankPool(2, timeout=60) as pool:
+            results = pool.exec(source, ranks=[1])
+            assert "SIGKILL" in results[0].error.message, results
+        alive = is_alive(int((tmp_path / "child").read_text()))
+    finally:
+        _kill_recorded(tmp_path / "child")
+    assert not alive, "the sleep the killed rank started in a session of its own outlived the pool"
+    assert live_children() == []
+
+
 def _popen_then_killed_once(folder: str) -> int:
     """First attempt: rank 1 starts `sleep 300` (its pid into `folder`) and SIGKILLs itself, which makes torch
     elastic restart the ranks. The restarted ranks return their attempt number."""
@@ -187,11 +240,12 @@ def test_restarted_launch_stops_the_child_of_the_killed_rank(tmp_path: Path) -> 
 
 
 NO_PYTHON_SCRIPT = """#!/bin/sh
-# rank 1 puts `sleep 300` in the background, records its pid, then SIGKILLs itself or exits 0
+# rank 1 puts `sleep 300` in the background (detached: in a session of its own), records its pid, then
+# SIGKILLs itself or exits 0
 if [ "$RANK" = "1" ]; then
-    sleep 300 &
+    if [ "$2" = "detached" ]; then setsid sleep 300 & else sleep 300 & fi  # setsid: a session of its own
     echo $! > "$1/child"
-    if [ "$2" = "kill" ]; then kill -KILL $$; fi
+    if [ "$2" != "exit" ]; then kill -KILL $$; fi
 fi
 exit 0
 """
@@ -203,7 +257,7 @@ def _kill_recorded(path: Path) -> None:
         os.kill(int(path.read_text()), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("ending", ["kill", "exit"])
+@pytest.mark.parametrize("ending", ["kill", "exit", "detached"])
 def test_nbaccel_launch_no_python_stops_what_a_rank_left(tmp_path: Path, ending: str) -> None:
     """`nbaccel launch --no_python` runs an executable, not nbaccel's Python entry: what its rank leaves behind
     (killed, or after a normal exit 0) is stopped all the same."""
@@ -221,7 +275,7 @@ def test_nbaccel_launch_no_python_stops_what_a_rank_left(tmp_path: Path, ending:
         alive = is_alive(int((tmp_path / "child").read_text()))
     finally:
         _kill_recorded(tmp_path / "child")
-    assert run.returncode == (1 if ending == "kill" else 0), run.stdout + run.stderr
+    assert run.returncode == (0 if ending == "exit" else 1), run.stdout + run.stderr
     assert not alive, "the sleep started by the rank outlived nbaccel launch --no_python"
     # the sleep shares the launch's stdout: alive, it would hold `capture_output` open for its 300 s
     assert took < 100, took
@@ -234,7 +288,7 @@ import torch  # noqa: F401
 from nbaccel import notebook_launcher
 
 def rank(folder):
-    child = subprocess.Popen(["sleep", "300"])
+    child = subprocess.Popen(["sleep", "300"], start_new_session=sys.argv[3] == "detached")
     Path(folder, "pids-" + os.environ["RANK"]).write_text(f"{os.getpid()} {child.pid}")
     time.sleep(300)
 
@@ -248,16 +302,20 @@ else:
 """
 
 
-@pytest.mark.parametrize("max_restarts", [0, 1, "pool"])
-def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_restarts: int | str) -> None:
+@pytest.mark.parametrize("max_restarts, child, reaped", [(0, "child", True), (1, "child", True), ("pool", "child", True),
+                                                   (0, "detached", True), ("pool", "child", False)],
+                         ids=["launch", "restarts", "pool", "detached-child", "pool-unreaped-kernel"])
+def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_restarts: int | str, child: str,
+                                                          reaped: bool) -> None:
     """SIGKILL of the process that called notebook_launcher, or that holds a RankPool in the middle of a call (a
     kernel the OOM killer or a timeout ends): its ranks and what they started end within seconds, though
-    nothing of the kernel could stop them."""
+    nothing of the kernel could stop them; also a child in a session of its own (`detached`), and while the
+    dead kernel waits to be reaped by its parent (a zombie still answers `kill -0`)."""
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    kernel = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(max_restarts)], env=env,
+    kernel = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(max_restarts), child], env=env,
                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     recorded = [tmp_path / "pids-0", tmp_path / "pids-1"]
     pids: list[int] = []
@@ -269,7 +327,8 @@ def test_a_killed_kernel_leaves_no_rank_and_no_rank_child(tmp_path: Path, max_re
         pids = [int(pid) for path in recorded for pid in path.read_text().split()]
         assert all(is_alive(pid) for pid in pids)
         kernel.kill()
-        kernel.wait()
+        if reaped:  # else a zombie until `finally`
+            kernel.wait()
         killed = time.monotonic()
         while any(is_alive(pid) for pid in pids) and time.monotonic() < killed + 20:
             time.sleep(0.1)

@@ -5,14 +5,16 @@ Each rank leads a process group of its own (worker/parent_death.py `lead_own_gro
 `nbaccel launch` ranks are session leaders) and registers it, as an empty file named by its number, in the
 launch's owner-only folder that RANK_GROUPS_ENV names (a rank without nbaccel's Python, `--no_python`, through
 worker/exec_entry.py). So the launcher knows the group of every rank that ever ran, also of one torch elastic
-started, saw die and restarted, and of one that died before the launcher saw it. `RankGroups`:
+started, saw die and restarted, and of one that died before the launcher saw it. The variable stays in the rank's
+environment: what the rank starts inherits it, which marks a leftover that left the rank's group. `RankGroups`:
 - `stop_orphans()`: while the launch runs, SIGTERM the group of each registered rank that has ended (what it
   left running, holding its output pipes, ends with it);
-- `end()` then `close()`: when the launch ends, stop every registered group (SIGTERM, SIGKILL after `grace`),
-  then signal the keeper; `close` removes the folder and reaps the keeper (the caller's own cleanup can run
+- `end()` then `close()`: when the launch ends, stop every registered group and every process whose environment
+  names the folder (what a rank started in a session of its own: SIGTERM, SIGKILL after `grace`), then signal
+  the keeper; `close` removes the folder and reaps the keeper (the caller's own cleanup can run
   in between, while the keeper exits);
 - the keeper (kernel/group_keeper.sh), a small shell process started first: when the kernel dies before `close`
-  (SIGKILL, the OOM killer), it stops the registered groups itself.
+  (SIGKILL, the OOM killer), it stops the registered groups, and the processes that name the folder, itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import signal
 from ...utils.constants import RANK_GROUPS_ENV
 from ..private_dirs import GROUPS_PREFIX, KEEPER_PREFIX, make_user_dir, remove_dir
 from .interrupts import interrupts_held
-from .process_trees import STOP_GRACE, process_running, signal_groups, stop_groups
+from .process_trees import STOP_GRACE, process_running, signal_groups, started_with, stop_groups
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_keeper.sh")
 
@@ -76,8 +78,10 @@ class RankGroups:
             signal_groups(ended, signal.SIGTERM)
 
     def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop every registered group (its rank, if still alive, with it): SIGTERM, SIGKILL after `grace` s."""
-        stop_groups(self.leaders(), grace)
+        """Stop every registered group (its rank, if still alive, with it) and every process that still carries
+        this launch's folder in the environment it started with (a rank's leftover in a session of its own,
+        its rank dead: in no group and no tree of the launch): SIGTERM, SIGKILL after `grace` s."""
+        stop_groups(self.leaders(), grace, strays=started_with(RANK_GROUPS_ENV, self.folder))
 
     def end(self, grace: float = STOP_GRACE) -> None:
         """Stop every registered group and signal the keeper to end (it is reaped by `close`: the caller can

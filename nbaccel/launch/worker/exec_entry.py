@@ -19,7 +19,7 @@ def main(argv: list[str]) -> NoReturn:
     if not argv:
         sys.exit("usage: python -m nbaccel.launch.worker.exec_entry PROGRAM [ARGS...]")
     die_with_parent()  # the death signal survives the exec: a SIGKILLed launch leaves no rank running
-    register_group(os.environ.pop(RANK_GROUPS_ENV, None))
+    register_group(os.environ.get(RANK_GROUPS_ENV))  # kept in the environment: it marks what the program starts
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:  # as torchrun's own start would fail: the rank ends with the reason

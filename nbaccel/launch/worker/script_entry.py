@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     relay_whole_lines()  # through a pipe, each line the rank writes arrives whole (line_relay.py)
     show_fatal_signals()  # a rank killed by a signal shows its stack
     die_with_parent()  # torch elastic starts each rank in its own session: a SIGKILLed launch would leave it running
-    register_group(os.environ.pop(RANK_GROUPS_ENV, None))  # its session: stopped with the launch, dead or alive
+    # its session: stopped with the launch, dead or alive. The variable stays: what the rank starts inherits it, so
+    # the launch also finds a leftover that made a session of its own (kernel/rank_groups.py)
+    register_group(os.environ.get(RANK_GROUPS_ENV))
     argv = list(sys.argv[1:] if argv is None else argv)
     as_module = argv[:1] == ["--module"]
     if as_module:
