@@ -147,6 +147,22 @@ def _kernel_cells(sources: list[str], tmp_path: Path) -> list[dict]:
     return cells
 
 
+def test_del_pool_after_a_failed_call_stops_the_ranks_in_a_kernel(tmp_path):
+    """IPython keeps the last error and its traceback (sys.last_traceback): `del pool` after a failed call
+    still stops the ranks (rank_pool.py `_keeps_no_pool`)."""
+    cells = _kernel_cells([
+        "from nbaccel import RankPool\npool = RankPool(2, timeout=10)\npids = pool.pids\n"
+        "def fails():\n    raise ValueError('on purpose')",
+        "pool.run(fails)",
+        "import gc, time, psutil\ndel pool\ngc.collect()\ndeadline = time.monotonic() + 10\n"
+        "def alive():\n    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie']\n"
+        "while alive() and time.monotonic() < deadline:\n    time.sleep(0.1)\nprint('alive', alive())",
+    ], tmp_path)
+    assert [error["ename"] for error in cells[1]["errors"]] == ["RankFailedError"]
+    assert "on purpose" in cells[1]["errors"][0]["evalue"]
+    assert cells[2]["text"] == "alive []\n", cells[2]
+
+
 def test_ranks_help_usage_errors_and_ipython_lines_in_a_kernel(tmp_path):
     """IPython's conventions: `%ranks?` and `%ranks start?` page the help built by magic_arguments, bad
     arguments are IPython's UsageError, and a %%ranks cell's `!cmd`, `%magic` and `x?` lines run on the ranks

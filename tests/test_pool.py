@@ -245,6 +245,22 @@ def test_garbage_collection_stops_the_ranks():
     assert all_gone(pids)
 
 
+def test_a_failed_call_s_traceback_does_not_keep_the_pool_alive():
+    """IPython keeps the last error and its traceback (sys.last_value, sys.last_traceback): the frames of a
+    failed call must not hold the pool, or `del pool` leaves its ranks running until the next error."""
+    pool = RankPool(2, timeout=4)
+    with pytest.raises(RankFailedError) as failed:
+        pool.run(_raise_on_rank_0)
+    pool.exec(SETUP)
+    with pytest.raises(CollectiveMismatchError) as hung:  # raised by the pool's own wait, not by a rank
+        pool.exec(TRACED_GATHER_ON_RANK_0)
+    pids = pool.pids
+    del pool
+    gc.collect()
+    assert all_gone(pids), "the ranks outlived `del pool`: a kept traceback holds the pool"
+    assert "rank 0" in str(failed.value) and "restarted" in str(hung.value)  # both kept, as IPython keeps them
+
+
 def test_ranks_die_with_their_kernel(tmp_path, monkeypatch):
     """Even a SIGKILLed kernel leaves no rank behind; the next pool or launch removes its store folder."""
     script = tmp_path / "kernel.py"

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
@@ -56,6 +58,37 @@ __all__ = [
 ]
 
 CELL_NAMES_KEPT = 256  # distinct cell sources whose name the pool remembers (the ranks keep their compiled code)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _keeps_no_pool(method: _Method) -> _Method:
+    """A public call whose errors hold no frame that holds the pool. IPython keeps the last error and its
+    traceback (sys.last_traceback) until the next error: a frame in it holding `self` would keep the pool, and
+    its ranks, alive after `del pool` (weakref.finalize stops them once the pool is collected). The frames stay
+    in the traceback, their lines shown as before; only their variables go."""
+
+    @functools.wraps(method)
+    def call(self: RankPool, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as error:
+            del self  # this frame is in the traceback too
+            _drop_variables(error)
+            raise
+
+    return call  # type: ignore[return-value]
+
+
+def _drop_variables(error: BaseException) -> None:
+    """Clear the variables of each finished frame in the tracebacks of `error` and of the errors it chains."""
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [error]
+    while chain:
+        current = chain.pop()
+        if current is not None and id(current) not in seen:
+            seen.add(id(current))
+            traceback.clear_frames(current.__traceback__)  # a frame still running is left as it is
+            chain += [current.__cause__, current.__context__]
 
 
 class RankPool:
@@ -131,6 +164,7 @@ class RankPool:
             raise
 
     # ------------------------------------------------------------------------------------------ observers
+    @_keeps_no_pool
     def attach(self, observer: Any) -> None:
         """Send the ranks' channel messages (status, output lines, metrics, steps, memory, collectives) to
         `observer`: a `Dashboard` (its `.observe`) or a callable taking a message dict (see
@@ -189,6 +223,7 @@ class RankPool:
             self._observers = [(o, f) for o, f in self._observers if f is not function]
             warnings.warn(f"nbaccel: RankPool observer {function!r} failed and was removed: {exc!r}", stacklevel=2)
 
+    @_keeps_no_pool
     def restart(self) -> None:
         """Stop every rank and start fresh ones (new process group, empty namespaces)."""
         with self._lock:
@@ -244,6 +279,7 @@ class RankPool:
                 for rank in self._workers.ranks]
 
     # ------------------------------------------------------------------------------------------ calls
+    @_keeps_no_pool
     def exec(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
              on_progress: Callable[[RankResults], None] | None = None, name: str | None = None) -> RankResults:
         """Run a cell's source on each rank (in its own namespace); return the per-rank results.
@@ -281,6 +317,7 @@ class RankPool:
             self._cell_names[key] = known
         return known
 
+    @_keeps_no_pool
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `function(*args, **kwargs)` on every rank (cloudpickled once, like notebook_launcher); return
         the values per rank. An exception on a rank raises RankFailedError with the remote traceback."""
@@ -294,6 +331,7 @@ class RankPool:
         results.raise_if_failed()
         return results.values
 
+    @_keeps_no_pool
     def push(self, name: str, value: Any, ranks: Iterable[int] | None = None) -> None:
         """Set variable `name` to `value` (cloudpickled) in the namespace of every rank (or of `ranks`)."""
         _check_name(name)
@@ -305,6 +343,7 @@ class RankPool:
                                    f"({type(exc).__name__}: {exc})") from exc
         self._call(lambda call_id: (PoolCommand.PUSH.value, call_id, name, data), ranks, None).raise_if_failed()
 
+    @_keeps_no_pool
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> list[Any]:
         """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
         _check_name(name)
@@ -312,6 +351,7 @@ class RankPool:
         results.raise_if_failed()
         return results.values
 
+    @_keeps_no_pool
     def debug(self, rank: int | None = None) -> None:
         """pdb's post-mortem on `rank`, at the exception of its last failed cell or function (default: the
         first rank that failed in the last `exec`/`run`); pdb's prompts come to the cell, labelled with the
