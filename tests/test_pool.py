@@ -245,6 +245,29 @@ def test_garbage_collection_stops_the_ranks():
     assert all_gone(pids)
 
 
+def _killed_in_a_collective() -> None:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 waits in the all-reduce meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_killed_in_a_collective_heads_the_error_not_its_peer_s_gloo_error():
+    with RankPool(2, timeout=20) as pool:
+        with pytest.raises(RankFailedError) as caught:
+            pool.run(_killed_in_a_collective)
+        assert pool.restarts == 1 and pool.run(int) == [0, 0]  # the broken group was replaced
+    head, also = str(caught.value).splitlines()[:2]
+    assert head.startswith("ranks 1, 0 failed; first: rank 1: RankDied: the rank process ended (killed by SIGKILL"), head
+    assert also.startswith("  also rank 0: "), also  # gloo's error on the rank that waited: the consequence
+    assert [result.group_broken for result in caught.value.results] == [True, False]
+
+
 def test_a_failed_call_s_traceback_does_not_keep_the_pool_alive():
     """IPython keeps the last error and its traceback (sys.last_value, sys.last_traceback): the frames of a
     failed call must not hold the pool, or `del pool` leaves its ranks running until the next error."""

@@ -392,6 +392,7 @@ class Call:
             result.error = WorkerFailure(index, error["exc_type"], error["message"], error["traceback"],
                                          host=self.ranks[index].host)
             result.status = RankState.FAILED
+            result.group_broken = bool(reply.get("pg_broken"))
         return result
 
     def progress(self) -> RankResults:

@@ -63,6 +63,7 @@ class RankResult:
     error: WorkerFailure | None = None
     status: RankState = RankState.FINISHED  # FINISHED, FAILED, WAITING (hung, in an error's results), NOT_RUN
     duration: float = 0.0
+    group_broken: bool = False  # its error came from the process group (a peer gone, a timeout), mostly a consequence
 
     @property
     def ok(self) -> bool:
@@ -96,10 +97,14 @@ class RankResults(list):
         return [result for result in self if result.error is not None]
 
     def raise_if_failed(self) -> None:
-        """Raise RankFailedError when a rank raised, with its remote traceback."""
+        """Raise RankFailedError when a rank raised, headed by the first cause: the lowest rank that died or
+        raised an error of its own, before the ranks whose collective failed with the group it broke (gloo's
+        "Connection closed by peer"), whose traceback says less about what went wrong."""
         failures = {result.rank: result.error for result in self if result.error is not None}
         if failures:
-            raise RankFailedError(format_failures(failures), list(self), failures=failures)
+            causes = [result.rank for result in self if result.error is not None and not result.group_broken]
+            first = min(causes, default=None)
+            raise RankFailedError(format_failures(failures, first), list(self), failures=failures)
 
     def __repr__(self) -> str:
         from .rank_view import render_text
