@@ -268,12 +268,23 @@ def test_a_rank_killed_in_a_collective_heads_the_error_not_its_peer_s_gloo_error
     assert [result.group_broken for result in caught.value.results] == [True, False]
 
 
+def _users_own_error() -> None:
+    kept = "the user's frames keep their variables"  # noqa: F841  (read from the frame by the test)
+    raise KeyError(kept)
+
+
 def test_a_failed_call_s_traceback_does_not_keep_the_pool_alive():
     """IPython keeps the last error and its traceback (sys.last_value, sys.last_traceback): the frames of a
     failed call must not hold the pool, or `del pool` leaves its ranks running until the next error."""
     pool = RankPool(2, timeout=4)
-    with pytest.raises(RankFailedError) as failed:
-        pool.run(_raise_on_rank_0)
+    try:
+        _users_own_error()
+    except KeyError:  # a call made while the user handles an error of their own: it is the context
+        with pytest.raises(RankFailedError) as failed:
+            pool.run(_raise_on_rank_0)
+    own = failed.value.__context__
+    assert isinstance(own, KeyError)
+    assert own.__traceback__.tb_next.tb_frame.f_locals == {"kept": "the user's frames keep their variables"}
     pool.exec(SETUP)
     with pytest.raises(CollectiveMismatchError) as hung:  # raised by the pool's own wait, not by a rank
         pool.exec(TRACED_GATHER_ON_RANK_0)

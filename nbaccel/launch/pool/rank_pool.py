@@ -18,12 +18,13 @@ Linux, and end-of-file on its status pipe everywhere).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,6 +60,7 @@ __all__ = [
 
 CELL_NAMES_KEPT = 256  # distinct cell sources whose name the pool remembers (the ranks keep their compiled code)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # nbaccel/
 
 
 def _keeps_no_pool(method: _Method) -> _Method:
@@ -80,15 +82,22 @@ def _keeps_no_pool(method: _Method) -> _Method:
 
 
 def _drop_variables(error: BaseException) -> None:
-    """Clear the variables of each finished frame in the tracebacks of `error` and of the errors it chains."""
+    """Clear the variables of nbaccel's own finished frames in the tracebacks of `error` and of the errors it
+    chains. Only nbaccel's: an error the user's own code raised and handled (its context) keeps its frames."""
     seen: set[int] = set()
     chain: list[BaseException | None] = [error]
     while chain:
         current = chain.pop()
-        if current is not None and id(current) not in seen:
-            seen.add(id(current))
-            traceback.clear_frames(current.__traceback__)  # a frame still running is left as it is
-            chain += [current.__cause__, current.__context__]
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        entry = current.__traceback__
+        while entry is not None:
+            if entry.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+                with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
+                    entry.tb_frame.clear()
+            entry = entry.tb_next
+        chain += [current.__cause__, current.__context__]
 
 
 class RankPool:
