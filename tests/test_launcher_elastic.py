@@ -120,6 +120,46 @@ def test_restarts_used_up_raise_the_last_failure_and_blame_only_its_rank():
     assert live_children() == []
 
 
+def killed_then_fails(when: str):
+    """Attempt 0: rank 1 is SIGKILLed, as the OOM killer would end it, and reports nothing: at its start
+    (`start`), or while rank 0 waits for it in an all-reduce (`collective`: rank 0's gloo error is then a
+    consequence). Attempt 1: rank 1 raises; rank 0 waits until torch elastic stops it."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and rank == 1 and when == "start":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if attempt == 0:
+        dist.init_process_group("gloo")
+        if rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        raise RuntimeError(f"attempt {attempt} fails")
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("when", ["start", "collective"])
+def test_a_rank_killed_in_a_restarted_attempt_is_named_first_in_the_restart_line_and_the_error(when: str, capsys):
+    """Only torch elastic's agent sees how a killed rank ended: the restart line and the final error's history
+    of attempts name it, before rank 0's gloo error that its death caused (they said "a worker failed" or only
+    named rank 0's "Connection reset by peer")."""
+    from nbaccel.launch import LaunchError
+
+    with pytest.raises(LaunchError, match="attempt 1 fails") as info:
+        notebook_launcher(killed_then_fails, (when,), num_processes=2, max_restarts=1, dashboard=False, timeout=120)
+    restarts = [line for line in capsys.readouterr().err.splitlines() if "restarting the workers" in line]
+    assert len(restarts) == 1 and restarts[0].startswith("[nbaccel] rank 1: killed by SIGKILL"), restarts
+    history = [line for line in str(info.value).splitlines() if line.startswith("attempt 0 (restarted)")]
+    assert len(history) == 1 and history[0].startswith("attempt 0 (restarted): rank 1: killed by SIGKILL"), history
+    assert info.value.attempts[0][1].signal == "SIGKILL"
+    assert live_children() == []
+
+
 def test_missing_node_times_out_instead_of_waiting_forever():
     import time
 

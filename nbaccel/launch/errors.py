@@ -153,7 +153,7 @@ def format_failures(failures: dict[int, WorkerFailure], first: int | None = None
     for rank in order[1:]:
         lines.append(f"  also {failures[rank].summary()}")
     for number, earlier in enumerate(attempts):
-        what = "; ".join(earlier[rank].summary() for rank in sorted(earlier)) or "a worker ended without a report"
+        what = "; ".join(failure.summary() for failure in earlier.values()) or "a worker ended without a report"
         lines.append(f"attempt {number} (restarted): {what}")
     if head.traceback:
         lines.append("")

@@ -17,8 +17,10 @@ Under fork the payload (nbaccel.launch.serialize.Payload) is inherited by every 
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
+import signal
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LaunchError, WorkerFailure
@@ -56,6 +58,7 @@ class ElasticBackend(ThreadedBackend):
         self.thread_name = "nbaccel-torchrun-agent" if program is Program.SCRIPT else "nbaccel-elastic-agent"
         super().__init__()
         self.script: TorchrunScript | None = None  # the script program's part (None: a function)
+        self._ended_attempts: collections.deque[dict[int, WorkerFailure]] = collections.deque()
         if program is Program.SCRIPT:
             from .torchrun import TorchrunScript
 
@@ -124,8 +127,22 @@ class ElasticBackend(ThreadedBackend):
         self.agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=self._log_dir),
                                        start_method=plan.start_method,
                                        log_line_prefix_template=rdzv.log_line_prefix_template)
+        self._watch_attempts(self.agent)
         self.nproc_per_node = plan.num_processes
         return self._run_agent
+
+    def _watch_attempts(self, agent: Any) -> None:
+        """Keep how the processes of each failed attempt ended (the agent's own monitoring result, which it
+        acts on and then forgets when it restarts the workers): `restarted_failures` hands them over."""
+        monitor = agent._monitor_workers
+
+        def monitored(group: Any) -> Any:
+            result = monitor(group)
+            if result.is_failed():  # appended before the agent restarts the workers that will report it
+                self._ended_attempts.append({**_exited(agent, group), **_process_failures(result)})
+            return result
+
+        agent._monitor_workers = monitored
 
     def _run_agent(self) -> Any:
         # The agent logs each worker failure and warns about running off the main thread (on purpose):
@@ -208,11 +225,31 @@ class ElasticBackend(ThreadedBackend):
             raise LaunchError(f"torch elastic could not run the workers: {type(self.error).__name__}: "
                               f"{self.error}") from self.error
         result = self.value
+        return _process_failures(result) if result is not None and result.is_failed() else {}
+
+    def restarted_failures(self) -> dict[int, WorkerFailure]:
         failures: dict[int, WorkerFailure] = {}
-        if result is not None and result.is_failed():
-            for rank, failure in result.failures.items():
-                code = failure.exitcode
-                sig = signal_name(code)
-                failures[rank] = WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}",
-                                               "", code, sig)
+        while self._ended_attempts:  # the agent's thread appends, the supervisor's takes: a deque is safe for both
+            failures.update(self._ended_attempts.popleft())
         return failures
+
+
+def _process_failures(result: Any) -> dict[int, WorkerFailure]:
+    """How each failed process of torch elastic's RunResult ended, by global rank."""
+    return {rank: _ended(rank, failure.exitcode) for rank, failure in result.failures.items()}
+
+
+def _exited(agent: Any, group: Any) -> dict[int, WorkerFailure]:
+    """How every process of the agent's worker group that failed on its own ended, by global rank. The agent's
+    RunResult names one failed process only (the first by local rank among those found dead), so a rank killed
+    by a signal was left out when its peer's collective failed because of it. SIGTERM is left out: by the time
+    the result is back the agent has stopped the other workers with it."""
+    processes = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", ())
+    return {worker.global_rank: _ended(worker.global_rank, process.exitcode)
+            for worker, process in zip(group.workers, processes)
+            if process.exitcode and process.exitcode != -signal.SIGTERM}
+
+
+def _ended(rank: int, code: int) -> WorkerFailure:
+    sig = signal_name(code)
+    return WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}", "", code, sig)

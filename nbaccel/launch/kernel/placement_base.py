@@ -168,6 +168,11 @@ class Backend:
         """Failures only the backend knows of, by rank (read once the run finished)."""
         return {}
 
+    def restarted_failures(self) -> dict[int, Any]:
+        """How the ranks of the attempts the backend restarted since the last call ended, by rank, when only
+        the backend saw it (torch elastic's agent: a rank killed by a signal reports nothing itself)."""
+        return {}
+
     def lost_reason(self) -> str | None:
         """Why ranks ended without a word, when the backend knows (e.g. torch_xla's spawn raised)."""
         return None

@@ -216,18 +216,12 @@ class Supervisor:
             worker.rank = int(worker.rank if status.rank is None else status.rank)  # elastic assigns global ranks
             worker.pid = worker.pid if status.pid is None else status.pid
             restart = int(status.restart or 0)
+            if restart > self.generation:  # elastic restarted the workers: before any rank's record is reset
+                self._attempt_ended(restart)
             if restart > worker.generation:
                 worker.generation = restart
                 worker.has_result = False
                 self.collectives.restarted(worker.rank)
-            if restart > self.generation:  # elastic restarted the workers: earlier failures are handled
-                self.generation = restart
-                cause = "; ".join(f.summary() for f in self.failures.values()) or "a worker failed"
-                logger.warning(f"[nbaccel] {cause}: restarting the workers (restart {restart})")
-                self.attempts.append(dict(self.failures))  # the final error names them
-                self.attempts += [{} for _ in range(restart - len(self.attempts))]  # attempts that never reported
-                self.failures = {}
-                self.first_failure = None
         elif kind == MessageKind.RESULT:
             try:
                 worker.result = serialize.loads(message.pop("value"))
@@ -255,22 +249,45 @@ class Supervisor:
         self._flush()
         self.prompts.serve(worker.line_label, message, worker.reply or worker.channel.send)
 
+    def _attempt_ended(self, restart: int) -> None:
+        """Elastic restarted the workers: say how the attempt failed, the root cause first (what the ranks
+        reported, and how their processes ended, which only the agent saw: a rank killed by a signal reports
+        nothing), keep it for the final error, and start the next attempt's record."""
+        self.generation = restart
+        for failure in self.backend.restarted_failures().values():
+            self._record(failure)
+        first = self.collectives.root_cause(self.failures, self.first_failure)
+        ended = {rank: self.failures[rank] for rank in sorted(self.failures, key=lambda rank: (rank != first, rank))}
+        cause = "; ".join(failure.summary() for failure in ended.values()) or "a worker failed"
+        logger.warning(f"[nbaccel] {cause}: restarting the workers (restart {restart})")
+        self.attempts.append(ended)  # the final error names them
+        self.attempts += [{} for _ in range(restart - len(self.attempts))]  # attempts that never reported
+        self.failures = {}
+        self.first_failure = None
+
     def _fail(self, failure: WorkerFailure) -> None:
+        if self._record(failure):
+            self.collectives.failed(failure.rank, failure.summary().split(": ", 1)[-1])
+            if self.first_failure is None:
+                self.first_failure = failure.rank
+
+    def _record(self, failure: WorkerFailure) -> bool:
+        """Keep `failure` (False: the rank had failed already; its reported exception stays, with the exit
+        details added)."""
         known = self.failures.get(failure.rank)
-        if known is not None:  # keep the reported exception; add the exit details
+        if known is not None:
             known.exitcode = failure.exitcode if failure.exitcode is not None else known.exitcode
             known.signal = failure.signal or known.signal
             known.last_rss = failure.last_rss or known.last_rss
-            return
+            return False
         worker = next((w for w in self.workers if w.rank == failure.rank), None)
         if worker is not None:  # what torch's ProcessFailure says about the process
             failure.host = failure.host or worker.host
             failure.local_rank = worker.local_rank if failure.local_rank is None else failure.local_rank
             failure.pid = worker.pid if failure.pid is None else failure.pid
+            failure.last_rss = failure.last_rss or worker.last_rss
         self.failures[failure.rank] = failure
-        self.collectives.failed(failure.rank, failure.summary().split(": ", 1)[-1])
-        if self.first_failure is None:
-            self.first_failure = failure.rank
+        return True
 
     def _on_exit(self, local_rank: int, exitcode: int) -> None:
         worker = self.workers[local_rank]
