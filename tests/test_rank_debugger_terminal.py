@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -93,3 +94,30 @@ def test_without_a_terminal_the_rank_says_why_it_cannot_ask(tmp_path):
     assert run.returncode != 0
     assert "RankInputUnavailable" in run.stderr and "is not a terminal" in run.stderr, run.stderr
     assert "BdbQuit" not in run.stderr
+
+
+def test_ctrl_c_at_a_rank_prompt_read_from_a_pipe_ends_the_launch_with_130(tmp_path):
+    """stdin a pipe nobody writes to, the output into a file (a launch run from a script, logged): the prompt is
+    read in the collective watch's thread, which holds stdin's lock while it waits. An interpreter that
+    finalized meanwhile aborted ("Fatal Python error: _enter_buffered_busy ... <stdin>", exit -6)."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        launch = subprocess.Popen(COMMAND, cwd=tmp_path, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not PROMPT.search(log.read_text(errors="replace")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert PROMPT.search(log.read_text(errors="replace")), log.read_text(errors="replace")
+        time.sleep(0.5)  # the thread is in its read by now
+        launch.send_signal(signal.SIGINT)
+        launch.wait(60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+        launch.stdin.close()
+    output = log.read_text(errors="replace")
+    assert launch.returncode == 130, output
+    assert "stopped by SIGINT" in output and "Fatal Python error" not in output, output

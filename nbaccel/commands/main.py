@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import pkgutil
 import signal
 import sys
@@ -74,12 +75,20 @@ def build_parser() -> CommandParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `nbaccel` command with `argv` (default: sys.argv[1:]); returns the exit status."""
     try:
-        return _run_command(argv)
+        code = _run_command(argv)
     except KeyboardInterrupt:
         # Ctrl-C outside a launch, which holds the signals itself (it stops its ranks and exits 130): while
         # torch and the commands import, or at a `config` question. One line, not a traceback of the import.
         print("nbaccel: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    relay = sys.modules.get("nbaccel.launch.kernel.prompt_relay")
+    if relay is not None and relay.stdin_held_by_a_thread():
+        # a launch stopped while a rank's prompt was being read in another thread: finalizing would abort the
+        # process over stdin's lock, which that thread holds (prompt_relay.py); everything is stopped already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 @contextlib.contextmanager

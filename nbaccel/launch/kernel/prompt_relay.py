@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -33,6 +34,17 @@ NO_MORE_INPUT = ("the stdin of the process that launched the ranks is not a term
                  "it on a terminal (or in a notebook) to answer, or remove the breakpoint()/input()")
 NO_STDIN = ("the process that launched the ranks has no stdin to read from; run it on a terminal or in a "
             "notebook, or remove the breakpoint()/input()")
+
+
+_READERS: set[int] = set()  # threads other than the main one waiting in input() now (their idents)
+
+
+def stdin_held_by_a_thread() -> bool:
+    """Whether a thread other than the main one waits in input() now (`nbaccel launch`: the collective watch's,
+    at a rank's prompt). On a pipe it holds stdin's buffer lock while it waits, and an interpreter that finalizes
+    meanwhile aborts ("Fatal Python error: _enter_buffered_busy ... <stdin>"): the process must end with
+    os._exit instead (commands/main.py)."""
+    return bool(_READERS)
 
 
 class PromptRelay:
@@ -78,6 +90,9 @@ class PromptRelay:
         if not self._told:
             self._told = True
             self._say(NOTICE.format(label=label))
+        reader = None if threading.current_thread() is threading.main_thread() else threading.get_ident()
+        if reader is not None:
+            _READERS.add(reader)
         try:
             return {"text": builtins.input(f"[{label}] {text}")}
         except EOFError:
@@ -91,6 +106,9 @@ class PromptRelay:
                 raise
             self._unavailable = NO_INPUT_REQUESTS
             return self._answer(label, text)
+        finally:
+            if reader is not None:
+                _READERS.discard(reader)
 
     def _say(self, line: str) -> None:
         try:
