@@ -215,7 +215,10 @@ class ElasticBackend(ThreadedBackend):
         # Dropped, not collected: the agent and its rendezvous handler sit in reference cycles, but hold no
         # descriptor any more once the above is closed (tests/test_launch_reliability.py counts them with the
         # collector off). A full collection here cost 0.26-0.37 s with torch loaded, seconds on a busy
-        # machine, on the way of every elastic launch's end and of every interrupt.
+        # machine, on the way of every elastic launch's end and of every interrupt. `_watch_attempts`'s wrapper
+        # goes first: through it the agent referred to itself, and kept its workers' pipes until a collection.
+        if self.agent is not None:
+            vars(self.agent).pop("_monitor_workers", None)
         self.agent = self._handler = None
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
