@@ -22,6 +22,7 @@ objects), and only if the caller did not ask for `weights_only=True` in `load_kw
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -301,6 +302,55 @@ def _all_succeeded(ok: bool, num_processes: int) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
+
+
+LOW_SPACE = 64 * 2**20  # bytes free on a file system below which a failed save says the disk may be full
+
+
+def _step_failures(error: BaseException | None, num_processes: int, folder: Path) -> dict[int, str]:
+    """Why a save step failed, by process index, on every process ({}: it succeeded everywhere). One
+    all-reduce as the step's barrier; only when some process failed, an all-gather of the reasons, so every
+    process can say which one failed and how (the error of the one that failed, the disk's space)."""
+    reason = None if error is None else _failure_reason(error, folder)
+    if not _distributed_active(num_processes):
+        return {} if reason is None else {0: reason}
+    if _all_succeeded(reason is None, num_processes):
+        return {}
+    reasons: list[str | None] = [None] * num_processes
+    torch.distributed.all_gather_object(reasons, reason)
+    return {index: text for index, text in enumerate(reasons) if text is not None}
+
+
+def _failure_reason(error: BaseException, folder: Path) -> str:
+    """The error's first line, and the disk's free space when it is low: torch's writer reports a full disk as
+    "unexpected pos N vs M", without the system's "No space left on device". The hint goes on the error too."""
+    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}".rstrip(": ")
+    hint = _disk_hint(error, folder)
+    if hint is None:
+        return text
+    if isinstance(error, Exception):
+        error.add_note(hint)
+    return f"{text}; {hint}"
+
+
+def _disk_hint(error: BaseException, folder: Path) -> str | None:
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    try:
+        free = shutil.disk_usage(existing).free if existing is not None else None
+    except OSError:
+        free = None
+    full = getattr(error, "errno", None) == errno.ENOSPC
+    if not full and (free is None or free >= LOW_SPACE):
+        return None
+    space = f"only {free / 2**20:.1f} MiB free" if free is not None else "no space left"
+    return (f"the file system of {existing or folder} has {space}: the disk is probably full; free some space or "
+            "save elsewhere")
+
+
+def _where(failures: dict[int, str]) -> str:
+    """`process 0 (RuntimeError: ...)`, `processes 0 (...), 2 (...)`."""
+    listed = ", ".join(f"{index} ({reason})" for index, reason in sorted(failures.items()))
+    return f"process{'es' if len(failures) > 1 else ''} {listed}"
 
 
 # ----------------------------------------------------------------------------------- model weights
@@ -703,8 +753,9 @@ def save_accelerator_state(
             tmp.mkdir()
         except BaseException as caught:  # noqa: BLE001 - reported to every process below
             error = caught
-    if not _all_succeeded(error is None, num_processes):
-        _reraise(error, f"Could not prepare the checkpoint folder {tmp}")
+    failures = _step_failures(error, num_processes, target.parent)
+    if failures:
+        _reraise(error, f"Could not prepare the checkpoint folder {tmp}", failures)
 
     # 2. every process writes its part. A process that does not see the main process's folder (each process
     # passed its own folder, as with a per-process tempfile, or nodes without a shared file system) writes
@@ -725,12 +776,13 @@ def save_accelerator_state(
         ))
     except BaseException as caught:  # noqa: BLE001
         error = caught
-    if not _all_succeeded(error is None, num_processes):
+    failures = _step_failures(error, num_processes, target.parent)
+    if failures:
         if is_main_process or own_tmp is not None:
             shutil.rmtree(own_tmp or tmp, ignore_errors=True)
         if error is not None:
             raise error
-        raise CheckpointError(f"Saving {target} failed on another process; the previous checkpoint is kept.")
+        raise CheckpointError(f"Saving {target} failed on {_where(failures)}; the previous checkpoint is kept.")
 
     # 3. the main process moves it into place
     if is_main_process:
@@ -757,26 +809,28 @@ def save_accelerator_state(
                 rotate_checkpoints(target.parent, total_limit, keep=target)
         except BaseException as caught:  # noqa: BLE001
             error = caught
-    if not _all_succeeded(error is None, num_processes):
+    failures = _step_failures(error, num_processes, target.parent)
+    if failures:
         if own_tmp is not None:
             shutil.rmtree(own_tmp, ignore_errors=True)
-        _reraise(error, f"Could not move the checkpoint into {target}")
+        _reraise(error, f"Could not move the checkpoint into {target}", failures)
     if own_tmp is not None:  # after the main process's rename, so a shared folder keeps these files too
         try:
             target.mkdir(parents=True, exist_ok=True)
             _merge_files_into(own_tmp, target, durable)
         except BaseException as caught:  # noqa: BLE001
             error = caught
-    if not _all_succeeded(error is None, num_processes):
-        _reraise(error, f"Could not move every process's checkpoint files into {target}")
+    failures = _step_failures(error, num_processes, target.parent)
+    if failures:
+        _reraise(error, f"Could not move every process's checkpoint files into {target}", failures)
     logger.info("Saved state to %s", target)
     return target
 
 
-def _reraise(error: BaseException | None, message: str) -> None:
-    """Raise why a save step failed here (KeyboardInterrupt stays one), or say another process failed."""
+def _reraise(error: BaseException | None, message: str, failures: dict[int, str]) -> None:
+    """Raise why a save step failed here (KeyboardInterrupt stays one), or say which process failed, and how."""
     if error is None:
-        raise CheckpointError(f"{message}: it failed on another process.")
+        raise CheckpointError(f"{message}: it failed on {_where(failures)}.")
     if not isinstance(error, Exception):
         raise error
     raise CheckpointError(f"{message}: {type(error).__name__}: {error}") from error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -550,10 +551,76 @@ def test_two_processes_save_their_own_states_and_fail_together(tmp_path, monkeyp
     assert [r[1] for r in results] == [1, 2]
     assert all(r[2] for r in results)  # each rank got its own RNG state back
     assert results[0][3] == "CheckpointError: Saving " + str(tmp_path / "ckpt") + \
-        " failed on another process; the previous checkpoint is kept."
+        " failed on process 1 (RuntimeError: rank 1 cannot write); the previous checkpoint is kept."
     assert results[1][3] == "RuntimeError: rank 1 cannot write"
     assert all(r[4] for r in results)  # the failed save did not replace the good one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _disk_full_on_rank_1(rank: int) -> tuple[str, list[str]]:
+    import errno
+
+    directory = os.environ["CKPT_DIR"]
+
+    def full(models, weights, path):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    try:
+        save_accelerator_state(directory, models=[Net()], process_index=rank, num_processes=2,
+                               is_main_process=rank == 0, pre_hooks=[full])
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}", getattr(error, "__notes__", [])
+    return "saved", []
+
+
+def test_a_full_disk_on_one_process_is_named_on_every_process(tmp_path, monkeypatch):
+    """The process whose write failed keeps its own error, with a note on the disk; the others say which
+    process failed and how (they said only "failed on another process")."""
+    from ranks_helper import run_ranks
+
+    directory = str(tmp_path / "ckpt")
+    monkeypatch.setenv("CKPT_DIR", directory)
+    (theirs, _), (own, notes) = run_ranks(_disk_full_on_rank_1, world_size=2, init=True, timeout=60)
+    assert own == "OSError: [Errno 28] No space left on device", own
+    assert len(notes) == 1 and notes[0].startswith("the file system of ") and "the disk is probably full" in notes[0]
+    assert theirs.startswith(f"CheckpointError: Saving {directory} failed on process 1 (OSError: [Errno 28] No space "
+                             "left on device; the file system of "), theirs
+    assert theirs.endswith("the previous checkpoint is kept."), theirs
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), as a full disk meets a save; mounting needs root (skipped otherwise)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'}): needs root")
+    try:
+        yield folder
+    finally:
+        unmounted = subprocess.run(["umount", str(folder)], capture_output=True, text=True)
+        if unmounted.returncode != 0:  # a file left open there: detached all the same, never left mounted
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)
+        assert unmounted.returncode == 0, unmounted.stderr
+
+
+def test_a_save_onto_a_full_disk_says_the_disk_is_full_and_leaves_no_checkpoint(small_disk):
+    """torch's writer reports a full disk as "unexpected pos N vs M", without the system's ENOSPC: the error
+    gets a note on the file system's free space."""
+    big = torch.nn.Linear(1024, 1024)  # 4 MiB of weights on a 1 MiB disk
+    with pytest.raises(Exception) as info:
+        save_accelerator_state(small_disk / "ckpt", models=[big], optimizers=[torch.optim.SGD(big.parameters())],
+                               safe_serialization=False)
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and re.fullmatch(f"the file system of {re.escape(str(small_disk))} has only [01].[0-9] MiB "
+                                            "free: the disk is probably full; free some space or save elsewhere",
+                                            notes[0]), (info.value, notes)
+    assert list(small_disk.iterdir()) == []  # no checkpoint, complete or not, and no temporary folder
+    # the failed write's file is closed at once (its frames' variables cleared), not at a garbage collection:
+    # the fixture's umount finds nothing open
 
 
 # ---------------------------------------------------------------------------------- save_model

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from .tracebacks import release_frames
+
 PARTIAL_SUFFIX = ".partial"  # temporary files are `.<name>.<random>.partial`, beside the target
 
 
@@ -63,9 +65,12 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Pa
         if durable:
             fsync_file(partial)
         os.replace(partial, target)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             partial.unlink()
+        # the writer's finished frames hold its open file (torch.save's zip writer in `_save`): cleared, the file
+        # closes now, not at the next garbage collection, and a full disk gets the partial file's space back
+        release_frames(error)
         raise
     if durable:
         fsync_dir(target.parent)

@@ -18,7 +18,6 @@ Linux, and end-of-file on its status pipe everywhere).
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,6 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from ...utils.tracebacks import release_frames
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
@@ -75,29 +75,10 @@ def _keeps_no_pool(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
         except BaseException as error:
             del self  # this frame is in the traceback too
-            _drop_variables(error)
+            release_frames(error, under=_PACKAGE)  # nbaccel's frames: an error the user's code handled keeps its own
             raise
 
     return call  # type: ignore[return-value]
-
-
-def _drop_variables(error: BaseException) -> None:
-    """Clear the variables of nbaccel's own finished frames in the tracebacks of `error` and of the errors it
-    chains. Only nbaccel's: an error the user's own code raised and handled (its context) keeps its frames."""
-    seen: set[int] = set()
-    chain: list[BaseException | None] = [error]
-    while chain:
-        current = chain.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        entry = current.__traceback__
-        while entry is not None:
-            if entry.tb_frame.f_code.co_filename.startswith(_PACKAGE):
-                with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
-                    entry.tb_frame.clear()
-            entry = entry.tb_next
-        chain += [current.__cause__, current.__context__]
 
 
 class RankPool:
