@@ -106,6 +106,23 @@ def sleep_long(folder):
     time.sleep(120)
 
 
+def detached_child_then(folder, ending):
+    """Each rank starts `sleep 300` in a session of its own (its pid into `folder`); then rank 3 raises
+    (`raise`: the agents end as a failed launch's do) or rank 2 SIGKILLs its agent (`agent`: its keeper ends
+    what is left); the others wait to be stopped."""
+    import subprocess
+
+    rank = int(os.environ["RANK"])
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    write_text(Path(folder, f"child-{rank}"), str(child.pid), durable=False)
+    time.sleep(1)
+    if rank == 3 and ending == "raise":
+        raise ValueError("boom on the second host")
+    if rank == 2 and ending == "agent":
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(120)
+
+
 def exit_3_on_the_second_host():
     if int(os.environ["RANK"]) == 3:
         os._exit(3)
@@ -221,6 +238,25 @@ def test_failure_on_the_second_host_stops_every_host(ssh_config, tmp_path):
     assert_nothing_left(ssh_config, rank_pids(tmp_path))
 
 
+@pytest.mark.parametrize("ending", ["raise", "agent"])
+def test_what_a_rank_started_in_a_session_of_its_own_ends_with_the_launch_on_every_host(ssh_config, tmp_path,
+                                                                                        ending):
+    """Each host's agent keeps a registry of its ranks' groups, as the kernel does for a local launch
+    (kernel/rank_groups.py): a process that left its rank's group (setsid) is found by the registry's folder in
+    its environment when the agent ends, or by the agent's keeper when the agent is killed."""
+    with pytest.raises(LaunchError):
+        notebook_launcher(detached_child_then, (str(tmp_path), ending), num_processes=2, hosts=list(HOSTS),
+                          dashboard=False, timeout=120)
+    children = [int(path.read_text()) for path in tmp_path.glob("child-*")]
+    try:
+        assert len(children) == 4 and all_gone(children, within=10), \
+            f"still running: {[pid for pid in children if is_alive(pid)]}"
+    finally:
+        for pid in children:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_an_exit_code_names_the_rank_and_its_host(ssh_config):
     with pytest.raises(LaunchError) as info:
         notebook_launcher(exit_3_on_the_second_host, num_processes=2, hosts=list(HOSTS), dashboard=False)
@@ -251,6 +287,7 @@ def test_a_killed_agent_fails_the_launch(ssh_config, tmp_path):
         notebook_launcher(kill_my_agent, (str(tmp_path),), num_processes=2, hosts=list(HOSTS), dashboard=False)
     assert time.monotonic() - start < 60
     assert "nbaccel-host-b" in str(info.value) and "agent" in str(info.value)
+    assert "HostLost: the agent on 'nbaccel-host-b' ended (ssh exit code " in str(info.value), str(info.value)
     assert set(info.value.failures) & {2, 3}
     assert_nothing_left(ssh_config, rank_pids(tmp_path))
 
@@ -738,6 +775,12 @@ def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
     # one srun per node; the two start at once, so their lines come in either order
     assert sorted(line.split("--nodelist=")[1].split()[0] for line in lines) == sorted(HOSTS)
     assert_nothing_left(ssh_config, [r[4] for r in results])
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    with pytest.raises(LaunchError) as info:  # an agent srun started, lost: named as srun's (it said "ssh")
+        notebook_launcher(kill_my_agent, (str(folder),), num_processes=2, hosts="slurm", dashboard=False)
+    assert f"HostLost: the agent on {HOSTS[1]!r} ended (srun exit code " in str(info.value), str(info.value)
+    assert_nothing_left(ssh_config, rank_pids(folder))
 
 
 SLURM_KERNEL = """

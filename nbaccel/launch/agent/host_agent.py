@@ -37,11 +37,14 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload, missing_modules
+
+if TYPE_CHECKING:
+    from ..kernel.rank_groups import RankGroups
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
 SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
@@ -210,6 +213,7 @@ class Relay:
         self.commands = commands
         self.reader = KernelReader(commands, self._stuck)
         self.backend: Any = None
+        self.groups: RankGroups | None = None  # this host's registry of the ranks' process groups, and its keeper
         self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
         self.pipes: dict[tuple[int, str], Connection] = {}  # (local rank, pipe name) -> the agent's end, open
         self.leaves_when_done = False  # a launch's ranks: nothing is left to relay once every one exited
@@ -218,10 +222,14 @@ class Relay:
         from ..kernel.module_preload import preload_worker_modules
         from ..kernel.placements import select_backend
         from ..kernel.plan import Program
+        from ..kernel.rank_groups import RankGroups
         from ..kernel.start_methods import choose_start_method
 
         method, _ = choose_start_method(None)
-        plan = dataclasses.replace(start.plan, start_method=method)
+        # the ranks register the groups they lead and pass the folder down to what they start: stopped with the
+        # launch here, also a process that left its rank's group (setsid), as on the kernel's machine
+        self.groups = RankGroups()
+        plan = dataclasses.replace(start.plan, start_method=method).with_folders(groups_dir=self.groups.folder)
         self.leaves_when_done = plan.program is Program.FUNCTION
         preload_worker_modules(method, launch=plan.program is Program.FUNCTION)
         self.backend = select_backend(plan)
@@ -271,9 +279,21 @@ class Relay:
                 self._report_exits(limit=0.5)
             except OSError:
                 pass  # the kernel is gone: nobody to tell
-            self.backend.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop what any rank left running (its registered group, or the launch's folder in its environment),
+        then release the backend, the pipes and the registry (the ranks are stopped)."""
+        try:
+            if self.groups is not None:
+                self.groups.end()
+        finally:
+            if self.backend is not None:
+                self.backend.close()
             self.reader.done.set()
             close_quietly(*self.pipes.values(), *self.fds)
+            if self.groups is not None:
+                self.groups.close()
 
     def _from_kernel(self) -> bool:
         """Handle what the kernel sent; False when it says stop or the SSH session closed."""
@@ -437,7 +457,7 @@ def main() -> int:
             pass
         if relay.backend is not None:
             relay.backend.stop()
-            relay.backend.close()
+        relay.close()
         return 1
     relay.serve()
     return 0
@@ -447,6 +467,7 @@ def preload(launch: bool) -> None:
     """Import what this host's ranks import before their function runs (they fork from here and inherit it)."""
     from ..kernel.module_preload import preload_worker_modules
     from ..kernel.placements import select_backend  # noqa: F401  (Relay.start's imports, paid now)
+    from ..kernel.rank_groups import RankGroups  # noqa: F401
     from ..kernel.start_methods import choose_start_method
 
     try:

@@ -391,7 +391,7 @@ class SshBackend(Backend):
             except subprocess.TimeoutExpired:
                 pass
             said = agent.said()
-            agent.lost = (f"the agent on {agent.host!r} ended (ssh exit code {agent.process.returncode})"
+            agent.lost = (f"the agent on {agent.host!r} ended ({self.via} exit code {agent.process.returncode})"
                           + (f": {said}" if said else "") + "; its ranks were lost with it")
         for i in running:
             rank = agent.first_rank + i
