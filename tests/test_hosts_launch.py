@@ -101,6 +101,13 @@ def kill_my_agent(folder):
     time.sleep(120)
 
 
+def kill_my_agent_on_rank(rank):
+    if int(os.environ["RANK"]) == rank:
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGKILL)  # this host's agent
+    time.sleep(5)
+
+
 def sleep_long(folder):
     write_my_pid(folder)
     time.sleep(120)
@@ -673,6 +680,22 @@ def test_rank_pool_on_two_hosts(ssh_config):
         assert all_gone(pids, within=10)  # the pool restarted its ranks on both hosts
         assert pool.exec("from nbaccel import PartialState\nPartialState().num_processes").values == [2, 2]
         pids = pool.pids
+    assert_nothing_left(ssh_config, pids)
+
+
+def test_a_rank_pool_names_a_lost_agent_as_the_launch_does(ssh_config):
+    """The second host's agent is killed during a call: its rank is lost with it, `HostLost`, as in a launch
+    (it read `RankDied: the rank process ended (exit code 255)`, ssh's exit code taken for the rank's)."""
+    from nbaccel.launch import RankFailedError, RankPool
+
+    with RankPool(num_processes=1, hosts=list(HOSTS), timeout=10) as pool:
+        with pytest.raises(RankFailedError) as info:
+            pool.run(kill_my_agent_on_rank, 1)
+        assert pool.run(int) == [0, 0]  # restarted on both hosts
+        pids = pool.pids
+    text = str(info.value)
+    assert f"rank 1 on {HOSTS[1]}: HostLost: the agent on {HOSTS[1]!r} ended (ssh exit code " in text, text
+    assert "RankDied" not in text, text
     assert_nothing_left(ssh_config, pids)
 
 

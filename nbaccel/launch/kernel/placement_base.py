@@ -60,6 +60,7 @@ class StartedRank:
     last_rss: int | None = None  # resident memory at the last sample (its own report or the kernel's)
     reply: Any = None  # sends the answer to its prompts (prompt_relay.py); None: `channel.send` (over SSH: its agent)
     signal: Callable[[int], None] | None = None  # signals the rank where os.kill cannot (another host: its agent)
+    lost: str | None = None  # another host's rank that ended with its agent: why (set before `report_exit`)
     exit_sentinel: int | None = None  # readable once the rank exited (its process's sentinel, or `report_exit`'s)
     _exit_report: int | None = field(default=None, init=False, repr=False)  # the write end `report_exit` closes
 

@@ -398,6 +398,8 @@ class SshBackend(Backend):
             if agent.lost and not self._stopping and "channel" in agent.writers[i]:
                 failure = Failure(rank, "HostLost", agent.lost, local_rank=i)
                 self._write(agent, i, "channel", _pickled(failure.to_wire()))
+            if agent.lost and (agent.index, i) in self.remote:  # a pool's rank: no channel message, its exit says it
+                self.remote[(agent.index, i)].lost = agent.lost
             self._rank_exited(agent, i, LOST_EXIT)
 
     # ------------------------------------------------------------------ the Backend protocol

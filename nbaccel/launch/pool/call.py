@@ -267,10 +267,14 @@ class Call:
         code = rank.wait_exit(1.0)
         self.outputs[index] = self.streams[index].take()
         how = exit_text(code)
-        self.replies[index] = {"error": {"exc_type": "RankDied", "message": f"the rank process ended ({how})",
-                                         "traceback": ""}}
+        if rank.lost is not None:  # its host's agent ended: the exit code is the agent's session's, not the rank's
+            error = {"exc_type": "HostLost", "message": rank.lost, "traceback": ""}
+            self.broken = f"{rank_label(index, rank.host)} was lost ({rank.lost})"
+        else:
+            error = {"exc_type": "RankDied", "message": f"the rank process ended ({how})", "traceback": ""}
+            self.broken = f"{rank_label(index, rank.host)} died ({how})"
+        self.replies[index] = {"error": error}
         self.pending.discard(index)
-        self.broken = f"{rank_label(index, rank.host)} died ({how})"
 
     def _ask_status(self, outstanding: set[int]) -> set[int]:
         """Ask the busy ranks for a snapshot, except those whose answer to an earlier query is `outstanding`."""
@@ -326,7 +330,7 @@ class Call:
         if error is None:
             return RankProgress(index, RankState.FINISHED, host=host)
         first = f"{error['exc_type']}: {error['message']}".splitlines()[0].rstrip(": ")
-        dead = error["exc_type"] == "RankDied"
+        dead = error["exc_type"] in ("RankDied", "HostLost")
         return RankProgress(index, RankState.DEAD if dead else RankState.FAILED, first, host=host)
 
     def _check(self) -> None:
