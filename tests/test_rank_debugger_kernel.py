@@ -223,6 +223,39 @@ def test_ranks_cells_breakpoint_input_and_post_mortem(kernel):
     _ok(execute(client, "%ranks stop"))
 
 
+POOL_KEPT = """%%ranks
+import torch.distributed as dist
+kept = 40 + dist.get_rank()
+if dist.get_rank() == 1:
+    breakpoint()
+    print("not reached")
+"""
+
+
+def test_interrupting_a_ranks_cell_at_a_pdb_prompt_ends_the_cell_and_keeps_the_ranks(kernel):
+    """The stop button while rank 1 waits at pdb's prompt: the cell ends with KeyboardInterrupt at once, the
+    prompt is not asked again (pdb answers a KeyboardInterrupt with a new prompt: the kernel asked the user
+    again, 2 of 5 times), and the ranks keep their variables (not restarted: docs/ranks.md)."""
+    manager, client = kernel
+    _ok(execute(client, POOL_START))
+    pids = _ok(execute(client, "print(*get_ipython().magics_manager.registry['RankMagics'].pool.pids)")).stdout
+
+    def interrupt(prompt: str, so_far: Execution) -> None:
+        manager.interrupt_kernel()
+
+    start = time.monotonic()
+    stopped = execute(client, POOL_KEPT, interrupt, timeout=60)
+    took = time.monotonic() - start
+    assert stopped.error is not None and stopped.error["ename"] == "KeyboardInterrupt", stopped
+    assert stopped.prompts == ["[rank 1] (Pdb) "], stopped.prompts
+    assert "did not stop after the interrupt" not in stopped.stderr, (stopped.stderr, stopped.stdout, stopped.shown, took)
+    assert took < 30, took
+    kept = _ok(execute(client, "%%ranks\nkept"))
+    assert "rank 0: 40" in kept.shown and "rank 1: 41" in kept.shown, kept
+    assert _ok(execute(client, "print(*get_ipython().magics_manager.registry['RankMagics'].pool.pids)")).stdout == pids
+    _ok(execute(client, "%ranks stop"))
+
+
 POST_MORTEM_LAUNCH = """
 def fails(limit):
     rank = int(os.environ["RANK"])

@@ -80,6 +80,15 @@ class PromptRelay:
         except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
             pass  # the rank is gone: its exit is reported as such
 
+    def decline(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], Any]) -> None:
+        """Answer the prompt `message` with the end of input, without asking anyone (the call was interrupted:
+        the rank's input() raises EOFError, its pdb quits)."""
+        prompt = Prompt.from_wire(message)
+        try:
+            reply(Answer(prompt.rank, prompt.id, eof=True).to_wire())
+        except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
+            pass  # the rank is gone: its exit is reported as such
+
     def _answer(self, label: str, text: str) -> dict[str, Any]:
         if self._unavailable is None:
             self._unavailable = _why_no_input()

@@ -66,6 +66,7 @@ class Call:
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.raw_seen: dict[int, tuple[Any, float]] = {}
         self.broken: str | None = None
+        self.interrupted = False  # the user interrupted the call: the ranks' prompts are no longer asked
         self.on_progress = on_progress
         self.on_display = on_display  # a rank's display() / clear_output while the call runs
         self.changed = False
@@ -103,11 +104,11 @@ class Call:
                 rank.channel.send_bytes(command)
             except (OSError, ValueError):
                 self._dead(index)
-        if poller is not None:
-            self._quick_replies(poller)
-        check_at = time.monotonic() + CHECK_INTERVAL
         asked: set[int] = set()
-        try:
+        try:  # the quick replies too: a rank's first prompt can come (and be interrupted) there
+            if poller is not None:
+                self._quick_replies(poller)
+            check_at = time.monotonic() + CHECK_INTERVAL
             while self.pending:
                 if time.monotonic() >= check_at:
                     if asked:  # a rank left a whole round unanswered: check the others without it
@@ -260,7 +261,10 @@ class Call:
             for line in text.splitlines():
                 stream.write(f"[{label}] {line}\n")
             stream.flush()
-        self.prompts.serve(label, message, rank.channel.send)
+        if self.interrupted:  # pdb answers the forwarded SIGINT with a new prompt: end of input ends it (quit)
+            self.prompts.decline(message, rank.channel.send)
+        else:
+            self.prompts.serve(label, message, rank.channel.send)
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
@@ -341,7 +345,9 @@ class Call:
             raise Hang(diagnosis, states, now)
 
     def _interrupt(self) -> None:
-        """Forward the interrupt to the busy ranks and give them INTERRUPT_GRACE seconds to reply."""
+        """Forward the interrupt to the busy ranks and give them INTERRUPT_GRACE seconds to reply. A rank at a
+        prompt gets the end of input in answer to any prompt from now on: its input() raises, its pdb quits."""
+        self.interrupted = True
         for index in self.pending:
             try:
                 self.ranks[index].send_signal(signal.SIGINT)
