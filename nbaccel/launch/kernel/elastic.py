@@ -217,8 +217,9 @@ class ElasticBackend(ThreadedBackend):
         # collector off). A full collection here cost 0.26-0.37 s with torch loaded, seconds on a busy
         # machine, on the way of every elastic launch's end and of every interrupt. `_watch_attempts`'s wrapper
         # goes first: through it the agent referred to itself, and kept its workers' pipes until a collection.
-        if self.agent is not None:
-            vars(self.agent).pop("_monitor_workers", None)
+        agent = getattr(self, "agent", None)  # none yet: closed before the launch made it
+        if agent is not None:
+            vars(agent).pop("_monitor_workers", None)
         self.agent = self._handler = None
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
