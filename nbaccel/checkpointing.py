@@ -324,7 +324,8 @@ def _step_failures(error: BaseException | None, num_processes: int, folder: Path
 def _failure_reason(error: BaseException, folder: Path) -> str:
     """The error's first line, and the disk's free space when it is low: torch's writer reports a full disk as
     "unexpected pos N vs M", without the system's "No space left on device". The hint goes on the error too."""
-    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}".rstrip(": ")
+    message = str(error).strip()
+    text = f"{type(error).__name__}: {message.splitlines()[0]}" if message else type(error).__name__
     hint = _disk_hint(error, folder)
     if hint is None:
         return text

@@ -138,13 +138,18 @@ class UnpicklableError(LaunchError, TypeError):
     """The function, its arguments or a value they reference cannot be serialized for the workers."""
 
 
+def cause_first(failures: dict[int, WorkerFailure], first: int | None) -> dict[int, WorkerFailure]:
+    """`failures` with rank `first` first, then by rank: the order every report names them in."""
+    return {rank: failures[rank] for rank in sorted(failures, key=lambda rank: (rank != first, rank))}
+
+
 def format_failures(failures: dict[int, WorkerFailure], first: int | None = None,
                     attempts: Sequence[dict[int, WorkerFailure]] = ()) -> str:
     """The LaunchError text: which rank(s) failed, how, the failures of earlier (restarted) attempts, and
     the remote traceback of the first."""
     if not failures:
         return "the launch failed"
-    order = sorted(failures, key=lambda rank: (rank != first, rank))
+    order = list(cause_first(failures, first))
     head = failures[order[0]]
     ranks = ", ".join(rank_label(rank, failures[rank].host).removeprefix("rank ") for rank in order)
     plural = "s" if len(order) > 1 else ""

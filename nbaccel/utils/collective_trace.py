@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tracebacks import PACKAGE_DIR
+
 CollectiveListener = Callable[[str, Any], None]  # (event, CollectiveRecord), or (event, in_collective)
 
 
@@ -67,7 +69,6 @@ _listeners: tuple[CollectiveListener, ...] = ()  # both: a collective looks up i
 _lock = threading.Lock()
 _internal_files: dict[str, bool] = {}  # internal_frame() of the file names seen, for _caller_site
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_MARKER = os.sep + "torch" + os.sep
 
 
@@ -111,7 +112,7 @@ def _update_listeners() -> None:
 def internal_frame(filename: str) -> bool:
     """Whether a frame's file is nbaccel's or torch's own code (or contextlib's, which wraps them): not the
     user's. Hang reports hide these frames; the first frame that is not one is the user's call site."""
-    return filename.startswith(_PACKAGE_DIR) or _TORCH_MARKER in filename or "contextlib" in filename
+    return filename.startswith(PACKAGE_DIR) or _TORCH_MARKER in filename or "contextlib" in filename
 
 
 def _caller_site() -> str:

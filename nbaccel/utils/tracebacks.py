@@ -9,6 +9,9 @@ variables of the finished frames of an error and of the errors it chains; the tr
 from __future__ import annotations
 
 import contextlib
+import os
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nbaccel's own folder
 
 
 def release_frames(error: BaseException, under: str | None = None) -> None:

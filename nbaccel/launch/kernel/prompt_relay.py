@@ -75,19 +75,13 @@ class PromptRelay:
         finally:
             self.active = False
             self.paused += time.monotonic() - started
-        try:
-            reply(Answer(prompt.rank, prompt.id, **fields).to_wire())
-        except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
-            pass  # the rank is gone: its exit is reported as such
+        _send(reply, Answer(prompt.rank, prompt.id, **fields))
 
     def decline(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], Any]) -> None:
         """Answer the prompt `message` with the end of input, without asking anyone (the call was interrupted:
         the rank's input() raises EOFError, its pdb quits)."""
         prompt = Prompt.from_wire(message)
-        try:
-            reply(Answer(prompt.rank, prompt.id, eof=True).to_wire())
-        except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
-            pass  # the rank is gone: its exit is reported as such
+        _send(reply, Answer(prompt.rank, prompt.id, eof=True))
 
     def _answer(self, label: str, text: str) -> dict[str, Any]:
         if self._unavailable is None:
@@ -126,6 +120,13 @@ class PromptRelay:
             stream.flush()
         except Exception:
             pass
+
+
+def _send(reply: Callable[[dict[str, Any]], Any], answer: Answer) -> None:
+    try:
+        reply(answer.to_wire())
+    except (BrokenPipeError, ConnectionError, EOFError, OSError, ValueError):
+        pass  # the rank is gone: its exit is reported as such
 
 
 def _on_terminal() -> bool:

@@ -22,7 +22,7 @@ from ... import telemetry
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
-from ..errors import LaunchError, LaunchTimeout, WorkerFailure, format_failures, oom_hint
+from ..errors import LaunchError, LaunchTimeout, WorkerFailure, cause_first, format_failures, oom_hint
 from ..hang_report import EXIT_HANG_GRACE, Diagnosis, report_lines
 from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
@@ -257,7 +257,7 @@ class Supervisor:
         for failure in self.backend.restarted_failures().values():
             self._record(failure)
         first = self.collectives.root_cause(self.failures, self.first_failure)
-        ended = {rank: self.failures[rank] for rank in sorted(self.failures, key=lambda rank: (rank != first, rank))}
+        ended = cause_first(self.failures, first)
         cause = "; ".join(failure.summary() for failure in ended.values()) or "a worker failed"
         logger.warning(f"[nbaccel] {cause}: restarting the workers (restart {restart})")
         self.attempts.append(ended)  # the final error names them

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ...utils.tracebacks import release_frames
+from ...utils.tracebacks import PACKAGE_DIR, release_frames
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
@@ -60,7 +60,7 @@ __all__ = [
 
 CELL_NAMES_KEPT = 256  # distinct cell sources whose name the pool remembers (the ranks keep their compiled code)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # nbaccel/
+_PACKAGE = PACKAGE_DIR + os.sep  # nbaccel/
 
 
 def _keeps_no_pool(method: _Method) -> _Method:
