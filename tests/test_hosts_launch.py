@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from process_helpers import all_gone, is_alive, run_in_session
 from ssh_server import HOSTS
 
 from nbaccel.launch import HostError
-from nbaccel.launch.agent.host_agent import SESSION_END_GRACE
+from nbaccel.launch.agent.session import SESSION_END_GRACE
 from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.host_protocol import AGENT_MODULE
 from nbaccel.launch.kernel.hosts import resolve_hosts
@@ -312,6 +313,55 @@ def test_interrupting_the_kernel_stops_every_host(ssh_config, tmp_path):
         notebook_launcher(sleep_long, (str(tmp_path),), num_processes=2, hosts=list(HOSTS), dashboard=False,
                           observers=[interrupt_once_all_run])
     assert_nothing_left(ssh_config, rank_pids(tmp_path))
+
+
+# the agent's Python on the hosts, held at its `import torch` until the test opens the gate (a file)
+IMPORT_GATE = """
+import os, sys, time
+
+class _HeldAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            gate = os.environ["NBACCEL_TEST_GATE"]
+            open(os.path.join(gate, "reached-%d" % os.getpid()), "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.meta_path.remove(self)
+        return None
+
+sys.meta_path.insert(0, _HeldAtTorch())
+"""
+
+
+def test_an_interrupt_while_the_agents_import_ends_them_at_once(ssh_config, tmp_path, monkeypatch):
+    """Ctrl-C while the hosts' agents import torch (held there until the test lets go): each agent reads its
+    session from its first line on and leaves at once. It used to see the stop only once its imports were done
+    (seconds), and an agent still importing when the kernel gave up waiting outlived the launch."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "sitecustomize.py").write_text(IMPORT_GATE)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nNBACCEL_TEST_GATE={gate} PYTHONPATH={gate} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("NBACCEL_SSH_PYTHON", str(python))
+
+    def interrupt_once_both_import():
+        deadline = time.monotonic() + 120
+        while len(list(gate.glob("reached-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_both_import, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(meet, ("x",), num_processes=2, hosts=list(HOSTS), dashboard=False)
+        held = [int(p.name.split("-")[1]) for p in gate.glob("reached-*")]
+        assert len(held) == 2
+        assert all_gone(held, within=5), "an agent went on importing after the launch was interrupted"
+    finally:
+        (gate / "open").touch()
+    assert all_gone(agents_of(ssh_config), within=SESSION_END_GRACE + 10)
 
 
 # ------------------------------------------------------------------------------------------ checks first

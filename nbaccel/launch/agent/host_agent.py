@@ -19,10 +19,8 @@ the rank's output pipes: `_read_pipe` reads those pipes empty (they are non-bloc
 and only then forwards the message. The kernel's relay writes the frames into its local pipes in the order
 they came, so the kernel holds a cell's output once it holds the cell's reply.
 
-The end of the SSH session is watched by a thread of its own (`KernelReader`, the only reader of stdin): the
-relay loop learns of it through a wake-up pipe, and if that loop is stuck (a rank that does not read what it
-is sent), the thread kills the ranks and this process itself after SESSION_END_GRACE seconds. The ranks
-forked here do not keep this process's ends of the SSH session open (`_release_session_in_child`).
+The SSH session's ends and the thread that reads the kernel's frames are session.py's: they are opened before
+this module (and torch) is imported, so a stop while the agent imports ends it at once.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import queue
 import signal
 import socket
-import sys
-import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -42,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload, missing_modules
+from .session import KernelReader, hold_in_session
 
 if TYPE_CHECKING:
     from ..kernel.rank_groups import RankGroups
 
 DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or was stopped)
-SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
 READ_SIZE = 65536
 READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 STORE_TIMEOUT = 300.0  # seconds the rendezvous store's own client waits (it is not used: the ranks have theirs)
@@ -102,7 +97,7 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
     sock.close()  # the store's process holds it: no rank forked later inherits it
     os.close(ready_w)
     os.close(alive_r)
-    _SESSION_FDS.append(alive_w)  # the ranks forked later do not keep the store alive
+    hold_in_session(alive_w)  # the ranks forked later do not keep the store alive
     with os.fdopen(ready_r, "rb") as ready:
         answer = ready.read().decode(errors="replace")
     if not answer.isdigit():  # torch refused the socket
@@ -149,69 +144,13 @@ def hello(probe: Probe) -> Hello:
                  missing=tuple(missing_modules(probe.modules)))
 
 
-class KernelReader:
-    """The one reader of the kernel's frames (stdin), in a thread: each frame goes into `frames` and wakes the
-    relay loop through a pipe (`wake_fd`); the end of the session puts STOP there. The session's end is thus
-    seen whatever the relay loop is doing, and if that loop has not finished within SESSION_END_GRACE
-    seconds, `on_stuck` runs (it kills the ranks and this process)."""
-
-    def __init__(self, commands: Connection, on_stuck: Any) -> None:
-        self.commands = commands
-        self.frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
-        _SESSION_FDS.extend((self.wake_fd, self._wake_w))
-        self.done = threading.Event()  # set by the relay loop once its ranks are stopped
-        self._on_stuck = on_stuck
-        self._thread = threading.Thread(target=self._read, name="nbaccel-agent-kernel-reader", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                frame = self.commands.recv()
-            except (EOFError, OSError):
-                frame = STOP  # the SSH session closed: the kernel is gone or done
-            self.frames.put(frame)
-            self._wake()
-            if frame == STOP:
-                break
-        if not self.done.wait(SESSION_END_GRACE):
-            self._on_stuck()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the loop has wake-ups enough to read
-        except OSError:
-            pass
-
-    def take(self) -> list[Any]:
-        """The frames that came, in order (the wake-up bytes read too)."""
-        try:
-            while os.read(self.wake_fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        frames = []
-        while True:
-            try:
-                frames.append(self.frames.get_nowait())
-            except queue.Empty:
-                return frames
-
-
 class Relay:
     """This host's ranks, relayed to the kernel until the kernel says stop or goes away."""
 
-    def __init__(self, kernel: Connection, commands: Connection) -> None:
+    def __init__(self, kernel: Connection, reader: KernelReader) -> None:
         self.kernel = kernel
-        self.commands = commands
-        self.reader = KernelReader(commands, self._stuck)
+        self.reader = reader
+        reader.ranks_may_start(self._stuck)
         self.backend: Any = None
         self.groups: RankGroups | None = None  # this host's registry of the ranks' process groups, and its keeper
         self.fds: dict[int, tuple[int, str]] = {}  # output fd -> (local rank, stream)
@@ -254,7 +193,6 @@ class Relay:
 
     def serve(self) -> None:
         """Relay until the kernel says stop or goes away; stop the ranks then."""
-        self.reader.start()
         wake = self.reader.wake_fd
         try:
             while True:
@@ -396,39 +334,10 @@ class Relay:
             self.send(FrameKind.EXIT, i, code)
 
 
-_SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
-
-
-def _release_session_in_child() -> None:
-    """In a process forked here (a rank): point the session's fds at /dev/null. A rank holding the session's
-    stdout would keep the SSH session open after this agent ended; the numbers stay taken, so nothing else
-    reuses them while the copied Connection objects still name them."""
-    try:
-        devnull = os.open(os.devnull, os.O_RDWR)
-    except OSError:
-        return
-    for fd in _SESSION_FDS:
-        try:
-            os.dup2(devnull, fd, inheritable=False)
-        except OSError:
-            pass
-    os.close(devnull)
-
-
-def main() -> int:
-    # the kernel's channel is this process's stdout: keep it to ourselves, and let anything else printed here
-    # (and by the ranks, which inherit fds) go to stderr; stdin likewise
-    kernel = Connection(os.dup(1), readable=False)
-    commands = Connection(os.dup(0), writable=False)
-    _SESSION_FDS.extend((kernel.fileno(), commands.fileno()))
-    os.register_at_fork(after_in_child=_release_session_in_child)
-    os.dup2(2, 1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    try:
-        probe = commands.recv()
-    except (EOFError, OSError):
+def main(kernel: Connection, reader: KernelReader) -> int:
+    """The agent's life, on the session `agent/__main__.py` opened; its exit code."""
+    probe = reader.next_frame()
+    if probe == STOP:
         return 0
     kernel.send(hello(probe))
     # while the kernel checks every host's hello (one round trip, and the slowest host's login and imports),
@@ -439,13 +348,10 @@ def main() -> int:
     # same frozen heap from the kernel: start_methods.gc_frozen)
     gc.freeze()
     gc.enable()
-    try:
-        start = commands.recv()
-    except (EOFError, OSError):
-        return 0
+    start = reader.next_frame()
     if not isinstance(start, Start):
         return 0  # STOP before anything started (another host failed its checks)
-    relay = Relay(kernel, commands)
+    relay = Relay(kernel, reader)
     try:
         relay.start(start)
     except BaseException as exc:  # say why, then leave: the kernel stops every other host
@@ -474,12 +380,3 @@ def preload(launch: bool) -> None:
         preload_worker_modules(choose_start_method(None)[0], launch=launch)
     except Exception:
         pass  # Relay.start imports them again, and reports to the kernel what fails
-
-
-def leave(code: int) -> None:
-    """Exit without the interpreter's teardown: everything this agent started is stopped and reaped by now
-    (Relay.serve), and unwinding a process that imported torch costs ~0.3 s, which the kernel would wait for
-    (it waits for every agent's exit before the launch returns)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
