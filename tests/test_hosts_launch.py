@@ -342,7 +342,7 @@ def test_an_interrupt_while_the_agents_import_ends_them_at_once(ssh_config, tmp_
     gate.mkdir()
     (gate / "sitecustomize.py").write_text(IMPORT_GATE)
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nNBACCEL_TEST_GATE={gate} PYTHONPATH={gate} exec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/sh\nNBACCEL_TEST_GATE={gate} PYTHONPATH={gate}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     monkeypatch.setenv("NBACCEL_SSH_PYTHON", str(python))
 
