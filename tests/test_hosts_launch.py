@@ -350,7 +350,7 @@ def test_an_interrupt_while_the_agents_import_ends_them_at_once(ssh_config, tmp_
         deadline = time.monotonic() + 120
         while len(list(gate.glob("reached-*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        _thread.interrupt_main()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Jupyter's stop button: a signal
 
     threading.Thread(target=interrupt_once_both_import, daemon=True).start()
     try:
