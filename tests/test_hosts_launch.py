@@ -364,6 +364,44 @@ def test_an_interrupt_while_the_agents_import_ends_them_at_once(ssh_config, tmp_
     assert all_gone(agents_of(ssh_config), within=SESSION_END_GRACE + 10)
 
 
+# an agent run as sshd runs it, by a process that adopts the agent's orphans (PR_SET_CHILD_SUBREAPER): whatever
+# of the agent's process group is still there once the agent was reaped, even a zombie, outlived the agent
+AGENT_LEAVES_ALONE = """
+import ctypes, os, subprocess, sys
+from multiprocessing.connection import Connection
+from nbaccel.launch.host_protocol import AGENT_MODULE, Hello, Probe
+
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+to_r, to_w = os.pipe()
+from_r, from_w = os.pipe()
+agent = subprocess.Popen([sys.executable, "-m", AGENT_MODULE], stdin=to_r, stdout=from_w, start_new_session=True)
+os.close(to_r)
+os.close(from_w)
+kernel, answers = Connection(to_w, readable=False), Connection(from_r, writable=False)
+kernel.send(Probe(port=0))  # as to the first host: the agent opens the ranks' store in a process of its own
+hello = answers.recv()
+assert isinstance(hello, Hello) and hello.port, hello
+kernel.close()  # the session ends before any rank started
+agent.wait(60)
+try:
+    os.killpg(agent.pid, 0)
+    print("left:", subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(agent.pid)], capture_output=True,
+                                  text=True).stdout)
+except ProcessLookupError:
+    print("nothing left")
+"""
+
+
+def test_an_agent_ends_its_store_before_it_leaves(tmp_path):
+    """The agent's store process ends (and is reaped) before the agent exits: a process left in the agent's
+    group held `srun` ~3 s after the agent had gone (SLURM's proctrack/pgid waits for the whole group), on
+    every SLURM launch and interrupt."""
+    done = run_in_session([sys.executable, "-c", AGENT_LEAVES_ALONE], env=dict(os.environ), cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.strip().endswith("nothing left"), done.stdout
+
+
 # ------------------------------------------------------------------------------------------ checks first
 def test_unreachable_host_is_named(ssh_config):
     with pytest.raises(HostError, match="'nbaccel-no-such-host.invalid' is unreachable") as info:

@@ -26,6 +26,7 @@ this module (and torch) is imported, so a stop while the agent imports ends it a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import signal
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload, missing_modules
-from .session import KernelReader, hold_in_session
+from .session import KernelReader, at_leave, hold_in_session, leave
 
 if TYPE_CHECKING:
     from ..kernel.rank_groups import RankGroups
@@ -46,6 +47,7 @@ DRAIN = 2.0  # seconds to read what a rank left in its pipes after it exited (or
 READ_SIZE = 65536
 READ_LIMIT = 1 << 20  # bytes of one output pipe forwarded at a time (a rank that prints without pause)
 STORE_TIMEOUT = 300.0  # seconds the rendezvous store's own client waits (it is not used: the ranks have theirs)
+STORE_END_WAIT = 2.0  # seconds the store's process has to end once the agent leaves (then it is killed)
 LISTEN_BACKLOG = 1024  # ranks connecting to the store before it serves wait here (torch's own server's backlog)
 
 
@@ -90,7 +92,8 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
     listening = sock.getsockname()[1]
     ready_r, ready_w = os.pipe()
     alive_r, alive_w = os.pipe()  # the agent holds its write end: its end of file ends the store's process
-    if os.fork() == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
+    store_pid = os.fork()
+    if store_pid == 0:  # pragma: no cover (the store's process: measured through the launches that use it)
         os.close(ready_r)
         os.close(alive_w)
         _serve_store(sock.fileno(), listening, ready_w, alive_r)
@@ -98,12 +101,30 @@ def open_store(port: int | None) -> tuple[int | None, str | None]:
     os.close(ready_w)
     os.close(alive_r)
     hold_in_session(alive_w)  # the ranks forked later do not keep the store alive
+    at_leave(functools.partial(_end_store, store_pid, alive_w))
     with os.fdopen(ready_r, "rb") as ready:
         answer = ready.read().decode(errors="replace")
     if not answer.isdigit():  # torch refused the socket
         return listening, (f"the store could not open on port {listening} of {socket.gethostname()} "
                            f"({answer or 'its process ended'})")
     return listening, None
+
+
+def _end_store(pid: int, alive_w: int) -> None:
+    """End the store's process (its lifeline closed) and reap it, before the agent leaves: nothing of the agent
+    outlives it. Under SLURM (proctrack/pgid) a process left in the agent's group held `srun`, and so the
+    kernel's stop, ~3 s after the agent had gone."""
+    close_quietly(alive_w)
+    deadline = time.monotonic() + STORE_END_WAIT
+    try:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.002)
+    except ChildProcessError:
+        pass  # reaped already
 
 
 def _serve_store(listen_fd: int, port: int, ready_w: int, alive_r: int) -> None:
@@ -253,7 +274,7 @@ class Relay:
             except OSError:
                 pass
         signal_groups(pids, signal.SIGKILL)
-        os._exit(1)
+        leave(1)
 
     def _kernel_frame(self, frame: tuple) -> None:
         kind, i = frame[0], frame[1]

@@ -17,6 +17,7 @@ import pickle
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..host_protocol import STOP
 SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
 
 _SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
+_AT_LEAVE: list[Callable[[], None]] = []
 
 
 def open_session() -> tuple[Connection, KernelReader]:
@@ -136,10 +138,20 @@ def _release_session_in_child() -> None:
     os.close(devnull)
 
 
+def at_leave(end: Callable[[], None]) -> None:
+    """`end` runs when the agent leaves, whichever way: what it started besides the ranks ends with it."""
+    _AT_LEAVE.append(end)
+
+
 def leave(code: int) -> None:
-    """Exit without the interpreter's teardown: everything this agent started is stopped and reaped by now
-    (Relay.serve), and unwinding a process that imported torch costs ~0.3 s, which the kernel would wait for
-    (it waits for every agent's exit before the launch returns)."""
+    """Exit without the interpreter's teardown: the ranks are stopped and reaped by now (Relay.serve, or none
+    started), what `at_leave` registered ends here, and unwinding a process that imported torch costs ~0.3 s,
+    which the kernel would wait for (it waits for every agent's exit before the launch returns)."""
+    for end in _AT_LEAVE:
+        try:
+            end()
+        except Exception:
+            pass  # leaving all the same: what is left dies with this process (PR_SET_PDEATHSIG)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
