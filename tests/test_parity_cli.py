@@ -421,3 +421,53 @@ def test_the_launch_check_script_runs_without_a_config(tmp_path):
                            str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "Successfully ran on 0 GPUs" in done.stdout
+
+
+def _isolated_env(tmp_path: Path) -> dict[str, str]:
+    """No config file anywhere: a throwaway HOME, cache and config location."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))}
+    return {**env, "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+            "NBACCEL_CONFIG_FILE": str(tmp_path / "none.yaml"), "PYTHONPATH": str(ROOT)}
+
+
+# the command modules Accelerate lets you run with `python -m` (their `if __name__ == "__main__"`)
+RUNNABLE_MODULES = ["commands.launch", "commands.env", "commands.test", "commands.merge", "commands.estimate",
+                    "commands.config.config", "commands.accelerate_cli"]
+
+
+@pytest.mark.parametrize("module", RUNNABLE_MODULES)
+def test_command_modules_run_with_python_m_as_accelerates(module, tmp_path):
+    """`python -m accelerate.commands.launch --help` prints the usage; nbaccel's module used to do nothing, exit 0."""
+    done = {}
+    for lib in ("accelerate", "nbaccel"):
+        done[lib] = subprocess.run([sys.executable, "-m", f"{lib}.{module}", "--help"], capture_output=True, text=True,
+                                   timeout=120, cwd=tmp_path, env=_isolated_env(tmp_path), stdin=subprocess.DEVNULL)
+    for lib, proc in done.items():
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (lib, proc.stdout, proc.stderr)
+
+
+def test_python_m_launch_runs_the_script_as_the_launch_command(tmp_path):
+    (tmp_path / "s.py").write_text("import os, sys\nprint('RAN', sys.argv[1:])\n")
+    for lib in ("accelerate", "nbaccel"):
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", "s.py", "a"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_isolated_env(tmp_path),
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and "RAN ['a']" in proc.stdout, (lib, proc.stdout, proc.stderr)
+
+
+def test_console_scripts_match_accelerates_extra_ones():
+    """accelerate-launch, accelerate-config, ... have nbaccel-launch, nbaccel-config, ... calling the same command."""
+    import importlib
+    import importlib.metadata
+
+    import tomllib
+
+    theirs = {e.name: e.value for e in importlib.metadata.distribution("accelerate").entry_points
+              if e.group == "console_scripts"}
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    expected = {name.replace("accelerate", "nbaccel", 1): value.replace("accelerate.", "nbaccel.", 1)
+                for name, value in theirs.items() if name != "accelerate"}
+    assert {name: ours.get(name) for name in expected} == expected
+    for value in expected.values():
+        module, _, func = value.partition(":")
+        assert callable(getattr(importlib.import_module(module), func))

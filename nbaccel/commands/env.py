@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import os
 import platform
+import sys
 from shutil import which
 
 import yaml
@@ -88,11 +89,16 @@ def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> int:
-    """`python -m nbaccel.commands.env`."""
-    env_command(env_command_parser().parse_args())
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nbaccel.commands.env`: `nbaccel env`, through the `nbaccel` command's entry point."""
+    from .main import main as nbaccel_main
+
+    return nbaccel_main(["env", *(sys.argv[1:] if argv is None else argv)])
 
 
 def register(subparsers) -> None:
     env_command_parser(subparsers)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

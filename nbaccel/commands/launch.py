@@ -714,11 +714,17 @@ def sagemaker_launcher(sagemaker_config, args: argparse.Namespace) -> int:
     SAGEMAKER.refuse("sagemaker_launcher")
 
 
-def main() -> int:
-    """`python -m nbaccel.commands.launch ...`: `nbaccel launch`."""
-    parser = launch_command_parser()
-    return launch_command(parser.parse_args())
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nbaccel.commands.launch ...` (and the `nbaccel-launch` script): `nbaccel launch`, through the
+    `nbaccel` command's entry point, so its errors, Ctrl-C and exit status are the same."""
+    from .main import main as nbaccel_main
+
+    return nbaccel_main(["launch", *(sys.argv[1:] if argv is None else argv)])
 
 
 def register(subparsers) -> None:
     launch_command_parser(subparsers)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

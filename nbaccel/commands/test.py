@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .launch import (
@@ -48,10 +49,16 @@ def test_command_parser(subparsers=None) -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> int:
-    """`python -m nbaccel.commands.test`."""
-    return test_command(test_command_parser().parse_args())
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nbaccel.commands.test`: `nbaccel test`, through the `nbaccel` command's entry point."""
+    from .main import main as nbaccel_main
+
+    return nbaccel_main(["test", *(sys.argv[1:] if argv is None else argv)])
 
 
 def register(subparsers) -> None:
     test_command_parser(subparsers)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -157,3 +157,7 @@ def main() -> int:
     """`python -m nbaccel.commands.config.config`: the questions only."""
     args = config_command_parser().parse_args()
     return config_command(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
