@@ -46,6 +46,7 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     RNGType,
     TorchDynamoPlugin,
+    whole_number,
 )
 from .utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from .utils.operations import gather, gather_object, pad_across_processes, recursively_apply, reduce
@@ -132,8 +133,8 @@ class Accelerator:
         # Precision
         # As in Accelerate, the config file reaches an Accelerator only through a launcher (its environment
         # variables): a plain `Accelerator()` in a process no launcher started takes nothing from the file.
-        if mixed_precision is not None:
-            mixed_precision = _precision.validate_mixed_precision(mixed_precision)
+        if mixed_precision is not None:  # the argument's exact spelling, as in Accelerate ("BF16" is refused)
+            mixed_precision = _precision.validate_mixed_precision(mixed_precision, any_case=False)
 
         # Data loading
         if dataloader_config is None:
@@ -190,10 +191,12 @@ class Accelerator:
                         f"integer >= 1, got {from_launcher!r}."
                     )
                 gradient_accumulation_steps = int(from_launcher)
-            if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            steps = whole_number(gradient_accumulation_steps, text=True)
+            if steps is None or steps < 1:
                 raise ValueError(
                     f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}."
                 )
+            gradient_accumulation_steps = steps
             gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
         rng_types = self._check_rng_types(rng_types)
 
@@ -950,7 +953,7 @@ class Accelerator:
                                  safe_serialization=safe_serialization, is_main_process=self.is_main_process)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+                   **save_model_func_kwargs: Any) -> pathlib.Path:
         """Save everything needed to resume: models, optimizers, schedulers, loader positions, scaler, RNGs,
         registered objects. With automatic_checkpoint_naming the folder is chosen (and old ones rotated).
         Call it on every process; returns the folder."""
@@ -974,7 +977,7 @@ class Accelerator:
             get_state_dict=self.get_state_dict, **self._sharded_checkpoint_fns("save"),
         )
         config.iteration += 1
-        return os.fspath(location)
+        return pathlib.Path(location)
 
     def _sharded_checkpoint_fns(self, direction: str) -> dict[str, Any]:
         """With FSDP-sharded models (FSDP1 or 2): the `{save,load}_{model,optimizer}_fn` hooks of save/load_accelerator_state
@@ -1059,7 +1062,9 @@ class Accelerator:
                 raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
             input_dir = checkpointing.latest_checkpoint_dir(config)
         load_kwargs = dict(load_kwargs or {})
-        map_location = load_kwargs.pop("map_location", None)
+        # Accelerate reads map_location among the keyword arguments; load_kwargs' is taken too
+        map_location = load_model_func_kwargs.pop("map_location", None)
+        map_location = load_kwargs.pop("map_location", map_location)
         sharded_fns = self._sharded_checkpoint_fns("load")
         if sharded_fns:
             sharded_fns.pop("check")(checkpointing._resolve_readable_dir(pathlib.Path(os.fspath(input_dir))))
@@ -1072,9 +1077,11 @@ class Accelerator:
         )
         if override and "step" in override:
             self.step = int(override["step"])
+        # past the loaded checkpoint_<n> (a fresh process resuming saves next to it, not onto it), never back to
+        # it: going back to an older checkpoint keeps the count, as Accelerate does, so no newer one is overwritten
         match = re.search(r"checkpoint_(\d+)$", os.path.basename(os.path.normpath(os.fspath(input_dir))))
         if config.automatic_checkpoint_naming and match:
-            config.iteration = int(match.group(1)) + 1
+            config.iteration = max(config.iteration, int(match.group(1)) + 1)
 
     # ------------------------------------------------------------------------------------------- trackers
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:

@@ -21,9 +21,12 @@ FP8_BACKENDS = {"AO": "torchao", "TE": "transformer_engine", "MSAMP": "msamp"}
 DRIVEN_FP8_BACKENDS = ("AO",)  # nbaccel converts models for fp8 through torchao only
 
 
-def validate_mixed_precision(mixed_precision: Any) -> str:
-    """Return the mode as its string ("no", "fp16", "bf16", "fp8"), or raise naming the allowed values."""
-    value = "no" if mixed_precision is None else str(mixed_precision).lower()
+def validate_mixed_precision(mixed_precision: Any, any_case: bool = True) -> str:
+    """Return the mode as its string ("no", "fp16", "bf16", "fp8"), or raise naming the allowed values.
+    `any_case=False`: "BF16" is refused, as Accelerator's argument is in Accelerate (its environment variable
+    and AcceleratorState's argument are read in any case there)."""
+    value = "no" if mixed_precision is None else str(mixed_precision)
+    value = value.lower() if any_case else value
     if value not in PrecisionType:
         raise ValueError(f"Unknown mixed_precision={mixed_precision!r}: choose one of {PrecisionType.list()}.")
     return value

@@ -24,7 +24,7 @@ import torch
 
 from .utils import collective_trace, constants, file_rendezvous
 from .utils import xla as _xla
-from .utils.dataclasses import DistributedType, PrecisionType
+from .utils.dataclasses import DistributedType, PrecisionType, whole_number
 from .utils.environment import (
     check_cuda_p2p_ib_support,
     first_env,
@@ -657,7 +657,8 @@ class PartialState:
 
 
 def _check_index(index: Any, name: str) -> None:
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    number = whole_number(index)
+    if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative int, got {index!r}")
 
 

@@ -58,7 +58,7 @@ def test_save_state_mid_epoch_then_load_state_resumes_identically(tmp_path):
                 scheduler2.get_last_lr(), resumed.save_iteration, resumed.step)
 
     for saved_to, after, again, weights, weights2, lr, lr2, iteration, step in run_ranks(body):
-        assert saved_to.endswith("checkpoint_0")
+        assert saved_to.name == "checkpoint_0"  # a pathlib.Path, as Accelerate returns
         assert len(again) == len(after) == 8
         for a, b in zip(after, again):
             torch.testing.assert_close(a, b)

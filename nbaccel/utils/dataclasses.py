@@ -11,6 +11,7 @@ import copy
 import enum
 import importlib.util
 import json
+import operator
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -190,10 +191,25 @@ def _env(name: str, default: Any = None) -> Any:
     return default
 
 
+def whole_number(value: Any, *, text: bool = False) -> int | None:
+    """`value` as an int when it is one: an int, or another library's integer (numpy's int64); with `text`, also
+    a string of digits (Accelerate calls int() on gradient_accumulation_steps). None otherwise; a bool is not."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        return int(value) if text and value.strip().isdigit() else None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _to_bool(field_name: str, value: Any) -> bool:
-    """Accept a bool or a yes/no string (config files and env vars write strings)."""
+    """Accept a bool (numpy's too) or a yes/no string (config files and env vars write strings)."""
     if isinstance(value, bool):
         return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"`{field_name}` must be True or False, got {value!r}")
@@ -218,9 +234,10 @@ def _enum_choice(field_name: str, value: Any, enum_cls: type[_ValueEnum], *, cas
 def _positive_int(field_name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = whole_number(value)
+    if number is None or number < minimum:
         raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
-    return value
+    return number
 
 
 def _is_available(module: str) -> bool:
