@@ -471,3 +471,28 @@ def test_console_scripts_match_accelerates_extra_ones():
     for value in expected.values():
         module, _, func = value.partition(":")
         assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_config_default_and_update_write_json_to_a_json_path_as_accelerate(tmp_path, capsys):
+    """A .json config file is JSON (Accelerate reads it with json.load); any other name is YAML."""
+    import json
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.config.default import write_basic_config as accelerates_write_basic_config
+
+    from nbaccel.commands.main import main
+
+    ours = tmp_path / "nb.json"
+    assert main(["config", "default", "--config_file", str(ours)]) == 0
+    assert json.loads(ours.read_text())["distributed_type"] == "NO"
+    assert load_config_from_file(str(ours)).distributed_type == "NO"
+
+    theirs = tmp_path / "acc.json"
+    accelerates_write_basic_config(save_location=str(theirs))
+    assert main(["config", "update", "--config_file", str(theirs)]) == 0
+    assert json.loads(theirs.read_text())["mixed_precision"] == "no"
+    assert load_config_from_file(str(theirs)).mixed_precision == "no"
+
+    yaml_file = tmp_path / "nb.yaml"
+    assert main(["config", "default", "--config_file", str(yaml_file)]) == 0
+    assert yaml_file.read_text().startswith("compute_environment: LOCAL_MACHINE")

@@ -11,6 +11,7 @@ API: `default_config_file()`, `find_config_file(path=None)`, `load_config(path=N
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -222,21 +223,29 @@ class LaunchConfig:
         out.update(self.extra)
         return out
 
-    def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Validate and write the YAML (to `path`, else where it was loaded from, else the default file)."""
+    def save(self, path: str | os.PathLike | None = None, as_json: bool | None = None) -> Path:
+        """Validate and write the file (to `path`, else where it was loaded from, else the default file): JSON
+        when its name ends in .json (or `as_json`), as Accelerate writes (and then reads) such a file, else YAML."""
         target = Path(path).expanduser() if path is not None else (self.path or default_config_file())
         errors = self.validate()
         if errors:
             raise ConfigError("\n".join(f"{display_path(target)}: {k}: {m}" for k, m in errors.items()))
         target.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(target) as handle:  # a reader never sees half a file, nor two writers' mix
-            yaml.safe_dump(self.to_dict(), handle, sort_keys=True)
+            if as_json or (as_json is None and str(target).endswith(".json")):
+                handle.write(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+            else:
+                yaml.safe_dump(self.to_dict(), handle, sort_keys=True)
         self.path = target
         return target
 
     def to_yaml_file(self, yaml_file: str | os.PathLike) -> None:
         """Accelerate's name: write this config as YAML to `yaml_file` (`save`)."""
-        self.save(yaml_file)
+        self.save(yaml_file, as_json=False)
+
+    def to_json_file(self, json_file: str | os.PathLike) -> None:
+        """Accelerate's name: write this config as JSON to `json_file`, whatever its name."""
+        self.save(json_file, as_json=True)
 
     # ---------------------------------------------------------------- checking
     def validate(self) -> dict[str, str]:

@@ -70,7 +70,7 @@ class SageMakerConfig(LaunchConfig):
 # Paths, computed at import as Accelerate does (set NBACCEL_CONFIG_FILE / HF_HOME before importing to move them).
 hf_cache_home = str(accelerate_config_file().parent.parent)
 default_yaml_config_file = str(_default_path())
-default_json_config_file = default_yaml_config_file  # nbaccel writes YAML only; JSON files are still read
+default_json_config_file = default_yaml_config_file  # as Accelerate: its "json" default is the .yaml path
 cache_dir = os.path.dirname(default_yaml_config_file)
 default_config_file = default_yaml_config_file
 
