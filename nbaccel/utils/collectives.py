@@ -566,19 +566,32 @@ def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
-@_without_grad
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduce a tensor, or a nested structure of them, across processes; returns new tensors.
 
     `reduction`: "mean", "sum", "max", "min" or "none" (no communication). `scale` multiplies the result.
     One communication per dtype of the structure.
+
+    With autograd on, a result made from tensors that require grad stays in their graph, as in Accelerate:
+    the communication itself counts as the identity (torch has no gradient for it and warns so), the
+    division of a mean and `scale` count as usual. So `backward(reduce(loss))` gives each rank its own
+    loss's gradient over the number of processes.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduce: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}.")
     world = _world_size()
-    if world == 1 or reduction == "none":
+    if world == 1 or reduction == "none":  # copies, in the caller's grad mode: they keep the inputs' graph
         scaled = (lambda t: t.clone() * scale) if scale != 1.0 else (lambda t: t.clone())
         return recursively_apply(scaled, tensor, error_on_other_type=True)
+    if not torch.is_grad_enabled():
+        return _reduce_across(tensor, reduction, scale, world, False)
+    with torch.no_grad():
+        return _reduce_across(tensor, reduction, scale, world, True)
+
+
+def _reduce_across(tensor: Any, reduction: str, scale: float, world: int, grad: bool) -> Any:
+    """`reduce` on several processes, called with autograd off; `grad`: the caller had it on, so a dtype group
+    holding a tensor that requires grad is reduced with it on again (its result keeps the graph)."""
     tensors = _prepare("reduce", tensor, check=(lambda: _check_mean(tensor)) if reduction == "mean" else None)
     if not tensors:
         return tensor
@@ -586,28 +599,45 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         reduction
     ]
     results: list[torch.Tensor | None] = [None] * len(tensors)
+    # One communication per dtype, whatever requires grad (that may differ between ranks; the communications
+    # may not)
     for group in _dtype_groups(tensors):  # a sum needs one dtype per buffer
         members = [tensors[i] for i in group]
-        plan = packing.plan_for(members, world)
-        buffer = packing.pack(plan, members)
-        if len(members) == 1 and buffer.data_ptr() == members[0].data_ptr():
-            buffer = buffer.clone()  # a lone contiguous tensor packs as a view: never reduce into the input
-        wide = _reducible_as(buffer.dtype)
-        if wide != buffer.dtype:  # e.g. int16 on gloo: reduce in a wider dtype, then come back
-            narrow, buffer = buffer, buffer.to(wide)
-        with in_collective("reduce", "all_reduce", _traced(members, buffer)):
-            dist.all_reduce(buffer, op)
-        if wide != members[0].dtype:
-            buffer = narrow.copy_(buffer)
-        if reduction == "mean":
-            buffer /= world
-        if scale != 1.0:
-            buffer *= scale
-        for i, out in zip(group, packing.unpack(plan, buffer, members)):
+        if grad and any(t.requires_grad for t in members):
+            with torch.enable_grad():
+                outs = _reduce_group(members, op, reduction, scale, world)
+            # one buffer held them all: those from tensors without a graph leave it, as Accelerate's would
+            outs = [out if t.requires_grad else out.detach() for t, out in zip(members, outs)]
+        else:
+            outs = _reduce_group(members, op, reduction, scale, world)
+        for i, out in zip(group, outs):
             results[i] = out
     if isinstance(tensor, torch.Tensor):
         return results[0]
     return rebuild(tensor, iter(results))
+
+
+def _reduce_group(members: list[torch.Tensor], op: Any, reduction: str, scale: float, world: int) -> list[torch.Tensor]:
+    """Reduce tensors of one dtype with one all-reduce of a packed copy; views of it shaped like `members`.
+
+    Only in-place operations on that copy (never on an input), so with autograd on the results hang off the
+    inputs' graph through the packing."""
+    plan = packing.plan_for(members, world)
+    buffer = packing.pack(plan, members)
+    if len(members) == 1 and buffer.data_ptr() == members[0].data_ptr():
+        buffer = buffer.clone()  # a lone contiguous tensor packs as a view: never reduce into the input
+    wide = _reducible_as(buffer.dtype)
+    if wide != buffer.dtype:  # e.g. int16 on gloo: reduce in a wider dtype, then come back
+        narrow, buffer = buffer, buffer.to(wide)
+    with in_collective("reduce", "all_reduce", _traced(members, buffer)):
+        dist.all_reduce(buffer, op)
+    if wide != members[0].dtype:
+        buffer = narrow.copy_(buffer)
+    if reduction == "mean":
+        buffer /= world
+    if scale != 1.0:
+        buffer *= scale
+    return packing.unpack(plan, buffer, members)
 
 
 def _check_mean(data: Any) -> None:

@@ -468,8 +468,43 @@ def after_end_training(lib):
             "gather_for_metrics": _outcome(lambda: accelerator.gather_for_metrics(torch.ones(1)))}
 
 
+def reduced_loss_training(lib):
+    """Training on losses reduced across the processes before `backward`: the reduced result keeps the graph
+    (its gradient is each rank's own loss's, over the number of processes for a mean), in every reduction
+    and in a nested structure whose other tensors need no gradient; the warnings torch gives on the way."""
+    import warnings
+
+    accelerator = lib.Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    trace = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, reduction in enumerate(["mean", "sum", "max", "mean", "dict"]):
+            loss = model(torch.ones(4, 3) * (rank + 1 + step)).pow(2).mean()
+            if reduction == "dict":
+                reduced = accelerator.reduce({"loss": loss, "seen": torch.tensor(4.0)}, "mean")
+                value = reduced["loss"]
+                trace.append(("seen", reduced["seen"].requires_grad, reduced["seen"].item()))
+            else:
+                value = accelerator.reduce(loss, reduction)
+            trace.append((reduction, value.requires_grad, value.item()))
+            accelerator.backward(value)
+            trace.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():  # no graph to keep
+            plain = accelerator.reduce(model(torch.ones(1, 3)).sum(), "sum")
+        trace.append(("no_grad", plain.requires_grad, plain.item()))
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"trace": trace, "weights": weights,
+            "warnings": [(w.category.__name__, str(w.message)[:80]) for w in caught]}
+
+
 SAME = [accumulation_with_scheduler, iterable_loaders, split_between, ops, bf16_cpu, state_text, logging_records,
-        prepare_variants, models_list, gradient_state, after_end_training]
+        prepare_variants, models_list, gradient_state, after_end_training, reduced_loss_training]
 
 
 def lomo_training(lib, kind, side):
