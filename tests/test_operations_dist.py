@@ -380,6 +380,7 @@ def test_bad_input_raises_clear_errors_on_every_rank_and_collectives_are_traced(
         assert "data[0] on cpu" in errors["devices"] and "data[1] on meta" in errors["devices"]
         assert errors["reduction"].startswith("ValueError: reduce: reduction must be one of 'mean', 'sum', 'max'")
         assert "pad_dim" not in errors  # a dim fitting no tensor leaves them as they are, as in Accelerate
+        assert errors["mean_int"].startswith("RuntimeError: reduce: reduction='mean' needs floating-point")  # as Accelerate's type
         assert "data['n'] is torch.int64" in errors["mean_int"]
         assert "from_process must be a process index in [0, 1], got 2" in errors["from_process"]
         assert errors["after"] == [0, 1]

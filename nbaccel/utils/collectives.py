@@ -324,6 +324,7 @@ def _prepare(
     leaves: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Validate `data` for collective `op` (plus `check()`); in debug mode, also check every rank matches.
+    The input's error (TypeError, ValueError or `check`'s RuntimeError) is raised after debug mode's check.
 
     `leaves`: the tensors of `data` in order, when the caller already has them (`flat_tensors`)."""
     error: Exception | None = None
@@ -332,7 +333,7 @@ def _prepare(
         tensors = _collect(op, data, leaves)
         if check is not None:
             check()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:  # (RuntimeError: a mean of integers)
         error = exc
     if debug_mode_enabled():
         _debug_check(op, data, error, pad_dim)
@@ -641,9 +642,11 @@ def _reduce_group(members: list[torch.Tensor], op: Any, reduction: str, scale: f
 
 
 def _check_mean(data: Any) -> None:
+    """A mean of integer or bool tensors is refused with a RuntimeError: Accelerate's error type there (torch
+    cannot divide its all-reduced integer tensor in place). With one process neither refuses: no division."""
     for path, leaf in iter_leaves(data):
         if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
+            raise RuntimeError(
                 f"reduce: reduction='mean' needs floating-point tensors, but {path} is {leaf.dtype}. "
                 "Use reduction='sum', or convert it with `.float()`."
             )

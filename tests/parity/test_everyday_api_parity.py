@@ -271,6 +271,9 @@ def bad_inputs(lib):
         "dl_config_bad": lambda: lib.utils.DataLoaderConfiguration(split_batches="yes"),
         "load_state_missing": lambda: lib.Accelerator(cpu=True).load_state("/nonexistent/dir/xyz"),
         "reduce_bad": lambda: lib.Accelerator(cpu=True).reduce(torch.ones(2), reduction="avg"),
+        # a mean of integers: a RuntimeError on 2 processes (Accelerate's from torch's in-place division,
+        # nbaccel's before communicating); neither divides, so neither refuses, on 1
+        "reduce_int_mean": lambda: lib.Accelerator(cpu=True).reduce(torch.tensor([1, 4]), "mean"),
         "gather_non_tensor": lambda: lib.Accelerator(cpu=True).gather([1, 2]),
         "pad_bad_dim": lambda: lib.Accelerator(cpu=True).pad_across_processes(torch.ones(2), dim=3),
         "unwrap_plain": lambda: lib.Accelerator(cpu=True).unwrap_model(torch.nn.Linear(1, 1)),
