@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..messages import Answer, Prompt
+from ..worker.rank_prompts import STDIN_READ
 
 NOTICE = ("[nbaccel] {label} waits for input: the timeout and the hang watch are paused while a rank is at a "
           "prompt, and resume when it goes on")
@@ -71,7 +72,7 @@ class PromptRelay:
         started = time.monotonic()
         self.active = True
         try:
-            fields = self._answer(label, prompt.prompt)
+            fields = self._read(label) if message.get(STDIN_READ) else self._answer(label, prompt.prompt)
         finally:
             self.active = False
             self.paused += time.monotonic() - started
@@ -112,6 +113,45 @@ class PromptRelay:
         finally:
             if reader is not None:
                 _READERS.discard(reader)
+
+    def _read(self, label: str) -> dict[str, Any]:
+        """A rank's read of sys.stdin: the next line of this process's stdin, as read, newline included (the
+        data of `cmd | nbaccel launch script.py`); the end of input is `eof` (the rank reads ""), even where an
+        input() would be told that nobody can answer."""
+        if self._unavailable is None:
+            self._unavailable = _why_no_input()
+        if self._unavailable == NO_MORE_INPUT:
+            return {"eof": True}
+        if self._unavailable is not None:
+            self._say(f"[nbaccel] {label} read sys.stdin, but nobody can answer: {self._unavailable}")
+            return {"unavailable": self._unavailable}
+        if getattr(builtins.input, "__module__", None) != "builtins" or _on_terminal():
+            answer = self._answer(label, "")  # asked like input(): the notebook's input box, the terminal
+            if "text" in answer:
+                answer["text"] += "\n"
+            elif answer.get("unavailable") == NO_MORE_INPUT:
+                answer = {"eof": True}
+            return answer
+        reader = None if threading.current_thread() is threading.main_thread() else threading.get_ident()
+        if reader is not None:
+            _READERS.add(reader)
+        try:
+            text = sys.stdin.readline()  # a pipe or a file: read as it is, without a prompt, as the rank would
+        except UnicodeDecodeError as exc:
+            why = (f"the stdin of the process that launched the ranks is not {sys.stdin.encoding} text ({exc}); "
+                   "pass binary data to the ranks as a file instead")
+            self._say(f"[nbaccel] {label} read sys.stdin, but {why}")
+            return {"unavailable": why}
+        except (OSError, ValueError):
+            self._unavailable = NO_STDIN
+            return self._read(label)
+        finally:
+            if reader is not None:
+                _READERS.discard(reader)
+        if not text:
+            self._unavailable = NO_MORE_INPUT  # as an input() at the end of this stdin would have found
+            return {"eof": True}
+        return {"text": text}
 
     def _say(self, line: str) -> None:
         try:

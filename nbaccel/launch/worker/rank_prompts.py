@@ -6,8 +6,11 @@ A rank has no terminal of its own: its stdin is the kernel's (a pipe the kernel'
   (kernel/prompt_relay.py) asks the user with its own `input()`, i.e. Jupyter's input box, labelled with the
   rank. pdb's command loop reads through `input()`, so pdb, `breakpoint()`, `pdb.post_mortem()` and
   `torch.distributed.breakpoint()` (a pdb whose stdin it points at /dev/stdin) all ask this way;
-- `sys.stdin`: a stream whose `readline` asks the same way (a `pdb.Pdb(stdin=sys.stdin)`, `sys.stdin.readline()`);
-  fd 0 becomes /dev/null, so no C code of the rank reads the kernel's (or the terminal's) stdin;
+- `sys.stdin`: a text stream over the launching process's stdin, read through the kernel the same way
+  (`PromptStdin`): `readline()`, `read()`, iteration, `json.load(sys.stdin)`, `sys.stdin.buffer.read()`, and
+  `pdb.Pdb(stdin=sys.stdin)`; "" at the end of input (a pipe or a file that ran dry, Ctrl-D on a terminal;
+  a notebook's input box has no end of input). fd 0 becomes /dev/null, so no C code of the rank reads the
+  kernel's (or the terminal's) stdin behind the relay's back (`os.read(0, n)` gives b"");
 - `sys.breakpointhook`: the standard library's pdb (ipykernel makes `pdb.Pdb` IPython's in the kernel), as Python's default hook, instead of the hook a forked rank inherits from the
   kernel (ipykernel's debugpy hook returns at once when no debugger client is attached: `breakpoint()` was
   skipped). PYTHONBREAKPOINT is honoured as Python does: "0" turns `breakpoint()` off, another
@@ -31,6 +34,7 @@ from ..messages import Answer, MessageKind, Prompt
 from ..output import flush_std
 
 _ANSWER = MessageKind.ANSWER.value
+STDIN_READ = "stdin"  # a prompt's wire key: a read of sys.stdin (PromptStdin), not input()
 _KERNEL_HOOKS = ("debugpy", "pydevd", "ipykernel")  # breakpoint hooks that need a client the rank does not have
 
 
@@ -66,6 +70,24 @@ class PromptLine:
             raise EOFError(f"rank {self.rank}: end of input")
         return answer.text
 
+    def read_stdin(self) -> str:
+        """The next piece of the launching process's stdin, as `sys.stdin.readline()` gives it there (newline
+        included; no prompt shown when it is not a terminal); "" at the end of input; RankInputUnavailable
+        when nobody can answer."""
+        with self._lock:
+            flush_std()
+            self._count += 1
+            wire = Prompt(self.rank, "", self._count).to_wire()
+            wire[STDIN_READ] = True  # prompt_relay: a data read, answered with the line as read (or eof)
+            if self._send(wire) is False:
+                raise RankInputUnavailable(f"rank {self.rank} read sys.stdin but the kernel is gone")
+            answer = self._wait(self._count)
+        if answer.unavailable:
+            raise RankInputUnavailable(f"rank {self.rank} read sys.stdin but nobody can answer: {answer.unavailable}")
+        if answer.eof or not answer.text:
+            return ""
+        return answer.text
+
     def _wait(self, count: int) -> Answer:
         while True:
             try:
@@ -81,11 +103,22 @@ class PromptLine:
 
 
 class PromptStdin(io.TextIOBase):
-    """sys.stdin of a rank: each line read is asked for (see `PromptLine`); "" at the end of input."""
+    """sys.stdin of a rank: a text stream over the launching process's stdin, each piece read through the kernel
+    (`PromptLine.read_stdin`); "" at the end of input, like a file. `buffer` reads the same stream as bytes."""
 
     def __init__(self, line: PromptLine) -> None:
         super().__init__()
         self._line = line
+        self._pending = ""  # read from the kernel, not yet returned
+        self.buffer = PromptStdinBuffer(self)
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    @property
+    def errors(self) -> str:  # type: ignore[override]
+        return "strict"
 
     def readable(self) -> bool:
         return True
@@ -93,14 +126,80 @@ class PromptStdin(io.TextIOBase):
     def isatty(self) -> bool:
         return False
 
+    def _more(self) -> bool:
+        """Read the next piece into the pending text; False at the end of input."""
+        piece = self.buffer._take_text() or self._line.read_stdin()
+        self._pending += piece
+        return bool(piece)
+
+    def _take(self, count: int) -> str:
+        out, self._pending = self._pending[:count], self._pending[count:]
+        return out
+
     def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
-        try:
-            return self._line.ask("") + "\n"
-        except EOFError:
-            return ""
+        size = -1 if size is None else size
+        while "\n" not in self._pending and (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        end = self._pending.find("\n") + 1 or len(self._pending)
+        return self._take(end if size < 0 else min(end, size))
 
     def read(self, size: int | None = -1) -> str:
-        return self.readline()
+        size = -1 if size is None else size
+        while (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        return self._take(len(self._pending) if size < 0 else size)
+
+
+class PromptStdinBuffer(io.BufferedIOBase):
+    """sys.stdin.buffer of a rank: the same stream as `PromptStdin`, as UTF-8 bytes."""
+
+    def __init__(self, text: PromptStdin) -> None:
+        super().__init__()
+        self._text = text
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def _take_text(self) -> str:
+        """What bytes reads left over, for the text stream (which reads on from there)."""
+        out, self._pending = self._pending.decode("utf-8", "surrogateescape"), b""
+        return out
+
+    def _more(self) -> bool:
+        piece = self._text._take(len(self._text._pending)) or self._text._line.read_stdin()
+        self._pending += piece.encode("utf-8", "surrogateescape")
+        return bool(piece)
+
+    def _take(self, count: int) -> bytes:
+        out, self._pending = self._pending[:count], self._pending[count:]
+        return out
+
+    def read(self, size: int | None = -1) -> bytes:
+        size = -1 if size is None else size
+        while (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        return self._take(len(self._pending) if size < 0 else size)
+
+    def read1(self, size: int = -1) -> bytes:
+        if not self._pending:
+            self._more()
+        return self._take(len(self._pending) if size < 0 else size)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        size = -1 if size is None else size
+        while b"\n" not in self._pending and (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        end = self._pending.find(b"\n") + 1 or len(self._pending)
+        return self._take(end if size < 0 else min(end, size))
+
+    def readinto(self, target: Any) -> int:
+        data = self.read(len(target))
+        target[: len(data)] = data
+        return len(data)
 
 
 _installed: PromptLine | None = None
