@@ -314,8 +314,10 @@ def test_config_values_used_unless_overridden(tmp_path):
                     "--gradient_accumulation_steps", "4", "examples/hello_ranks.py"), config)
     env = worker_environment(overridden)
     assert overridden.num_processes == 1 and env["NBACCEL_MIXED_PRECISION"] == "no"
-    assert env["NBACCEL_DYNAMO_BACKEND"] == "INDUCTOR" and env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
-    config.gradient_accumulation_steps = 8  # the config file's value flows on unless the flag overrides it
+    assert env["NBACCEL_DYNAMO_BACKEND"] == "INDUCTOR"
+    # the option reaches the workers only with DeepSpeed, as in Accelerate (see test_parity_cli)
+    assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
+    config.gradient_accumulation_steps = 8  # the config file's top-level value (nbaccel's key) flows on
     env = worker_environment(resolve_settings(launch_args("examples/hello_ranks.py"), config))
     assert env["NBACCEL_GRADIENT_ACCUMULATION_STEPS"] == env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "8"
     plain = worker_environment(resolve_settings(launch_args("--use_fsdp", "examples/hello_ranks.py"), None))

@@ -496,3 +496,20 @@ def test_config_default_and_update_write_json_to_a_json_path_as_accelerate(tmp_p
     yaml_file = tmp_path / "nb.yaml"
     assert main(["config", "default", "--config_file", str(yaml_file)]) == 0
     assert yaml_file.read_text().startswith("compute_environment: LOCAL_MACHINE")
+
+
+@pytest.mark.parametrize("argv", [["--cpu"], ["--multi_gpu", "--num_processes", "2"]])
+def test_gradient_accumulation_steps_reaches_the_script_only_with_deepspeed_as_accelerate(argv, tmp_path):
+    """Accelerate exports --gradient_accumulation_steps only on its DeepSpeed path: the script's Accelerator keeps 1."""
+    (tmp_path / "s.py").write_text(
+        "import importlib, os, sys\nlib = importlib.import_module(sys.argv[1])\n"
+        "acc = lib.Accelerator(cpu=True)\nprint('GA', acc.process_index, acc.gradient_accumulation_steps, flush=True)\n"
+        "acc.end_training() if hasattr(acc, 'end_training') else None\n")
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", *argv, "--gradient_accumulation_steps", "4",
+                               "s.py", lib], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                              env=_isolated_env(tmp_path), stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = sorted(line for line in proc.stdout.splitlines() if line.startswith("GA"))
+    assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"] and all(s.endswith(" 1") for s in seen["nbaccel"])

@@ -131,7 +131,11 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         dynamo_config=dict(cfg.dynamo_config or {}),
-        gradient_accumulation_steps=pick("gradient_accumulation_steps", None),
+        # the option reaches the workers only with DeepSpeed, as Accelerate exports it only there (elsewhere
+        # its Accelerator keeps 1); the config file's top-level key (nbaccel's, for notebook_launcher too) always
+        gradient_accumulation_steps=(pick("gradient_accumulation_steps", None)
+                                     if bool(args.use_deepspeed) or cfg.uses_deepspeed
+                                     else cfg.gradient_accumulation_steps if config is not None else None),
         use_fsdp=bool(args.use_fsdp) or cfg.uses_fsdp,
         fsdp_config=dict(cfg.fsdp_config or {}),
         use_deepspeed=bool(args.use_deepspeed) or cfg.uses_deepspeed,
@@ -296,7 +300,8 @@ _INERT_UNLESS = [
     (("parallelism_config_",), lambda s: False, "pass a ParallelismConfig to the Accelerator instead"),
     (("fsdp_",), lambda s: s.use_fsdp, "they need --use_fsdp"),
     (("fp8_",), lambda s: s.mixed_precision == "fp8", "they need --mixed_precision fp8"),
-    (("zero_stage", "offload_", "gradient_clipping", "zero3_", "deepspeed_"), lambda s: s.use_deepspeed,
+    (("zero_stage", "offload_", "gradient_clipping", "gradient_accumulation_steps", "zero3_", "deepspeed_"),
+     lambda s: s.use_deepspeed,
      "they need --use_deepspeed"),
 ]
 
