@@ -35,7 +35,11 @@ def test_notebook_launcher_and_nbaccel_launch_give_the_same_variables_for_one_co
                           gradient_accumulation_steps=4,
                           fsdp_config={"fsdp_version": 1, "fsdp_offload_params": True,
                                        "fsdp_sharding_strategy": "SHARD_GRAD_OP"},
-                          dynamo_config={"dynamo_backend": "EAGER", "dynamo_use_fullgraph": True})
+                          # all five keys: for those a config leaves out, nbaccel launch writes Accelerate's
+                          # defaults (it always sets them) and notebook_launcher nothing (neither does Accelerate's)
+                          dynamo_config={"dynamo_backend": "EAGER", "dynamo_use_fullgraph": True,
+                                         "dynamo_mode": "default", "dynamo_use_dynamic": False,
+                                         "dynamo_use_regional_compilation": False})
     config.save(path)
     monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(path))
     plan = build_plan(LaunchRequest(function=print))

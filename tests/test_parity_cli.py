@@ -513,3 +513,22 @@ def test_gradient_accumulation_steps_reaches_the_script_only_with_deepspeed_as_a
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
         seen[lib] = sorted(line for line in proc.stdout.splitlines() if line.startswith("GA"))
     assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"] and all(s.endswith(" 1") for s in seen["nbaccel"])
+
+
+def test_dynamo_variables_left_in_the_shell_do_not_reach_the_script_as_accelerate(tmp_path):
+    """`accelerate launch` always writes the five ACCELERATE_DYNAMO_* variables (backend NO when no flag names one)."""
+    (tmp_path / "s.py").write_text(
+        "import importlib, os, sys\nlib = importlib.import_module(sys.argv[1])\nacc = lib.Accelerator(cpu=True)\n"
+        "print('DYN', acc.state.dynamo_plugin.backend, flush=True)\n"
+        "print('ENV', {k: os.environ[k].lower() for k in sorted(os.environ) if k.startswith('ACCELERATE_DYNAMO_')})\n")
+    leftovers = {"ACCELERATE_DYNAMO_BACKEND": "EAGER", "ACCELERATE_DYNAMO_MODE": "max-autotune",
+                 "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true", "ACCELERATE_DYNAMO_USE_DYNAMIC": "true",
+                 "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true"}
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        env = {**_isolated_env(tmp_path), **leftovers}
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", "s.py", lib], capture_output=True,
+                              text=True, timeout=180, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith(("DYN", "ENV"))]
+    assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"][0] == "DYN NO"

@@ -53,6 +53,10 @@ DYNAMO_ENV = {
     "dynamo_use_dynamic": "DYNAMO_USE_DYNAMIC",
     "dynamo_use_regional_compilation": "DYNAMO_USE_REGIONAL_COMPILATION",
 }
+# What `accelerate launch` sets for the keys neither the config file nor a flag names: it always writes all five,
+# so a value left in the caller's shell (ACCELERATE_DYNAMO_BACKEND=EAGER) does not reach the script.
+DYNAMO_LAUNCH_DEFAULTS = {"dynamo_backend": "NO", "dynamo_mode": "default", "dynamo_use_fullgraph": False,
+                          "dynamo_use_dynamic": False, "dynamo_use_regional_compilation": False}
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,10 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
     if config.gradient_accumulation_steps is not None:
         both("GRADIENT_ACCUMULATION_STEPS", str(config.gradient_accumulation_steps))
     for key, name in DYNAMO_ENV.items():
-        if config.dynamo_config.get(key) is not None:
-            value = config.dynamo_config[key]
+        value = config.dynamo_config.get(key)
+        if value is None and config.explicit_flags:
+            value = DYNAMO_LAUNCH_DEFAULTS[key]
+        if value is not None:
             both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
     if config.use_fsdp:
         both("USE_FSDP", "true")
