@@ -532,3 +532,38 @@ def test_dynamo_variables_left_in_the_shell_do_not_reach_the_script_as_accelerat
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
         seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith(("DYN", "ENV"))]
     assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"][0] == "DYN NO"
+
+
+def _subcommand_parsers(root: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["to-fsdp2", "merge-weights", "tpu-config", "estimate-memory", "env", "launch",
+                                     "test", "config"])
+def test_every_subcommand_takes_both_spellings_of_its_options_as_accelerate(command):
+    """Under the `accelerate` command every subcommand's parser answers to `--config-file` for `--config_file`."""
+    from accelerate.commands import accelerate_cli
+    from accelerate.commands.utils import CustomArgumentParser
+
+    from nbaccel.commands.main import build_parser
+
+    theirs_root = CustomArgumentParser("accelerate", allow_abbrev=False)
+    subparsers = theirs_root.add_subparsers()
+    for name in ("get_config_parser", "estimate_command_parser", "env_command_parser", "launch_command_parser",
+                 "merge_command_parser", "tpu_command_parser", "test_command_parser", "to_fsdp2_command_parser"):
+        getattr(accelerate_cli, name)(subparsers=subparsers)
+    theirs, ours = _subcommand_parsers(theirs_root)[command], _subcommand_parsers(build_parser())[command]
+    ours_options = set(_actions(ours))
+    missing = sorted(o for o in _actions(theirs) if o.startswith("--") and o not in ours_options
+                     and o.replace("-", "_")[2:] in {p.replace("-", "_")[2:] for p in ours_options})
+    assert not missing, missing
+
+
+def test_to_fsdp2_takes_hyphenated_options_as_accelerate(tmp_path):
+    from nbaccel.commands.main import main
+
+    source = tmp_path / "fsdp1.yaml"
+    source.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: FULL_SHARD\n")
+    assert main(["to-fsdp2", "--config-file", str(source), "--output-file", str(tmp_path / "out.yaml")]) == 0
+    assert "fsdp_version: 2" in (tmp_path / "out.yaml").read_text()

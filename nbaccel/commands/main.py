@@ -18,13 +18,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+from .utils import CustomArgumentParser
+
 # Listed first, in this order, in `nbaccel --help`; any other module with `register` follows alphabetically.
 _PREFERRED_ORDER = ("config", "env", "launch", "test")
 _NOT_COMMANDS = {"main", "parser", "accelerate_cli", "utils", "launch_options"}
 
 
-class CommandParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (`nbaccel launch: error: ...`) and exit with status 2."""
+class CommandParser(CustomArgumentParser):
+    """An ArgumentParser whose errors are one line (`nbaccel launch: error: ...`) and exit with status 2, and
+    whose long options answer to both spellings (`--config_file`, `--config-file`), on every subcommand as
+    under the `accelerate` command."""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
