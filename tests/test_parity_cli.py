@@ -567,3 +567,40 @@ def test_to_fsdp2_takes_hyphenated_options_as_accelerate(tmp_path):
     source.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: FULL_SHARD\n")
     assert main(["to-fsdp2", "--config-file", str(source), "--output-file", str(tmp_path / "out.yaml")]) == 0
     assert "fsdp_version: 2" in (tmp_path / "out.yaml").read_text()
+
+
+@pytest.mark.parametrize("kind", ["directory", "zip"])
+def test_a_directory_or_zip_with_main_runs_as_the_training_script_as_accelerate(kind, tmp_path):
+    """`python pkg` runs pkg/__main__.py (a zip app the same): `accelerate launch pkg` does, nbaccel refused a folder."""
+    import json
+    import zipfile
+
+    probe = ("import json, os, sys\nprint('PROBE', json.dumps({'argv': sys.argv, 'name': __name__, "
+             "'file': os.path.abspath(__file__), 'path0': os.path.abspath(sys.path[0])}), flush=True)\n")
+    if kind == "directory":
+        (tmp_path / "pkg").mkdir()
+        (tmp_path / "pkg" / "__main__.py").write_text(probe)
+        target = "pkg"
+    else:
+        target = "app.zip"
+        with zipfile.ZipFile(tmp_path / target, "w") as archive:
+            archive.writestr("__main__.py", probe)
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", target, "x"],
+                              capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_isolated_env(tmp_path),
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert seen["nbaccel"] == seen["accelerate"]
+    assert seen["nbaccel"] == [{"argv": [target, "x"], "name": "__main__", "file": str(tmp_path / target / "__main__.py"),
+                                "path0": str(tmp_path / target)}]
+
+
+def test_a_directory_without_main_is_refused_before_the_launch(tmp_path):
+    from nbaccel.commands.launch import LaunchOptionError, check_script
+
+    (tmp_path / "empty").mkdir()
+    settings = resolve_settings(launch_command_parser().parse_args(["--cpu", str(tmp_path / "empty")]), None)
+    with pytest.raises(LaunchOptionError, match="directory without a __main__.py"):
+        check_script(settings)

@@ -357,9 +357,13 @@ def check_script(s: LaunchSettings) -> None:
             local.is_dir() or local.with_suffix(".py").is_file()
         ):
             raise LaunchOptionError(f"module {s.script!r} not found (with -m, give an importable module name)")
+    elif not s.no_python and Path(s.script).is_dir():
+        # `python DIR` runs DIR/__main__.py, as `accelerate launch DIR` does (a zip app is a file, run the same way)
+        if not any((Path(s.script) / name).is_file() for name in ("__main__.py", "__main__.pyc")):
+            raise LaunchOptionError(f"training script {s.script!r} is a directory without a __main__.py "
+                                    "(python runs a directory through its __main__.py)")
     elif not s.no_python and not Path(s.script).is_file():
-        raise LaunchOptionError(f"training script {s.script!r} not found"
-                                + (" (it is a directory)" if Path(s.script).is_dir() else ""))
+        raise LaunchOptionError(f"training script {s.script!r} not found")
 
 
 class UnknownConfigKeys(ConfigError):
