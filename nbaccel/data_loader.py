@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -735,7 +735,7 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
 def _batch_length(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return _batch_length(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
         return _batch_length(batch[0])
@@ -748,7 +748,7 @@ def _concatenate(batches: list) -> Any:
         return first
     if isinstance(first, torch.Tensor):
         return torch.cat(batches, dim=0)
-    if isinstance(first, dict):
+    if isinstance(first, Mapping):
         return type(first)({k: _concatenate([b[k] for b in batches]) for k in first})
     if isinstance(first, (list, tuple)) and first and not isinstance(first[0], (str, bytes, int, float)):
         items = [_concatenate([b[i] for b in batches]) for i in range(len(first))]
@@ -766,9 +766,9 @@ class _TensorSlot:
 def _describe(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return _TensorSlot(batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return type(batch)({k: _describe(v) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+    if isinstance(batch, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch):
         items = [_describe(v) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
@@ -781,9 +781,9 @@ def _receive(meta: Any, batch: Any, device: Any) -> Any:
             meta.shape, dtype=meta.dtype, device=device)
         broadcast(tensor, from_process=0)
         return tensor
-    if isinstance(meta, dict):
+    if isinstance(meta, Mapping):
         return type(meta)({k: _receive(v, None if batch is None else batch[k], device) for k, v in meta.items()})
-    if isinstance(meta, (list, tuple)) and any(isinstance(v, (_TensorSlot, dict, list, tuple)) for v in meta):
+    if isinstance(meta, (list, tuple)) and any(isinstance(v, (_TensorSlot, Mapping, list, tuple)) for v in meta):
         items = [_receive(v, None if batch is None else batch[i], device) for i, v in enumerate(meta)]
         return type(meta)(*items) if hasattr(meta, "_fields") else type(meta)(items)
     return meta
