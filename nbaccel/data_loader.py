@@ -36,6 +36,7 @@ from .state import GradientState, PartialState
 from .utils import xla as _xla
 from .utils.operations import broadcast, broadcast_object_list, send_to_device, slice_tensors
 from .utils.random import synchronize_rng_states
+from .utils.structures import iter_leaves
 
 # DataLoader arguments carried over when a loader is rebuilt around a new sampler or dataset.
 _LOADER_KWARGS = (
@@ -651,6 +652,9 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
         batches = list(itertools.islice(iterator, wanted))
         if not batches or (len(batches) < wanted and self._drop_last):
             return None
+        if self.num_processes > 1:
+            for batch in batches:
+                _check_dispatchable(batch)
         return _concatenate(batches)
 
     def __iter__(self) -> Iterator[Any]:
@@ -698,13 +702,23 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
             self.end()
 
     def _fetch(self, iterator: Iterator[Any]) -> Any:
-        """Every process: the next whole group, broadcast from process 0, or None at the end of the data."""
+        """Every process: the next whole group, broadcast from process 0, or None at the end of the data.
+
+        When process 0 cannot make the group (a batch it may not dispatch, an error of the dataset), it tells
+        the others before raising, so they raise too instead of waiting for the group forever."""
         if self.process_index == 0:
-            group = self._read_group(iterator)
-            meta = [None if group is None else _describe(group)]
+            try:
+                group = self._read_group(iterator)
+                meta = [None if group is None else _describe(group)]
+            except Exception as exc:
+                if self.num_processes > 1:
+                    broadcast_object_list([_Refused(exc)], from_process=0)
+                raise
         else:
             group, meta = None, [None]
         broadcast_object_list(meta, from_process=0)
+        if isinstance(meta[0], _Refused):
+            raise meta[0].error()
         if meta[0] is None:
             return None
         return _receive(meta[0], group, self._comm_device)
@@ -740,6 +754,37 @@ def _batch_length(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (str, bytes, int, float)):
         return _batch_length(batch[0])
     return len(batch)
+
+
+class _Refused:
+    """What process 0 broadcasts instead of a group's structure when it could not make the group: its error,
+    as text (the exception itself may not pickle)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.type_error = isinstance(exc, TypeError)
+        self.text = str(exc) if self.type_error else f"{type(exc).__name__}: {exc}"
+
+    def error(self) -> Exception:
+        """The error the other processes raise: process 0's TypeError as it is (a batch it may not dispatch),
+        anything else named."""
+        if self.type_error:
+            return TypeError(self.text)
+        return RuntimeError(f"process 0 failed to read the next batch to dispatch: {self.text}")
+
+
+def _check_dispatchable(batch: Any) -> None:
+    """TypeError unless every leaf of `batch` is a tensor: only tensors can be split between the processes
+    in step with each other (Accelerate refuses other leaves too, in its concatenation or broadcast)."""
+    for path, leaf in iter_leaves(batch, "batch"):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"Dispatched batches can only hold tensors (in lists, tuples and dicts), but {path} is not a "
+                f"tensor (type {type(leaf).__name__}): process 0 reads the batches and splits them between the processes, and "
+                "only tensors can be split so that each process's part matches its tensors. Keep non-tensor "
+                "fields out of the batch (e.g. turn them into tensors in the collate_fn), or pass "
+                "`DataLoaderConfiguration(dispatch_batches=False)` so that each process reads its own batches "
+                "(the default for an IterableDataset is to dispatch)."
+            )
 
 
 def _concatenate(batches: list) -> Any:
