@@ -38,10 +38,10 @@ STDIN_READ = "stdin"  # a prompt's wire key: a read of sys.stdin (PromptStdin), 
 _KERNEL_HOOKS = ("debugpy", "pydevd", "ipykernel")  # breakpoint hooks that need a client the rank does not have
 
 
-class RankInputUnavailable(RuntimeError, EOFError):
+class RankInputUnavailable(RuntimeError):
     """A rank asked for input and nobody can answer (the notebook client sends no input requests, the kernel
-    has no stdin, the launch is over). Also an EOFError: code written for a plain process (or for
-    `accelerate launch`, whose ranks read the launcher's stdin) catches EOFError around input()."""
+    has no stdin, the launch is over). Not an EOFError: pdb takes that for the end of input and quits in a
+    silent BdbQuit instead of saying why (docs/debugging.md)."""
 
 
 class PromptLine:
