@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -511,7 +512,7 @@ def test_gradient_accumulation_steps_reaches_the_script_only_with_deepspeed_as_a
                                "s.py", lib], capture_output=True, text=True, timeout=180, cwd=tmp_path,
                               env=_isolated_env(tmp_path), stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
-        seen[lib] = sorted(line for line in proc.stdout.splitlines() if line.startswith("GA"))
+        seen[lib] = sorted(re.findall(r"GA \d+ \d+", proc.stdout))  # two ranks may print into one line
     assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"] and all(s.endswith(" 1") for s in seen["nbaccel"])
 
 
