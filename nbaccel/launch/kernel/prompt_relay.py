@@ -17,10 +17,11 @@ The relay keeps the time spent at prompts: the loop's timeouts and hang watch co
 from __future__ import annotations
 
 import builtins
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from ..messages import Answer, Prompt
@@ -94,11 +95,9 @@ class PromptRelay:
         if not self._told:
             self._told = True
             self._say(NOTICE.format(label=label))
-        reader = None if threading.current_thread() is threading.main_thread() else threading.get_ident()
-        if reader is not None:
-            _READERS.add(reader)
         try:
-            return {"text": builtins.input(f"[{label}] {text}")}
+            with _reading_stdin():
+                return {"text": builtins.input(f"[{label}] {text}")}
         except EOFError:
             if not _on_terminal():  # e.g. `< /dev/null`, a pipe that ran dry
                 self._unavailable = NO_MORE_INPUT
@@ -110,9 +109,6 @@ class PromptRelay:
                 raise
             self._unavailable = NO_INPUT_REQUESTS
             return self._answer(label, text)
-        finally:
-            if reader is not None:
-                _READERS.discard(reader)
 
     def _read(self, label: str) -> dict[str, Any]:
         """A rank's read of sys.stdin: the next line of this process's stdin, as read, newline included (the
@@ -132,11 +128,9 @@ class PromptRelay:
             elif answer.get("unavailable") == NO_MORE_INPUT:
                 answer = {"eof": True}
             return answer
-        reader = None if threading.current_thread() is threading.main_thread() else threading.get_ident()
-        if reader is not None:
-            _READERS.add(reader)
         try:
-            text = sys.stdin.readline()  # a pipe or a file: read as it is, without a prompt, as the rank would
+            with _reading_stdin():
+                text = sys.stdin.readline()  # a pipe or a file: read as it is, without a prompt, as the rank would
         except UnicodeDecodeError as exc:
             why = (f"the stdin of the process that launched the ranks is not {sys.stdin.encoding} text ({exc}); "
                    "pass binary data to the ranks as a file instead")
@@ -145,9 +139,6 @@ class PromptRelay:
         except (OSError, ValueError):
             self._unavailable = NO_STDIN
             return self._read(label)
-        finally:
-            if reader is not None:
-                _READERS.discard(reader)
         if not text:
             self._unavailable = NO_MORE_INPUT  # as an input() at the end of this stdin would have found
             return {"eof": True}
@@ -160,6 +151,19 @@ class PromptRelay:
             stream.flush()
         except Exception:
             pass
+
+
+@contextlib.contextmanager
+def _reading_stdin() -> Iterator[None]:
+    """This thread reads stdin meanwhile: counted by `stdin_held_by_a_thread` unless it is the main thread."""
+    reader = None if threading.current_thread() is threading.main_thread() else threading.get_ident()
+    if reader is not None:
+        _READERS.add(reader)
+    try:
+        yield
+    finally:
+        if reader is not None:
+            _READERS.discard(reader)
 
 
 def _send(reply: Callable[[dict[str, Any]], Any], answer: Answer) -> None:

@@ -58,15 +58,7 @@ class PromptLine:
     def ask(self, prompt: str) -> str:
         """The line the user typed (no newline); EOFError at the end of input; RankInputUnavailable when
         nobody can answer."""
-        with self._lock:
-            flush_std()  # what the rank printed (pdb's listing) is in the pipe before the prompt is read
-            self._count += 1
-            if self._send(Prompt(self.rank, str(prompt), self._count).to_wire()) is False:
-                raise RankInputUnavailable(f"rank {self.rank} asked for input ({prompt!r}) but the kernel is gone")
-            answer = self._wait(self._count)
-        if answer.unavailable:
-            raise RankInputUnavailable(f"rank {self.rank} asked for input ({prompt!r}) but nobody can answer: "
-                                       f"{answer.unavailable}")
+        answer = self._request(str(prompt), f"asked for input ({prompt!r})")
         if answer.eof or answer.text is None:
             raise EOFError(f"rank {self.rank}: end of input")
         return answer.text
@@ -75,19 +67,27 @@ class PromptLine:
         """The next piece of the launching process's stdin, as `sys.stdin.readline()` gives it there (newline
         included; no prompt shown when it is not a terminal); "" at the end of input; RankInputUnavailable
         when nobody can answer."""
-        with self._lock:
-            flush_std()
-            self._count += 1
-            wire = Prompt(self.rank, "", self._count).to_wire()
-            wire[STDIN_READ] = True  # prompt_relay: a data read, answered with the line as read (or eof)
-            if self._send(wire) is False:
-                raise RankInputUnavailable(f"rank {self.rank} read sys.stdin but the kernel is gone")
-            answer = self._wait(self._count)
-        if answer.unavailable:
-            raise RankInputUnavailable(f"rank {self.rank} read sys.stdin but nobody can answer: {answer.unavailable}")
+        answer = self._request("", "read sys.stdin", stdin=True)
         if answer.eof or not answer.text:
             return ""
         return answer.text
+
+    def _request(self, prompt: str, what: str, stdin: bool = False) -> Answer:
+        """Send one prompt and wait for its answer; `stdin`: a data read of sys.stdin (prompt_relay answers it
+        with the line as read, or eof), not an input(). RankInputUnavailable, naming `what`, when nobody can
+        answer."""
+        with self._lock:
+            flush_std()  # what the rank printed (pdb's listing) is in the pipe before the prompt is read
+            self._count += 1
+            wire = Prompt(self.rank, prompt, self._count).to_wire()
+            if stdin:
+                wire[STDIN_READ] = True
+            if self._send(wire) is False:
+                raise RankInputUnavailable(f"rank {self.rank} {what} but the kernel is gone")
+            answer = self._wait(self._count)
+        if answer.unavailable:
+            raise RankInputUnavailable(f"rank {self.rank} {what} but nobody can answer: {answer.unavailable}")
+        return answer
 
     def _wait(self, count: int) -> Answer:
         while True:
@@ -103,9 +103,39 @@ class PromptLine:
             raise RankInputUnavailable(f"rank {self.rank} waited for input but the kernel sent {message!r} instead")
 
 
-class PromptStdin(io.TextIOBase):
+class _Pending:
+    """read()/readline() over what a stdin stream read through the kernel and has not returned yet (`_pending`,
+    str or bytes); `_more()` reads the next piece into it, False at the end of input."""
+
+    _pending: Any
+    _newline: Any
+
+    def _more(self) -> bool:
+        raise NotImplementedError
+
+    def _take(self, count: int) -> Any:
+        out, self._pending = self._pending[:count], self._pending[count:]
+        return out
+
+    def readline(self, size: int | None = -1) -> Any:
+        size = -1 if size is None else size
+        while self._newline not in self._pending and (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        end = self._pending.find(self._newline) + 1 or len(self._pending)
+        return self._take(end if size < 0 else min(end, size))
+
+    def read(self, size: int | None = -1) -> Any:
+        size = -1 if size is None else size
+        while (size < 0 or len(self._pending) < size) and self._more():
+            pass
+        return self._take(len(self._pending) if size < 0 else size)
+
+
+class PromptStdin(_Pending, io.TextIOBase):
     """sys.stdin of a rank: a text stream over the launching process's stdin, each piece read through the kernel
     (`PromptLine.read_stdin`); "" at the end of input, like a file. `buffer` reads the same stream as bytes."""
+
+    _newline = "\n"
 
     def __init__(self, line: PromptLine) -> None:
         super().__init__()
@@ -128,31 +158,15 @@ class PromptStdin(io.TextIOBase):
         return False
 
     def _more(self) -> bool:
-        """Read the next piece into the pending text; False at the end of input."""
         piece = self.buffer._take_text() or self._line.read_stdin()
         self._pending += piece
         return bool(piece)
 
-    def _take(self, count: int) -> str:
-        out, self._pending = self._pending[:count], self._pending[count:]
-        return out
 
-    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
-        size = -1 if size is None else size
-        while "\n" not in self._pending and (size < 0 or len(self._pending) < size) and self._more():
-            pass
-        end = self._pending.find("\n") + 1 or len(self._pending)
-        return self._take(end if size < 0 else min(end, size))
-
-    def read(self, size: int | None = -1) -> str:
-        size = -1 if size is None else size
-        while (size < 0 or len(self._pending) < size) and self._more():
-            pass
-        return self._take(len(self._pending) if size < 0 else size)
-
-
-class PromptStdinBuffer(io.BufferedIOBase):
+class PromptStdinBuffer(_Pending, io.BufferedIOBase):
     """sys.stdin.buffer of a rank: the same stream as `PromptStdin`, as UTF-8 bytes."""
+
+    _newline = b"\n"
 
     def __init__(self, text: PromptStdin) -> None:
         super().__init__()
@@ -175,27 +189,10 @@ class PromptStdinBuffer(io.BufferedIOBase):
         self._pending += piece.encode("utf-8", "surrogateescape")
         return bool(piece)
 
-    def _take(self, count: int) -> bytes:
-        out, self._pending = self._pending[:count], self._pending[count:]
-        return out
-
-    def read(self, size: int | None = -1) -> bytes:
-        size = -1 if size is None else size
-        while (size < 0 or len(self._pending) < size) and self._more():
-            pass
-        return self._take(len(self._pending) if size < 0 else size)
-
     def read1(self, size: int = -1) -> bytes:
         if not self._pending:
             self._more()
         return self._take(len(self._pending) if size < 0 else size)
-
-    def readline(self, size: int | None = -1) -> bytes:
-        size = -1 if size is None else size
-        while b"\n" not in self._pending and (size < 0 or len(self._pending) < size) and self._more():
-            pass
-        end = self._pending.find(b"\n") + 1 or len(self._pending)
-        return self._take(end if size < 0 else min(end, size))
 
     def readinto(self, target: Any) -> int:
         data = self.read(len(target))
