@@ -6,7 +6,6 @@ import argparse
 import importlib.metadata
 import os
 import platform
-import sys
 from shutil import which
 
 import yaml
@@ -91,9 +90,9 @@ def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nbaccel.commands.env`: `nbaccel env`, through the `nbaccel` command's entry point."""
-    from .main import main as nbaccel_main
+    from .main import run_as
 
-    return nbaccel_main(["env", *(sys.argv[1:] if argv is None else argv)])
+    return run_as("env", argv)
 
 
 def register(subparsers) -> None:

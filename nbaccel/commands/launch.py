@@ -726,9 +726,9 @@ def sagemaker_launcher(sagemaker_config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m nbaccel.commands.launch ...` (and the `nbaccel-launch` script): `nbaccel launch`, through the
     `nbaccel` command's entry point, so its errors, Ctrl-C and exit status are the same."""
-    from .main import main as nbaccel_main
+    from .main import run_as
 
-    return nbaccel_main(["launch", *(sys.argv[1:] if argv is None else argv)])
+    return run_as("launch", argv)
 
 
 def register(subparsers) -> None:

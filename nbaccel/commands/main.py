@@ -95,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run_as(command: str, argv: Sequence[str] | None = None) -> int:
+    """`python -m nbaccel.commands.<module>` (and the `nbaccel-<command>` scripts): `nbaccel <command> ARGS`
+    through `main`, so its errors, Ctrl-C and exit status are the same (`argv` default: sys.argv[1:])."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
+
+
 @contextlib.contextmanager
 def _ctrl_c_held() -> Iterator[None]:
     """SIGINT held back (blocked) in the block, and delivered at its end. torch's import runs Python inside

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .launch import (
@@ -51,9 +50,9 @@ def test_command_parser(subparsers=None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nbaccel.commands.test`: `nbaccel test`, through the `nbaccel` command's entry point."""
-    from .main import main as nbaccel_main
+    from .main import run_as
 
-    return nbaccel_main(["test", *(sys.argv[1:] if argv is None else argv)])
+    return run_as("test", argv)
 
 
 def register(subparsers) -> None:
