@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -501,10 +500,14 @@ def test_config_default_and_update_write_json_to_a_json_path_as_accelerate(tmp_p
 
 @pytest.mark.parametrize("argv", [["--cpu"], ["--multi_gpu", "--num_processes", "2"]])
 def test_gradient_accumulation_steps_reaches_the_script_only_with_deepspeed_as_accelerate(argv, tmp_path):
-    """Accelerate exports --gradient_accumulation_steps only on its DeepSpeed path: the script's Accelerator keeps 1."""
+    """Accelerate exports --gradient_accumulation_steps only on its DeepSpeed path: the script's Accelerator keeps 1.
+    Each rank writes what it sees to a file of its own (printed, Accelerate's two ranks' lines were lost or run
+    together now and then)."""
     (tmp_path / "s.py").write_text(
         "import importlib, os, sys\nlib = importlib.import_module(sys.argv[1])\n"
-        "acc = lib.Accelerator(cpu=True)\nprint('GA', acc.process_index, acc.gradient_accumulation_steps, flush=True)\n"
+        "acc = lib.Accelerator(cpu=True)\n"
+        "with open(f'{sys.argv[1]}-ga-{acc.process_index}', 'w') as f:\n"
+        "    f.write(f'GA {acc.process_index} {acc.gradient_accumulation_steps}')\n"
         "acc.end_training() if hasattr(acc, 'end_training') else None\n")
     seen = {}
     for lib in ("accelerate", "nbaccel"):
@@ -512,7 +515,7 @@ def test_gradient_accumulation_steps_reaches_the_script_only_with_deepspeed_as_a
                                "s.py", lib], capture_output=True, text=True, timeout=180, cwd=tmp_path,
                               env=_isolated_env(tmp_path), stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
-        seen[lib] = sorted(re.findall(r"GA \d+ \d+", proc.stdout))  # two ranks may print into one line
+        seen[lib] = sorted(path.read_text() for path in tmp_path.glob(f"{lib}-ga-*"))
     assert seen["nbaccel"] == seen["accelerate"] and seen["nbaccel"] and all(s.endswith(" 1") for s in seen["nbaccel"])
 
 
