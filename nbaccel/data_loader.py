@@ -34,6 +34,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from . import telemetry
 from .state import GradientState, PartialState
 from .utils import xla as _xla
+from .utils.dataclasses import whole_number
 from .utils.operations import broadcast, broadcast_object_list, send_to_device, slice_tensors
 from .utils.random import synchronize_rng_states
 from .utils.structures import iter_leaves
@@ -204,7 +205,7 @@ class SkipBatchSampler(BatchSampler):
 
     def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
         self.batch_sampler = batch_sampler
-        self.skip_batches = skip_batches
+        self.skip_batches = _batches_to_skip(skip_batches)
 
     def __iter__(self) -> Iterator[list]:
         return itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
@@ -470,7 +471,7 @@ class SkipDataLoader(DataLoader):
                  **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self.base_dataloader = (self._base if self.use_stateful_dataloader else DataLoader)(dataset, **kwargs)
-        self.skip_batches = skip_batches
+        self.skip_batches = _batches_to_skip(skip_batches)
         self.gradient_state = GradientState()
         self.end_of_dataloader = False
         self.remainder = -1
@@ -970,8 +971,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     replaces that position (no double skip): the copy runs the restored epoch, and the loader itself then runs
     the next epoch.
     """
-    if num_batches < 0:
-        raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
+    num_batches = _batches_to_skip(num_batches)
     if isinstance(dataloader, (DataLoaderDispatcher, DataLoaderShard)):
         new = _copy_loader(dataloader)
         new.skip_batches = num_batches
@@ -986,6 +986,19 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
                               use_stateful_dataloader=getattr(dataloader, "use_stateful_dataloader", False), **kwargs)
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
                       **kwargs)
+
+
+def _batches_to_skip(num_batches: Any) -> int:
+    """`num_batches` as a whole count. Accelerate skips while a batch's index is below it, so a float such as
+    2.5 (a resume step divided by the accumulation steps) skips 3 batches; here too, as an int from the start."""
+    whole = whole_number(num_batches)
+    if whole is None and isinstance(num_batches, float) and math.isfinite(num_batches):
+        whole = math.ceil(num_batches)
+    if whole is None:
+        raise TypeError(f"num_batches must be a number of batches, got {num_batches!r}.")
+    if whole < 0:
+        raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
+    return whole
 
 
 def _copy_loader(loader: DataLoader) -> DataLoader:

@@ -244,3 +244,29 @@ def test_split_refusal_skip_loader_and_prepared_flags():
     assert results["accelerate"][0]["split_without_batch_size"] == ("ValueError", True)
     assert results["accelerate"][0]["skip_base"] == "DataLoader"
     assert_parity(results)
+
+
+def float_skip_scenario(lib):
+    """A float batch count (a resume step divided by the accumulation steps): Accelerate skips while a batch's
+    index is below it, so 2.5 skips 3; a string count is a TypeError on both (there once iterated, here at once)."""
+    out = {}
+    accelerator = lib.Accelerator(cpu=True)
+    for count in (2.0, 2.5, 0.5):
+        plain = lib.skip_first_batches(DataLoader(TensorDataset(torch.arange(10)), batch_size=2), count)
+        stream = lib.data_loader.skip_first_batches(DataLoader(Stream(7), batch_size=2), count)
+        prepared = accelerator.skip_first_batches(accelerator.prepare(DataLoader(torch.arange(12), batch_size=2)),
+                                                  count)
+        out[str(count)] = [_plain(list(plain)), _plain(list(stream)), _plain(list(prepared))]
+    try:
+        list(lib.skip_first_batches(DataLoader(TensorDataset(torch.arange(4)), batch_size=2), "1"))
+        out["text"] = "ok"
+    except TypeError:
+        out["text"] = "TypeError"
+    return out
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_skip_first_batches_counts_a_float_as_accelerate_does(num_processes):
+    results = run_both(float_skip_scenario, num_processes)
+    assert results["accelerate"][0]["text"] == "TypeError"
+    assert_parity(results)
