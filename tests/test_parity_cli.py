@@ -575,12 +575,13 @@ def test_to_fsdp2_takes_hyphenated_options_as_accelerate(tmp_path):
 
 @pytest.mark.parametrize("kind", ["directory", "zip"])
 def test_a_directory_or_zip_with_main_runs_as_the_training_script_as_accelerate(kind, tmp_path):
-    """`python pkg` runs pkg/__main__.py (a zip app the same): `accelerate launch pkg` does, nbaccel refused a folder."""
+    """`python pkg` runs pkg/__main__.py (a zip app the same): `accelerate launch pkg` does, nbaccel refused a folder,
+    then gave the script a relative sys.path[0] (and a zip's `__file__`) where Python gives absolute ones."""
     import json
     import zipfile
 
     probe = ("import json, os, sys\nprint('PROBE', json.dumps({'argv': sys.argv, 'name': __name__, "
-             "'file': os.path.abspath(__file__), 'path0': os.path.abspath(sys.path[0])}), flush=True)\n")
+             "'file': __file__, 'path0': sys.path[0]}), flush=True)\n")  # as they are: no abspath
     if kind == "directory":
         (tmp_path / "pkg").mkdir()
         (tmp_path / "pkg" / "__main__.py").write_text(probe)

@@ -136,8 +136,8 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
     if as_module:  # `python -m TARGET`: sys.path[0] is the working directory already (this entry ran with -m)
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
-    if not os.path.isfile(target) or zipfile.is_zipfile(target):  # a folder or zip with __main__.py
-        runpy.run_path(target, run_name="__main__")
+    if not os.path.isfile(target) or zipfile.is_zipfile(target):
+        _run_folder(target)
         return
     # `python TARGET`: sys.path[0] is the script's folder (symbolic links resolved), `__file__` the absolute
     # path, sys.argv[0] the path as given (runpy.run_path would put its own argument there)
@@ -150,6 +150,20 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
         code = compile(file.read(), path, "exec", dont_inherit=True)  # bytes: the coding cookie is honoured
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
+
+
+def _run_folder(target: str) -> None:
+    """`python TARGET` for a folder or zip with `__main__.py`: Python puts the working directory joined with
+    TARGET in sys.path[0] (runpy.run_path would put TARGET as given, relative, and keep the working directory
+    behind it), and sys.argv[0] stays TARGET as given."""
+    home = os.path.join(os.getcwd(), target)
+    spec = importlib.machinery.PathFinder.find_spec("__main__", [home])
+    if spec is None:
+        raise ImportError(f"can't find '__main__' module in {home!r}")
+    sys.path[0] = home
+    main = importlib.util.module_from_spec(spec)
+    sys.modules["__main__"] = main
+    spec.loader.exec_module(main)
 
 
 def _print_uncaught(exc: Exception) -> NoReturn:
