@@ -38,6 +38,7 @@ from .utils.dataclasses import (
     DistributedDataParallelKwargs,
     DistributedType,
     DynamoBackend,
+    FP8BackendType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -323,8 +324,9 @@ class Accelerator:
         return self.state.mixed_precision
 
     @property
-    def fp8_backend(self) -> str | None:
-        return self._fp8_backend
+    def fp8_backend(self) -> FP8BackendType:
+        """The fp8 backend in use; without fp8, the launcher's --fp8_backend if any, else NO (as Accelerate)."""
+        return FP8BackendType((self._fp8_backend or os.environ.get("ACCELERATE_FP8_BACKEND") or "NO").upper())
 
     @property
     def fp8_enabled(self) -> bool:

@@ -157,7 +157,9 @@ def state_text(lib):
             "save_iteration": accelerator.save_iteration, "optimizer_step_was_skipped":
             accelerator.optimizer_step_was_skipped, "split_batches": accelerator.split_batches,
             "even_batches": accelerator.even_batches, "dispatch": accelerator.dispatch_batches,
-            "grad_steps": accelerator.gradient_accumulation_steps}
+            "grad_steps": accelerator.gradient_accumulation_steps,
+            "fp8_backend": (type(accelerator.fp8_backend).__name__, str(accelerator.fp8_backend)),
+            "fp8_enabled": accelerator.fp8_enabled}
 
 
 def join_uneven(lib):
