@@ -609,3 +609,52 @@ def test_a_directory_without_main_is_refused_before_the_launch(tmp_path):
     settings = resolve_settings(launch_command_parser().parse_args(["--cpu", str(tmp_path / "empty")]), None)
     with pytest.raises(LaunchOptionError, match="directory without a __main__.py"):
         check_script(settings)
+
+
+# --- launch: OMP_NUM_THREADS, downcast_bf16, --gpu_ids with --cpu, -q, restarts ---------------------------------
+MULTI_CPU_CONFIG = ("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
+                    "mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\n")
+ONE_PROCESS_CONFIG = ("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: false\n"
+                      "mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\n")
+
+
+@pytest.mark.parametrize("physical_cores", [2, 8])
+def test_omp_num_threads_defaults_as_accelerates(physical_cores, monkeypatch, tmp_path):
+    """Without --num_cpu_threads_per_process Accelerate sets OMP_NUM_THREADS to the shell's value, else 1, except
+    a CPU launch (the config's use_cpu, else --cpu) with a process count given, which shares the physical cores
+    out; nbaccel gave every launch logical cores // local processes (2 where Accelerate gives 1 here)."""
+    import psutil
+    from accelerate.commands import launch as theirs
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: physical_cores * (2 if logical else 1))
+    monkeypatch.setattr(theirs, "default_config_file", str(tmp_path / "none.yaml"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    multi_cpu, one = (str(tmp_path / "multi_cpu.yaml"), str(tmp_path / "one.yaml"))
+    Path(multi_cpu).write_text(MULTI_CPU_CONFIG)
+    Path(one).write_text(ONE_PROCESS_CONFIG)
+    cases = [["--cpu"], ["--cpu", "--num_processes", "1"], ["--cpu", "--num_processes", "2"], ["--num_processes", "1"],
+             ["--num_processes", "2"], ["--config_file", multi_cpu], ["--config_file", one, "--cpu"],
+             ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1"],
+             ["--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "3"]]
+    for omp in (None, "3"):
+        if omp is not None:
+            monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        for argv in cases:
+            expected = theirs._validate_launch_command(theirs.launch_command_parser().parse_args([*argv, SCRIPT]))[0]
+            args = launch_command_parser().parse_args([*argv, SCRIPT])
+            config = load_config(args.config_file) if args.config_file else None
+            seen = worker_environment(resolve_settings(args, config))["OMP_NUM_THREADS"]
+            assert seen == str(expected.num_cpu_threads_per_process), (omp, argv)
+
+
+def test_a_one_process_cpu_launch_runs_with_accelerates_thread_count(tmp_path):
+    (tmp_path / "s.py").write_text("import os, torch\nprint('THREADS', os.environ.get('OMP_NUM_THREADS'), "
+                                   "torch.get_num_threads(), flush=True)\n")
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        env = {k: v for k, v in _isolated_env(tmp_path).items() if k != "OMP_NUM_THREADS"}
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", "s.py"], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith("THREADS")]
+    assert seen["nbaccel"] == seen["accelerate"] and len(seen["nbaccel"]) == 1

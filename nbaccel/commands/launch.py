@@ -140,7 +140,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         fsdp_config=dict(cfg.fsdp_config or {}),
         use_deepspeed=bool(args.use_deepspeed) or cfg.uses_deepspeed,
         debug=bool(args.debug) if args.debug is not None else bool(cfg.debug),
-        num_cpu_threads_per_process=args.num_cpu_threads_per_process,
+        num_cpu_threads_per_process=_threads_per_process(args, config, num_machines),
         log_dir=args.log_dir,
         tee=None if args.tee in (None, "0") else args.tee,
         config_path=cfg.path if config is not None else None,
@@ -163,6 +163,35 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         devices = 0 if settings.use_cpu else _device_count()
         settings.num_processes = max(devices, 1) * settings.num_machines
     return settings
+
+
+def _threads_per_process(args: argparse.Namespace, config: LaunchConfig | None, num_machines: int) -> int:
+    """OMP_NUM_THREADS for every process, as Accelerate's `_validate_launch_command` fills
+    `--num_cpu_threads_per_process` when not given: OMP_NUM_THREADS of this shell, else 1; but a CPU launch with
+    OMP_NUM_THREADS unset gives each local process its share of the physical cores, when that share is above 1.
+    As in Accelerate, "CPU launch" is the config file's `use_cpu` when a config file is read (Accelerate skips
+    the default one under `--cpu`), else `--cpu`, and the process count is the one given (else the config
+    file's, else the CUDA device count), before any default process count is filled in."""
+    if args.num_cpu_threads_per_process is not None:
+        return args.num_cpu_threads_per_process
+    if args.cpu and getattr(args, "config_file", None) is None:
+        config = None
+    from ..utils.environment import get_int_from_env
+
+    threads = get_int_from_env(["OMP_NUM_THREADS"], 1)
+    use_cpu = bool(config.use_cpu) if config is not None else bool(args.cpu)
+    processes = args.num_processes
+    if processes is None:
+        processes = (config.num_processes or 0) if config is not None else _device_count()
+    if use_cpu and processes >= 1 and get_int_from_env(["OMP_NUM_THREADS"], 0) == 0:
+        import psutil
+
+        local_size = get_int_from_env(["MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"],
+                                      max(int(processes / max(num_machines, 1)), 1))
+        share = int((psutil.cpu_count(logical=False) or os.cpu_count() or 1) / local_size)
+        if share > 1:
+            threads = share
+    return threads
 
 
 def _refuse_unsupported_options(args: argparse.Namespace) -> None:
