@@ -658,3 +658,40 @@ def test_a_one_process_cpu_launch_runs_with_accelerates_thread_count(tmp_path):
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
         seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith("THREADS")]
     assert seen["nbaccel"] == seen["accelerate"] and len(seen["nbaccel"]) == 1
+
+
+def test_config_default_writes_downcast_bf16_as_accelerate(tmp_path):
+    """`accelerate config default` writes `downcast_bf16: false` (its ClusterConfig's bool); nbaccel wrote 'no'.
+    Both forms (Accelerate's interactive `config` writes "no") are written back as read, and no launch passes
+    a DOWNCAST variable to a CPU script (Accelerate sets XLA_DOWNCAST_BF16 for TPU launches only)."""
+    import json
+
+    import yaml
+    from accelerate.commands.config.default import write_basic_config as accelerates_write_basic_config
+    from accelerate.commands.config.update import update_config as accelerates_update
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env as their_env
+
+    from nbaccel.commands.config.update import update_config
+    from nbaccel.commands.main import main
+
+    accelerates_write_basic_config(save_location=str(tmp_path / "theirs.yaml"))
+    assert main(["config", "default", "--config_file", str(tmp_path / "ours.yaml")]) == 0
+    theirs = json.loads((tmp_path / "theirs.yaml").read_text())  # Accelerate writes JSON whatever the name
+    ours = yaml.safe_load((tmp_path / "ours.yaml").read_text())
+    assert ours["downcast_bf16"] is theirs["downcast_bf16"] is False
+    assert ours == theirs
+    for value in ("false", "true", "'no'", "'yes'"):
+        for side, update in (("theirs", accelerates_update), ("ours", update_config)):
+            (tmp_path / f"{side}.yaml").write_text(f"{ONE_PROCESS_CONFIG}downcast_bf16: {value}\n")
+            update(argparse.Namespace(config_file=str(tmp_path / f"{side}.yaml")))
+        theirs = yaml.safe_load((tmp_path / "theirs.yaml").read_text())
+        ours = yaml.safe_load((tmp_path / "ours.yaml").read_text())
+        assert ours["downcast_bf16"] == theirs["downcast_bf16"] == yaml.safe_load(value), value
+    from accelerate.commands.launch import _validate_launch_command as their_validate
+    from accelerate.commands.launch import launch_command_parser as their_parser
+
+    argv = ["--cpu", "--downcast_bf16", "--mixed_precision", "bf16", SCRIPT]
+    downcast = {k: v for k, v in their_env(their_validate(their_parser().parse_args(argv))[0])[1].items()
+                if "DOWNCAST" in k}
+    assert downcast == {} == {k: v for k, v in worker_environment(
+        resolve_settings(launch_command_parser().parse_args(argv), None)).items() if "DOWNCAST" in k}

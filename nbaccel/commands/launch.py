@@ -265,7 +265,7 @@ def _apply_option_groups(args: argparse.Namespace, s: LaunchSettings) -> None:
 # Keys of an Accelerate config file that `nbaccel launch` does not use, with the reason; each is reported in one
 # line when the file sets it (a value other than the default), never silently ignored.
 _UNUSED_KEYS = {
-    "downcast_bf16": ("no", "it applies to TPU runs, which notebook_launcher starts"),
+    "downcast_bf16": (False, "it applies to TPU runs, which notebook_launcher starts"),
     "main_training_function": ("main", "it names the function of a TPU run, which notebook_launcher starts"),
     "megatron_lm_config": ({}, "Megatron-LM is not supported"),
     "tpu_use_cluster": (False, "TPU pods are set up with `nbaccel tpu-config` and run through notebook_launcher"),

@@ -130,7 +130,9 @@ class LaunchConfig:
     same_network: bool = False
     main_training_function: str = "main"
     enable_cpu_affinity: bool = False
-    downcast_bf16: str = "no"
+    # Accelerate's type and default (`config default` writes false); its interactive `config` writes "no"/"yes",
+    # so either form is read and written back as it was
+    downcast_bf16: bool | str = False
     dynamo_config: dict = field(default_factory=dict)
     fsdp_config: dict = field(default_factory=dict)
     deepspeed_config: dict = field(default_factory=dict)
@@ -185,8 +187,6 @@ class LaunchConfig:
             values["num_processes"] = None
         if values.get("gpu_ids") is not None:
             values["gpu_ids"] = str(values["gpu_ids"])
-        if isinstance(values.get("downcast_bf16"), bool):
-            values["downcast_bf16"] = "yes" if values["downcast_bf16"] else "no"
         if "same_network" in values and values["same_network"] is None:
             values["same_network"] = False
         for key in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
@@ -273,7 +273,8 @@ class LaunchConfig:
         one_of("distributed_type", DistributedType.list() + (["DATA_PARALLEL", "MODEL_PARALLEL"] if sagemaker else []))
         one_of("mixed_precision", MIXED_PRECISION_CHOICES)
         one_of("rdzv_backend", RDZV_BACKENDS)
-        one_of("downcast_bf16", ("no", "yes"))
+        if self.downcast_bf16 not in (False, True, "no", "yes"):
+            errors["downcast_bf16"] = f"{short_repr(self.downcast_bf16)} is not one of false, true, no, yes"
         for name in ("use_cpu", "debug", "same_network", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo"):
             if not isinstance(getattr(self, name), bool):
                 errors[name] = f"{short_repr(getattr(self, name))} is not true or false"
