@@ -695,3 +695,32 @@ def test_config_default_writes_downcast_bf16_as_accelerate(tmp_path):
                 if "DOWNCAST" in k}
     assert downcast == {} == {k: v for k, v in worker_environment(
         resolve_settings(launch_command_parser().parse_args(argv), None)).items() if "DOWNCAST" in k}
+
+
+def test_gpu_ids_with_cpu_set_cuda_visible_devices_as_accelerate(monkeypatch, tmp_path):
+    """`accelerate launch --cpu --gpu_ids 1` neither refuses nor ignores the ids: the script sees
+    CUDA_VISIBLE_DEVICES=1 (and the CPU). nbaccel dropped the ids under --cpu, silently."""
+    from accelerate.commands import launch as theirs
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env as their_env
+
+    monkeypatch.setattr(theirs, "default_config_file", str(tmp_path / "none.yaml"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    multi_cpu.write_text(f"{MULTI_CPU_CONFIG}gpu_ids: '0'\n")
+    for argv in (["--cpu", "--gpu_ids", "1"], ["--cpu", "--gpu_ids", "0,1", "--num_processes", "2"],
+                 ["--cpu", "--gpu_ids", "all"], ["--cpu"], ["--config_file", str(multi_cpu)],
+                 ["--config_file", str(multi_cpu), "--gpu_ids", "1"]):
+        expected = their_env(theirs._validate_launch_command(theirs.launch_command_parser().parse_args([*argv, SCRIPT]))[0])[1]
+        args = launch_command_parser().parse_args([*argv, SCRIPT])
+        ours = worker_environment(resolve_settings(args, load_config(args.config_file) if args.config_file else None))
+        assert ours.get("CUDA_VISIBLE_DEVICES") == expected.get("CUDA_VISIBLE_DEVICES"), argv
+    (tmp_path / "s.py").write_text("import os\nprint('CVD', os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)\n")
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        env = {k: v for k, v in _isolated_env(tmp_path).items() if k != "CUDA_VISIBLE_DEVICES"}
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", "--gpu_ids", "1", "s.py"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith("CVD")]
+    assert seen["nbaccel"] == seen["accelerate"] == ["CVD 1"]

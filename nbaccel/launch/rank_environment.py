@@ -167,7 +167,7 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
         both("USE_DEEPSPEED", "true")
     if config.nproc_per_node == 1 and config.num_nodes == 1 and not config.use_fsdp:
         env[ONE_PROCESS_ENV] = "1"
-    if config.gpu_ids not in (None, "all") and not config.use_cpu:
+    if config.gpu_ids not in (None, "all"):  # with --cpu too, as `accelerate launch --cpu --gpu_ids 1`
         env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
     if config.num_cpu_threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
