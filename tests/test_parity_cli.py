@@ -724,3 +724,22 @@ def test_gpu_ids_with_cpu_set_cuda_visible_devices_as_accelerate(monkeypatch, tm
         assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
         seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith("CVD")]
     assert seen["nbaccel"] == seen["accelerate"] == ["CVD 1"]
+
+
+def test_quiet_leaves_torchs_agent_messages_as_accelerate(tmp_path):
+    """`accelerate launch -q` on several processes silences none of torch elastic's messages (its -q only drops a
+    single process's CalledProcessError traceback); nbaccel's -q silenced some (`Using nproc_per_node=2.`) and let
+    the others through. With torch's LOGLEVEL=INFO both now log from the same places."""
+    import re
+
+    (tmp_path / "s.py").write_text("print('SCRIPT', flush=True)\n")
+    sources = {}
+    for lib in ("accelerate", "nbaccel"):
+        env = {**_isolated_env(tmp_path), "LOGLEVEL": "INFO"}
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "-q", "--multi_gpu", "--num_processes",
+                               "2", "s.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and proc.stdout.count("SCRIPT") == 2, (lib, proc.stdout, proc.stderr)
+        sources[lib] = set(re.findall(r"torch/distributed/[\w/]+\.py:\d+\]", proc.stderr))
+    assert sources["nbaccel"] == sources["accelerate"]
+    assert any("launcher/api.py" in s for s in sources["nbaccel"]) and any("run.py" in s for s in sources["nbaccel"])

@@ -207,7 +207,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, script: bool = True
     parser.add_argument(*_opt("--config_file"), default=None,
                         help="Config file to read (default: the one in use, see `nbaccel env`).")
     parser.add_argument("--quiet", "-q", action="store_true", default=None,
-                        help="Fewer launcher messages: only the workers' output and errors.")
+                        help="Leave out nbaccel launch's own notes (options not used); torch's agent messages "
+                             "show as under `accelerate launch -q` (set LOGLEVEL for those).")
     _add_hardware(parser)
     _add_resources(parser)
     _add_paradigms(parser)

@@ -132,7 +132,7 @@ class ScriptTarget:
     role: str = "default"
     log_dir: str | None = None  # torchrun's log folder (None: a private one, removed afterwards)
     tee: str | None = None
-    quiet: bool = False  # only the ranks' output and errors, not the agent's progress
+    quiet: bool = False  # -q: nbaccel launch's own notes left out; torch's agent messages stay, as under accelerate launch -q
     same_network: bool = False  # several machines: torchrun's static master address instead of a rendezvous
 
 
