@@ -533,10 +533,11 @@ class PartialState:
 
     @contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """This process's contiguous share of `inputs` (list, tuple, tensor, numpy array, dict of those, or a
-        `datasets.Dataset`). The first `len % num_processes` processes get one extra element; with
-        `apply_padding=True` the short shares repeat the input's last element so every share has the same
-        length (drop the padding after a gather). The input itself is never modified."""
+        """This process's contiguous share of `inputs` (list, tuple, range, tensor, numpy array, dict of those, or
+        a `datasets.Dataset`; a string or another sized object goes whole to every process, as in Accelerate).
+        The first `len % num_processes` processes get one extra element; with `apply_padding=True` the short
+        shares repeat the input's last element so every share has the same length (drop the padding after a
+        gather). The input itself is never modified."""
         if self.num_processes == 1:
             yield inputs
             return
@@ -684,8 +685,8 @@ def _length(inputs: Any) -> int:
         return len(inputs)
     except TypeError:
         raise TypeError(
-            "split_between_processes splits a list, tuple, tensor, numpy array, dict of those or datasets.Dataset; "
-            f"got {type(inputs).__name__}"
+            "split_between_processes splits a list, tuple, range, tensor, numpy array, dict of those or "
+            f"datasets.Dataset; got {type(inputs).__name__}, which has no length"
         ) from None
 
 
@@ -716,6 +717,9 @@ def _take(inputs: Any, start: int, end: int, pad_to: int | None) -> Any:
     if isinstance(inputs, (list, tuple)):
         part = inputs[start:end]
         return part + type(part)([inputs[-1]] * missing) if missing else part
+    if isinstance(inputs, range):
+        part = inputs[start:end]
+        return [*part, *[inputs[-1]] * missing] if missing else part
     if type(inputs).__module__ == "numpy" or type(inputs).__name__ == "ndarray":
         import numpy as np
 
@@ -724,10 +728,7 @@ def _take(inputs: Any, start: int, end: int, pad_to: int | None) -> Any:
     if hasattr(inputs, "select") and hasattr(inputs, "column_names"):  # datasets.Dataset
         indices = list(range(start, end)) + [len(inputs) - 1] * missing
         return inputs.select(indices)
-    raise TypeError(
-        "split_between_processes splits a list, tuple, tensor, numpy array, dict of those or datasets.Dataset; "
-        f"got {type(inputs).__name__}"
-    )
+    return inputs  # a string or another sized object: every process gets all of it, as in Accelerate
 
 
 # --- AcceleratorState ----------------------------------------------------------------------------------

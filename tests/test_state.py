@@ -397,8 +397,10 @@ def test_split_dicts_without_touching_the_input():
     assert data["a"] == [1, 2, 3]  # Accelerate overwrites the caller's dict; nbaccel does not
     with pytest.raises(ValueError, match="same length"):
         _split({"a": [1, 2], "b": [1]}, 2, 0, False)
-    with pytest.raises(TypeError, match="splits a list, tuple, tensor"):
+    with pytest.raises(TypeError, match="got int, which has no length"):
         _split(42, 2, 0, False)
+    assert _split("abcde", 2, 1, True) == "abcde"  # sized, not a sequence it splits: whole, as in Accelerate
+    assert _split(range(5), 2, 1, False) == range(3, 5) and _split(range(5), 2, 1, True) == [3, 4, 4]
 
 
 # --- two ranks (gloo) ----------------------------------------------------------------------------------------

@@ -89,9 +89,15 @@ def split_between(lib):
     state = lib.PartialState(cpu=True)
     out = []
     for data, pad in (([1, 2, 3], False), ([1, 2, 3], True), ({"a": [1, 2, 3], "b": [4, 5, 6]}, False),
-                      (torch.arange(5), True), (["x"], True), ([], False)):
+                      (torch.arange(5), True), (["x"], True), ([], False), ("abcde", False), ("abc", True),
+                      ({"a": [1, 2, 3], "b": "xyz"}, False), ({1, 2, 3}, False)):
         with state.split_between_processes(data, apply_padding=pad) as part:
             out.append(part if not isinstance(part, torch.Tensor) else part.tolist())
+    try:  # no length: a TypeError on both
+        with state.split_between_processes(7):
+            out.append("split 7")
+    except TypeError:
+        out.append("TypeError")
     return out
 
 
