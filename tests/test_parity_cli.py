@@ -743,3 +743,52 @@ def test_quiet_leaves_torchs_agent_messages_as_accelerate(tmp_path):
         sources[lib] = set(re.findall(r"torch/distributed/[\w/]+\.py:\d+\]", proc.stderr))
     assert sources["nbaccel"] == sources["accelerate"]
     assert any("launcher/api.py" in s for s in sources["nbaccel"]) and any("run.py" in s for s in sources["nbaccel"])
+
+
+RESTARTED_ONCE = """import os, sys
+marker = os.path.join(sys.argv[1], f"failed-{os.environ.get('RANK', '-')}")
+with open(os.path.join(sys.argv[1], f"seen-{os.environ.get('RANK', '-')}"), "a") as seen:
+    seen.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT')}\\n")
+if os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1) and not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(3)
+"""
+
+
+def _restarted_once(tmp_path: Path, lib: str, argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
+    (tmp_path / "once.py").write_text(RESTARTED_ONCE)
+    folder = tmp_path / lib
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", *argv, "once.py", str(folder)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+    return proc, {p.name: p.read_text().split() for p in sorted(folder.glob("seen-*"))}
+
+
+def test_a_restart_shows_as_under_accelerate(tmp_path):
+    """Neither `accelerate launch` nor torchrun prints a restart line of its own at torch's default LOGLEVEL: the
+    failed attempt's `failed (exitcode: 3) local_rank: 1` line (ERROR) and the ranks' TORCHELASTIC_RESTART_COUNT
+    tell; LOGLEVEL=INFO adds torch's `1/1 attempts left; will restart worker group`. nbaccel's launch the same."""
+    import re
+
+    argv = ["--multi_gpu", "--num_processes", "2", "--max_restarts", "1"]
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        proc, attempts = _restarted_once(tmp_path, lib, argv, {**_isolated_env(tmp_path), "LOGLEVEL": "INFO"})
+        assert proc.returncode == 0, (lib, proc.stderr)
+        assert "failed (exitcode: 3) local_rank: 1" in proc.stderr, (lib, proc.stderr)
+        assert "1/1 attempts left; will restart worker group" in proc.stderr, (lib, proc.stderr)
+        seen[lib] = attempts, set(re.findall(r"torch/distributed/[\w/]+\.py:\d+\]", proc.stderr))
+    assert seen["nbaccel"] == seen["accelerate"]
+    assert seen["nbaccel"][0] == {"seen-0": ["0", "1"], "seen-1": ["0", "1"]}
+
+
+def test_one_process_restarts_under_nbaccel_only(tmp_path):
+    """A listed difference (docs/compat.md): Accelerate runs one process without torchrun's agent and ignores
+    --max_restarts (the launch fails with CalledProcessError, exit 1); nbaccel runs it under the agent, which
+    restarts it."""
+    runs = {lib: _restarted_once(tmp_path, lib, ["--cpu", "--max_restarts", "1"], _isolated_env(tmp_path))
+            for lib in ("accelerate", "nbaccel")}
+    (theirs, their_attempts), (ours, our_attempts) = runs["accelerate"], runs["nbaccel"]
+    assert theirs.returncode == 1 and "CalledProcessError" in theirs.stderr and their_attempts == {"seen--": ["None"]}
+    assert ours.returncode == 0 and our_attempts == {"seen-0": ["0", "1"]}
+    assert "failed (exitcode: 3) local_rank: 0" in ours.stderr
