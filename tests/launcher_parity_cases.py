@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Any
 
+import numpy
 import torch  # noqa: F401  (forked ranks inherit it)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -181,6 +182,10 @@ def case_arguments() -> dict[str, Any]:
         "args_not_a_tuple": lambda: lib.notebook_launcher(double, 3, num_processes=1),
         "not_callable": lambda: launch(42),
         "no_num_processes": lambda: lib.notebook_launcher(double, (5,)),
+        # no int: a TypeError on both (Accelerate's from a comparison, range() or its JSON log of the settings)
+        "processes_text": lambda: lib.notebook_launcher(double, num_processes="2", use_port=free_port()),
+        "processes_float": lambda: lib.notebook_launcher(double, num_processes=2.0, use_port=free_port()),
+        "restarts_numpy": lambda: launch(double, max_restarts=numpy.int64(1)),
     }
     outcomes: dict[str, Any] = {}
     for name, call in calls.items():

@@ -258,6 +258,15 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_int(name: str, value: Any, least: int, wanted: str, below: int | None = None) -> None:
+    """TypeError for a value that is no int (Accelerate's launcher fails with one for a str, a float or a numpy
+    int), ValueError for an int out of range; both say what is wanted."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+    if value < least or (below is not None and value >= below):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+
+
 def check_request(request: LaunchRequest, resolved: Any) -> str:
     """Raise ValueError/TypeError naming the bad argument; return the mixed precision normalized.
     `resolved`: the arguments after the saved configuration filled in those left at their defaults
@@ -270,18 +279,16 @@ def check_request(request: LaunchRequest, resolved: Any) -> str:
         raise TypeError(f"args must be a tuple of positional arguments, got {type(args).__name__}")
     if not isinstance(request.kwargs, Mapping) or not all(isinstance(name, str) for name in request.kwargs):
         raise TypeError(f"kwargs must be a dict of keyword arguments (name: value), got {request.kwargs!r:.80}")
-    if num_processes is not None and (not is_int(num_processes) or num_processes < 1):
-        raise ValueError(f"num_processes must be a positive integer or None (all devices), got {num_processes!r}")
     if num_processes is not None:
+        check_int("num_processes", num_processes, 1, "a positive int, or None for all devices")
         check_process_count(num_processes)  # before anything starts: descriptors, memory, cores
-    if not is_int(num_nodes) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
-    if not is_int(node_rank) or not 0 <= node_rank < num_nodes:
-        raise ValueError(f"node_rank must be in [0, num_nodes={num_nodes}), got {node_rank!r}")
-    if not is_int(request.max_restarts) or request.max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {request.max_restarts!r}")
+    check_int("num_nodes", num_nodes, 1, "a positive int")
+    check_int("node_rank", node_rank, 0, f"an int in [0, num_nodes={num_nodes})", below=num_nodes)
+    check_int("max_restarts", request.max_restarts, 0, "an int >= 0")
     interval = request.monitor_interval
-    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool):
+        raise TypeError(f"monitor_interval must be a number of seconds, got {interval!r} ({type(interval).__name__})")
+    if interval <= 0:
         raise ValueError(f"monitor_interval must be a positive number of seconds, got {interval!r}")
     check_rendezvous_backend(resolved.rdzv_backend)
     check_timeout(request.timeout)
