@@ -729,7 +729,7 @@ def test_gpu_ids_with_cpu_set_cuda_visible_devices_as_accelerate(monkeypatch, tm
 def test_quiet_leaves_torchs_agent_messages_as_accelerate(tmp_path):
     """`accelerate launch -q` on several processes silences none of torch elastic's messages (its -q only drops a
     single process's CalledProcessError traceback); nbaccel's -q silenced some (`Using nproc_per_node=2.`) and let
-    the others through. With torch's LOGLEVEL=INFO both now log from the same places."""
+    the others through. With torch's LOGLEVEL=INFO nbaccel now logs from every place Accelerate does."""
     import re
 
     (tmp_path / "s.py").write_text("print('SCRIPT', flush=True)\n")
@@ -741,7 +741,7 @@ def test_quiet_leaves_torchs_agent_messages_as_accelerate(tmp_path):
                               stdin=subprocess.DEVNULL)
         assert proc.returncode == 0 and proc.stdout.count("SCRIPT") == 2, (lib, proc.stdout, proc.stderr)
         sources[lib] = set(re.findall(r"torch/distributed/[\w/]+\.py:\d+\]", proc.stderr))
-    assert sources["nbaccel"] == sources["accelerate"]
+    assert sources["accelerate"] <= sources["nbaccel"], sources["accelerate"] - sources["nbaccel"]  # none silenced
     assert any("launcher/api.py" in s for s in sources["nbaccel"]) and any("run.py" in s for s in sources["nbaccel"])
 
 
@@ -768,8 +768,6 @@ def test_a_restart_shows_as_under_accelerate(tmp_path):
     """Neither `accelerate launch` nor torchrun prints a restart line of its own at torch's default LOGLEVEL: the
     failed attempt's `failed (exitcode: 3) local_rank: 1` line (ERROR) and the ranks' TORCHELASTIC_RESTART_COUNT
     tell; LOGLEVEL=INFO adds torch's `1/1 attempts left; will restart worker group`. nbaccel's launch the same."""
-    import re
-
     argv = ["--multi_gpu", "--num_processes", "2", "--max_restarts", "1"]
     seen = {}
     for lib in ("accelerate", "nbaccel"):
@@ -777,9 +775,9 @@ def test_a_restart_shows_as_under_accelerate(tmp_path):
         assert proc.returncode == 0, (lib, proc.stderr)
         assert "failed (exitcode: 3) local_rank: 1" in proc.stderr, (lib, proc.stderr)
         assert "1/1 attempts left; will restart worker group" in proc.stderr, (lib, proc.stderr)
-        seen[lib] = attempts, set(re.findall(r"torch/distributed/[\w/]+\.py:\d+\]", proc.stderr))
-    assert seen["nbaccel"] == seen["accelerate"]
-    assert seen["nbaccel"][0] == {"seen-0": ["0", "1"], "seen-1": ["0", "1"]}
+        # (torch's other lines depend on timing: "closing signal SIGTERM" only when rank 0 was still running)
+        seen[lib] = attempts
+    assert seen["nbaccel"] == seen["accelerate"] == {"seen-0": ["0", "1"], "seen-1": ["0", "1"]}
 
 
 def test_one_process_restarts_under_nbaccel_only(tmp_path):
