@@ -140,10 +140,11 @@ class Accelerator:
         # Data loading
         if dataloader_config is None:
             dataloader_config = DataLoaderConfiguration()
-        if split_batches is not _UNSET:
-            if not isinstance(split_batches, bool):
-                raise TypeError(f"split_batches must be True or False, got {split_batches!r}.")
-            dataloader_config.split_batches = split_batches
+        if split_batches is not _UNSET and split_batches != dataloader_config.split_batches:
+            # Accelerate 1.x keeps the argument in its signature and ignores it: the same batches here, and a word
+            warnings.warn(f"Accelerator(split_batches={split_batches!r}) is ignored, as in Accelerate 1.x: pass "
+                          f"dataloader_config=DataLoaderConfiguration(split_batches={split_batches!r}).",
+                          UserWarning, stacklevel=2)
         self.dataloader_config = dataloader_config
 
         # Kwargs handlers: one of each kind
@@ -271,6 +272,8 @@ class Accelerator:
     def _check_rng_types(self, rng_types: list | None) -> list[str]:
         if rng_types is None:
             return ["generator"]
+        if isinstance(rng_types, str):  # one name (RNGType is a str too): Accelerate fails at prepare with it
+            rng_types = [rng_types]
         checked = []
         for rng in rng_types:
             if str(rng) not in RNGType:

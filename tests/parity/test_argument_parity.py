@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both
+from parity_harness import RankFailure, assert_same, run_both, run_ranks
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(300)
@@ -77,3 +77,55 @@ def checkpoint_calls(lib):
 def test_the_same_on_both(scenario):
     results = run_both(scenario, num_processes=1)
     assert_same(results["accelerate"][0], results["nbaccel"][0], scenario.__name__)
+
+
+def ignored_split_batches(lib):
+    """`Accelerator(split_batches=True)`: Accelerate 1.15 keeps the argument in its signature and ignores it
+    (the data loader configuration decides). The batches each process gets, and the warnings."""
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = lib.Accelerator(cpu=True, split_batches=True)
+    loader = accelerator.prepare(DataLoader(torch.arange(8), batch_size=2))
+    return {"split_batches": accelerator.split_batches, "batches": [batch.tolist() for batch in loader],
+            "warned": [str(w.message) for w in caught if "split_batches" in str(w.message)]}
+
+
+def test_split_batches_given_to_the_accelerator_is_ignored_as_in_accelerate_with_a_word():
+    results = run_both(ignored_split_batches, num_processes=2)
+    assert [rank.pop("warned") for rank in results["accelerate"]] == [[], []]
+    assert [rank.pop("warned") for rank in results["nbaccel"]] == [[
+        "Accelerator(split_batches=True) is ignored, as in Accelerate 1.x: pass "
+        "dataloader_config=DataLoaderConfiguration(split_batches=True)."]] * 2
+    assert results["nbaccel"][0] == {"split_batches": False, "batches": [[0, 1], [4, 5]]}
+    assert_same(results["accelerate"], results["nbaccel"], "ignored_split_batches")
+
+
+
+def _one_rng_type(lib, rng_types):
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    accelerator = lib.Accelerator(cpu=True, rng_types=rng_types(lib))
+    loader = accelerator.prepare(DataLoader(torch.arange(8), batch_size=2, shuffle=True))
+    return {"rng_types": [str(r) for r in accelerator.rng_types], "batches": [batch.tolist() for batch in loader]}
+
+
+def one_rng_type_by_name(lib):
+    return _one_rng_type(lib, lambda lib: "torch")
+
+
+def one_rng_type_in_a_list(lib):
+    return _one_rng_type(lib, lambda lib: [lib.utils.RNGType.TORCH])
+
+
+def test_one_rng_type_as_a_string_is_a_list_of_one_where_accelerate_fails_at_prepare():
+    """docs/compat.md: Accelerate's prepare fails with AttributeError ("'str' object has no attribute 'copy'");
+    nbaccel reads `rng_types="torch"` as `["torch"]`, with Accelerate's batches for that list."""
+    with pytest.raises(RankFailure, match="'str' object has no attribute 'copy'"):
+        run_ranks(one_rng_type_by_name, "accelerate", 2)
+    assert_same(run_ranks(one_rng_type_in_a_list, "accelerate", 2), run_ranks(one_rng_type_by_name, "nbaccel", 2),
+                "one_rng_type_by_name")
