@@ -42,12 +42,16 @@ def test_notebook_launcher_and_nbaccel_launch_give_the_same_variables_for_one_co
                                          "dynamo_use_regional_compilation": False})
     config.save(path)
     monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     plan = build_plan(LaunchRequest(function=print))
     assert plan.placement is Placement.LOCAL and plan.num_processes == 2
     script = tmp_path / "script.py"
     script.write_text("")
     settings = resolve_settings(build_parser().parse_args(["launch", str(script)]), load_config(path))
     from_command = command_environment(settings)
+    # nbaccel launch writes the shell's OMP_NUM_THREADS, as Accelerate's launcher does; notebook_launcher's ranks
+    # inherit it
+    assert from_command.pop("OMP_NUM_THREADS") == "1" and "OMP_NUM_THREADS" not in plan.environ
     assert _spelled_alike(dict(plan.environ)) == _spelled_alike(from_command)
     # the saved settings reach notebook_launcher's workers too (they used to reach only nbaccel launch's)
     for name in ("NBACCEL_DYNAMO_BACKEND", "NBACCEL_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "NBACCEL_DEBUG_MODE",
