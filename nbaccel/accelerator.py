@@ -43,6 +43,7 @@ from .utils.dataclasses import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    LoggerType,
     ProfileKwargs,
     ProjectConfiguration,
     RNGType,
@@ -122,7 +123,6 @@ class Accelerator:
             project_dir=os.fspath(project_dir) if project_dir is not None else None)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(os.fspath(project_dir))
-        self.log_with = log_with
         self.trackers: list = []
         if log_with is not None:  # unknown names, missing libraries, no directory: fail before anything starts
             from . import tracking
@@ -130,6 +130,8 @@ class Accelerator:
             self._chosen_trackers = tracking.filter_trackers(log_with, self.project_configuration.logging_dir)
         else:
             self._chosen_trackers = []
+        # as Accelerate's: the trackers chosen ("all" resolved), built-in ones by their LoggerType
+        self.log_with = [LoggerType(t) if isinstance(t, str) and t in LoggerType else t for t in self._chosen_trackers]
 
         # Precision
         # As in Accelerate, the config file reaches an Accelerator only through a launcher (its environment

@@ -707,9 +707,17 @@ def _library_installed(name: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# What `log_with="all"` starts, in Accelerate's order; nbaccel's own "jsonl" only when named (an Accelerate
+# script asking for "all" gets no file it would not get there)
+_ALL_BUILT_IN = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
+
+
 def get_available_trackers() -> list[str]:
-    """Names of the trackers usable here: built-ins whose library is installed, plus registered classes."""
-    return [name for name in LOGGER_TYPE_TO_CLASS if _library_installed(name)]
+    """Names of the trackers `log_with="all"` starts here: Accelerate's built-ins whose library is installed
+    (in Accelerate's order), then the classes registered with `register_tracker_class`."""
+    built_in = [name for name in _ALL_BUILT_IN if _library_installed(name)]
+    registered = [name for name in LOGGER_TYPE_TO_CLASS if name not in _ALL_BUILT_IN and name != JSONL]
+    return built_in + registered
 
 
 def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:

@@ -129,3 +129,31 @@ def test_one_rng_type_as_a_string_is_a_list_of_one_where_accelerate_fails_at_pre
         run_ranks(one_rng_type_by_name, "accelerate", 2)
     assert_same(run_ranks(one_rng_type_in_a_list, "accelerate", 2), run_ranks(one_rng_type_by_name, "nbaccel", 2),
                 "one_rng_type_by_name")
+
+
+def chosen_trackers(lib):
+    """`accelerator.log_with`: the trackers chosen, "all" resolved to the installed ones in Accelerate's order."""
+    import tempfile
+    from importlib import import_module
+
+    tracking = import_module(f"{lib.__name__}.tracking")
+
+    class Mine(tracking.GeneralTracker):
+        name, requires_logging_directory, tracker = "mine", False, None
+
+        def __init__(self):
+            super().__init__()
+
+    found = {}
+    for label, log_with in (("none", None), ("one", "tensorboard"), ("all", "all"),
+                            ("enum and instance", [lib.utils.LoggerType.TENSORBOARD, Mine()])):
+        lib.state.AcceleratorState._reset_state(True)
+        accelerator = lib.Accelerator(cpu=True, log_with=log_with, project_dir=tempfile.mkdtemp())
+        found[label] = [(type(t).__name__, getattr(t, "value", None) or t.name) for t in accelerator.log_with]
+    return found
+
+
+def test_log_with_reads_back_as_accelerate_resolves_it():
+    results = run_both(chosen_trackers, num_processes=1)
+    assert ("LoggerType", "tensorboard") in results["accelerate"][0]["all"]
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "chosen_trackers")
