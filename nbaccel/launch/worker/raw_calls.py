@@ -10,6 +10,13 @@ stays there, and once with `op` None when it left. A call shorter than a sample 
 never: it costs nothing, and only a call that blocks matters. The kernel (kernel/collective_tracker.py) treats a
 rank seen in a raw collective as waiting there, for hang_report's rules. RankPool's ranks answer the same
 question from their status snapshots (worker/pool_rank.py `snapshot`).
+
+A look holds the main thread's frames, and with them their locals: a collective's frame refers to the process
+group (`torch.distributed.breakpoint` keeps it in a local too). `stop()` returns only once no look is under way,
+so the rank's end destroys the group with nothing else holding it. A look still holding the frames then (the
+watch's thread descheduled on a busy machine) kept the group alive past `destroy_process_group`; the thread
+freed it later, and when that was as the interpreter finalized, gloo's destructor in that thread could not
+take the GIL back: the rank aborted ("terminate called without an active exception", exit -6) after its result.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from types import FrameType
 
 SAMPLE = 0.5  # seconds between looks at the main thread's stack
+STOP_WAIT = 5.0  # seconds `stop()` waits at most for a look under way (one takes milliseconds at most)
 # torch.distributed's collectives (distributed_c10d): point-to-point calls (send/recv) are left out, since a
 # matching pair has different names
 COLLECTIVES = frozenset({
@@ -71,28 +79,43 @@ class RawCollectiveWatch:
         self._main = threading.main_thread().ident if main_ident is None else main_ident
         self._interval = interval
         self._stop = threading.Event()
+        self._looking = threading.Lock()  # held by the thread while it holds the main thread's frames
         self._inside: tuple[str, str] | None = None  # (op, site) of the raw collective the rank is in
         self._started = 0.0
         # a bare daemon thread: threading.Thread.start waits until the new thread runs, which on a busy machine
         # held the rank 1-3 ms on its way to the user's function (the watch's first look is SAMPLE s away)
         _thread.start_new_thread(self._run, ())
 
-    def stop(self) -> None:
+    def stop(self, wait: float = STOP_WAIT) -> None:
+        """End the watch. Returns once the thread holds no frame of the main thread: a look under way ends first
+        (at most `wait` seconds), and none starts after (see the module docstring)."""
         self._stop.set()
+        if self._looking.acquire(timeout=wait):
+            self._looking.release()
 
     def _run(self) -> None:
-        from ...utils import collective_trace
-
         try:
             if self._first is not None:  # e.g. the rank's `running` status, sent off the rank's main thread
                 self._first()
             while not self._stop.wait(self._interval):
-                frame = sys._current_frames().get(self._main)
-                found = None if frame is None or collective_trace.current() is not None else raw_collective(frame)
-                del frame
+                with self._looking:
+                    if self._stop.is_set():
+                        break
+                    found = self._look()
                 self._report(found)
         except Exception:  # the watch must never disturb the rank
             pass
+
+    def _look(self) -> tuple[str, list[traceback.FrameSummary]] | None:
+        """The raw collective the main thread is in now, if any. The frames it looks at (and an exception's
+        traceback, which refers to them) are gone when it returns."""
+        from ...utils import collective_trace
+
+        try:
+            frame = sys._current_frames().get(self._main)
+            return None if frame is None or collective_trace.current() is not None else raw_collective(frame)
+        except Exception:
+            return None
 
     def _report(self, found: tuple[str, list[traceback.FrameSummary]] | None) -> None:
         now = time.time()
