@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -75,11 +76,15 @@ def test_save_safetensors_with_shared_tensors(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setenv("RANK", "0")
     weight = torch.arange(4.0)
+    state_dict = OrderedDict(w=weight, tied=weight, b=torch.zeros(1))  # what a model's state_dict() is
     with caplog.at_level("WARNING"):  # a log record, as in Accelerate (its test_utils asserts it with assertLogs)
-        save({"w": weight, "tied": weight, "b": torch.zeros(1)}, tmp_path / "m.safetensors", safe_serialization=True)
+        save(state_dict, tmp_path / "m.safetensors", safe_serialization=True)
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "Removed shared tensor(s) tied" in caplog.text
     loaded = load_file(tmp_path / "m.safetensors")
     assert set(loaded) == {"w", "b"} and torch.equal(loaded["w"], weight)
+    with pytest.raises(RuntimeError, match="share memory"):  # another dict: nothing dropped, as in Accelerate
+        save(dict(state_dict), tmp_path / "d.safetensors", safe_serialization=True)
+    assert not (tmp_path / "d.safetensors").exists()
     with pytest.raises(TypeError, match="dict of tensors"):
         save([weight], tmp_path / "x.safetensors", safe_serialization=True)
 

@@ -11,6 +11,7 @@ import os
 import random
 import socket
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,8 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
 def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
     """Save `obj` to `f` from the main process only (the local main process of each node with `save_on_each_node`).
 
-    `safe_serialization=True` writes safetensors (for a dict of tensors), otherwise `torch.save`.
+    `safe_serialization=True` writes safetensors (for a dict of tensors), otherwise `torch.save`. Of a state_dict
+    (an OrderedDict) tensors sharing memory are written once; in another dict they are safetensors' error.
     """
     rank, local_rank = _rank_from_env()
     if (local_rank if save_on_each_node else rank) != 0:
@@ -204,8 +206,11 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
 
         if not isinstance(obj, dict):
             raise TypeError(f"safe_serialization=True saves a dict of tensors; got {type(obj).__name__}")
+        if isinstance(obj, OrderedDict):  # a state_dict: tied weights are written once, as in Accelerate
+            obj = clean_state_dict_for_safetensors(obj)
+        # any other dict goes as it is: tensors sharing memory are safetensors' error, never an entry dropped
         with atomic_path(f) as path:
-            save_file(clean_state_dict_for_safetensors(obj), str(path), metadata={"format": "pt"})
+            save_file(obj, str(path), metadata={"format": "pt"})
     else:
         import torch
 

@@ -157,3 +157,30 @@ def test_log_with_reads_back_as_accelerate_resolves_it():
     results = run_both(chosen_trackers, num_processes=1)
     assert ("LoggerType", "tensorboard") in results["accelerate"][0]["all"]
     assert_same(results["accelerate"][0], results["nbaccel"][0], "chosen_trackers")
+
+
+def safetensors_of_shared_tensors(lib):
+    """`accelerator.save(..., safe_serialization=True)` of tensors that share memory: a model's state_dict (an
+    OrderedDict, tied weights written once) and a plain dict (safetensors refuses it; no entry is dropped)."""
+    from safetensors.torch import load_file
+
+    root = tempfile.mkdtemp(prefix=f"safe-{lib.__name__}-")
+    accelerator = lib.Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4, bias=False))
+    model[1].weight = model[0].weight
+    found = {}
+    path = os.path.join(root, "tied.safetensors")
+    found["state_dict"] = _outcome(lambda: (accelerator.save(model.state_dict(), path, safe_serialization=True),
+                                            sorted(load_file(path)))[1])
+    numbers = torch.arange(4.0)
+    path = os.path.join(root, "plain.safetensors")
+    found["plain dict"] = _outcome(lambda: accelerator.save({"all": numbers, "half": numbers[:2]}, path,
+                                                            safe_serialization=True))
+    found["plain dict written"] = os.path.exists(path)
+    return found
+
+
+def test_safetensors_of_shared_tensors_as_accelerate():
+    results = run_both(safetensors_of_shared_tensors, num_processes=1)
+    assert results["accelerate"][0]["plain dict"] == ("raised", "RuntimeError")
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "safetensors_of_shared_tensors")
