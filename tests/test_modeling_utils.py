@@ -437,7 +437,7 @@ def test_get_mixed_precision_context_manager_follows_the_state():
 
     assert isinstance(get_mixed_precision_context_manager(native_amp=False), contextlib.nullcontext)
     with isolated_states():
-        with pytest.raises(RuntimeError, match="Accelerator"):
+        with pytest.raises(ValueError, match="Accelerator"):  # Accelerate's type (its uninitialized state's)
             get_mixed_precision_context_manager(native_amp=True)
         AcceleratorState(cpu=True, mixed_precision="bf16", _from_accelerator=True)
         with get_mixed_precision_context_manager(True, AutocastKwargs(cache_enabled=False)):

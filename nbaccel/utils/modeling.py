@@ -1028,8 +1028,9 @@ def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwarg
 
     state_module = sys.modules.get("nbaccel.state")
     if state_module is None or not state_module.AcceleratorState._shared_state:
-        raise RuntimeError("get_mixed_precision_context_manager(native_amp=True) needs the mixed precision of an "
-                           "Accelerator: create `Accelerator(mixed_precision=...)` first.")
+        # ValueError, as Accelerate's AcceleratorState raises before an Accelerator is made
+        raise ValueError("get_mixed_precision_context_manager(native_amp=True) needs the mixed precision of an "
+                         "Accelerator: create `Accelerator(mixed_precision=...)` first.")
     state = state_module.AcceleratorState()
     kwargs = {} if autocast_kwargs is None else autocast_kwargs.to_kwargs()
     mixed_precision = getattr(state.mixed_precision, "value", state.mixed_precision)
