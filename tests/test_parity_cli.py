@@ -790,3 +790,25 @@ def test_one_process_restarts_under_nbaccel_only(tmp_path):
     assert theirs.returncode == 1 and "CalledProcessError" in theirs.stderr and their_attempts == {"seen--": ["None"]}
     assert ours.returncode == 0 and our_attempts == {"seen-0": ["0", "1"]}
     assert "failed (exitcode: 3) local_rank: 0" in ours.stderr
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_cpu_launch_skips_the_default_config_file_as_accelerate(given, tmp_path):
+    """`accelerate launch --cpu` reads no default config file, only one named with --config_file: a default file's
+    bf16 does not reach the script. nbaccel read it. (Its 2 processes: Accelerate starts one process for a CPU
+    launch without mpirun, nbaccel the processes asked for; docs/compat.md.)"""
+    (tmp_path / "s.py").write_text("import os\nprint('SEEN', os.environ.get('ACCELERATE_MIXED_PRECISION'), flush=True)\n")
+    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"  # Accelerate's default location under HF_HOME
+    config.parent.mkdir(parents=True)
+    config.write_text(MULTI_CPU_CONFIG.replace("mixed_precision: 'no'", "mixed_precision: bf16"))
+    seen = {}
+    for lib in ("accelerate", "nbaccel"):
+        env = {**_isolated_env(tmp_path), "NBACCEL_CONFIG_FILE": str(config)}  # nbaccel's default: the same file
+        options = ["--config_file", str(config)] if given else []
+        proc = subprocess.run([sys.executable, "-m", f"{lib}.commands.launch", "--cpu", *options, "s.py"],
+                              capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (lib, proc.stdout, proc.stderr)
+        seen[lib] = [line for line in proc.stdout.splitlines() if line.startswith("SEEN")]
+    expected = "SEEN bf16" if given else "SEEN no"
+    assert seen["accelerate"] == [expected], seen
+    assert seen["nbaccel"] == [expected] * (2 if given else 1), seen

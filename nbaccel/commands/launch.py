@@ -169,13 +169,11 @@ def _threads_per_process(args: argparse.Namespace, config: LaunchConfig | None, 
     """OMP_NUM_THREADS for every process, as Accelerate's `_validate_launch_command` fills
     `--num_cpu_threads_per_process` when not given: OMP_NUM_THREADS of this shell, else 1; but a CPU launch with
     OMP_NUM_THREADS unset gives each local process its share of the physical cores, when that share is above 1.
-    As in Accelerate, "CPU launch" is the config file's `use_cpu` when a config file is read (Accelerate skips
-    the default one under `--cpu`), else `--cpu`, and the process count is the one given (else the config
+    As in Accelerate, "CPU launch" is the config file's `use_cpu` when a config file is read (none is under
+    `--cpu` without `--config_file`: `read_launch_config`), else `--cpu`, and the process count is the one given (else the config
     file's, else the CUDA device count), before any default process count is filled in."""
     if args.num_cpu_threads_per_process is not None:
         return args.num_cpu_threads_per_process
-    if args.cpu and getattr(args, "config_file", None) is None:
-        config = None
     from ..utils.environment import get_int_from_env
 
     threads = get_int_from_env(["OMP_NUM_THREADS"], 1)
@@ -409,9 +407,12 @@ def refuse_unknown_keys(config: LaunchConfig | None) -> None:
                       "upgrade nbaccel if a newer Accelerate wrote them.")
 
 
-def read_launch_config(path: str | os.PathLike | None) -> LaunchConfig | None:
+def read_launch_config(path: str | os.PathLike | None, cpu: bool = False) -> LaunchConfig | None:
     """The config file a launch uses (see `load_config`), refused when it holds unknown keys (the warning
-    `load_config` gives for them is replaced by that error)."""
+    `load_config` gives for them is replaced by that error). With `cpu` (`--cpu`) only a `path` given is read:
+    Accelerate's launch skips the default config file under `--cpu`."""
+    if cpu and path is None:
+        return None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ignoring unknown key")
         config = load_config(path)
@@ -624,7 +625,7 @@ def launch_command(args: argparse.Namespace, parser: argparse.ArgumentParser | N
     """`nbaccel launch`: read the config, check the options, run. Bad options exit 2 with one line."""
     parser = parser or args._parser
     try:
-        config = read_launch_config(args.config_file)
+        config = read_launch_config(args.config_file, cpu=args.cpu)
     except UnknownConfigKeys as exc:  # a ValueError raised to the caller, as in Accelerate (the CLI: one line)
         if getattr(args, "_from_cli", False):
             parser.error(str(exc))
@@ -684,7 +685,7 @@ def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespa
     """Check `args` and fill what was not given from the config file and defaults, as Accelerate's function of
     this name does. Returns (args, the config read or None, whether mixed_precision came from the config);
     raises LaunchOptionError (a ValueError) for options that cannot work."""
-    config = read_launch_config(args.config_file)
+    config = read_launch_config(args.config_file, cpu=args.cpu)
     settings = resolve_settings(args, config)
     mp_from_config = _given(args, "mixed_precision") is None and config is not None and config.mixed_precision is not None
     for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
