@@ -47,3 +47,37 @@ def test_stop_returns_once_the_watch_holds_no_frame_of_the_rank(monkeypatch):
     del group  # the rank's own reference is gone: the collective returned, destroy_process_group dropped it
     watch.stop()
     assert freed() is None, "stop() returned while the watch still held the rank's frames (and its group)"
+
+
+def test_the_end_of_the_process_group_waits_for_its_hooks_first(monkeypatch):
+    """end_process_groups (PartialState's exit hook, and a spawned rank's end) runs what `before_groups_end`
+    registered before it destroys the group: an `nbaccel launch` script's watch stops looking first."""
+    from nbaccel.utils import process_group_exit
+
+    seen = []
+    monkeypatch.setattr(process_group_exit, "_before_end", [])
+    monkeypatch.setattr(process_group_exit, "destroy_default_group", lambda: seen.append("destroy") or [])
+    process_group_exit.before_groups_end(lambda: seen.append("hook"))
+    process_group_exit.before_groups_end(lambda: 1 / 0)  # a failing hook: the exit goes on
+    process_group_exit.end_process_groups()
+    assert seen == ["hook", "destroy"]
+
+
+def test_a_launched_scripts_watch_stops_before_its_group_ends_and_at_exit(tmp_path):
+    """Under `nbaccel launch` the script's raw-collective watch runs to the end of the process, through
+    PartialState's exit hook that destroys the group: it is stopped before that hook destroys anything."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "s.py").write_text(
+        "from nbaccel import PartialState\n"
+        "from nbaccel.utils import process_group_exit\n"
+        "PartialState(cpu=True)\n"
+        "print('HOOKS', [getattr(h, '__qualname__', '') for h in process_group_exit._before_end], flush=True)\n")
+    done = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2", "s.py"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NBACCEL_"))})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if "HOOKS" in line) == [
+        "HOOKS ['RawCollectiveWatch.stop']"] * 2, done.stdout

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ class _KeptGroup:
 
 
 _group_users: weakref.WeakSet = weakref.WeakSet()  # DDP wrappers made by `Accelerator.prepare`
+_before_end: list[Callable[[], None]] = []  # run first by end_process_groups (before_groups_end)
 _kept: list[_KeptGroup] = []
 
 
@@ -90,10 +92,22 @@ def _destroy_at_exit(pid: int) -> None:
     end_process_groups()
 
 
+def before_groups_end(hook: Callable[[], None]) -> None:
+    """Have `end_process_groups` call `hook` before it destroys anything: a thread that may hold the process's
+    frames, and through their locals a group, must let go first, or the group's last reference could drop in
+    that thread during finalization, where gloo's destructor aborts the process (launch/worker/raw_calls.py)."""
+    _before_end.append(hook)
+
+
 def end_process_groups() -> None:
     """At a process's end, with the interpreter still whole: destroy the default process group (if one is
     up), free a destroyed group that only cyclic garbage still holds, and give the threads of one still in
     use (a DDP wrapper's) the moment they need (see the module docstring). Never raises."""
+    for hook in _before_end:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the exit must go on
+            pass
     ended = destroy_default_group()
     release_unused_groups()
     if any(group() is not None for group in ended):

@@ -28,6 +28,7 @@ from typing import NoReturn
 from ... import telemetry
 from ...utils import collective_trace
 from ...utils.constants import COLLECTIVE_WATCH_ENV, RANK_GROUPS_ENV
+from ...utils.process_group_exit import before_groups_end
 from ..channel import WorkerSink
 from ..messages import MessageKind, RankState, Status
 from ..output import show_fatal_signals
@@ -90,6 +91,8 @@ class _Ending:
         self.sink = None
 
     def at_exit(self) -> None:
+        if self.raw_watch is not None:  # no look holds the script's frames (a group of its own) past this
+            self.raw_watch.stop()
         if self.sink is not None and self.succeeded:
             self.sink(Status(self.sink.rank, RankState.FINISHED).to_wire())  # sent at once
             # the socket stays open: the watch reads its end of file as this process's exit
@@ -119,6 +122,8 @@ def _connect() -> tuple[WorkerSink | None, RawCollectiveWatch | None]:
     rank_prompts.install(rank_prompts.sink_sender(sink), conn.recv, rank)  # input()/pdb: asked on the launch's terminal
     # the script's own calls
     raw_watch = watch_raw_collectives(functools.partial(sink.send, MessageKind.COLLECTIVE.value))
+    if raw_watch is not None:  # it lets go of the script's frames before PartialState's exit hook ends the group
+        before_groups_end(raw_watch.stop)
     # a forked child (a data loader worker) is not the rank, and shares its socket: it stays quiet
     os.register_at_fork(after_in_child=functools.partial(setattr, sink, "closed", True))
     return sink, raw_watch
