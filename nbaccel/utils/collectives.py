@@ -570,8 +570,9 @@ def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduce a tensor, or a nested structure of them, across processes; returns new tensors.
 
-    `reduction`: "mean", "sum", "max", "min" or "none" (no communication). `scale` multiplies the result.
-    One communication per dtype of the structure.
+    `reduction`: "mean", "sum", "max" or "min"; "none" sums, as Accelerate's reduce does (with a warning that
+    says so). `scale` multiplies the result on XLA only, as in Accelerate (elsewhere it is ignored, with a
+    warning). On one process: copies. One communication per dtype of the structure.
 
     With autograd on, a result made from tensors that require grad stays in their graph, as in Accelerate:
     the communication itself counts as the identity (torch has no gradient for it and warns so), the
@@ -581,9 +582,16 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduce: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}.")
     world = _world_size()
-    if world == 1 or reduction == "none":  # copies, in the caller's grad mode: they keep the inputs' graph
-        scaled = (lambda t: t.clone() * scale) if scale != 1.0 else (lambda t: t.clone())
-        return recursively_apply(scaled, tensor, error_on_other_type=True)
+    if world == 1:  # copies, in the caller's grad mode (they keep the inputs' graph); no scale, as Accelerate
+        return recursively_apply(lambda t: t.clone(), tensor, error_on_other_type=True)
+    if reduction == "none":
+        warnings.warn("reduce(reduction='none') sums across processes, as Accelerate's reduce does: pass "
+                      "reduction='sum' to say so.", UserWarning, stacklevel=2)
+        reduction = "sum"
+    if scale != 1.0 and _backend() != "xla":
+        warnings.warn(f"reduce(scale={scale}) applies on XLA only, as in Accelerate: the result is not scaled "
+                      "here; multiply it yourself.", UserWarning, stacklevel=2)
+        scale = 1.0
     if not torch.is_grad_enabled():
         return _reduce_across(tensor, reduction, scale, world, False)
     with torch.no_grad():

@@ -184,3 +184,38 @@ def test_safetensors_of_shared_tensors_as_accelerate():
     results = run_both(safetensors_of_shared_tensors, num_processes=1)
     assert results["accelerate"][0]["plain dict"] == ("raised", "RuntimeError")
     assert_same(results["accelerate"][0], results["nbaccel"][0], "safetensors_of_shared_tensors")
+
+
+def reductions_and_scale(lib):
+    """`reduce` with each reduction, with and without `scale`: Accelerate applies `scale` on XLA only and sums
+    for "none"; what nbaccel warns about it."""
+    import warnings
+
+    accelerator = lib.Accelerator(cpu=True)
+    values = torch.tensor([1.0 + accelerator.process_index, 5.0 - accelerator.process_index])
+    found = {}
+    for reduction in ("sum", "mean", "max", "none"):
+        for scale in (1.0, 10.0):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                found[f"{reduction} x{scale}"] = accelerator.reduce(values, reduction, scale=scale).tolist()
+            found[f"{reduction} x{scale} warned"] = [str(w.message).split(":")[0] for w in caught]
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_reduce_reductions_and_scale_as_accelerate(num_processes):
+    results = run_both(reductions_and_scale, num_processes=num_processes)
+    ours = results["nbaccel"]
+    for theirs, mine in zip(results["accelerate"], ours):
+        warned = {key: mine.pop(key) for key in list(mine) if key.endswith("warned")}
+        assert all(not value for key, value in theirs.items() if key.endswith("warned"))
+        if num_processes == 2:
+            assert warned["none x1.0 warned"] == ["reduce(reduction='none') sums across processes, as Accelerate's "
+                                                  "reduce does"]
+            assert warned["sum x10.0 warned"] == ["reduce(scale=10.0) applies on XLA only, as in Accelerate"]
+        else:
+            assert not any(warned.values())
+        assert_same({k: v for k, v in theirs.items() if not k.endswith("warned")}, mine)
+    if num_processes == 2:
+        assert ours[0]["none x10.0"] == ours[0]["sum x1.0"] == [3.0, 9.0]
