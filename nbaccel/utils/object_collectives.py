@@ -82,8 +82,9 @@ def _read_block(block: bytes) -> tuple[int, bytes]:
 def gather_object(object: Any) -> list[Any]:
     """Gather a picklable object from every process; every process gets the list, in rank order.
 
-    A list or tuple contributes its items (so `gather_object([x])` gives `[x0, x1, ...]`, as in Accelerate),
-    anything else contributes itself. In one process the object is returned as it is.
+    As in Accelerate, each process's object contributes its items (`gather_object([x])` gives `[x0, x1, ...]`;
+    a tensor its rows, a dict its keys, a string its characters); an object that cannot be iterated contributes
+    itself (Accelerate raises TypeError). In one process the object is returned as it is.
     """
     world = _world_size()
     if world == 1:
@@ -114,10 +115,12 @@ def gather_object(object: Any) -> list[Any]:
     result: list[Any] = []
     for data in payloads:
         value = pickle.loads(data)
-        if isinstance(value, (list, tuple)):
-            result.extend(value)
-        else:
+        try:
+            items = iter(value)
+        except TypeError:  # not iterable (an int, a 0-d tensor): itself, where Accelerate's raises TypeError
             result.append(value)
+        else:
+            result.extend(items)
     return result
 
 

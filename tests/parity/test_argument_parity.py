@@ -219,3 +219,25 @@ def test_reduce_reductions_and_scale_as_accelerate(num_processes):
         assert_same({k: v for k, v in theirs.items() if not k.endswith("warned")}, mine)
     if num_processes == 2:
         assert ours[0]["none x10.0"] == ours[0]["sum x1.0"] == [3.0, 9.0]
+
+
+def objects_of_other_kinds(lib):
+    """gather_object and gather_for_metrics(use_gather_object=True) of what is not a list: each process's object
+    contributes its items. Of a tensor that is its rows, so the last batch's repeated samples are dropped
+    row by row (nbaccel gathered whole tensors and kept the repeated sample)."""
+    from torch.utils.data import DataLoader
+
+    accelerator = lib.Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(torch.arange(7.0), batch_size=2))
+    found = {"tensor batches": [accelerator.gather_for_metrics(batch, use_gather_object=True) for batch in loader]}
+    for label, value in (("string", "ab"), ("tuple", (1, 2)), ("dict", {"k": 1}), ("tensor", torch.tensor([1.0, 2.0]))):
+        found[label] = lib.utils.gather_object(value)
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_gather_object_of_other_kinds_as_accelerate(num_processes):
+    results = run_both(objects_of_other_kinds, num_processes=num_processes)
+    if num_processes == 2:
+        assert [len(batch) for batch in results["accelerate"][0]["tensor batches"]] == [4, 3]
+    assert_same(results["accelerate"], results["nbaccel"], "objects_of_other_kinds")
