@@ -89,8 +89,8 @@ def test_launch_two_processes(tmp_path):
     # look for each rank's report anywhere in the output, exactly once.
     reports = sorted(re.findall(r"rank \d/2 mp=\S+ cpu=\S+ accel_mp=\S+ args=\['--lr', '0.1'\]", out))
     assert reports == [
-        "rank 0/2 mp=bf16 cpu=true accel_mp=bf16 args=['--lr', '0.1']",
-        "rank 1/2 mp=bf16 cpu=true accel_mp=bf16 args=['--lr', '0.1']",
+        "rank 0/2 mp=bf16 cpu=True accel_mp=bf16 args=['--lr', '0.1']",
+        "rank 1/2 mp=bf16 cpu=True accel_mp=bf16 args=['--lr', '0.1']",
     ], out
 
 
@@ -308,7 +308,7 @@ def test_config_values_used_unless_overridden(tmp_path):
     assert env["NBACCEL_MIXED_PRECISION"] == "fp16" and env["NBACCEL_DEBUG_MODE"] == "true"
     assert env["NBACCEL_USE_FSDP"] == env["ACCELERATE_USE_FSDP"] == "true"
     assert (env["FSDP_VERSION"], env["FSDP_OFFLOAD_PARAMS"], env["FSDP_SHARDING_STRATEGY"]) == ("1", "true", "SHARD_GRAD_OP")
-    assert env["ACCELERATE_DYNAMO_BACKEND"] == "EAGER" and env["ACCELERATE_DYNAMO_USE_FULLGRAPH"] == "true"
+    assert env["ACCELERATE_DYNAMO_BACKEND"] == "EAGER" and env["ACCELERATE_DYNAMO_USE_FULLGRAPH"] == "True"
     overridden = resolve_settings(
         launch_args("--num_processes", "1", "--mixed_precision", "no", "--dynamo_backend", "inductor",
                     "--gradient_accumulation_steps", "4", "examples/hello_ranks.py"), config)

@@ -24,9 +24,9 @@ RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 
 def _spelled_alike(env: dict[str, str]) -> dict[str, str]:
-    """On/off switches as one spelling: the command line writes true/false (as `accelerate launch`), the
+    """On/off switches as one spelling: the command line writes True/False (as `accelerate launch`), the
     notebook launcher 1 for on (docs/internals.md); everything else must be equal as is."""
-    return {key: ("true" if value == "1" and key.endswith("USE_CPU") else value) for key, value in env.items()}
+    return {key: ("True" if value == "1" and key.endswith("USE_CPU") else value) for key, value in env.items()}
 
 
 def test_notebook_launcher_and_nbaccel_launch_give_the_same_variables_for_one_config(tmp_path, monkeypatch):

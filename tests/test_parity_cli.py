@@ -524,7 +524,7 @@ def test_dynamo_variables_left_in_the_shell_do_not_reach_the_script_as_accelerat
     (tmp_path / "s.py").write_text(
         "import importlib, os, sys\nlib = importlib.import_module(sys.argv[1])\nacc = lib.Accelerator(cpu=True)\n"
         "print('DYN', acc.state.dynamo_plugin.backend, flush=True)\n"
-        "print('ENV', {k: os.environ[k].lower() for k in sorted(os.environ) if k.startswith('ACCELERATE_DYNAMO_')})\n")
+        "print('ENV', {k: os.environ[k] for k in sorted(os.environ) if k.startswith(('ACCELERATE_DYNAMO_', 'ACCELERATE_USE_CPU'))})\n")
     leftovers = {"ACCELERATE_DYNAMO_BACKEND": "EAGER", "ACCELERATE_DYNAMO_MODE": "max-autotune",
                  "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true", "ACCELERATE_DYNAMO_USE_DYNAMIC": "true",
                  "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true"}

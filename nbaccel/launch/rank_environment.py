@@ -63,7 +63,7 @@ DYNAMO_LAUNCH_DEFAULTS = {"dynamo_backend": "NO", "dynamo_mode": "default", "dyn
 class WorkerConfig:
     """What decides the environment of a launch's workers (the same for each of its ranks).
 
-    `explicit_flags`: write on/off switches as `true`/`false`, off ones too, as `accelerate launch` does
+    `explicit_flags`: write on/off switches as `True`/`False`, off ones too, as `accelerate launch` does
     (the command line); the notebook launcher and RankPool write `1` for an on switch and leave off ones out.
     """
 
@@ -135,7 +135,7 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
 
     def switch(name: str, on: bool) -> None:
         if config.explicit_flags:
-            both(name, _flag(on))
+            both(name, str(on))  # "True"/"False", as `accelerate launch` writes ACCELERATE_USE_CPU
         elif on:
             both(name, "1")
 
@@ -155,7 +155,8 @@ def worker_environment(config: WorkerConfig) -> dict[str, str]:
         if value is None and config.explicit_flags:
             value = DYNAMO_LAUNCH_DEFAULTS[key]
         if value is not None:
-            both(name, str(value).upper() if key == "dynamo_backend" else _flag(value))
+            # the backend upper-case, the switches as str(bool): what `accelerate launch` writes
+            both(name, str(value).upper() if key == "dynamo_backend" else str(value))
     if config.use_fsdp:
         both("USE_FSDP", "true")
         for key, name in FSDP_ENV.items():
