@@ -170,8 +170,8 @@ def _threads_per_process(args: argparse.Namespace, config: LaunchConfig | None, 
     `--num_cpu_threads_per_process` when not given: OMP_NUM_THREADS of this shell, else 1; but a CPU launch with
     OMP_NUM_THREADS unset gives each local process its share of the physical cores, when that share is above 1.
     As in Accelerate, "CPU launch" is the config file's `use_cpu` when a config file is read (none is under
-    `--cpu` without `--config_file`: `read_launch_config`), else `--cpu`, and the process count is the one given (else the config
-    file's, else the CUDA device count), before any default process count is filled in."""
+    `--cpu` without `--config_file`: `read_launch_config`), else `--cpu`, and the process count is the one
+    given (else the config file's, else the CUDA device count), before any default process count is filled in."""
     if args.num_cpu_threads_per_process is not None:
         return args.num_cpu_threads_per_process
     from ..utils.environment import get_int_from_env

@@ -119,7 +119,7 @@ class TorchrunScript:
         if plan.num_nodes == 1:  # keep the rendezvous off the network (loopback_store.py)
             plan = self._open_rendezvous(plan)
         os.environ.update(plan.environ)  # torchrun's agent gives every rank this process's environment
-        self._quiet_agent()
+        self._hide_thread_note()
         if plan.script.log_dir is None:  # torchrun would leave a /tmp/torchelastic_* folder: one removed after
             own_logs = make_user_dir(ELASTIC_LOGS_PREFIX)
             self._cleanup.callback(shutil.rmtree, own_logs, ignore_errors=True)
@@ -148,7 +148,7 @@ class TorchrunScript:
         self._store = store  # the agent's rendezvous reaches it through loopback_rendezvous while it runs
         return dataclasses.replace(plan, port=store.port, rendezvous=rendezvous)
 
-    def _quiet_agent(self) -> None:
+    def _hide_thread_note(self) -> None:
         """No note about the agent's thread. torch's own messages are left to torch (its LOGLEVEL), with -q too:
         `accelerate launch -q` does not silence them either (its -q only drops a single process's
         CalledProcessError traceback)."""

@@ -17,6 +17,7 @@ import atexit
 import builtins
 import functools
 import importlib.machinery
+import importlib.util
 import os
 import runpy
 import sys
