@@ -24,7 +24,6 @@ import contextlib
 import functools
 import operator
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from .structures import (
     rebuild_flat,
     recursively_apply,
 )
+from .user_warnings import warn_at_caller
 
 _REDUCTIONS = ("mean", "sum", "max", "min", "none")
 _KEEP_RECEIVE_BYTES = 1 << 20  # gathers up to this size keep their receive buffer for the next call
@@ -585,12 +585,12 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     if world == 1:  # copies, in the caller's grad mode (they keep the inputs' graph); no scale, as Accelerate
         return recursively_apply(lambda t: t.clone(), tensor, error_on_other_type=True)
     if reduction == "none":
-        warnings.warn("reduce(reduction='none') sums across processes, as Accelerate's reduce does: pass "
-                      "reduction='sum' to say so.", UserWarning, stacklevel=2)
+        warn_at_caller("reduce(reduction='none') sums across processes, as Accelerate's reduce does: pass "
+                       "reduction='sum' to say so.")
         reduction = "sum"
     if scale != 1.0 and _backend() != "xla":
-        warnings.warn(f"reduce(scale={scale}) applies on XLA only, as in Accelerate: the result is not scaled "
-                      "here; multiply it yourself.", UserWarning, stacklevel=2)
+        warn_at_caller(f"reduce(scale={scale}) applies on XLA only, as in Accelerate: the result is not scaled "
+                       "here; multiply it yourself.")
         scale = 1.0
     if not torch.is_grad_enabled():
         return _reduce_across(tensor, reduction, scale, world, False)
@@ -735,12 +735,8 @@ def _pad_eligible(data: Any, dim: int) -> list[torch.Tensor]:
     eligible = []
     for t in tensors:
         if getattr(t, "is_nested", False):
-            warnings.warn(
-                "pad_across_processes cannot pad a nested tensor (its rows have their own lengths); "
-                "it is left as it is.",
-                CannotPadNestedTensorWarning,
-                stacklevel=3,
-            )
+            warn_at_caller("pad_across_processes cannot pad a nested tensor (its rows have their own lengths); "
+                           "it is left as it is.", CannotPadNestedTensorWarning)
         elif -t.ndim <= dim < t.ndim:
             eligible.append(t)
     return eligible
