@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.hooks
 from torch.utils.data import DataLoader
 
 from . import data_loader as _data_loader
@@ -928,11 +929,11 @@ class Accelerator:
             )
         self._custom_objects.extend(objects)
 
-    def register_save_state_pre_hook(self, hook: Callable) -> Any:
+    def register_save_state_pre_hook(self, hook: Callable) -> torch.utils.hooks.RemovableHandle:
         """`hook(models, weights, output_dir)` runs in save_state before the models are written."""
         return _register_hook(self._save_model_state_pre_hook, hook)
 
-    def register_load_state_pre_hook(self, hook: Callable) -> Any:
+    def register_load_state_pre_hook(self, hook: Callable) -> torch.utils.hooks.RemovableHandle:
         """`hook(models, input_dir)` runs in load_state before the models are read."""
         return _register_hook(self._load_model_state_pre_hook, hook)
 
@@ -1068,6 +1069,8 @@ class Accelerator:
             if not config.automatic_checkpoint_naming:
                 raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
             input_dir = checkpointing.latest_checkpoint_dir(config)
+        else:
+            input_dir = os.path.expanduser(input_dir)  # "~/run/ckpt", as Accelerate reads it (save_state does not)
         load_kwargs = dict(load_kwargs or {})
         # Accelerate reads map_location among the keyword arguments; load_kwargs' is taken too
         map_location = load_model_func_kwargs.pop("map_location", None)
@@ -1126,22 +1129,10 @@ class Accelerator:
 _PREPARED_LOADERS = (_data_loader.DataLoaderShard, _data_loader.DataLoaderDispatcher)
 
 
-class _RemovableHandle:
-    """What register_*_pre_hook returns: `.remove()` unregisters the hook."""
-
-    _next_id = 0
-
-    def __init__(self, hooks: OrderedDict) -> None:
-        self._hooks = hooks
-        self.id = _RemovableHandle._next_id
-        _RemovableHandle._next_id += 1
-
-    def remove(self) -> None:
-        self._hooks.pop(self.id, None)
-
-
-def _register_hook(hooks: OrderedDict, hook: Callable) -> _RemovableHandle:
-    handle = _RemovableHandle(hooks)
+def _register_hook(hooks: OrderedDict, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+    """Add `hook` to `hooks` under a new id; torch's handle (what Accelerate returns: `.remove()`, `with handle:`,
+    `.id`) takes it out again."""
+    handle = torch.utils.hooks.RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
 

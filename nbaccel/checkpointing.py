@@ -101,6 +101,11 @@ class CheckpointMismatchError(CheckpointError, RuntimeError):
     `RuntimeError`, which is what torch's `load_state_dict` (and so Accelerate) raises then."""
 
 
+class RegisteredObjectsMismatchError(CheckpointMismatchError, CheckpointFileMissingError):
+    """More objects are registered for checkpointing than the checkpoint holds `custom_checkpoint_N.pkl` files;
+    nothing was loaded. A `RuntimeError`, the type of Accelerate's error for this, and a `FileNotFoundError`."""
+
+
 # ------------------------------------------------------------------------------------------ file names
 def _indexed(stem: str, index: int, suffix: str) -> str:
     """`optimizer.bin`, `optimizer_1.bin`, ...: Accelerate numbers every object after the first."""
@@ -735,7 +740,7 @@ def save_accelerator_state(
         durable: fsync every file and folder before the rename, so the checkpoint also survives a power
             loss or kernel crash, not only a killed process. Costs about a third of the save time on a
             disk; False keeps the atomic rename (safe against a killed process) without the fsyncs.
-    Returns the final `output_dir`.
+    Returns `output_dir` as a `Path`, as given (a relative folder stays relative, as Accelerate returns it).
     """
     target = Path(output_dir).absolute()
     tmp = _tmp_dir_for(target)
@@ -825,7 +830,7 @@ def save_accelerator_state(
     if failures:
         _reraise(error, f"Could not move every process's checkpoint files into {target}", failures)
     logger.info("Saved state to %s", target)
-    return target
+    return Path(output_dir)
 
 
 def _reraise(error: BaseException | None, message: str, failures: dict[int, str]) -> None:
@@ -958,8 +963,11 @@ def load_accelerator_state(
     for obj in custom_objects:
         check_checkpointable(obj)
     models = list(models)
+    # hooks get the folder as the caller spelled it (a trailing slash kept, as Accelerate passes it), or the
+    # folder actually read when a save interrupted mid-rename left the checkpoint under another name
+    given = os.fspath(input_dir)
     for hook in pre_hooks:
-        hook(models, str(directory))
+        hook(models, given if directory == Path(given) else str(directory))
 
     # Read everything first.
     model_states: list[Any] = []
@@ -992,12 +1000,12 @@ def load_accelerator_state(
     absent = [f"{CUSTOM_CHECKPOINT_NAME}_{i}.pkl" for i in range(len(custom_objects))
               if f"{CUSTOM_CHECKPOINT_NAME}_{i}.pkl" not in custom_files]
     if absent:
-        raise CheckpointFileMissingError(
+        raise RegisteredObjectsMismatchError(
             f"Checkpoint file {directory / absent[0]} is missing: {len(custom_objects)} objects are registered "
             f"for checkpointing but the checkpoint holds {custom_files or 'none'}."
         )
     if len(custom_files) != len(custom_objects):
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"Checkpoint {directory} holds {len(custom_files)} custom objects ({custom_files}) but "
             f"{len(custom_objects)} are registered for checkpointing: register the same objects, in the "
             "same order, as when it was saved."
@@ -1220,6 +1228,14 @@ def save_model(
     shard files of an earlier save that are not part of this one are removed. Only the main process
     writes; the others return `[]`. Returns the files written (index last).
     """
+    on_meta = [name for name, value in state_dict.items()
+               if isinstance(value, torch.Tensor) and value.device.type == "meta"]
+    if on_meta:  # on every process, before any folder is made: as Accelerate's save_model refuses it
+        raise RuntimeError(
+            f"Cannot save the model: {len(on_meta)} of its tensors ({', '.join(on_meta[:3])}"
+            f"{', ...' if len(on_meta) > 3 else ''}) are on the meta device and hold no values. Load its weights "
+            "first (load_checkpoint_and_dispatch, or load_state_dict(..., assign=True))."
+        )
     if not is_main_process:
         return []
     directory = Path(save_directory)

@@ -1,0 +1,144 @@
+"""save_state / load_state, register_for_checkpointing, the save/load hooks, save_model and Accelerator.save, run on
+Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: return values, exception types, what hooks get,
+the files written and what they hold.
+
+Each scenario is code written for Accelerate (`lib` is the library's top-level module) and returns plain values:
+`_outcome` turns a call into ("ok", value) or (exception type names, ...). Every folder is made under a temporary
+root that rank 0 creates and broadcasts, so both ranks see the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from parity_harness import assert_same, run_both
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(600)
+
+
+def _root(lib) -> str:
+    """One temporary folder for this run, the same on every rank."""
+    root = tempfile.mkdtemp(prefix=f"save-sweep-{lib.__name__}-") if lib.PartialState().is_main_process else None
+    return lib.utils.broadcast_object_list([root])[0]
+
+
+def _kinds(error: BaseException) -> list[str]:
+    """The builtin exception types `error` is an instance of (a subclass of nbaccel's counts as its bases)."""
+    kinds = (ValueError, TypeError, RuntimeError, FileNotFoundError, FileExistsError, OSError, NotImplementedError)
+    return [kind.__name__ for kind in kinds if isinstance(error, kind)]
+
+
+def _outcome(call) -> tuple:
+    try:
+        value = call()
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return ("raised", _kinds(error))
+    if isinstance(value, os.PathLike):
+        return ("ok", type(value).__name__, os.fspath(value))
+    return ("ok", value)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+class Counter:
+    """A registered object: anything with state_dict() and load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.count = 3
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def hooks_and_paths(lib):
+    """What register_*_pre_hook return (torch's RemovableHandle, usable as a context manager), what the hooks get,
+    what save_state returns for a relative folder, and load_state of "~/..." and of a folder with a slash."""
+    root = _root(lib)
+    accelerator = lib.Accelerator(cpu=True)
+    accelerator.prepare(_model())
+    seen = []
+    save_handle = accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: seen.append(("save", type(output_dir).__name__)))
+    load_handle = accelerator.register_load_state_pre_hook(
+        lambda models, input_dir: seen.append(("load", input_dir.replace(root, "ROOT"))))
+    found = {"handles": [(type(h).__module__, type(h).__name__, isinstance(h, torch.utils.hooks.RemovableHandle))
+                         for h in (save_handle, load_handle)]}
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        found["relative"] = _outcome(lambda: accelerator.save_state("checkpoint"))
+        accelerator.wait_for_everyone()
+        found["slash"] = _outcome(lambda: accelerator.load_state(os.path.join(root, "checkpoint") + "/"))
+        home = os.environ["HOME"]
+        os.environ["HOME"] = root
+        try:
+            found["tilde"] = _outcome(lambda: accelerator.load_state("~/checkpoint"))
+        finally:
+            os.environ["HOME"] = home
+        with save_handle:  # torch's handle removes its hook when the block ends
+            pass
+        load_handle.remove()
+        load_handle.remove()  # a second remove does nothing
+        accelerator.save_state("checkpoint")
+        accelerator.load_state("checkpoint")
+    finally:
+        os.chdir(cwd)
+    found["seen"] = seen
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_hooks_handles_and_checkpoint_paths_are_accelerates(num_processes):
+    """nbaccel's hook handles were a class of its own (not torch's RemovableHandle: no `with handle:`), save_state
+    returned an absolute path for a relative folder, load_state did not expand "~" and handed load hooks the
+    folder without its trailing slash."""
+    results = run_both(hooks_and_paths, num_processes)
+    assert results["nbaccel"][0]["handles"] == [("torch.utils.hooks", "RemovableHandle", True)] * 2
+    assert results["nbaccel"][0]["relative"] == ("ok", "PosixPath", "checkpoint")
+    assert_same(results["accelerate"], results["nbaccel"])
+
+
+def refused_loads_and_saves(lib):
+    """load_state with more or fewer registered objects than the checkpoint holds (Accelerate: RuntimeError), and
+    save_model of a model whose weights are on the meta device (Accelerate: RuntimeError, no folder made)."""
+    root = _root(lib)
+    accelerator = lib.Accelerator(cpu=True)
+    accelerator.prepare(_model())
+    accelerator.register_for_checkpointing(Counter())
+    checkpoint = os.path.join(root, "checkpoint")
+    accelerator.save_state(checkpoint)
+    accelerator.wait_for_everyone()
+    found = {}
+    accelerator.register_for_checkpointing(Counter())
+    found["more objects"] = _outcome(lambda: accelerator.load_state(checkpoint))
+    accelerator._custom_objects.clear()
+    found["fewer objects"] = _outcome(lambda: accelerator.load_state(checkpoint))
+    with lib.init_empty_weights():
+        empty = torch.nn.Linear(2, 2)
+    found["meta save_model"] = _outcome(lambda: accelerator.save_model(empty, os.path.join(root, "empty")))
+    accelerator.wait_for_everyone()
+    found["meta folder made"] = os.path.exists(os.path.join(root, "empty"))
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_refused_loads_and_saves_raise_accelerates_types(num_processes):
+    """nbaccel raised CheckpointFileMissingError / CheckpointError (no RuntimeError) for a registered-object count
+    that differs from the checkpoint's, and NotImplementedError from save_model of a meta model, after making
+    its folder. Accelerate's RuntimeError is the type now (nbaccel's also says which file is missing)."""
+    results = run_both(refused_loads_and_saves, num_processes)
+    assert results["accelerate"][0]["more objects"] == ("raised", ["RuntimeError"])
+    assert results["nbaccel"][0]["more objects"] == ("raised", ["RuntimeError", "FileNotFoundError", "OSError"])
+    for rank in results["nbaccel"]:  # a FileNotFoundError too, as nbaccel's missing checkpoint files are
+        rank["more objects"] = ("raised", ["RuntimeError"])
+    assert_same(results["accelerate"], results["nbaccel"])
