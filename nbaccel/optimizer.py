@@ -10,6 +10,7 @@ averages the gradients across replicas.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -85,9 +86,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.eval()
 
     # -- the hot path ---------------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.gradient_state.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the gradients on synchronizing steps (set them to None unless `set_to_none=False`).
+
+        An optimizer whose own `zero_grad()` takes no `set_to_none` is called without it, as in Accelerate;
+        asking it for a `set_to_none` it cannot honour is a ValueError."""
+        if not self.gradient_state.sync_gradients:
+            return
+        if _takes_set_to_none(self.optimizer.zero_grad):
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        elif set_to_none is not None:
+            raise ValueError(f"set_to_none={set_to_none!r} was given, but {type(self.optimizer).__name__}.zero_grad() "
+                             "takes no set_to_none: call zero_grad() without it.")
+        else:
+            self.optimizer.zero_grad()
 
     def step(self, closure: Any = None) -> Any:
         if not self.gradient_state.sync_gradients:
@@ -130,3 +142,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _takes_set_to_none(zero_grad: Any) -> bool:
+    try:
+        return "set_to_none" in inspect.signature(zero_grad).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): torch's own optimizers take it
+        return True

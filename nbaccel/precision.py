@@ -8,14 +8,16 @@ device type. fp8 needs an external backend; without one the error says which pac
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .utils.dataclasses import PrecisionType
-from .utils.operations import convert_outputs_to_fp32
+from .utils.operations import convert_to_fp32
 
 FP8_BACKENDS = {"AO": "torchao", "TE": "transformer_engine", "MSAMP": "msamp"}
 DRIVEN_FP8_BACKENDS = ("AO",)  # nbaccel converts models for fp8 through torchao only
@@ -82,12 +84,15 @@ def autocast_dtype(mixed_precision: str) -> torch.dtype | None:
 def autocast_context(
     device_type: str, mixed_precision: str, enabled: bool = True, cache_enabled: bool | None = None
 ) -> contextlib.AbstractContextManager:
-    """A fresh `torch.autocast` for the mode on `device_type`, or a null context for "no"."""
+    """A fresh `torch.autocast` for the mode on `device_type`, or a null context for "no".
+
+    `enabled=False` (AutocastKwargs(enabled=False)) is a disabled `torch.autocast`, not a null context: inside an
+    enclosing autocast block it turns autocast off, which is what the handler is for (fp32 for part of a model)."""
     dtype = autocast_dtype(mixed_precision)
-    if dtype is None or not enabled:
+    if dtype is None:
         return contextlib.nullcontext()
     kwargs = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
-    return torch.autocast(device_type=device_type, dtype=dtype, **kwargs)
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **kwargs)
 
 
 def make_grad_scaler(mixed_precision: str, device_type: str, scaler_kwargs: dict | None = None):
@@ -97,40 +102,52 @@ def make_grad_scaler(mixed_precision: str, device_type: str, scaler_kwargs: dict
     return torch.amp.GradScaler(device_type, **(scaler_kwargs or {}))
 
 
-class AutocastForward:
-    """A model's forward run under autocast, with floating outputs returned in fp32.
-
-    Set as the instance attribute `model.forward`; the original bound forward stays reachable as
-    `.original` (and as `model._original_forward`, Accelerate's name) so `unwrap_model` can restore it.
-    """
-
-    def __init__(self, forward: Callable, make_context: Callable[[], contextlib.AbstractContextManager]):
-        self.original = forward
-        self.make_context = make_context
-        self._fp32 = convert_outputs_to_fp32(self._run)
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        with self.make_context():
-            return self.original(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fp32(*args, **kwargs)
+_WRAPPED_MARK = "_nbaccel_autocast_forward"
 
 
 def wrap_forward(model: torch.nn.Module, make_context: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Make `model`'s forward run under `make_context()` and return fp32 outputs (idempotent)."""
-    if isinstance(model.__dict__.get("forward"), AutocastForward):
+    """Make `model`'s forward run under `make_context()` and return fp32 outputs (idempotent).
+
+    The class's forward becomes a method bound to the model, as in Accelerate: `inspect.signature(model.forward)`
+    still names the model's arguments (code that picks the inputs a forward takes reads it), `copy.deepcopy`
+    binds the copy's forward to the copy, and pickling the model (`torch.save(model)`) stores no wrapper. The
+    original forward stays reachable as `model._original_forward`, Accelerate's name, for `unwrap_model`.
+    """
+    current = model.forward
+    if getattr(current, _WRAPPED_MARK, False):
         return
-    model._original_forward = model.forward
-    model.forward = AutocastForward(model.forward, make_context)
+    model._original_forward = current
+    if getattr(current, "__self__", None) is model:  # the class's forward (or a method bound to the model)
+        function = current.__func__
+
+        @functools.wraps(function)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with make_context():
+                return convert_to_fp32(function(self, *args, **kwargs))
+
+        setattr(forward, _WRAPPED_MARK, True)
+        model.forward = types.MethodType(forward, model)
+        return
+
+    @functools.wraps(current)  # a callable set on the instance (hooks): wrap it as it is
+    def plain_forward(*args: Any, **kwargs: Any) -> Any:
+        with make_context():
+            return convert_to_fp32(current(*args, **kwargs))
+
+    setattr(plain_forward, _WRAPPED_MARK, True)
+    model.forward = plain_forward
 
 
 def unwrap_forward(model: torch.nn.Module) -> None:
     """Undo `wrap_forward`: the model's forward runs in its own precision again."""
     wrapper = model.__dict__.get("forward")
-    if isinstance(wrapper, AutocastForward):
-        original = wrapper.original
-        del model.forward
-        if getattr(original, "__self__", None) is not model:  # a forward the user had set on the instance
-            model.forward = original
-        model.__dict__.pop("_original_forward", None)
+    if not getattr(wrapper, _WRAPPED_MARK, False):
+        return
+    original = wrapper.__func__.__wrapped__ if isinstance(wrapper, types.MethodType) else wrapper.__wrapped__
+    del model.forward
+    model.__dict__.pop("_original_forward", None)
+    if isinstance(wrapper, types.MethodType):
+        if original is not getattr(type(model), "forward", None):  # a method the user had bound to the instance
+            model.forward = types.MethodType(original, model)
+    else:
+        model.forward = original

@@ -1,0 +1,124 @@
+"""The training loop, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: mixed precision's
+autocast blocks and the prepared model's wrapped forward, the prepared optimizer's `zero_grad`. Found by a parity
+sweep of the training loop (2026-12-01); each scenario failed on nbaccel before its fix."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+
+import pytest
+import torch
+from parity_harness import assert_same, run_both
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _outcome(call):
+    try:
+        return ("ok", call())
+    except Exception as exc:  # the type is what code written for Accelerate catches
+        return ("raised", type(exc).__name__)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+def _dtype(module, x):
+    return str(module(x).dtype)
+
+
+def bf16_autocast_blocks(lib):
+    """AutocastKwargs(enabled=False) turns autocast off inside an enclosing autocast (it was a null context on
+    nbaccel, so the block still ran in bf16), whether given to `autocast()` or to the Accelerator."""
+    found = {}
+    accelerator = lib.Accelerator(cpu=True, mixed_precision="bf16")
+    layer, x = torch.nn.Linear(3, 3), torch.ones(2, 3)
+    with accelerator.autocast():
+        found["inside"] = _dtype(layer, x)
+        with accelerator.autocast(lib.utils.AutocastKwargs(enabled=False)):
+            found["turned_off_inside"] = _dtype(layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), accelerator.autocast(lib.utils.AutocastKwargs(enabled=False)):
+        found["turned_off_in_torch_autocast"] = _dtype(layer, x)
+    found["outside"] = _dtype(layer, x)
+    lib.state.AcceleratorState._reset_state(True)
+    accelerator = lib.Accelerator(cpu=True, mixed_precision="bf16",
+                                  kwargs_handlers=[lib.utils.AutocastKwargs(enabled=False)])
+    model = accelerator.prepare(_model())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with accelerator.autocast():
+            found["handler_off_in_torch_autocast"] = _dtype(layer, x)
+        found["model_in_torch_autocast"] = _dtype(model, x)
+    with accelerator.autocast(lib.utils.AutocastKwargs(enabled=True)):
+        found["handler_overridden"] = _dtype(layer, x)
+    return found
+
+
+def bf16_forward_wrapper(lib):
+    """The prepared model's forward under bf16: a method bound to the model, with the model's signature (code
+    that reads which arguments a forward takes); deepcopy (an EMA copy) and pickling (`torch.save(model)`) of
+    the prepared model; unwrapping. nbaccel's forward was a callable object: `(*args, **kwargs)`, no
+    `__name__`, and pickling failed on a local function."""
+    accelerator = lib.Accelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(_model())
+    x = torch.linspace(-1, 1, 6).reshape(2, 3)
+    found = {"signature": str(inspect.signature(model.forward)), "is_method": inspect.ismethod(model.forward),
+             "name": model.forward.__name__, "output": model(x), "has_original": hasattr(model, "_original_forward")}
+    ema = copy.deepcopy(model)
+    found["copy"] = (ema(x), ema.forward.__self__ is ema)
+    buffer = io.BytesIO()
+    found["torch_save"] = _outcome(lambda: torch.save(accelerator.unwrap_model(model), buffer))
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    found["loaded"] = (loaded(x), "forward" in loaded.__dict__)
+    found["pickle_prepared"] = _outcome(lambda: len(pickle.dumps(model)) > 0)
+    plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    found["unwrapped"] = (plain(x), str(inspect.signature(plain.forward)), hasattr(plain, "_original_forward"))
+    with accelerator.autocast():
+        found["unwrapped_in_autocast"] = str(plain(x).dtype)
+    found["copy_unwrapped"] = accelerator.unwrap_model(ema, keep_fp32_wrapper=False)(x)
+    return found
+
+
+class _ZeroGradWithoutSetToNone(torch.optim.SGD):
+    """An optimizer written before torch's `set_to_none` (as some third-party ones are)."""
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.grad = None
+
+
+def zero_grad_of_other_optimizers(lib):
+    """`optimizer.zero_grad()` of a prepared optimizer whose own zero_grad takes no `set_to_none` (nbaccel
+    passed it and torch raised TypeError); asking for one is a ValueError on both."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, _ZeroGradWithoutSetToNone(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.ones(2, 3)).sum())
+    found = {"plain": _outcome(optimizer.zero_grad), "grads": [p.grad for p in model.parameters()]}
+    found["set_to_none=None"] = _outcome(lambda: optimizer.zero_grad(set_to_none=None))
+    found["set_to_none=False"] = _outcome(lambda: optimizer.zero_grad(set_to_none=False))
+    accelerator.backward(model(torch.ones(2, 3)).sum())
+    sgd = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    found["torch_keeps_zeros"] = (_outcome(lambda: sgd.zero_grad(set_to_none=False)),
+                                  [p.grad.abs().sum().item() for p in model.parameters()])
+    sgd.zero_grad()
+    found["torch_default_none"] = [p.grad for p in model.parameters()]
+    return found
+
+
+SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_the_training_loop_as_in_accelerate(num_processes):
+    for scenario in SCENARIOS:
+        results = run_both(scenario, num_processes)
+        for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+            assert_same(theirs, ours, f"{scenario.__name__}[{num_processes} processes][rank {rank}]")
