@@ -56,6 +56,11 @@ def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Pa
     the block ends without an error it becomes `path` (fsynced first when `durable`); on an error it is
     removed and `path` is left as it was."""
     target = Path(path)
+    if not target.parent.is_dir():
+        # nothing can be written there: the writer is handed the target itself and fails in its own words, as
+        # it would without nbaccel (torch.save's RuntimeError "Parent directory ... does not exist", ...)
+        yield target
+        return
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX)
     os.close(fd)
     partial = Path(name)

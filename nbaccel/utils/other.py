@@ -205,7 +205,9 @@ def save(obj: Any, f: str | os.PathLike, save_on_each_node: bool = False, safe_s
         from safetensors.torch import save_file
 
         if not isinstance(obj, dict):
-            raise TypeError(f"safe_serialization=True saves a dict of tensors; got {type(obj).__name__}")
+            # ValueError, the type safetensors' own refusal has (what Accelerate raises)
+            raise ValueError(f"safe_serialization=True saves a dict of tensors; got {type(obj).__name__}. Pass "
+                             "safe_serialization=False to save other objects with torch.save.")
         if isinstance(obj, OrderedDict):  # a state_dict: tied weights are written once, as in Accelerate
             obj = clean_state_dict_for_safetensors(obj)
         # any other dict goes as it is: tensors sharing memory are safetensors' error, never an entry dropped

@@ -20,9 +20,10 @@ pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _root(lib) -> str:
-    """One temporary folder for this run, the same on every rank."""
-    root = tempfile.mkdtemp(prefix=f"save-sweep-{lib.__name__}-") if lib.PartialState().is_main_process else None
+def _root(lib, accelerator) -> str:
+    """One temporary folder for this run, the same on every rank (asked after the Accelerator is made: a bare
+    `PartialState()` first would be a single process on each CPU rank under Accelerate)."""
+    root = tempfile.mkdtemp(prefix=f"save-sweep-{lib.__name__}-") if accelerator.is_main_process else None
     return lib.utils.broadcast_object_list([root])[0]
 
 
@@ -63,8 +64,8 @@ class Counter:
 def hooks_and_paths(lib):
     """What register_*_pre_hook return (torch's RemovableHandle, usable as a context manager), what the hooks get,
     what save_state returns for a relative folder, and load_state of "~/..." and of a folder with a slash."""
-    root = _root(lib)
     accelerator = lib.Accelerator(cpu=True)
+    root = _root(lib, accelerator)
     accelerator.prepare(_model())
     seen = []
     save_handle = accelerator.register_save_state_pre_hook(
@@ -111,8 +112,8 @@ def test_hooks_handles_and_checkpoint_paths_are_accelerates(num_processes):
 def refused_loads_and_saves(lib):
     """load_state with more or fewer registered objects than the checkpoint holds (Accelerate: RuntimeError), and
     save_model of a model whose weights are on the meta device (Accelerate: RuntimeError, no folder made)."""
-    root = _root(lib)
     accelerator = lib.Accelerator(cpu=True)
+    root = _root(lib, accelerator)
     accelerator.prepare(_model())
     accelerator.register_for_checkpointing(Counter())
     checkpoint = os.path.join(root, "checkpoint")
@@ -141,4 +142,36 @@ def test_refused_loads_and_saves_raise_accelerates_types(num_processes):
     assert results["nbaccel"][0]["more objects"] == ("raised", ["RuntimeError", "FileNotFoundError", "OSError"])
     for rank in results["nbaccel"]:  # a FileNotFoundError too, as nbaccel's missing checkpoint files are
         rank["more objects"] = ("raised", ["RuntimeError"])
+    assert_same(results["accelerate"], results["nbaccel"])
+
+
+def saving_single_files(lib):
+    """Accelerator.save and utils.save: into a folder that does not exist (torch's RuntimeError; safetensors'
+    own error), a list with safe_serialization=True (ValueError), and what a good save writes."""
+    accelerator = lib.Accelerator(cpu=True)
+    root = _root(lib, accelerator)
+    found = {}
+    missing = os.path.join(root, "absent")
+    found["no folder"] = _outcome(lambda: accelerator.save({"a": 1}, os.path.join(missing, "a.pt")))
+    found["no folder, safetensors"] = _outcome(lambda: accelerator.save(
+        {"a": torch.ones(1)}, os.path.join(missing, "a.safetensors"), safe_serialization=True))
+    found["folder made"] = os.path.exists(missing)
+    found["list, safetensors"] = _outcome(
+        lambda: accelerator.save([torch.ones(1)], os.path.join(root, "l.safetensors"), safe_serialization=True))
+    found["utils list, safetensors"] = _outcome(
+        lambda: lib.utils.save([torch.ones(1)], os.path.join(root, "u.safetensors"), safe_serialization=True))
+    found["saved"] = _outcome(lambda: accelerator.save([1, torch.arange(3)], os.path.join(root, "l.pt")))
+    accelerator.wait_for_everyone()
+    found["read back"] = torch.load(os.path.join(root, "l.pt"), weights_only=True)
+    found["files"] = sorted(os.listdir(root))
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_accelerator_save_fails_as_in_accelerate(num_processes):
+    """nbaccel's atomic write made its temporary file first, so a missing folder was a FileNotFoundError where
+    torch.save raises RuntimeError ("Parent directory ... does not exist") and safetensors its SafetensorError;
+    a list with safe_serialization=True was a TypeError (safetensors: ValueError)."""
+    results = run_both(saving_single_files, num_processes)
+    assert results["nbaccel"][0]["no folder"] == ("raised", ["RuntimeError"])
     assert_same(results["accelerate"], results["nbaccel"])
