@@ -27,11 +27,15 @@ def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
     raise ValueError(f"invalid truth value {value!r}: use one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")
 
 
-def parse_flag_from_env(key: str, default: bool = False) -> bool:
-    """The truth value of environment variable `key`, or `default` when it is unset or empty."""
+def parse_flag_from_env(key: str, default: bool | str = False) -> bool:
+    """The truth value of environment variable `key`, or of `default` when it is unset or empty.
+
+    A string default is read as a truth value, as Accelerate reads it (`default="no"` is False).
+    """
     value = os.environ.get(key, "")
     if value.strip() == "":
-        return bool(default)
+        # bool("no") would be True: a text default goes through the same reading as the variable
+        return str_to_bool(default) == 1 if isinstance(default, str) else bool(default)
     try:
         return str_to_bool(value) == 1
     except ValueError:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .dataclasses import whole_number
+
 # Substrings of the messages torch raises when an allocation fails, per backend.
 _OUT_OF_MEMORY_MESSAGES = (
     " out of memory.",  # CUDA, ROCm/HIP, XPU: "CUDA out of memory." / "XPU out of memory."
@@ -102,10 +104,11 @@ def find_executable_batch_size(
         )
     if not callable(function):
         raise TypeError(f"find_executable_batch_size wraps a function; got {type(function).__name__}.")
-    if not isinstance(starting_batch_size, int) or starting_batch_size < 0:  # 0: the call says so (Accelerate)
+    start = whole_number(starting_batch_size)  # numpy integers too, as Accelerate takes them
+    if start is None or start < 0:  # 0: the call says so (Accelerate)
         raise ValueError(f"starting_batch_size must be an int >= 0, got {starting_batch_size!r}.")
 
-    batch_size = starting_batch_size
+    batch_size = start
 
     def _reduce_default() -> int:
         return int(batch_size * 0.9)

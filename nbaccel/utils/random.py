@@ -57,7 +57,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
         xm.set_rng_state(seed)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if is_cuda_available():  # only cuBLAS reads it: a CPU process's environment stays as Accelerate leaves it
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 

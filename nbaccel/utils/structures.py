@@ -231,6 +231,12 @@ def initialize_tensors(data_structure: Any) -> Any:
     )
 
 
+class NothingToIndexError(TypeError, IndexError):
+    """`find_batch_size` of a 0-dim tensor, `concatenate` of an empty list: Accelerate's code indexes there and
+    raises IndexError, so this is one (code written for Accelerate catches it); a TypeError too, as nbaccel's
+    error was before."""
+
+
 def find_batch_size(data: Any) -> int:
     """The size of dim 0 of the first tensor of `data` (first item of lists, first value of dicts)."""
     if isinstance(data, (tuple, list, Mapping)) and len(data) == 0:
@@ -242,7 +248,7 @@ def find_batch_size(data: Any) -> int:
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"can only find the batch size of tensors, got a {type(data).__name__}.")
     if data.ndim == 0:
-        raise TypeError("cannot find the batch size of a 0-dim tensor (it has no dim 0).")
+        raise NothingToIndexError("cannot find the batch size of a 0-dim tensor (it has no dim 0).")
     return data.shape[0]
 
 
@@ -291,8 +297,10 @@ def concatenate(data: list | tuple, dim: int = 0) -> Any:
 
     A list holding a single non-tensor batch is returned as that batch.
     """
-    if not isinstance(data, (tuple, list)) or len(data) == 0:
+    if not isinstance(data, (tuple, list)):
         raise TypeError(f"concatenate needs a non-empty list of batches, got {type(data).__name__}.")
+    if len(data) == 0:
+        raise NothingToIndexError(f"concatenate needs a non-empty list of batches, got an empty {type(data).__name__}.")
     first = data[0]
     if isinstance(first, (tuple, list)):
         return honor_type(first, [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))])

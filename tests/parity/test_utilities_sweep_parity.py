@@ -1,0 +1,501 @@
+"""Utilities written for Accelerate, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared:
+the nested-data helpers, environment and seed helpers, `find_executable_batch_size`, `get_logger`, the
+`on_*_process` decorators, `split_between_processes(apply_padding=True)`, hooks, and the big-model helpers on
+CPU and disk. Found by a parity sweep of the utilities (2026-12-01): the first test holds what differed and was
+fixed; the second what nbaccel does on purpose otherwise (docs/compat.md), both sides shown; the rest is what
+matched, kept so that it stays so."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+from parity_harness import assert_same, run_both
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _outcome(call):
+    """("ok", value) or ("raised", the exception's type name): what code written for Accelerate sees."""
+    try:
+        return ("ok", call())
+    except Exception as exc:
+        return ("raised", type(exc).__name__)
+
+
+def _catches(call, kind):
+    """Whether `except kind:` catches what `call` raises (None when it raises nothing)."""
+    try:
+        call()
+    except kind:
+        return True
+    except Exception as exc:
+        return type(exc).__name__
+    return None
+
+
+def fixed_helpers(lib):
+    """Each of these differed before the sweep's fixes."""
+    import numpy as np
+
+    u = lib.utils
+    found = {}
+    os.environ.pop("SWEEP_FLAG", None)
+    # a text default is a truth value (nbaccel read bool("no") as True)
+    found["flag defaults"] = [u.parse_flag_from_env("SWEEP_FLAG", default=d) for d in ("no", "0", "False", "yes", "1")]
+    # Accelerate's code indexes past the end: an IndexError, which nbaccel's errors now also are
+    found["concatenate([])"] = _catches(lambda: u.concatenate([]), IndexError)
+    found["find_batch_size(0-dim)"] = _catches(lambda: u.find_batch_size(torch.tensor(3.0)), IndexError)
+    # set_seed(deterministic=True) leaves a CPU process's environment alone
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    u.set_seed(3, deterministic=True)
+    found["deterministic"] = (torch.are_deterministic_algorithms_enabled(), torch.rand(2))
+    found["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    torch.use_deterministic_algorithms(False)
+    # a numpy integer as the starting batch size (nbaccel refused it with a ValueError)
+    tried = []
+
+    @u.find_executable_batch_size(starting_batch_size=np.int64(12))
+    def train(batch_size):
+        tried.append(int(batch_size))
+        if batch_size > 8:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return int(batch_size)
+
+    found["numpy start"] = (_outcome(train), tried)
+    return found
+
+
+def test_what_differed_is_now_as_in_accelerate():
+    results = run_both(fixed_helpers, 1)
+    theirs, ours = results["accelerate"][0], results["nbaccel"][0]
+    assert theirs["flag defaults"] == [False, False, False, True, True]
+    assert theirs["concatenate([])"] is True and theirs["find_batch_size(0-dim)"] is True
+    assert theirs["numpy start"] == (("ok", 8), [12, 10, 9, 8])
+    if torch.cuda.is_available():  # docs/compat.md: on CUDA nbaccel sets the variable deterministic cuBLAS needs
+        assert (theirs.pop("CUBLAS_WORKSPACE_CONFIG"), ours.pop("CUBLAS_WORKSPACE_CONFIG")) == (None, ":4096:8")
+    assert_same(theirs, ours, "fixed_helpers")
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.register_buffer("tmp", torch.ones(1), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.tmp
+
+
+class Net(torch.nn.Module):
+    def __init__(self, tied=True):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _net(tied=True):
+    torch.manual_seed(0)
+    return Net(tied)
+
+
+def _devices(model):
+    return sorted((name, t.device.type, str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items())
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append((record.name, record.levelname, record.getMessage(), record.funcName,
+                          getattr(record, "sweep", None)))
+
+
+def deliberate(lib):
+    """What nbaccel does on purpose otherwise (docs/compat.md); the test states both sides."""
+    from safetensors.torch import save_file
+
+    u, bm = lib.utils, lib.big_modeling
+    found = {}
+    # init_empty_weights keeps a weight tied by assignment (Accelerate makes the second module a new meta weight)
+    with bm.init_empty_weights():
+        empty = Net()
+    found["tied under init_empty_weights"] = empty.head.weight is empty.embed.weight
+    with tempfile.TemporaryDirectory() as tmp:
+        untied = _net(tied=False)
+        save_file(untied.state_dict(), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with bm.init_empty_weights():
+            model = Net(tied=False)
+        u.load_checkpoint_in_model(model, os.path.join(tmp, "model.safetensors"), dtype=torch.float16)
+        found["dtype without a device map"] = model.blocks[0].lin.weight.dtype
+        with bm.init_empty_weights():
+            model = Net(tied=False)
+        device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu", "head": "cpu"}
+        u.load_checkpoint_in_model(model, os.path.join(tmp, "model.safetensors"), device_map=device_map,
+                                   offload_folder=os.path.join(tmp, "offload"))
+        found["offload folder"] = sorted(os.listdir(os.path.join(tmp, "offload")))
+        with open(os.path.join(tmp, "offload", "index.json")) as f:
+            found["index points at"] = sorted({os.path.basename(v.get("safetensors_file", ".dat"))
+                                               for v in json.load(f).values()})
+        model = bm.dispatch_model(model, device_map, offload_dir=os.path.join(tmp, "offload"))
+        found["offloaded forward"] = model(torch.tensor([[1, 2]])) - untied(torch.tensor([[1, 2]]))
+    found["pad_input_tensors(dim=1)"] = _outcome(
+        lambda: u.pad_input_tensors(torch.ones(2, 3), batch_size=3, num_processes=2, dim=1).shape)
+    found["MemoryError retried"] = _outcome(lambda: u.find_executable_batch_size(
+        lambda b: b if b < 100 else (_ for _ in ()).throw(MemoryError()), starting_batch_size=128)())
+    lib.PartialState(cpu=True)
+    records = _Records()
+    logging.getLogger().addHandler(records)
+    lib.logging.get_logger("sweep.extra").warning("with extra", extra={"sweep": 5})
+    logging.getLogger().removeHandler(records)
+    found["extra"] = [r[-1] for r in records.seen]
+    found["empty flag"] = _outcome(lambda: (os.environ.__setitem__("SWEEP_FLAG", ""),
+                                            u.parse_flag_from_env("SWEEP_FLAG", default=True))[1])
+    return found
+
+
+def test_what_nbaccel_does_on_purpose_otherwise():
+    results = run_both(deliberate, 1)
+    theirs, ours = results["accelerate"][0], results["nbaccel"][0]
+    assert (theirs["tied under init_empty_weights"], ours["tied under init_empty_weights"]) == (False, True)
+    # Accelerate 1.15 hands a map-less load to torch's set_model_state_dict, which keeps the model's dtype
+    assert (theirs["dtype without a device map"], ours["dtype without a device map"]) == (torch.float32,
+                                                                                          torch.float16)
+    # a safetensors checkpoint's disk-offloaded weights: Accelerate copies them into .dat files, nbaccel's index
+    # points into the checkpoint (Accelerate's loader reads such entries too)
+    assert theirs["offload folder"] == ["blocks.1.lin.bias.dat", "blocks.1.lin.weight.dat", "index.json"]
+    assert (ours["offload folder"], ours["index points at"]) == (["index.json"], ["model.safetensors"])
+    assert_same(theirs["offloaded forward"], ours["offloaded forward"])
+    assert not ours["offloaded forward"].any()
+    assert theirs["pad_input_tensors(dim=1)"] == ("raised", "RuntimeError")
+    assert ours["pad_input_tensors(dim=1)"] == ("ok", torch.Size([2, 4]))
+    assert (theirs["MemoryError retried"], ours["MemoryError retried"]) == (("raised", "MemoryError"), ("ok", 92))
+    assert (theirs["extra"], ours["extra"]) == ([None], [5])  # Python 3.11's LoggerAdapter drops it
+    assert (theirs["empty flag"], ours["empty flag"]) == (("raised", "ValueError"), ("ok", True))
+
+
+def helpers(lib):
+    """Nested-data, environment and seed helpers: values, container types, exception types."""
+    import collections
+
+    u = lib.utils
+    t = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    point = collections.namedtuple("Point", "x y")
+    found = {
+        "send skip_keys": u.send_to_device({"a": t, "b": [t, (t,)], "c": "x"}, "cpu", non_blocking=True,
+                                           skip_keys="a"),
+        "send skip list": u.send_to_device({"a": t, "b": t}, "cpu", skip_keys=["a", "b"]),
+        "send mixed": u.send_to_device((t, 1, "a", None), "cpu"),
+        "send namedtuple": type(u.send_to_device(point(t, 1), "cpu")).__name__,
+        "fp32": u.convert_outputs_to_fp32(lambda: {"x": t.half(), "y": [t.bfloat16(), t.int()]})(),
+        "find_batch_size": u.find_batch_size({"a": [(t,)]}),
+        "find_batch_size errors": [_outcome(lambda d=d: u.find_batch_size(d)) for d in ([], {}, None, 3, ["a"])],
+        "listify": u.listify({"a": t, "b": (torch.tensor(1.5), [torch.tensor([1, 2])]), "c": t.bfloat16()}),
+        "pad_input_tensors": [u.pad_input_tensors(torch.arange(5), batch_size=5, num_processes=2),
+                              u.pad_input_tensors({"a": torch.ones(3, 2)}, batch_size=3, num_processes=4)],
+        "concatenate": [u.concatenate([{"a": t, "b": [t]}] * 2), u.concatenate([(t, t)] * 2, dim=1),
+                        _outcome(lambda: u.concatenate([1, 2]))],
+        "slice": u.slice_tensors({"a": t, "b": (t, "s")}, slice(0, 2)),
+        "recursively_apply": [u.recursively_apply(lambda x: x + 1, [1, 2.0, t, "a"],
+                                                  test_type=lambda x: isinstance(x, int)),
+                              _outcome(lambda: u.recursively_apply(lambda x: x, [t, "a"], error_on_other_type=True)),
+                              u.recursively_apply(lambda x, y, z=0: x + y + z, [t], 1, z=2)],
+        "merge_dicts": u.merge_dicts({"a": {"c": {"e": 3}}, "y": 2}, {"a": {"b": 1, "c": {"d": 2}}, "x": 1}),
+        "convert_bytes": [u.convert_bytes(n) for n in (0, 1023, 1024, 1536, 10**6, 1024**3 * 5.5, 1024**6 * 3)],
+        "str_to_bool": [(u.str_to_bool(s), u.str_to_bool(s, to_bool=True)) for s in ("yes", "T", "on", "0", "off")],
+        "str_to_bool bad": _outcome(lambda: u.str_to_bool("maybe")),
+    }
+    os.environ["SWEEP_EXISTING"] = "before"
+    with u.patch_environment(sweep_existing=1, SWEEP_NEW=True):
+        inside = (os.environ["SWEEP_EXISTING"], os.environ["SWEEP_NEW"])
+        os.environ["SWEEP_NEW"] = "changed"
+    found["patch_environment"] = (inside, os.environ.get("SWEEP_EXISTING"), os.environ.get("SWEEP_NEW"))
+    for value in (None, "1", "yes", "0", "off"):
+        os.environ.pop("SWEEP_FLAG", None)
+        if value is not None:
+            os.environ["SWEEP_FLAG"] = value
+        found[f"flag {value}"] = (u.parse_flag_from_env("SWEEP_FLAG"), u.parse_flag_from_env("SWEEP_FLAG", True),
+                                  u.parse_choice_from_env("SWEEP_FLAG", "d"))
+    u.set_seed(11)
+    import random
+
+    import numpy as np
+
+    found["set_seed draws"] = (torch.rand(2), np.random.rand(2).tolist(), random.random())
+    return found
+
+
+def memory(lib):
+    """The sizes `find_executable_batch_size` tries, for the errors Accelerate counts as out of memory."""
+    u = lib.utils
+    found = {}
+    for name, error in (("cuda", "CUDA out of memory. Tried to allocate"), ("cpu", "DefaultCPUAllocator: can't "
+                        "allocate memory: you tried"), ("cudnn", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This"),
+                        ("mps", "MPS backend out of memory (MPS allocated"), ("other", "boom")):
+        tried = []
+
+        @u.find_executable_batch_size(starting_batch_size=10)
+        def train(batch_size, extra=0, error=error, tried=tried):
+            tried.append(batch_size)
+            if batch_size > 3:
+                raise RuntimeError(error)
+            return batch_size + extra
+
+        found[name] = (_outcome(lambda: train(extra=1)), _outcome(train), tried)  # the second call starts at 3
+    tried = []
+
+    @u.find_executable_batch_size(starting_batch_size=64)
+    def never(batch_size):
+        tried.append(batch_size)
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    found["to zero"] = (_outcome(never), tried)
+    found["reduce fn"] = _outcome(u.find_executable_batch_size(
+        lambda b: b if b == 2 else (_ for _ in ()).throw(RuntimeError("CUDA out of memory.")),
+        starting_batch_size=20, reduce_batch_size_fn=lambda: 2))
+    found["zero start"] = _outcome(u.find_executable_batch_size(lambda b: b, starting_batch_size=0))
+    found["batch size passed"] = _outcome(lambda: u.find_executable_batch_size(lambda b, a: a)(8, 1))
+    a, b = torch.ones(3), [1]
+    found["release_memory"] = u.release_memory(a, b)
+    return found
+
+
+def ranks(lib):
+    """What each rank gets from get_logger, the decorators, main_process_first and split_between_processes."""
+    found = {"before any state": _outcome(lambda: lib.logging.get_logger("sweep.early").info("x"))}
+    state = lib.PartialState(cpu=True)
+    records = _Records()
+    root = logging.getLogger()
+    root.addHandler(records)
+    root.setLevel(logging.WARNING)
+    logger = lib.logging.get_logger("sweep.main")
+    logger.info("dropped")
+    logger.warning("main only")
+    logger.warning("everyone", main_process_only=False)
+    logger.warning("in order %d", state.process_index, in_order=True)
+    logger.warning_once("once")
+    logger.warning_once("once")
+    lib.logging.get_logger("sweep.debug", log_level="debug").debug("debug shown")
+    os.environ["ACCELERATE_LOG_LEVEL"] = "ERROR"
+    from_env = lib.logging.get_logger("sweep.env")
+    from_env.warning("dropped")
+    from_env.error("error shown")
+    del os.environ["ACCELERATE_LOG_LEVEL"]
+    found["log levels"] = (logging.getLogger("sweep.env").level, root.level)
+    root.removeHandler(records)
+    found["records"] = records.seen
+    found["bad level"] = _outcome(lambda: lib.logging.get_logger("sweep.bad", log_level="LOUD"))
+    found["decorated"] = [
+        state.on_main_process(lambda x: ("main", x))(1), state.on_local_main_process(lambda: "local main")(),
+        state.on_last_process(lambda: "last")(), state.on_process(process_index=1)(lambda: "one")(),
+        state.on_process(lambda: "one again", process_index=1)(), state.on_process(process_index=5)(lambda: 5)(),
+        state.on_local_process(local_process_index=0)(lambda: "local zero")()]
+    accelerator = lib.Accelerator(cpu=True)
+
+    class Tracker:
+        calls = 0
+
+        @accelerator.on_main_process
+        def step(self):
+            Tracker.calls += 1
+            return Tracker.calls
+
+    found["accelerator decorated"] = [accelerator.on_main_process(lambda: "main")(),
+                                      accelerator.on_last_process(lambda: "last")(),
+                                      accelerator.on_process(process_index=1)(lambda: "one")(), Tracker().step()]
+    order = []
+    with state.main_process_first():
+        order.append(state.process_index)
+    with accelerator.local_main_process_first():
+        order.append(state.process_index)
+    found["main_process_first"] = order
+    for pad in (False, True):
+        for name, data in (("list", list(range(5))), ("one item", ["a"]),
+                           ("dict", {"a": list(range(5)), "b": torch.arange(5)}),
+                           ("tensor", torch.arange(10).reshape(5, 2)), ("tensors", [torch.ones(1), torch.zeros(2)]),
+                           ("uneven dict", {"a": [1, 2, 3], "b": [4, 5]})):
+            def split(data=data, pad=pad):
+                with state.split_between_processes(data, apply_padding=pad) as part:
+                    return part
+            found[f"split {name} {pad}"] = _outcome(split)
+    return found
+
+
+def hooks(lib):
+    """ModelHook subclasses added, appended, replaced and removed; AlignDevicesHook with CPU offload."""
+    h = lib.hooks
+    calls = []
+
+    class Recorder(h.ModelHook):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def init_hook(self, module):
+            calls.append((self.tag, "init"))
+            return module
+
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append((self.tag, "pre", len(args), sorted(kwargs)))
+            return (args[0] + 1,) + args[1:], kwargs
+
+        def post_forward(self, module, output):
+            calls.append((self.tag, "post"))
+            return output * 2
+
+        def detach_hook(self, module):
+            calls.append((self.tag, "detach"))
+            return module
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(2, 2), torch.ones(1, 2)
+    found = {"plain": lin(x), "add returns": h.add_hook_to_module(lin, Recorder("a")) is lin, "hooked": lin(x)}
+    h.add_hook_to_module(lin, Recorder("b"), append=True)
+    found["appended"] = (type(lin._hf_hook).__name__, len(lin._hf_hook.hooks), lin(x))
+    h.add_hook_to_module(lin, Recorder("c"))
+    found["replaced"] = (type(lin._hf_hook).__name__, lin(x))
+    found["removed"] = (h.remove_hook_from_module(lin) is lin, lin(x), hasattr(lin, "_hf_hook"),
+                        hasattr(lin, "_old_forward"), _outcome(lambda: h.remove_hook_from_module(lin) is lin))
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    for module in (*seq, seq):
+        h.add_hook_to_module(module, Recorder("s"))
+    h.remove_hook_from_module(seq)
+    found["not recursive"] = [hasattr(m, "_hf_hook") for m in (seq, *seq)]
+    h.remove_hook_from_module(seq, recurse=True)
+    found["recursive"] = [hasattr(m, "_hf_hook") for m in (seq, *seq)]
+    torch.manual_seed(0)
+    block = Block()
+    reference = block(torch.ones(1, 4))
+    hook = h.AlignDevicesHook(execution_device="cpu", offload=True, io_same_device=True)
+    h.add_hook_to_module(block, hook)
+    found["align offload"] = (_devices(block), block(torch.ones(1, 4)) - reference, sorted(hook.weights_map.keys()))
+    h.remove_hook_from_module(block)
+    found["align removed"] = _devices(block)
+    model = _net()
+    h.attach_align_device_hook_on_blocks(model, execution_device="cpu",
+                                         offload={"embed": False, "blocks": True, "head": False})
+    found["on blocks"] = sorted((n, type(m._hf_hook).__name__) for n, m in model.named_modules()
+                                if hasattr(m, "_hf_hook"))
+    h.remove_hook_from_submodules(model)
+    found["calls"] = calls
+    return found
+
+
+def big_models(lib):
+    """init_empty_weights, sizes, device maps, set_module_tensor_to_device, cpu/disk offload, dispatch, loading."""
+    from safetensors.torch import save_file
+
+    bm, u = lib.big_modeling, lib.utils
+    found = {}
+    with bm.init_empty_weights(include_buffers=True):
+        empty = Net(tied=False)
+    with bm.init_on_device("meta", include_buffers=False):
+        block = Block()
+    found["empty"] = (_devices(empty), empty.blocks[0].tmp.device.type, _devices(block))
+    net = _net()
+    sizes = u.compute_module_sizes(net)
+    found["sizes"] = (dict(sizes), dict(u.compute_module_sizes(net, dtype=torch.float16)))
+    found["tied"] = (u.find_tied_parameters(net), u.find_tied_parameters(torch.nn.Linear(2, 2)))
+    found["named tensors"] = [[n for n, _ in u.named_module_tensors(net.blocks[0], **kw)] for kw in (
+        {}, {"include_buffers": False}, {"remove_non_persistent": True})]
+    found["max layer"] = u.get_max_layer_size(list(net.named_children()), sizes, ["Block"])
+    for memory in ({"cpu": 2000}, {"cpu": 10**9}, {"cpu": 500}):
+        found[f"map {memory}"] = (u.infer_auto_device_map(_net(), max_memory=memory, no_split_module_classes=["Block"]),
+                                  u.infer_auto_device_map(_net(), max_memory=memory))
+    found["balanced"] = u.get_balanced_memory(_net(), max_memory={"cpu": 3000})
+    found["set tensor"] = (u.set_module_tensor_to_device(net, "blocks.0.lin.bias", "cpu", value=torch.ones(4).double(),
+                                                         dtype=torch.float16), net.blocks[0].lin.bias.dtype,
+                           type(net.blocks[0].lin.bias).__name__)
+    found["set tensor errors"] = [_outcome(lambda: u.set_module_tensor_to_device(net, "blocks.0.nope", "cpu")),
+                                  _outcome(lambda: u.set_module_tensor_to_device(net, "blocks.2.lin.weight", "cpu",
+                                                                                value=torch.zeros(3, 3)))]
+    ids = torch.tensor([[1, 2, 3]])
+    reference = _net()(ids)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = bm.cpu_offload(_net(), execution_device="cpu")
+        found["cpu_offload"] = (model(ids) - reference, _devices(model))
+        model = bm.disk_offload(_net(), os.path.join(tmp, "disk"), execution_device="cpu")
+        with open(os.path.join(tmp, "disk", "index.json")) as f:
+            found["disk_offload"] = (sorted(os.listdir(os.path.join(tmp, "disk"))), json.load(f), model(ids) - reference)
+        device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu", "head": "cpu"}
+        model = bm.dispatch_model(_net(), device_map=dict(device_map), offload_dir=os.path.join(tmp, "dispatch"))
+        found["dispatch"] = (sorted(os.listdir(os.path.join(tmp, "dispatch"))), model(ids) - reference,
+                             model.hf_device_map, _devices(model))
+        found["dispatch errors"] = [_outcome(lambda: bm.dispatch_model(_net(), device_map=dict(device_map))),
+                                    _outcome(lambda: bm.dispatch_model(_net(), device_map={"embed": "cpu"}))]
+        untied = _net(tied=False)
+        reference = untied(ids)
+        state = {k: v.clone() for k, v in untied.state_dict().items()}
+        keys = sorted(state)
+        folder = os.path.join(tmp, "shards")
+        os.makedirs(folder)
+        index = {"metadata": {}, "weight_map": {}}
+        for number, part in enumerate((keys[:5], keys[5:]), 1):
+            name = f"model-0000{number}-of-00002.safetensors"
+            save_file({k: state[k] for k in part}, os.path.join(folder, name), metadata={"format": "pt"})
+            index["weight_map"].update(dict.fromkeys(part, name))
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+        torch.save(state, os.path.join(tmp, "model.bin"))
+
+        def load(path, **kwargs):
+            with bm.init_empty_weights():
+                model = Net(tied=False)
+            returned = u.load_checkpoint_in_model(model, path, **kwargs)
+            return returned, _devices(model)
+
+        found["load"] = [load(folder), load(os.path.join(folder, "model.safetensors.index.json")),
+                         load(os.path.join(tmp, "model.bin"), device_map=dict(device_map),
+                              offload_folder=os.path.join(tmp, "bin-offload")),
+                         load(folder, device_map={"": "cpu"}, dtype=torch.float16, keep_in_fp32_modules=["head"]),
+                         _outcome(lambda: load(os.path.join(tmp, "nope"))),
+                         _outcome(lambda: load(folder, device_map=dict(device_map)))]
+        found["bin offload folder"] = sorted(os.listdir(os.path.join(tmp, "bin-offload")))
+
+        def dispatched(**kwargs):
+            with bm.init_empty_weights():
+                model = Net(tied=False)
+            model = bm.load_checkpoint_and_dispatch(model, folder, **kwargs)
+            return model(ids) - reference, getattr(model, "hf_device_map", None), _devices(model)
+
+        found["load and dispatch"] = [dispatched(device_map="auto"), dispatched(),
+                                      dispatched(device_map=dict(device_map), offload_folder=os.path.join(tmp, "o")),
+                                      dispatched(device_map="sequential", max_memory={"cpu": 600},
+                                                 offload_folder=os.path.join(tmp, "o2"),
+                                                 no_split_module_classes=["Block"]),
+                                      _outcome(lambda: dispatched(device_map="weird"))]
+    return found
+
+
+SAME_ON_ONE = [helpers, memory, hooks, big_models]
+
+
+@pytest.mark.parametrize("scenario", SAME_ON_ONE, ids=lambda fn: fn.__name__)
+def test_the_same_on_both(scenario):
+    with warnings.catch_warnings():
+        results = run_both(scenario, 1)
+    assert_same(results["accelerate"], results["nbaccel"], scenario.__name__)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_each_rank_logs_decorates_and_splits_as_in_accelerate(num_processes):
+    results = run_both(ranks, num_processes)
+    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+        assert_same(theirs, ours, f"ranks[rank {rank}]")
