@@ -749,17 +749,19 @@ def save_accelerator_state(
 
     # 1. the main process prepares the temporary folder
     error: BaseException | None = None
-    if is_main_process:
+    if target.exists() and not target.is_dir():  # every process that sees it, as Accelerate's makedirs fails on each
+        error = FileExistsError(errno.EEXIST, "output_dir is a file, not a folder; pass a folder path", str(target))
+    elif is_main_process:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             _recover_interrupted_rename(target)
-            if target.exists() and not target.is_dir():
-                raise NotADirectoryError(f"output_dir {target} is a file; pass a directory path.")
             _clean_stale_tmp_dirs(target.parent)
             tmp.mkdir()
         except BaseException as caught:  # noqa: BLE001 - reported to every process below
             error = caught
     failures = _step_failures(error, num_processes, target.parent)
+    if isinstance(error, FileExistsError) and failures:
+        raise error
     if failures:
         _reraise(error, f"Could not prepare the checkpoint folder {tmp}", failures)
 
