@@ -169,6 +169,15 @@ def deliberate(lib):
     found["extra"] = [r[-1] for r in records.seen]
     found["empty flag"] = _outcome(lambda: (os.environ.__setitem__("SWEEP_FLAG", ""),
                                             u.parse_flag_from_env("SWEEP_FLAG", default=True))[1])
+    found["str_to_bool"] = [_outcome(lambda v=v: u.str_to_bool(v)) for v in (True, 1, " yes ", None)]
+    import collections
+
+    found["defaultdict"] = _outcome(lambda: type(u.recursively_apply(
+        lambda x: x, collections.defaultdict(list, a=torch.ones(1)))).__name__)
+    found["0-dim batch size"] = _outcome(lambda: u.ignorant_find_batch_size(torch.tensor(1.0)))
+    found["device_specific without an Accelerator"] = _outcome(lambda: u.set_seed(1, device_specific=True))
+    found["synchronize without a generator"] = _outcome(lambda: u.synchronize_rng_states(["generator"]))
+    found["on_process(-1)"] = _outcome(lambda: lib.PartialState().on_process(process_index=-1)(lambda: "ran")())
     return found
 
 
@@ -188,8 +197,18 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert theirs["pad_input_tensors(dim=1)"] == ("raised", "RuntimeError")
     assert ours["pad_input_tensors(dim=1)"] == ("ok", torch.Size([2, 4]))
     assert (theirs["MemoryError retried"], ours["MemoryError retried"]) == (("raised", "MemoryError"), ("ok", 92))
-    assert (theirs["extra"], ours["extra"]) == ([None], [5])  # Python 3.11's LoggerAdapter drops it
+    assert (theirs["extra"], ours["extra"]) == ([None], [5])  # Accelerate's LoggerAdapter replaces it
     assert (theirs["empty flag"], ours["empty flag"]) == (("raised", "ValueError"), ("ok", True))
+    assert theirs["str_to_bool"] == [("raised", "AttributeError")] * 2 + [("raised", "ValueError"),
+                                                                          ("raised", "AttributeError")]
+    assert ours["str_to_bool"] == [("ok", 1)] * 3 + [("raised", "ValueError")]
+    assert (theirs["defaultdict"], ours["defaultdict"]) == (("raised", "TypeError"), ("ok", "defaultdict"))
+    assert (theirs["0-dim batch size"], ours["0-dim batch size"]) == (("raised", "IndexError"), ("ok", None))
+    assert theirs["device_specific without an Accelerator"] == ("raised", "ValueError")
+    assert ours["device_specific without an Accelerator"] == ("ok", None)
+    assert theirs["synchronize without a generator"] == ("raised", "AssertionError")
+    assert ours["synchronize without a generator"] == ("raised", "ValueError")
+    assert (theirs["on_process(-1)"], ours["on_process(-1)"]) == (("ok", "ran"), ("raised", "ValueError"))
 
 
 def helpers(lib):
