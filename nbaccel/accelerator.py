@@ -585,7 +585,10 @@ class Accelerator:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
-        optimizers = [opt for opt in self._optimizers if opt.optimizer is inner or opt is inner] or inner
+        # its own prepared optimizer (the first one wrapping it); else, as Accelerate, every prepared optimizer:
+        # a step one of them skipped (fp16 overflow) is not a step for the schedule either
+        optimizers = next((opt for opt in self._optimizers if opt.optimizer is inner or opt is inner),
+                          list(self._optimizers))
         prepared = AcceleratedScheduler(scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
                                         split_batches=self.split_batches)
         self._schedulers.append(prepared)

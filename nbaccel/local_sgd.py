@@ -13,11 +13,14 @@ from typing import Any
 
 import torch
 
-from .utils.dataclasses import DistributedType
+from .utils.dataclasses import DistributedType, whole_number
 
 __all__ = ["LocalSGD"]
 
-_SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+# Data parallel on CPUs or one accelerator per process (DDP), as Accelerate lists them
+_SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
+              DistributedType.MULTI_MLU, DistributedType.MULTI_HPU, DistributedType.MULTI_SDAA,
+              DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_NEURON}
 
 
 class LocalSGD:
@@ -28,8 +31,11 @@ class LocalSGD:
     """
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
-        if not isinstance(local_sgd_steps, int) or isinstance(local_sgd_steps, bool) or local_sgd_steps < 1:
-            raise ValueError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): pass an integer >= 1")
+        steps = whole_number(local_sgd_steps)  # numpy's integers too
+        # checked only when asked for: Accelerate's own example passes enabled=local_sgd_steps is not None
+        if enabled and (steps is None or steps < 1):
+            raise ValueError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}): pass an integer >= 1 "
+                             "(or enabled=False to train without it)")
         distributed_type = accelerator.distributed_type
         if enabled and distributed_type not in _SUPPORTED:
             raise NotImplementedError(
@@ -38,7 +44,7 @@ class LocalSGD:
             )
         self.accelerator = accelerator
         self.model = model
-        self.local_sgd_steps = local_sgd_steps
+        self.local_sgd_steps = steps if steps is not None else local_sgd_steps
         self.enabled = enabled and distributed_type != DistributedType.NO
         self.num_steps = 0
         self._stack: ExitStack | None = None

@@ -113,7 +113,54 @@ def zero_grad_of_other_optimizers(lib):
     return found
 
 
-SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers]
+def _loader(n, batch_size):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.arange(3 * n, dtype=torch.float32).reshape(n, 3) / (3 * n)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def local_sgd_step_counts(lib):
+    """LocalSGD with numpy's integer as the step count (nbaccel refused it), and with None when disabled, as
+    Accelerate's by_feature/local_sgd.py passes it (`enabled=local_sgd_steps is not None`; nbaccel refused
+    None whatever `enabled` said); the weights after training with it."""
+    import importlib
+
+    import numpy as np
+
+    local_sgd = importlib.import_module(f"{lib.__name__}.local_sgd")
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(12, 2))
+    found = {"disabled_none": _outcome(lambda: local_sgd.LocalSGD(accelerator=accelerator, model=model,
+                                                                  local_sgd_steps=None, enabled=False).enabled)}
+    with local_sgd.LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=np.int64(2)) as averaging:
+        for inputs, targets in loader:
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+            averaging.step()
+    found["steps"] = (averaging.enabled, averaging.num_steps)
+    found["weights"] = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return found
+
+
+def schedulers_and_their_optimizers(lib):
+    """Which prepared optimizers a prepared scheduler watches: the first wrapper of its optimizer (nbaccel took
+    every wrapper of it), else every prepared optimizer (nbaccel took the bare optimizer)."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = accelerator.prepare(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    first = accelerator.prepare(optimizer)
+    accelerator.prepare(optimizer)  # a second wrapper of the same optimizer
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    stray = accelerator.prepare(torch.optim.lr_scheduler.StepLR(torch.optim.SGD(_model().parameters(), lr=1.0), 1))
+    return {"own": [opt is first for opt in scheduler.optimizers],
+            "stray": [type(opt).__name__ for opt in stray.optimizers], "stray_step": _outcome(stray.step)}
+
+
+SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
+             schedulers_and_their_optimizers]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
