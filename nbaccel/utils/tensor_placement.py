@@ -35,8 +35,14 @@ def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
 
 
 def _normalize_device(device: Device) -> Device:
+    """An accelerator index as a device of this machine's accelerator type; other devices as given."""
     if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device) if torch.cuda.is_available() else torch.device("xpu", device)
+        for backend in ("cuda", "xpu", "npu"):
+            runtime = getattr(torch, backend, None)
+            if runtime is not None and runtime.is_available():
+                return torch.device(backend, device)
+        # No accelerator: torch's own RuntimeError when the index is used ("Cannot access accelerator device when
+        # none is available"), as under Accelerate; naming a backend here said "not compiled with XPU" instead.
     return device
 
 

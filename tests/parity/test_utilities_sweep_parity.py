@@ -69,6 +69,9 @@ def fixed_helpers(lib):
         return int(batch_size)
 
     found["numpy start"] = (_outcome(train), tried)
+    # an accelerator index on a machine without one is torch's RuntimeError (nbaccel's said XPU is not compiled in)
+    linear = torch.nn.Linear(2, 2)
+    found["index 0"] = _outcome(lambda: u.set_module_tensor_to_device(linear, "weight", 0, value=torch.ones(2, 2)))
     return found
 
 
@@ -78,6 +81,8 @@ def test_what_differed_is_now_as_in_accelerate():
     assert theirs["flag defaults"] == [False, False, False, True, True]
     assert theirs["concatenate([])"] is True and theirs["find_batch_size(0-dim)"] is True
     assert theirs["numpy start"] == (("ok", 8), [12, 10, 9, 8])
+    if not torch.cuda.is_available():
+        assert theirs["index 0"] == ("raised", "RuntimeError")
     if torch.cuda.is_available():  # docs/compat.md: on CUDA nbaccel sets the variable deterministic cuBLAS needs
         assert (theirs.pop("CUBLAS_WORKSPACE_CONFIG"), ours.pop("CUBLAS_WORKSPACE_CONFIG")) == (None, ":4096:8")
     assert_same(theirs, ours, "fixed_helpers")
