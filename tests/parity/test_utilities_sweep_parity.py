@@ -162,6 +162,8 @@ def deliberate(lib):
                                                for v in json.load(f).values()})
         model = bm.dispatch_model(model, device_map, offload_dir=os.path.join(tmp, "offload"))
         found["offloaded forward"] = model(torch.tensor([[1, 2]])) - untied(torch.tensor([[1, 2]]))
+    found["pad_input_tensors sizes"] = [len(u.pad_input_tensors(torch.arange(rows), batch_size=rows, num_processes=2))
+                                        for rows in (1, 2, 3, 6, 9)]
     found["pad_input_tensors(dim=1)"] = _outcome(
         lambda: u.pad_input_tensors(torch.ones(2, 3), batch_size=3, num_processes=2, dim=1).shape)
     found["MemoryError retried"] = _outcome(lambda: u.find_executable_batch_size(
@@ -199,6 +201,7 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert (ours["offload folder"], ours["index points at"]) == (["index.json"], ["model.safetensors"])
     assert_same(theirs["offloaded forward"], ours["offloaded forward"])
     assert not ours["offloaded forward"].any()
+    assert (theirs["pad_input_tensors sizes"], ours["pad_input_tensors sizes"]) == ([2, 3, 4, 7, 12], [2, 2, 4, 6, 10])
     assert theirs["pad_input_tensors(dim=1)"] == ("raised", "RuntimeError")
     assert ours["pad_input_tensors(dim=1)"] == ("ok", torch.Size([2, 4]))
     assert (theirs["MemoryError retried"], ours["MemoryError retried"]) == (("raised", "MemoryError"), ("ok", 92))
