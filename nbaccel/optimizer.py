@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import telemetry
-from .state import GradientState
+from .state import AcceleratorState, GradientState
 from .utils import xla as _xla
 from .utils.operations import send_to_device
 
@@ -41,6 +41,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._on_xla = _xla.is_xla_device(device)  # replicas average their gradients at each step (no DDP)
         if device_placement and device is not None and optimizer.state:
             optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
+
+    @property
+    def accelerator_state(self) -> AcceleratorState:
+        """The processes' shared state (Accelerate's optimizer keeps it as an attribute)."""
+        return AcceleratorState()
 
     # -- what the wrapped optimizer holds -------------------------------------------------------------
     @property

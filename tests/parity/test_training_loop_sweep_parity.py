@@ -1,6 +1,7 @@
 """The training loop, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: mixed precision's
-autocast blocks and the prepared model's wrapped forward, the prepared optimizer's `zero_grad`. Found by a parity
-sweep of the training loop (2026-12-01); each scenario failed on nbaccel before its fix."""
+autocast blocks and the prepared model's wrapped forward, the prepared optimizer's `zero_grad`, LocalSGD's step
+counts, which optimizers a prepared scheduler watches, the prepared objects' public names. Found by a parity sweep
+of the training loop (2026-12-01); each scenario failed on nbaccel before its fix."""
 
 from __future__ import annotations
 
@@ -159,8 +160,24 @@ def schedulers_and_their_optimizers(lib):
             "stray": [type(opt).__name__ for opt in stray.optimizers], "stray_step": _outcome(stray.step)}
 
 
+def public_names(lib):
+    """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
+    had no `accelerator_state`)."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+
+    def names(obj):
+        return sorted(name for name in dir(obj) if not name.startswith("_"))
+
+    return {"optimizer": names(optimizer), "scheduler": names(scheduler), "gradient_state": names(
+        accelerator.gradient_state), "state": type(optimizer.accelerator_state).__name__,
+        "distributed_type": str(optimizer.accelerator_state.distributed_type)}
+
+
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
-             schedulers_and_their_optimizers]
+             schedulers_and_their_optimizers, public_names]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
