@@ -944,10 +944,10 @@ class Accelerator:
         """The model's state dict (of the unwrapped model by default)."""
         if _fsdp1.is_fsdp1(model):  # a collective: FSDP1's full weights, gathered on the main process
             return sharding.get_full_state_dict(model, cpu_offload=True)
-        if unwrap:
-            model = self.unwrap_model(model, keep_torch_compile=False)
+        if unwrap:  # a torch.compile wrapper stays, as in Accelerate: its keys start with `_orig_mod.`, on any number
+            model = self.unwrap_model(model)  # of processes, and checkpoints load across both libraries
         if sharding.is_sharded(model):  # a collective: the full weights, gathered on the main process
-            return sharding.get_full_state_dict(model, cpu_offload=True)
+            return sharding.get_full_state_dict(getattr(model, "_orig_mod", model) if unwrap else model, cpu_offload=True)
         from .utils.modeling import get_state_dict_offloaded_model, has_offloaded_params
 
         if any(has_offloaded_params(module) for module in model.modules()):

@@ -30,6 +30,9 @@ _PARAMETER_SHAPED = frozenset({
 })
 
 
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's / DataParallel's, and torch.compile's OptimizedModule's
+
+
 @dataclass
 class ModelFit:
     """The state dict to give `load_state_dict` (prefixes fixed) and what does not fit."""
@@ -77,13 +80,16 @@ def tied_missing(expected: Mapping[str, Any], loaded: Mapping[str, Any], missing
 def fit_model(module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> ModelFit:
     """Check `state_dict` against `module` (already unwrapped) as `load_state_dict` would, without loading.
 
-    Accelerate's `module.` prefixes (saved from a DDP-wrapped model) are removed when no key matches as is.
+    Wrapper prefixes every key carries (`module.` of a DDP-wrapped model, `_orig_mod.` of a `torch.compile`d one,
+    as Accelerate saves them) are removed when no key matches as is.
     """
     expected = module.state_dict()
     loaded = dict(state_dict)
-    if loaded and expected and not any(k in expected for k in loaded):
-        if all(k.startswith("module.") for k in loaded):
-            loaded = {k[len("module."):]: v for k, v in loaded.items()}
+    while loaded and expected and not any(k in expected for k in loaded):
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in loaded)), None)
+        if prefix is None:
+            break
+        loaded = {k[len(prefix):]: v for k, v in loaded.items()}
     fit = ModelFit(loaded)
     mismatched = []
     for name, value in loaded.items():

@@ -206,3 +206,50 @@ def test_save_state_onto_a_file_is_a_file_exists_error_on_every_process(num_proc
         assert rank["load"] == ("raised", ["ValueError", "FileNotFoundError", "OSError"])
         rank["load"] = ("raised", ["ValueError"])
     assert_same(results["accelerate"], results["nbaccel"])
+
+
+def compiled_model_checkpoint(lib, root, phase):
+    """A torch.compile'd model: save_state ("save": the keys of model.safetensors, what hooks get, save_model's
+    keys and get_state_dict's) or load_state of the checkpoint another library saved ("load": the weights)."""
+    accelerator = lib.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.compile(_model()))
+    checkpoint = os.path.join(root, "checkpoint")
+    if phase == "load":
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+        found = {"load": _outcome(lambda: accelerator.load_state(checkpoint))}
+        found["weights"] = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+        return found
+    from safetensors.torch import load_file
+
+    seen = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: seen.append(
+        ([type(m).__name__ for m in models], [sorted(w) for w in weights])))
+    accelerator.save_state(checkpoint)
+    accelerator.save_model(model, os.path.join(root, "model"))
+    accelerator.wait_for_everyone()
+    return {"checkpoint keys": sorted(load_file(os.path.join(checkpoint, "model.safetensors"))), "hooks": seen,
+            "save_model keys": sorted(load_file(os.path.join(root, "model", "model.safetensors"))),
+            "get_state_dict keys": sorted(accelerator.get_state_dict(model)),
+            "wrapped keys": sorted(accelerator.get_state_dict(model, unwrap=False))}
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_compiled_models_checkpoint_has_accelerates_keys_and_loads_across(num_processes, tmp_path):
+    """Accelerate keeps torch.compile's wrapper: its checkpoints, save_model files and get_state_dict carry
+    `_orig_mod.` keys. nbaccel dropped the prefix on one process (and kept it in save_model on two), so
+    Accelerate could not resume nbaccel's checkpoint (missing keys) nor nbaccel Accelerate's. Each library now
+    resumes the other's checkpoint to the saved weights."""
+    from parity_harness import run_ranks
+
+    saved = {lib: run_ranks(compiled_model_checkpoint, lib, num_processes, args=(str(tmp_path / lib), "save"))
+             for lib in ("accelerate", "nbaccel")}
+    assert saved["accelerate"][0]["checkpoint keys"][0].startswith("_orig_mod.")
+    assert_same(saved["accelerate"], saved["nbaccel"])
+    reference = run_ranks(compiled_model_checkpoint, "accelerate", num_processes,
+                          args=(str(tmp_path / "accelerate"), "load"))
+    assert reference[0]["load"] == ("ok", None)
+    for saved_by, loaded_by in (("accelerate", "nbaccel"), ("nbaccel", "accelerate")):
+        resumed = run_ranks(compiled_model_checkpoint, loaded_by, num_processes, args=(str(tmp_path / saved_by), "load"))
+        assert_same(reference, resumed, f"saved by {saved_by}, loaded by {loaded_by}")
