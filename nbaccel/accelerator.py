@@ -481,10 +481,9 @@ class Accelerator:
                 return self.prepare_model(obj, device_placement=device_placement)
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
                 return self.prepare_optimizer(obj, device_placement=device_placement)
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-            hasattr(obj, "optimizer") and hasattr(obj, "step") and hasattr(obj, "get_last_lr")
-            and not isinstance(obj, AcceleratedScheduler)
-        ):
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            # torch's schedulers only, as Accelerate: a scheduler of another kind is handed back as it is (its
+            # code steps it on every call, and checkpoints leave it out), however much it looks like one
             return self.prepare_scheduler(obj)
         return obj
 

@@ -1,7 +1,8 @@
 """The training loop, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: mixed precision's
 autocast blocks and the prepared model's wrapped forward, the prepared optimizer's `zero_grad`, LocalSGD's step
-counts, which optimizers a prepared scheduler watches, the prepared objects' public names. Found by a parity sweep
-of the training loop (2026-12-01); each scenario failed on nbaccel before its fix."""
+counts, which optimizers a prepared scheduler watches, a scheduler that is no torch scheduler, the prepared
+objects' public names. Found by a parity sweep of the training loop (2026-12-01); each scenario failed on nbaccel
+before its fix."""
 
 from __future__ import annotations
 
@@ -160,6 +161,50 @@ def schedulers_and_their_optimizers(lib):
             "stray": [type(opt).__name__ for opt in stray.optimizers], "stray_step": _outcome(stray.step)}
 
 
+class _SchedulerOfItsOwn:
+    """A scheduler that is no torch LRScheduler, with the methods of one."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.calls = optimizer, 0
+
+    def step(self):
+        self.calls += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 0.5
+
+    def get_last_lr(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def a_scheduler_of_its_own(lib):
+    """`prepare` hands back a scheduler that is no torch LRScheduler as it is: stepped on every call, left out of
+    checkpoints. nbaccel wrapped anything with optimizer/step/get_last_lr: stepped on synchronizing steps only,
+    once per process, and saved as scheduler.bin."""
+    import os
+    import tempfile
+
+    accelerator = lib.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, _SchedulerOfItsOwn(optimizer))
+    for _ in range(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(1, 3)).sum())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    folder = accelerator.save_state(os.path.join(tempfile.mkdtemp(), "checkpoint"))
+    return {"type": type(scheduler).__name__, "calls": scheduler.calls, "lr": scheduler.get_last_lr(),
+            "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+            "files": sorted(name for name in os.listdir(folder) if name.startswith("scheduler"))}
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -177,7 +222,7 @@ def public_names(lib):
 
 
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
-             schedulers_and_their_optimizers, public_names]
+             schedulers_and_their_optimizers, a_scheduler_of_its_own, public_names]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
