@@ -668,6 +668,37 @@ class _Placement:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class CheckpointFormatError(ValueError, OSError):
+    """A safetensors file whose metadata names no known format: an OSError, as Accelerate raises, and a
+    ValueError, as nbaccel raised before (a file of another framework, 'tf' or 'flax', stays a ValueError)."""
+
+
+class ShardMissingError(ValueError, FileNotFoundError):
+    """An index that lists a shard file that is not there: found before anything is loaded (Accelerate's
+    FileNotFoundError comes when it reaches that shard), and both error types."""
+
+
+class StrictLoadError(ValueError, RuntimeError):
+    """`strict=True` and the checkpoint's keys differ from the model's: a RuntimeError, as torch's
+    `load_state_dict` (which Accelerate calls) raises, and a ValueError, as nbaccel raised before."""
+
+
+def _check_safetensors_format(path: str, metadata: dict[str, str] | None) -> None:
+    """Refuse a safetensors file of another framework; note one without metadata, as Accelerate does."""
+    if metadata is None:
+        logger.warning("%s has no metadata (it was not written by save_pretrained); reading it as PyTorch ('pt') "
+                       "tensors.", path)
+        return
+    found = metadata.get("format", "pt")
+    if found == "pt":
+        return
+    if found not in ("tf", "flax"):
+        raise CheckpointFormatError(f"{path} has metadata format {found!r}, which is no framework's: it was not "
+                                    "written by save_pretrained or safetensors' save_file with format 'pt'.")
+    raise ValueError(f"{path} was saved with format {found!r}; only PyTorch ('pt') safetensors checkpoints can "
+                     "be loaded.")
+
+
 def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, Device] | None = None) -> dict:
     """Load one checkpoint file (safetensors or torch) on the CPU, or straight onto the devices of `device_map`
     for safetensors files. Tensors of a safetensors file are memory-mapped, not read, until used."""
@@ -675,12 +706,7 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, De
     if checkpoint_file.endswith(".safetensors"):
         result = {}
         with safe_open(checkpoint_file, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {"format": "pt"}
-            if metadata.get("format", "pt") != "pt":
-                raise ValueError(
-                    f"{checkpoint_file} was saved with format {metadata.get('format')!r}; only PyTorch ('pt') "
-                    "safetensors checkpoints can be loaded."
-                )
+            _check_safetensors_format(checkpoint_file, handle.metadata())
             for key in handle.keys():
                 tensor = handle.get_tensor(key)
                 device = _device_for(key, device_map) if device_map else None
@@ -738,7 +764,7 @@ def _checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
     files = [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise ValueError(f"{index_file} lists shard file(s) that do not exist: {missing}.")
+        raise ShardMissingError(f"{index_file} lists shard file(s) that do not exist: {missing}.")
     return files
 
 
@@ -750,9 +776,7 @@ def _iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor | No
     """
     if path.endswith(".safetensors"):
         with safe_open(path, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format", "pt") != "pt":
-                raise ValueError(f"{path} was saved with format {metadata.get('format')!r}; need 'pt'.")
+            _check_safetensors_format(path, handle.metadata())
             for key in handle.keys():
                 yield key, None, handle
     else:
@@ -885,7 +909,7 @@ def _report_key_mismatch(
             "or build the model without init_empty_weights so these keep their initial values."
         )
     if strict and (missing or unexpected):
-        raise ValueError(
+        raise StrictLoadError(
             f"strict=True and the checkpoint {os.fspath(checkpoint)} does not match {model.__class__.__name__}: "
             f"missing keys {missing[:10]}, unexpected keys {sorted(unexpected)[:10]}."
         )

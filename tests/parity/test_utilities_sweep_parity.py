@@ -72,6 +72,38 @@ def fixed_helpers(lib):
     # an accelerator index on a machine without one is torch's RuntimeError (nbaccel's said XPU is not compiled in)
     linear = torch.nn.Linear(2, 2)
     found["index 0"] = _outcome(lambda: u.set_module_tensor_to_device(linear, "weight", 0, value=torch.ones(2, 2)))
+    found["checkpoint errors"] = _checkpoint_errors(lib)
+    return found
+
+
+def _checkpoint_errors(lib):
+    """The error types of load_checkpoint_in_model for a bad checkpoint, and the note on a file without metadata."""
+    from safetensors.torch import save_file
+
+    u = lib.utils
+    found = {}
+    records = _Records()
+    logging.getLogger().addHandler(records)
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = {**_net(tied=False).state_dict(), "extra.weight": torch.ones(2)}
+        torch.save(weights, os.path.join(tmp, "model.bin"))
+        save_file(weights, os.path.join(tmp, "bare.safetensors"))
+        save_file(weights, os.path.join(tmp, "odd.safetensors"), metadata={"format": "odd"})
+        save_file(weights, os.path.join(tmp, "tf.safetensors"), metadata={"format": "tf"})
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"embed.weight": "gone.safetensors"}}, f)
+        load = u.load_checkpoint_in_model
+        found["strict"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "model.bin"), strict=True),
+                                   RuntimeError)
+        found["odd format"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "odd.safetensors")), OSError)
+        found["tf format"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "tf.safetensors")),
+                                      ValueError)
+        found["missing shard"] = _catches(
+            lambda: load(_net(tied=False), os.path.join(tmp, "model.safetensors.index.json")), FileNotFoundError)
+        records.seen.clear()
+        u.modeling.load_state_dict(os.path.join(tmp, "bare.safetensors"))
+        found["no metadata"] = [(level, "metadata" in message) for _, level, message, _, _ in records.seen]
+    logging.getLogger().removeHandler(records)
     return found
 
 
@@ -83,6 +115,8 @@ def test_what_differed_is_now_as_in_accelerate():
     assert theirs["numpy start"] == (("ok", 8), [12, 10, 9, 8])
     if not torch.cuda.is_available():
         assert theirs["index 0"] == ("raised", "RuntimeError")
+    assert theirs["checkpoint errors"] == {"strict": True, "odd format": True, "tf format": True,
+                                           "missing shard": True, "no metadata": [("WARNING", True)]}
     if torch.cuda.is_available():  # docs/compat.md: on CUDA nbaccel sets the variable deterministic cuBLAS needs
         assert (theirs.pop("CUBLAS_WORKSPACE_CONFIG"), ours.pop("CUBLAS_WORKSPACE_CONFIG")) == (None, ":4096:8")
     assert_same(theirs, ours, "fixed_helpers")
@@ -162,6 +196,14 @@ def deliberate(lib):
                                                for v in json.load(f).values()})
         model = bm.dispatch_model(model, device_map, offload_dir=os.path.join(tmp, "offload"))
         found["offloaded forward"] = model(torch.tensor([[1, 2]])) - untied(torch.tensor([[1, 2]]))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({k: v for k, v in _net(tied=False).state_dict().items() if k != "head.weight"},
+                  os.path.join(tmp, "partial.safetensors"), metadata={"format": "pt"})
+        with bm.init_empty_weights():
+            model = Net(tied=False)
+        found["a meta weight the checkpoint lacks"] = _outcome(
+            lambda: u.load_checkpoint_in_model(model, os.path.join(tmp, "partial.safetensors")))
+        found["left on meta"] = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
     found["pad_input_tensors sizes"] = [len(u.pad_input_tensors(torch.arange(rows), batch_size=rows, num_processes=2))
                                         for rows in (1, 2, 3, 6, 9)]
     found["pad_input_tensors(dim=1)"] = _outcome(
@@ -202,6 +244,9 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert_same(theirs["offloaded forward"], ours["offloaded forward"])
     assert not ours["offloaded forward"].any()
     assert (theirs["pad_input_tensors sizes"], ours["pad_input_tensors sizes"]) == ([2, 3, 4, 7, 12], [2, 2, 4, 6, 10])
+    assert theirs["a meta weight the checkpoint lacks"] == ("ok", None)
+    assert ours["a meta weight the checkpoint lacks"] == ("raised", "ValueError")
+    assert theirs["left on meta"] == ours["left on meta"] == ["head.weight"]
     assert theirs["pad_input_tensors(dim=1)"] == ("raised", "RuntimeError")
     assert ours["pad_input_tensors(dim=1)"] == ("ok", torch.Size([2, 4]))
     assert (theirs["MemoryError retried"], ours["MemoryError retried"]) == (("raised", "MemoryError"), ("ok", 92))
