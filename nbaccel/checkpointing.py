@@ -201,8 +201,10 @@ def rotate_checkpoints(
     others = [path for path in found if path.absolute() != kept]
     room = total_limit - (1 if kept is not None and len(others) < len(found) else 0)
     doomed = others[: max(0, len(others) - room)]
+    if doomed:  # a warning, as Accelerate's (which deletes before saving): checkpoints going away should show
+        logger.warning("Deleting %d old checkpoint(s) to keep total_limit=%d: %s", len(doomed), total_limit,
+                       ", ".join(path.name for path in doomed))
     for path in doomed:
-        logger.info("Deleting old checkpoint %s (total_limit=%d)", path, total_limit)
         shutil.rmtree(path)
     return doomed
 
@@ -380,8 +382,9 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 def _prepare_for_safetensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """CPU, contiguous tensors without aliasing, as safetensors requires.
 
-    Names that are the same tensor (tied weights) keep only the first name (sorted); loading re-ties them
-    through the model. Different views of one storage are copied so each is saved on its own.
+    Names that are the same tensor (tied weights) keep only the first name in the state dict's order, as
+    Accelerate's files do, with its warning; loading re-ties them through the model. Different views of one
+    storage are copied so each is saved on its own.
     """
     tensors: dict[str, torch.Tensor] = {}
     for name, value in state_dict.items():
@@ -395,8 +398,8 @@ def _prepare_for_safetensors(state_dict: Mapping[str, Any]) -> dict[str, torch.T
     for name, tensor in tensors.items():
         groups[_storage_key(tensor)].append(name)
     result: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        names.sort()
+    dropped: list[str] = []
+    for names in groups.values():  # each group's names in the state dict's order
         first = tensors[names[0]]
         same = all(
             tensors[n].data_ptr() == first.data_ptr() and tensors[n].shape == first.shape
@@ -405,11 +408,14 @@ def _prepare_for_safetensors(state_dict: Mapping[str, Any]) -> dict[str, torch.T
         )
         if len(names) == 1 or same:
             result[names[0]] = first.detach().to("cpu").contiguous()
-            if len(names) > 1:
-                logger.debug("Saving tied tensors %s once, as %s", names, names[0])
+            dropped += names[1:]
         else:
             for name in names:
                 result[name] = tensors[name].detach().to("cpu").clone().contiguous()
+    if dropped:  # Accelerate warns here too (its clean_state_dict_for_safetensors)
+        logger.warning("Removed shared tensor(s) %s while saving with safetensors; they are tied to a saved one and "
+                       "load through it (tie them again after loading, e.g. with `model.tie_weights()`).",
+                       ", ".join(dropped))
     return result
 
 

@@ -253,3 +253,67 @@ def test_a_compiled_models_checkpoint_has_accelerates_keys_and_loads_across(num_
             [resumed] = run_ranks(compiled_model_checkpoint, loaded_by, 1, args=(str(tmp_path / saved_by), "load"))
             assert resumed["load"] == ("ok", None), f"saved by {saved_by}, loaded by {loaded_by}"
             assert_same(saved[saved_by][0]["weights"], resumed["weights"], f"{loaded_by} resuming {saved_by}'s")
+
+
+class _Records:
+    """WARNING records of the library's loggers, by the step they came in."""
+
+    def __init__(self, lib) -> None:
+        import logging
+
+        self.step, self.seen, self.prefix = "", [], lib.__name__ + "."
+        handler = logging.Handler()
+        handler.emit = self._emit
+        logging.getLogger().addHandler(handler)
+
+    def _emit(self, record) -> None:
+        if record.levelno >= 30 and record.name.startswith(self.prefix):
+            self.seen.append((self.step, record.levelname))
+
+
+def tied_weights_and_rotation(lib):
+    """A model with a tied embedding/head (the embedding first, as in a language model): the name save_model and
+    save_state keep in model.safetensors, the weights after load_state, and the warnings of both saves and of
+    total_limit's rotation."""
+    accelerator = lib.Accelerator(cpu=True)
+    root = _root(lib, accelerator)
+    accelerator.project_configuration.automatic_checkpoint_naming = True
+    accelerator.project_configuration.project_dir = root
+    accelerator.project_configuration.total_limit = 1
+    records = _Records(lib)
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+    head.weight = embedding.weight
+    model = accelerator.prepare(torch.nn.ModuleDict({"wte": embedding, "lm_head": head}))
+    from safetensors.torch import load_file
+
+    found = {}
+    records.step = "save_model"
+    accelerator.save_model(model, os.path.join(root, "model"))
+    for index in range(2):
+        records.step = f"save_state {index}"
+        checkpoint = accelerator.save_state()
+        accelerator.wait_for_everyone()
+    found["save_model keys"] = sorted(load_file(os.path.join(root, "model", "model.safetensors")))
+    found["save_state keys"] = sorted(load_file(os.path.join(checkpoint, "model.safetensors")))
+    found["kept"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    with torch.no_grad():
+        embedding.weight.zero_()
+    records.step = "load_state"
+    accelerator.load_state()
+    found["tied after load"] = head.weight is embedding.weight
+    found["weights"] = embedding.weight.detach().clone()
+    found["warnings"] = records.seen
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_tied_weights_and_rotation_write_and_warn_as_in_accelerate(num_processes):
+    """nbaccel kept the alphabetically first name of tied weights (`lm_head.weight`; Accelerate: the first in the
+    state dict, `wte.weight`), silently; and deleted checkpoints over total_limit with an INFO record (Accelerate
+    warns, so the deletion shows without any logging set up)."""
+    results = run_both(tied_weights_and_rotation, num_processes)
+    assert results["accelerate"][0]["save_model keys"] == ["wte.weight"]
+    assert results["accelerate"][0]["warnings"] == [("save_model", "WARNING"), ("save_state 0", "WARNING"),
+                                                    ("save_state 1", "WARNING"), ("save_state 1", "WARNING")]
+    assert_same(results["accelerate"], results["nbaccel"])
