@@ -121,9 +121,9 @@ class Accelerator:
 
         # Projects, trackers
         self.project_configuration = project_config if project_config is not None else ProjectConfiguration(
-            project_dir=os.fspath(project_dir) if project_dir is not None else None)
+            project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
-            self.project_configuration.set_directories(os.fspath(project_dir))
+            self.project_configuration.set_directories(project_dir)
         self.trackers: list = []
         if log_with is not None:  # unknown names, missing libraries, no directory: fail before anything starts
             from . import tracking
@@ -414,11 +414,11 @@ class Accelerator:
         return getattr(self.dataloader_config, "use_stateful_dataloader", False)
 
     @property
-    def project_dir(self) -> str | None:
+    def project_dir(self) -> str | os.PathLike | None:
         return self.project_configuration.project_dir
 
     @property
-    def logging_dir(self) -> str | None:
+    def logging_dir(self) -> str | os.PathLike | None:
         return self.project_configuration.logging_dir
 
     @property

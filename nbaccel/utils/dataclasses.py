@@ -592,24 +592,21 @@ class DataLoaderConfiguration:
 class ProjectConfiguration:
     """Where a project writes checkpoints and logs, and how checkpoints are named and pruned."""
 
-    project_dir: str | None = None
-    logging_dir: str | None = None
+    project_dir: str | os.PathLike | None = None
+    logging_dir: str | os.PathLike | None = None
     automatic_checkpoint_naming: bool = False
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
 
-    def set_directories(self, project_dir: str | None = None) -> None:
+    def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:
         """Set `project_dir`, and `logging_dir` to it unless one was given."""
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
 
     def __post_init__(self) -> None:
-        if self.project_dir is not None:
-            self.project_dir = os.fspath(self.project_dir)
-        if self.logging_dir is not None:
-            self.logging_dir = os.fspath(self.logging_dir)
+        # the folders stay as given (a pathlib.Path stays one, as in Accelerate: `accelerator.project_dir / "x"`)
         self.automatic_checkpoint_naming = _to_bool("automatic_checkpoint_naming", self.automatic_checkpoint_naming)
         self.save_on_each_node = _to_bool("save_on_each_node", self.save_on_each_node)
         _positive_int("total_limit", self.total_limit, allow_none=True)

@@ -1,8 +1,8 @@
 """The training loop, run on Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: mixed precision's
 autocast blocks and the prepared model's wrapped forward, the prepared optimizer's `zero_grad`, LocalSGD's step
-counts, which optimizers a prepared scheduler watches, a scheduler that is no torch scheduler, the prepared
-objects' public names. Found by a parity sweep of the training loop (2026-12-01); each scenario failed on nbaccel
-before its fix."""
+counts, which optimizers a prepared scheduler watches, a scheduler that is no torch scheduler, the types of the
+project folders, the prepared objects' public names. Found by a parity sweep of the training loop (2026-12-01);
+each scenario failed on nbaccel before its fix."""
 
 from __future__ import annotations
 
@@ -205,6 +205,26 @@ def a_scheduler_of_its_own(lib):
             "files": sorted(name for name in os.listdir(folder) if name.startswith("scheduler"))}
 
 
+def project_folders(lib):
+    """`project_dir`/`logging_dir` keep the type they were given (nbaccel made a pathlib.Path a str, so
+    `accelerator.project_dir / "samples"` raised TypeError), through the argument or a ProjectConfiguration."""
+    import os
+    import pathlib
+    import tempfile
+
+    root = pathlib.Path(tempfile.mkdtemp())
+    found = {}
+    for name, kwargs in (("path", {"project_dir": root / "a"}), ("text", {"project_dir": os.fspath(root / "b")}),
+                         ("config", {"project_config": lib.utils.ProjectConfiguration(
+                             project_dir=root / "c", logging_dir=os.fspath(root / "logs"))})):
+        lib.state.AcceleratorState._reset_state(True)
+        accelerator = lib.Accelerator(cpu=True, **kwargs)
+        found[name] = [(type(value).__name__, os.path.relpath(value, root))
+                       for value in (accelerator.project_dir, accelerator.logging_dir)]
+    found["joined"] = _outcome(lambda: os.path.relpath(accelerator.project_dir / "samples", root))
+    return found
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -222,7 +242,7 @@ def public_names(lib):
 
 
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
-             schedulers_and_their_optimizers, a_scheduler_of_its_own, public_names]
+             schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders, public_names]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
