@@ -251,3 +251,36 @@ def test_the_training_loop_as_in_accelerate(num_processes):
         results = run_both(scenario, num_processes)
         for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
             assert_same(theirs, ours, f"{scenario.__name__}[{num_processes} processes][rank {rank}]")
+
+
+def local_sgd_left_by_an_exception(lib):
+    """Every process leaves a LocalSGD block by the same exception, between two averages."""
+    import importlib
+
+    local_sgd = importlib.import_module(f"{lib.__name__}.local_sgd")
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        with local_sgd.LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=5) as averaging:
+            for _ in range(2):
+                accelerator.backward(model(torch.ones(2, 3) * (accelerator.process_index + 1)).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+                averaging.step()
+            raise KeyError("stop")
+    except KeyError:
+        pass
+    return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+
+def test_local_sgd_left_by_an_exception_does_not_average_where_accelerate_does():
+    """docs/compat.md: nbaccel does not enter the averaging collective on the way out of an exception (the other
+    processes may never reach it); Accelerate averages, so its replicas end equal."""
+    results = run_both(local_sgd_left_by_an_exception, 2)
+    theirs, ours = results["accelerate"], results["nbaccel"]
+    assert_same(theirs[0], theirs[1])
+    assert not torch.equal(ours[0]["0.weight"], ours[1]["0.weight"])
+    averaged = {k: (ours[0][k] + ours[1][k]) / 2 for k in ours[0]}
+    for name, value in averaged.items():
+        assert torch.allclose(value, theirs[0][name], atol=1e-6), name
