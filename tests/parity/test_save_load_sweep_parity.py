@@ -347,8 +347,16 @@ def deliberate_differences(lib):
     accelerator.wait_for_everyone()
     found = {"a device": _outcome(lambda: accelerator.load_state(checkpoint, map_location=torch.device("cpu"))),
              "on_device": _outcome(lambda: accelerator.load_state(checkpoint, map_location="on_device")),
-             "weights_only": _outcome(lambda: accelerator.load_state(checkpoint, load_kwargs={"weights_only": True})),
-             "not callable": _outcome(lambda: accelerator.register_for_checkpointing(NotCallable()))}
+             "weights_only": _outcome(lambda: accelerator.load_state(checkpoint, load_kwargs={"weights_only": True}))}
+    no_random_states = os.path.join(root, "no-random-states")  # the checkpoint without its random_states_N.pkl
+    if accelerator.is_main_process:
+        os.makedirs(no_random_states)
+        for name in os.listdir(checkpoint):
+            if not name.startswith((".", "random_states")):
+                os.link(os.path.join(checkpoint, name), os.path.join(no_random_states, name))
+    accelerator.wait_for_everyone()
+    found["no random states"] = _outcome(lambda: accelerator.load_state(no_random_states))
+    found["not callable"] = _outcome(lambda: accelerator.register_for_checkpointing(NotCallable()))
     if accelerator.num_processes > 1:  # Accelerate's rank 1 lists checkpoints/ while rank 0 deletes in it (no barrier)
         return found
     # Accelerate registered it (its save_state then fails calling None); the next saves are about folders
@@ -385,6 +393,7 @@ DELIBERATE = {
     "on_device": (("raised", []), ("ok", None)),  # safetensors' SafetensorError: "device cpu:0 is invalid"
     "weights_only": (("ok", None), ("raised", ["RuntimeError"])),
     "not callable": (("ok", None), ("raised", ["ValueError"])),
+    "no random states": (("ok", None), ("raised", ["FileNotFoundError", "OSError"])),
     "no project_dir": (("raised", ["TypeError"]), ("raised", ["ValueError"])),
     "no checkpoint yet": (("raised", ["IndexError"]), ("raised", ["FileNotFoundError", "OSError"])),
     "a file among checkpoints": (("raised", ["IndexError"]), ("ok", "checkpoint_1")),
@@ -396,7 +405,8 @@ DELIBERATE = {
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
-    load_kwargs' weights_only for registered objects too, state_dict attributes that are not methods, automatic
+    load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
+    state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
     results = run_both(deliberate_differences, num_processes)
