@@ -47,6 +47,7 @@ from .utils.modeling import (
     retie_parameters,
 )
 from .utils.offload import OffloadedWeightsLoader, extract_submodules_state_dict, offload_state_dict
+from .utils.tensor_placement import _normalize_device
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +254,15 @@ def dispatch_model(
             weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
             tied_params_map=tied_params_map,
         )
+        offloaded_to = sorted({d for d in device_map.values() if isinstance(d, str) and d in ("cpu", "disk")})
+        if offloaded_to:  # Accelerate's note, in the same case (its devices in set order; sorted here)
+            logger.warning("Some parameters are on the meta device because they were offloaded to the %s: each "
+                           "module's weights come to its execution device for its forward.", " and ".join(offloaded_to))
         retie_parameters(model, tied)
         model.to = _warn_on_move(model.to, model)
         model.cuda = _warn_on_move(model.cuda, model)
     else:
-        device = next(iter(device_map.values()))
-        if isinstance(device, int) and not isinstance(device, bool):
-            device = torch.device("cuda", device) if torch.cuda.is_available() else torch.device("xpu", device)
-        model.to(device)
+        model.to(_normalize_device(next(iter(device_map.values()))))
     model.hf_device_map = dict(device_map)
     return model
 
