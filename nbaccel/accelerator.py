@@ -475,11 +475,13 @@ class Accelerator:
 
     def _prepare_one(self, obj: Any, first_pass: bool, device_placement: bool | None = None) -> Any:
         if first_pass:
-            if isinstance(obj, DataLoader) and not isinstance(obj, _PREPARED_LOADERS):
+            if isinstance(obj, DataLoader):
+                if isinstance(obj, _PREPARED_LOADERS) and not getattr(obj, "_is_accelerate_prepared", False):
+                    return obj  # a loader nbaccel made (skip_first_batches' copy) is never sharded again
                 return self.prepare_data_loader(obj, device_placement=device_placement)
             if isinstance(obj, torch.nn.Module):
                 return self.prepare_model(obj, device_placement=device_placement)
-            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+            if isinstance(obj, torch.optim.Optimizer):
                 return self.prepare_optimizer(obj, device_placement=device_placement)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             # torch's schedulers only, as Accelerate: a scheduler of another kind is handed back as it is (its
@@ -495,8 +497,7 @@ class Accelerator:
             raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
         if getattr(model, "_is_accelerate_prepared", False) or isinstance(
                 model, torch.nn.parallel.DistributedDataParallel):
-            if not any(model is prepared for prepared in self._models):
-                self._models.append(model)
+            _keep(self._models, model)
             return model  # prepared already: wrapping it again would nest DDP
         _refuse_offloaded_quantized_model(model, self.distributed_type)
         if device_placement is None:
@@ -545,7 +546,8 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> AcceleratedOptimizer:
         """Wrap `optimizer` so it steps only on synchronizing steps (and through the GradScaler with fp16)."""
-        if isinstance(optimizer, AcceleratedOptimizer):
+        if isinstance(optimizer, AcceleratedOptimizer) or getattr(optimizer, "_is_accelerate_prepared", False):
+            _keep(self._optimizers, optimizer)  # prepared before (and dropped by free_memory): checkpointed again
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
@@ -562,8 +564,7 @@ class Accelerator:
                             slice_fn_for_dispatch: Callable | None = None) -> DataLoader:
         """Shard `data_loader` across the processes and move its batches to the device."""
         if getattr(data_loader, "_is_accelerate_prepared", False):  # prepared already: keep it, do not wrap twice
-            if not any(data_loader is kept for kept in self._dataloaders):
-                self._dataloaders.append(data_loader)
+            _keep(self._dataloaders, data_loader)
             return data_loader
         if device_placement is None:
             device_placement = self.device_placement
@@ -581,7 +582,8 @@ class Accelerator:
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap `scheduler` so it steps with its optimizer (see `nbaccel.scheduler`)."""
-        if isinstance(scheduler, AcceleratedScheduler):
+        if isinstance(scheduler, AcceleratedScheduler) or getattr(scheduler, "_is_accelerate_prepared", False):
+            _keep(self._schedulers, scheduler)
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
         # its own prepared optimizer (the first one wrapping it); else, as Accelerate, every prepared optimizer:
@@ -1137,6 +1139,12 @@ def _register_hook(hooks: OrderedDict, hook: Callable) -> torch.utils.hooks.Remo
     handle = torch.utils.hooks.RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
+
+
+def _keep(prepared: list, obj: Any) -> None:
+    """Add `obj` to one of the lists of prepared objects unless it is there (compared by identity)."""
+    if not any(obj is kept for kept in prepared):
+        prepared.append(obj)
 
 
 def _first_env(*names: str) -> str | None:

@@ -225,6 +225,27 @@ def project_folders(lib):
     return found
 
 
+def prepared_again_after_free_memory(lib):
+    """`free_memory()` then `prepare()` of the objects prepared before (a `find_executable_batch_size` retry does
+    this): each is registered again, so `save_state` writes it. nbaccel registered the model only (no
+    optimizer.bin). nbaccel's checkpoint also holds the loader's position (docs/compat.md), left out here."""
+    import os
+    import tempfile
+
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared = accelerator.prepare(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), _loader(4, 2))
+    accelerator.free_memory()
+    again = accelerator.prepare(*prepared)
+    accelerator.prepare(*prepared[1:3])  # a third time: still registered once
+    folder = accelerator.save_state(os.path.join(tempfile.mkdtemp(), "checkpoint"))
+    return {"same": [a is b for a, b in zip(prepared, again)],
+            "registered": [len(accelerator._models), len(accelerator._optimizers), len(accelerator._schedulers),
+                           len(accelerator._dataloaders)],
+            "files": sorted(name for name in os.listdir(folder) if not name.startswith((".", "dl_state_dict")))}
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -242,15 +263,26 @@ def public_names(lib):
 
 
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
-             schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders, public_names]
+             schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders,
+             prepared_again_after_free_memory, public_names]
+
+
+def every_scenario(lib):
+    """The scenarios one after the other in one process (each on fresh states): one start of the ranks."""
+    found = {}
+    for scenario in SCENARIOS:
+        lib.state.AcceleratorState._reset_state(True)
+        lib.state.GradientState._reset_state()
+        found[scenario.__name__] = scenario(lib)
+    return found
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_training_loop_as_in_accelerate(num_processes):
-    for scenario in SCENARIOS:
-        results = run_both(scenario, num_processes)
-        for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-            assert_same(theirs, ours, f"{scenario.__name__}[{num_processes} processes][rank {rank}]")
+    results = run_both(every_scenario, num_processes)
+    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+        for name in theirs:
+            assert_same(theirs[name], ours[name], f"{name}[{num_processes} processes][rank {rank}]")
 
 
 def local_sgd_left_by_an_exception(lib):
