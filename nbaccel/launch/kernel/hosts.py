@@ -10,13 +10,16 @@ another config file (`ssh -F`), `NBACCEL_SSH_OPTIONS` adds options (split as a s
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,10 +137,35 @@ class RayHosts:
     address: str | None = None
 
 
+@functools.cache
+def _ray_import() -> concurrent.futures.Future:
+    """`import ray`, under way or done, in a thread of its own.
+
+    The import takes seconds (Ray builds parsers as it loads). Interrupted halfway in the kernel's main thread
+    it left a half-made `ray` behind: every later launch of the kernel failed with "partially initialized
+    module 'ray'" until a restart. In a thread an interrupt stops only the launch's wait; the import finishes,
+    and the next launch finds it done."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            import ray
+        except BaseException as exc:  # handed to the waiting launch
+            future.set_exception(exc)
+        else:
+            future.set_result(ray)
+
+    threading.Thread(target=run, daemon=True, name="nbaccel-import-ray").start()
+    return future
+
+
 def import_ray() -> Any:
+    """The ray module; the wait for its first import can be interrupted (`_ray_import`)."""
     try:
-        import ray
+        _ray_import().result()
+        import ray  # as sys.modules has it now
     except ImportError:
+        _ray_import.cache_clear()  # Ray installed later, in the same kernel, is found
         raise ImportError(f"hosts='ray' needs Ray in this kernel and on the cluster: {RAY_INSTALL}") from None
     return ray
 
