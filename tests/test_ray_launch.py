@@ -165,6 +165,27 @@ notebook_launcher(sleep_long, ({str(marker)!r},), num_processes=2, hosts='ray', 
     assert "again [7, 7]" in again.stdout, (again.stdout, again.error)
 
 
+def test_an_interrupt_while_the_nodes_are_taken_stops_at_once(kernel, ray_cluster):
+    """Ctrl-C 0.3 s into a launch, while it reserves the nodes and makes the agents' actors (no agent was told
+    to start a rank yet): the launch kills those actors rather than wait for each to come up and hear the stop
+    (2-3 s on a busy machine, up to STOP_WAIT), nothing is left, and the next launch works."""
+    import threading
+
+    from nbaccel.launch.kernel.ssh_backend import STOP_WAIT
+
+    timer = threading.Timer(0.3, kernel.manager.interrupt_kernel)
+    timer.start()
+    started = time.monotonic()
+    cell = kernel.run("notebook_launcher(time.sleep, (120,), num_processes=2, hosts='ray', dashboard=False)")
+    took = time.monotonic() - started
+    timer.join()
+    assert cell.error is not None and cell.error[0] == "KeyboardInterrupt", (cell.error, cell.stderr)
+    assert took < STOP_WAIT, took  # it never waits out the agents' stop time
+    assert_nothing_left(ray_cluster)
+    again = kernel.run("print('again', notebook_launcher(lambda: 7, num_processes=1, hosts='ray', dashboard=False))")
+    assert "again [7, 7]" in again.stdout, (again.stdout, again.error)
+
+
 def test_max_restarts_restarts_the_world(kernel, ray_cluster):
     cell = kernel.run("""
 def fail_first_attempt():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 import uuid
 import warnings
 from multiprocessing.connection import Connection
@@ -37,6 +38,17 @@ if TYPE_CHECKING:
 
 PLACE_TIMEOUT = float(os.environ.get("NBACCEL_RAY_PLACE_TIMEOUT", "60"))  # seconds to reserve the nodes
 READ_WAIT = 1.0  # seconds one `read` of an agent's stream waits on its node
+PLACE_POLL = 0.2  # seconds of each wait for the placement group (an interrupt is heard between two)
+
+
+def _wait_placed(group: Any, timeout: float) -> bool:
+    """`group.wait(timeout)` in short waits: Ray's own wait blocks in C++, where the kernel's interrupt (a user
+    stopping a launch that waits for busy nodes) would be heard only when it ends."""
+    deadline = time.monotonic() + timeout
+    while not group.wait(min(PLACE_POLL, max(0.01, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+    return True
 
 
 class ActorProcess:
@@ -120,6 +132,12 @@ class RayAgent(Agent):
             close_quietly(fd)
             self._ended.set()
 
+    def end_unstarted(self) -> None:
+        """Kill the actor: what the session's end would say reaches the agent only once Ray has made the actor
+        and the actor its agent (2-3 s on a busy machine, after the user interrupted the launch). Killing it
+        cancels an actor still being made; an agent already running dies with its actor (PDEATHSIG)."""
+        self.process.kill()
+
     def said(self) -> str:
         if not self.process.said:
             try:
@@ -149,7 +167,7 @@ class RayBackend(SshBackend):
         self.group = ray.util.placement_group(  # each node's bundle on that node (its Ray label)
             [dict(reserve) or {"CPU": 0.001} for _ in hosts.node_ids], strategy="STRICT_SPREAD",
             name=self.group_name, bundle_label_selector=[{"ray.io/node-id": node} for node in hosts.node_ids])
-        if not self.group.wait(PLACE_TIMEOUT):
+        if not _wait_placed(self.group, PLACE_TIMEOUT):
             raise HostError(RAY, f"hosts='ray': Ray could not reserve {reserve} on each of {list(hosts.names)} within "
                             f"{PLACE_TIMEOUT:.0f} s (NBACCEL_RAY_PLACE_TIMEOUT); other work may hold them: `ray status` "
                             "shows what is free. Pass fewer num_processes or RayHosts(cpus_per_rank=...).")
@@ -170,7 +188,8 @@ class RayBackend(SshBackend):
     def _node_of(self, agent: Agent) -> dict[str, str]:
         """Where the agent's actor runs, once it started (HostError if it could not)."""
         try:
-            return import_ray().get(agent.process.actor.node.remote(), timeout=PLACE_TIMEOUT)
+            # a future's wait, not ray.get: Ray looks for the kernel's interrupt only once a second while it gets
+            return agent.process.actor.node.remote().future().result(timeout=PLACE_TIMEOUT)
         except Exception as exc:
             raise HostError(agent.host, f"the Ray actor for the agent on node {agent.host!r} did not start: "
                             f"{exc}") from None

@@ -70,6 +70,7 @@ class Agent:
         self.exited: set[int] = set()
         self.pids: list[int] = []
         self.started = threading.Event()  # the agent said which pids its ranks have (or why it could not start)
+        self.told_to_start = False  # Start was sent (or was being sent): it may have ranks to stop
         self.lost: str | None = None
         self._lock = threading.Lock()  # the relay threads and the caller both send
         self.relay: threading.Thread | None = None
@@ -101,6 +102,11 @@ class Agent:
     def send(self, message: Any) -> None:
         with self._lock:
             self.to_agent.send(message)
+
+    def end_unstarted(self) -> None:
+        """End an agent that has no rank yet: its session's end is enough (the agent reads its stdin from its
+        first line on, so it leaves at once, even while it imports)."""
+        self.close_session()
 
     def close_session(self) -> None:
         """Say stop and close the session's stdin: the agent stops its ranks and exits."""
@@ -175,6 +181,7 @@ class SshBackend(Backend):
             port = self.agents[0].hello.port  # type: ignore[union-attr]
             ends = self._make_ends(plan)
             for agent in self.agents:
+                agent.told_to_start = True
                 agent.send(Start(self._host_plan(plan, agent, master, port), data))
                 agent.relay = threading.Thread(target=self._relay, args=(agent,), daemon=True,
                                                name=f"nbaccel-ssh-relay-{agent.host}")
@@ -427,10 +434,14 @@ class SshBackend(Backend):
 
     def stop(self) -> None:
         """Every agent stops its ranks and exits; a session still open after STOP_WAIT s is killed (its agent
-        then sees its stdin end and stops its ranks all the same)."""
+        then sees its stdin end and stops its ranks all the same). An agent never told to start has no rank to
+        stop: `end_unstarted` ends it its own quickest way."""
         self._stopping = True
         for agent in self.agents:
-            agent.close_session()
+            if agent.told_to_start:
+                agent.close_session()
+            else:
+                agent.end_unstarted()
         deadline = time.monotonic() + STOP_WAIT
         for agent in self.agents:
             try:
