@@ -361,6 +361,13 @@ def deliberate_differences(lib):
         return found
     # Accelerate registered it (its save_state then fails calling None); the next saves are about folders
     accelerator._custom_objects[:] = [obj for obj in accelerator._custom_objects if not isinstance(obj, NotCallable)]
+    with torch.no_grad():  # the same folder saved again, as torch.save files: which weights load back?
+        model[0].bias.fill_(7.0)
+    accelerator.save_state(checkpoint, safe_serialization=False)
+    with torch.no_grad():
+        model[0].bias.zero_()
+    accelerator.load_state(checkpoint)
+    found["resaved as .bin"] = (sorted(os.listdir(checkpoint)), model[0].bias.tolist() == [7.0] * 4)
     config = accelerator.project_configuration
     config.automatic_checkpoint_naming, config.total_limit = True, 1
     found["no project_dir"] = _outcome(lambda: accelerator.save_state())
@@ -399,6 +406,11 @@ DELIBERATE = {
     "a file among checkpoints": (("raised", ["IndexError"]), ("ok", "checkpoint_1")),
     "onto an existing one": (("ok", None), ("raised", ["ValueError"])),
     "left": (["checkpoint_0"], ["checkpoint_1"]),
+    "resaved as .bin": (  # Accelerate keeps the first save's model.safetensors beside the new file, and loads it
+        (["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl"],
+         False),
+        ([".nbaccel-checkpoint.json", ".nbaccel-manifest.json", "custom_checkpoint_0.pkl", "optimizer.bin",
+          "pytorch_model.bin", "random_states_0.pkl"], True)),
 }
 
 
@@ -406,7 +418,7 @@ DELIBERATE = {
 def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
     load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
-    state_dict attributes that are not methods, automatic
+    a folder saved again in the other format, state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
     results = run_both(deliberate_differences, num_processes)
