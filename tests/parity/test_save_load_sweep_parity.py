@@ -368,6 +368,10 @@ def deliberate_differences(lib):
         model[0].bias.zero_()
     accelerator.load_state(checkpoint)
     found["resaved as .bin"] = (sorted(os.listdir(checkpoint)), model[0].bias.tolist() == [7.0] * 4)
+    weights = os.path.join(root, "weights")  # save_model in shards, then whole, into one folder
+    accelerator.save_model(model, weights, max_shard_size=40)
+    accelerator.save_model(model, weights)
+    found["save_model again, whole"] = sorted(os.listdir(weights))
     config = accelerator.project_configuration
     config.automatic_checkpoint_naming, config.total_limit = True, 1
     found["no project_dir"] = _outcome(lambda: accelerator.save_state())
@@ -406,6 +410,9 @@ DELIBERATE = {
     "a file among checkpoints": (("raised", ["IndexError"]), ("ok", "checkpoint_1")),
     "onto an existing one": (("ok", None), ("raised", ["ValueError"])),
     "left": (["checkpoint_0"], ["checkpoint_1"]),
+    "save_model again, whole": (  # Accelerate removes stale shards of pytorch_model*.bin only, never the index
+        ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors",
+         "model.safetensors.index.json"], ["model.safetensors"]),
     "resaved as .bin": (  # Accelerate keeps the first save's model.safetensors beside the new file, and loads it
         (["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl"],
          False),
@@ -418,7 +425,7 @@ DELIBERATE = {
 def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
     load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
-    a folder saved again in the other format, state_dict attributes that are not methods, automatic
+    a folder saved again in the other format, save_model's earlier shards, state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
     results = run_both(deliberate_differences, num_processes)
