@@ -14,6 +14,11 @@ Device = Union[int, str, torch.device]  # noqa: UP007 (a runtime alias, evaluate
 _NOT_CAST_PREFIXES = ("torch.uint", "torch.int", "torch.bool")  # integer/bool tensors keep their dtype
 
 
+class UnknownDtypeError(ValueError, AttributeError):
+    """A `dtype` string that names no torch dtype: a ValueError, and an AttributeError as Accelerate's
+    `getattr(torch, name)` raises."""
+
+
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """`"float16"`, `"torch.float16"` or `torch.float16` -> `torch.float16`."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -22,7 +27,7 @@ def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         found = getattr(torch, dtype.replace("torch.", ""), None)
         if isinstance(found, torch.dtype):
             return found
-    raise ValueError(f"`dtype` {dtype!r} is not a torch dtype; use e.g. torch.float16 or 'bfloat16'.")
+    raise UnknownDtypeError(f"`dtype` {dtype!r} is not a torch dtype; use e.g. torch.float16 or 'bfloat16'.")
 
 
 def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:

@@ -117,6 +117,8 @@ def _checkpoint_errors(lib):
         found["odd format"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "odd.safetensors")), OSError)
         found["tf format"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "tf.safetensors")),
                                       ValueError)
+        found["unknown dtype"] = _catches(lambda: load(_net(tied=False), os.path.join(tmp, "model.bin"),
+                                                       dtype="float17"), AttributeError)
         found["missing shard"] = _catches(
             lambda: load(_net(tied=False), os.path.join(tmp, "model.safetensors.index.json")), FileNotFoundError)
         records.seen.clear()
@@ -135,7 +137,8 @@ def test_what_differed_is_now_as_in_accelerate():
     if not torch.cuda.is_available():
         assert theirs["index 0"] == ("raised", "RuntimeError")
     assert theirs["checkpoint errors"] == {"strict": True, "odd format": True, "tf format": True,
-                                           "missing shard": True, "no metadata": [("WARNING", True)]}
+                                           "missing shard": True, "no metadata": [("WARNING", True)],
+                                           "unknown dtype": True}
     assert theirs["dispatch notes"] == [[("WARNING", True, True, True)], [], [("WARNING", True, True, False)],
                                         [("WARNING", True, False, True)]]
     if torch.cuda.is_available():  # docs/compat.md: on CUDA nbaccel sets the variable deterministic cuBLAS needs
