@@ -347,7 +347,8 @@ def deliberate_differences(lib):
     accelerator.wait_for_everyone()
     found = {"a device": _outcome(lambda: accelerator.load_state(checkpoint, map_location=torch.device("cpu"))),
              "on_device": _outcome(lambda: accelerator.load_state(checkpoint, map_location="on_device")),
-             "weights_only": _outcome(lambda: accelerator.load_state(checkpoint, load_kwargs={"weights_only": True}))}
+             "weights_only": _outcome(lambda: accelerator.load_state(checkpoint, load_kwargs={"weights_only": True})),
+             "in load_kwargs": _outcome(lambda: accelerator.load_state(checkpoint, load_kwargs={"map_location": "cpu"}))}
     no_random_states = os.path.join(root, "no-random-states")  # the checkpoint without its random_states_N.pkl
     if accelerator.is_main_process:
         os.makedirs(no_random_states)
@@ -401,6 +402,7 @@ def deliberate_differences(lib):
 # outcome under Accelerate, under nbaccel, by case; the cases not listed are the same
 DELIBERATE = {
     "a device": (("raised", ["TypeError"]), ("ok", None)),
+    "in load_kwargs": (("raised", ["TypeError"]), ("ok", None)),  # Accelerate: torch.load gets it twice
     "on_device": (("raised", []), ("ok", None)),  # safetensors' SafetensorError: "device cpu:0 is invalid"
     "weights_only": (("ok", None), ("raised", ["RuntimeError"])),
     "not callable": (("ok", None), ("raised", ["ValueError"])),
