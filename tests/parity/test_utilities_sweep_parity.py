@@ -220,6 +220,11 @@ def deliberate(lib):
                                                for v in json.load(f).values()})
         model = bm.dispatch_model(model, device_map, offload_dir=os.path.join(tmp, "offload"))
         found["offloaded forward"] = model(torch.tensor([[1, 2]])) - untied(torch.tensor([[1, 2]]))
+        found["all on disk"] = _outcome(lambda: bm.dispatch_model(_net(tied=False), {"": "disk"}, offload_dir=os.path.join(
+            tmp, "all"))(torch.tensor([[1, 2]])).equal(untied(torch.tensor([[1, 2]]))))
+        weights = lib.utils.offload.OffloadedWeightsLoader(state_dict={"a.x": torch.ones(1), "b": torch.ones(1)})
+        prefixed = lib.utils.offload.PrefixedDataset(weights, "a.")
+        found["prefixed"] = (len(prefixed), list(prefixed))
     with tempfile.TemporaryDirectory() as tmp:
         save_file({k: v for k, v in _net(tied=False).state_dict().items() if k != "head.weight"},
                   os.path.join(tmp, "partial.safetensors"), metadata={"format": "pt"})
@@ -265,6 +270,8 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     # points into the checkpoint (Accelerate's loader reads such entries too)
     assert theirs["offload folder"] == ["blocks.1.lin.bias.dat", "blocks.1.lin.weight.dat", "index.json"]
     assert (ours["offload folder"], ours["index points at"]) == (["index.json"], ["model.safetensors"])
+    assert (theirs["all on disk"], ours["all on disk"]) == (("raised", "FileNotFoundError"), ("ok", True))
+    assert (theirs["prefixed"], ours["prefixed"]) == ((2, ["a.x"]), (1, ["a.x"]))
     assert_same(theirs["offloaded forward"], ours["offloaded forward"])
     assert not ours["offloaded forward"].any()
     assert (theirs["pad_input_tensors sizes"], ours["pad_input_tensors sizes"]) == ([2, 3, 4, 7, 12], [2, 2, 4, 6, 10])
