@@ -331,6 +331,13 @@ def helpers(lib):
         inside = (os.environ["SWEEP_EXISTING"], os.environ["SWEEP_NEW"])
         os.environ["SWEEP_NEW"] = "changed"
     found["patch_environment"] = (inside, os.environ.get("SWEEP_EXISTING"), os.environ.get("SWEEP_NEW"))
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        found["is_port_in_use"] = u.is_port_in_use(port)
     for value in (None, "1", "yes", "0", "off"):
         os.environ.pop("SWEEP_FLAG", None)
         if value is not None:
@@ -432,6 +439,12 @@ def ranks(lib):
     with accelerator.local_main_process_first():
         order.append(state.process_index)
     found["main_process_first"] = order
+    generator = torch.Generator().manual_seed(100 + state.process_index)
+    torch.manual_seed(7 + state.process_index)
+    lib.utils.synchronize_rng_states(["torch", "generator"], generator=generator)
+    found["synchronized draws"] = (torch.rand(2), torch.rand(2, generator=generator))
+    lib.utils.set_seed(1, device_specific=True)
+    found["device-specific draws"] = torch.rand(2)
     for pad in (False, True):
         for name, data in (("list", list(range(5))), ("one item", ["a"]),
                            ("dict", {"a": list(range(5)), "b": torch.arange(5)}),
