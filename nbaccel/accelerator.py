@@ -458,6 +458,9 @@ class Accelerator:
             raise ValueError(
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects: give one per object."
             )
+        for obj in args:  # before anything is prepared
+            if isinstance(obj, torch.nn.Module):
+                self._refuse_device_map_in_distributed(obj)
         result = list(args)
         if self.is_fsdp2:  # shards the model and re-points its optimizer before the per-object preparation
             result = sharding.prepare_fsdp2_args(result, self.state.fsdp_plugin, self.mixed_precision, self.device,
@@ -499,6 +502,7 @@ class Accelerator:
                 model, torch.nn.parallel.DistributedDataParallel):
             _keep(self._models, model)
             return model  # prepared already: wrapping it again would nest DDP
+        self._refuse_device_map_in_distributed(model)
         _refuse_offloaded_quantized_model(model, self.distributed_type)
         if device_placement is None:
             device_placement = self.device_placement and not self.verify_device_map(model)
@@ -831,6 +835,18 @@ class Accelerator:
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
         """A loader over the same data without its first `num_batches` batches (resume mid-epoch)."""
         return _data_loader.skip_first_batches(dataloader, num_batches=num_batches)
+
+    def _refuse_device_map_in_distributed(self, model: torch.nn.Module) -> None:
+        """A model dispatched over several devices (`device_map="auto"`) trains in one process only: Accelerate's
+        ValueError, unless ACCELERATE_BYPASS_DEVICE_MAP (or NBACCEL_BYPASS_DEVICE_MAP) is true."""
+        if self.distributed_type == DistributedType.NO or not self.verify_device_map(model):
+            return
+        if (_first_env("NBACCEL_BYPASS_DEVICE_MAP", "ACCELERATE_BYPASS_DEVICE_MAP") or "false").lower() == "true":
+            return
+        raise ValueError("You can't train a model that has been loaded with `device_map='auto'` in any distributed "
+                         f"mode ({self.distributed_type.value}, {self.num_processes} processes): run one process "
+                         "(`--num_processes=1`, or `python script.py`), or load the model on one device per process "
+                         "(ACCELERATE_BYPASS_DEVICE_MAP=true skips this check).")
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True when `model` was dispatched over several devices (big-model inference), which training

@@ -246,6 +246,20 @@ def prepared_again_after_free_memory(lib):
             "files": sorted(name for name in os.listdir(folder) if not name.startswith((".", "dl_state_dict")))}
 
 
+def a_model_spread_over_devices(lib):
+    """A model dispatched over several devices (`hf_device_map`, as `device_map="auto"` leaves it) is refused on
+    several processes with a ValueError, before anything is prepared; nbaccel wrapped it in DDP. On one process,
+    and with one device, it is prepared."""
+    accelerator = lib.Accelerator(cpu=True)
+    spread, whole = _model(), _model()
+    spread.hf_device_map, whole.hf_device_map = {"0": "cpu", "2": "disk"}, {"": "cpu"}
+    loader = _loader(4, 2)
+    return {"spread": _outcome(lambda: type(accelerator.prepare(loader, spread)[1]).__name__),
+            "registered_before_refusal": len(accelerator._dataloaders),
+            "prepare_model": _outcome(lambda: type(accelerator.prepare_model(spread)).__name__),
+            "whole": _outcome(lambda: type(accelerator.prepare(whole)).__name__)}
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -264,7 +278,7 @@ def public_names(lib):
 
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
              schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders,
-             prepared_again_after_free_memory, public_names]
+             prepared_again_after_free_memory, a_model_spread_over_devices, public_names]
 
 
 def every_scenario(lib):
