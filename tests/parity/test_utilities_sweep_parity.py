@@ -220,6 +220,9 @@ def deliberate(lib):
                                                for v in json.load(f).values()})
         model = bm.dispatch_model(model, device_map, offload_dir=os.path.join(tmp, "offload"))
         found["offloaded forward"] = model(torch.tensor([[1, 2]])) - untied(torch.tensor([[1, 2]]))
+        found["offloaded .to(dtype)"] = _outcome(lambda: model.to(torch.float64)(torch.tensor([[1, 2]])) - (
+            _net(tied=False).double()(torch.tensor([[1, 2]]))))
+        found["offloaded .to(device)"] = _outcome(lambda: model.to("cpu"))
         found["all on disk"] = _outcome(lambda: bm.dispatch_model(_net(tied=False), {"": "disk"}, offload_dir=os.path.join(
             tmp, "all"))(torch.tensor([[1, 2]])).equal(untied(torch.tensor([[1, 2]]))))
         weights = lib.utils.offload.OffloadedWeightsLoader(state_dict={"a.x": torch.ones(1), "b": torch.ones(1)})
@@ -273,6 +276,9 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert (theirs["all on disk"], ours["all on disk"]) == (("raised", "FileNotFoundError"), ("ok", True))
     assert (theirs["prefixed"], ours["prefixed"]) == ((2, ["a.x"]), (1, ["a.x"]))
     assert_same(theirs["offloaded forward"], ours["offloaded forward"])
+    assert theirs["offloaded .to(dtype)"] == ("raised", "RuntimeError")
+    assert ours["offloaded .to(dtype)"][0] == "ok" and not ours["offloaded .to(dtype)"][1].any()
+    assert theirs["offloaded .to(device)"] == ours["offloaded .to(device)"] == ("raised", "RuntimeError")
     assert not ours["offloaded forward"].any()
     assert (theirs["pad_input_tensors sizes"], ours["pad_input_tensors sizes"]) == ([2, 3, 4, 7, 12], [2, 2, 4, 6, 10])
     assert theirs["a meta weight the checkpoint lacks"] == ("ok", None)
