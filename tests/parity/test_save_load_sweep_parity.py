@@ -335,6 +335,20 @@ class NotCallable:
     state_dict = load_state_dict = None
 
 
+class WithExtraState(torch.nn.Module):
+    """A module whose state dict holds a Python object (`_extra_state`), which safetensors cannot store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def get_extra_state(self) -> dict:
+        return {"note": "kept"}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.note = state["note"]
+
+
 def deliberate_differences(lib):
     """docs/compat.md ("Checkpoint calls nbaccel takes or refuses on purpose"): each case's outcome."""
     accelerator = lib.Accelerator(cpu=True)
@@ -373,6 +387,10 @@ def deliberate_differences(lib):
     accelerator.save_model(model, weights, max_shard_size=40)
     accelerator.save_model(model, weights)
     found["save_model again, whole"] = sorted(os.listdir(weights))
+    extra = WithExtraState()
+    found["extra state, safetensors"] = _outcome(lambda: accelerator.save_model(extra, os.path.join(root, "extra")))
+    found["extra state, torch.save"] = _outcome(
+        lambda: accelerator.save_model(extra, os.path.join(root, "extra"), safe_serialization=False))
     config = accelerator.project_configuration
     config.automatic_checkpoint_naming, config.total_limit = True, 1
     found["no project_dir"] = _outcome(lambda: accelerator.save_state())
@@ -415,6 +433,8 @@ DELIBERATE = {
     "save_model again, whole": (  # Accelerate removes stale shards of pytorch_model*.bin only, never the index
         ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors",
          "model.safetensors.index.json"], ["model.safetensors"]),
+    "extra state, safetensors": (("raised", []), ("raised", ["TypeError"])),  # Accelerate: AttributeError
+    "extra state, torch.save": (("raised", []), ("ok", None)),
     "resaved as .bin": (  # Accelerate keeps the first save's model.safetensors beside the new file, and loads it
         (["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "pytorch_model.bin", "random_states_0.pkl"],
          False),
@@ -427,7 +447,8 @@ DELIBERATE = {
 def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
     load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
-    a folder saved again in the other format, save_model's earlier shards, state_dict attributes that are not methods, automatic
+    a folder saved again in the other format, save_model's earlier shards, a state dict holding a Python object,
+    state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
     results = run_both(deliberate_differences, num_processes)
