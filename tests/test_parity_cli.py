@@ -636,7 +636,7 @@ def test_omp_num_threads_defaults_as_accelerates(physical_cores, monkeypatch, tm
              ["--num_processes", "2"], ["--config_file", multi_cpu], ["--config_file", one, "--cpu"],
              ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1"],
              ["--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "3"]]
-    for omp in (None, "3"):
+    for omp in (None, "3", "0"):  # "0": passed on as Accelerate does (nbaccel refused it as an option's value)
         if omp is not None:
             monkeypatch.setenv("OMP_NUM_THREADS", omp)
         for argv in cases:

@@ -173,8 +173,14 @@ def _threads_per_process(args: argparse.Namespace, config: LaunchConfig | None, 
     `--cpu` without `--config_file`: `read_launch_config`), else `--cpu`, and the process count is the one
     given (else the config file's, else the CUDA device count), before any default process count is filled in."""
     if args.num_cpu_threads_per_process is not None:
+        if args.num_cpu_threads_per_process < 1:  # Accelerate passes it on; no OpenMP runtime takes it
+            raise LaunchOptionError(f"--num_cpu_threads_per_process must be >= 1, got "
+                                    f"{args.num_cpu_threads_per_process}")
         return args.num_cpu_threads_per_process
     from ..utils.environment import get_int_from_env
+
+    # the shell's OMP_NUM_THREADS goes on as it is, even 0 (as Accelerate: the user's own setting, which
+    # torch then ignores), never refused under an option's name the user did not give
 
     threads = get_int_from_env(["OMP_NUM_THREADS"], 1)
     use_cpu = bool(config.use_cpu) if config is not None else bool(args.cpu)
@@ -457,8 +463,6 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail(f"--max_restarts must be >= 0, got {s.max_restarts}")
     if s.monitor_interval <= 0:
         fail(f"--monitor_interval must be > 0 seconds, got {s.monitor_interval}")
-    if s.num_cpu_threads_per_process is not None and s.num_cpu_threads_per_process < 1:
-        fail(f"--num_cpu_threads_per_process must be >= 1, got {s.num_cpu_threads_per_process}")
     if s.gradient_accumulation_steps is not None and s.gradient_accumulation_steps < 1:
         fail(f"--gradient_accumulation_steps must be >= 1, got {s.gradient_accumulation_steps}")
     if s.gpu_ids not in (None, "all") and not all(p.strip().isdigit() for p in str(s.gpu_ids).split(",")):
