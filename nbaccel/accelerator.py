@@ -539,11 +539,17 @@ class Accelerator:
         # above, stays), as in Accelerate: save/load hooks get `_models`, and training scripts call the
         # module's own methods there (`model.save_pretrained(...)` in diffusers' save hooks)
         plugin = self._dynamo_plugin
-        if plugin is not None and str(getattr(plugin, "backend", "NO")).upper() != "NO":
+        # compiled last, and never twice: a model the script compiled itself stays as it is (as Accelerate)
+        if plugin is not None and str(getattr(plugin, "backend", "NO")).upper() != "NO" and not _is_compiled(model):
             kwargs = plugin.to_kwargs()
             kwargs = {k: v for k, v in kwargs.items() if k not in ("use_regional_compilation",)}
             kwargs["backend"] = str(kwargs.get("backend", "inductor")).lower()
-            model = torch.compile(model, **kwargs)
+            if getattr(plugin, "use_regional_compilation", False):  # each repeated block on its own
+                from .utils.other import compile_regions
+
+                model = compile_regions(model, **kwargs)
+            else:
+                model = torch.compile(model, **kwargs)
         model._is_accelerate_prepared = True
         return model
 

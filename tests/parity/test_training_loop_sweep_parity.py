@@ -260,6 +260,43 @@ def a_model_spread_over_devices(lib):
             "whole": _outcome(lambda: type(accelerator.prepare(whole)).__name__)}
 
 
+class _Blocks(torch.nn.Module):
+    """Repeated blocks, what regional compilation compiles one by one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 3) for _ in range(3)])
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return self.head(x)
+
+
+def compiling(lib):
+    """With a dynamo backend: a model the script compiled itself is not compiled again (nbaccel compiled the
+    compiled module, and on one process `prepare` returned a function); `use_regional_compilation` compiles the
+    repeated blocks one by one (nbaccel ignored it and compiled the whole model). Regional compilation is
+    compared on one process: on several, Accelerate's `unwrap_model` gives back the DDP wrapper (docs/compat.md)."""
+    found = {}
+    accelerator = lib.Accelerator(cpu=True, dynamo_backend="eager")
+    compiled = torch.compile(_model(), backend="eager")
+    prepared = accelerator.prepare(compiled)
+    found["compiled_before"] = (type(prepared).__name__, type(getattr(prepared, "_orig_mod", None)).__name__,
+                                prepared(torch.ones(2, 3)))
+    if accelerator.num_processes == 1:
+        lib.state.AcceleratorState._reset_state(True)
+        plugin = lib.utils.TorchDynamoPlugin(backend="eager", use_regional_compilation=True)
+        accelerator = lib.Accelerator(cpu=True, dynamo_plugin=plugin)
+        model = accelerator.prepare(_Blocks())
+        found["regional"] = (type(model).__name__, [type(layer).__name__ for layer in model.layers],
+                             model(torch.ones(2, 3)), type(accelerator.unwrap_model(model)).__name__,
+                             sorted(accelerator.get_state_dict(model)))
+    return found
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -278,7 +315,8 @@ def public_names(lib):
 
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
              schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders,
-             prepared_again_after_free_memory, a_model_spread_over_devices, public_names]
+             prepared_again_after_free_memory, a_model_spread_over_devices, compiling,
+             public_names]
 
 
 def every_scenario(lib):
