@@ -350,6 +350,20 @@ def helpers(lib):
             os.environ["SWEEP_FLAG"] = value
         found[f"flag {value}"] = (u.parse_flag_from_env("SWEEP_FLAG"), u.parse_flag_from_env("SWEEP_FLAG", True),
                                   u.parse_choice_from_env("SWEEP_FLAG", "d"))
+    class ToWithoutOptions:
+        def to(self, device):
+            return "moved"
+
+    found["send .to without non_blocking"] = u.send_to_device({"x": ToWithoutOptions()}, "cpu", non_blocking=True)
+    os.environ["SWEEP_KEPT"] = "1"
+    with u.clear_environment():
+        cleared = dict(os.environ)
+        os.environ["SWEEP_INSIDE"] = "x"
+    found["clear_environment"] = (cleared, os.environ.get("SWEEP_KEPT"), os.environ.get("SWEEP_INSIDE"))
+    linear = torch.nn.Linear(2, 2)
+    found["extract compiled"] = (u.extract_model_from_parallel(torch.compile(linear)) is linear,
+                                 u.is_compiled_module(torch.compile(linear)))
+    found["save a list safely"] = _outcome(lambda: u.save([torch.ones(1)], "unused.safetensors", safe_serialization=True))
     u.set_seed(11)
     import random
 
@@ -518,6 +532,32 @@ def hooks(lib):
     found["on blocks"] = sorted((n, type(m._hf_hook).__name__) for n, m in model.named_modules()
                                 if hasattr(m, "_hf_hook"))
     h.remove_hook_from_submodules(model)
+    torch.manual_seed(0)
+    block = Block()
+    hook = h.AlignDevicesHook(execution_device="cpu", offload=True, offload_buffers=True,
+                              weights_map={k: v.clone() for k, v in block.state_dict().items()})
+    h.add_hook_to_module(block, hook)
+    found["weights map"] = (block(torch.ones(1, 4)) - reference, _devices(block),
+                            (hook.execution_device, hook.offload, hook.io_same_device, hook.place_submodules))
+
+    class Keyed(torch.nn.Module):
+        def forward(self, x, cache=None):
+            return {"out": x * 2, "cache": cache}
+
+    keyed = h.add_hook_to_module(Keyed(), h.AlignDevicesHook(execution_device="cpu", skip_keys="cache",
+                                                             io_same_device=True))
+    found["skip_keys"] = keyed(torch.ones(1), cache=[1])
+
+    class Swap(h.ModelHook):
+        def init_hook(self, module):
+            return torch.nn.Identity()
+
+    found["init_hook's module"] = type(h.add_hook_to_module(torch.nn.Linear(2, 2), Swap())).__name__
+    patched = torch.nn.Linear(2, 2)
+    patched.forward = lambda x: x * 0
+    h.add_hook_to_module(patched, h.ModelHook())
+    h.remove_hook_from_module(patched)
+    found["instance forward kept"] = (patched(torch.ones(1, 2)), "forward" in patched.__dict__)
     found["calls"] = calls
     return found
 
@@ -550,6 +590,17 @@ def big_models(lib):
     found["set tensor errors"] = [_outcome(lambda: u.set_module_tensor_to_device(net, "blocks.0.nope", "cpu")),
                                   _outcome(lambda: u.set_module_tensor_to_device(net, "blocks.2.lin.weight", "cpu",
                                                                                 value=torch.zeros(3, 3)))]
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+            self.w.note = "kept"
+            self.register_parameter("absent", None)
+
+    with bm.init_empty_weights():
+        frozen = Frozen()
+    found["frozen empty"] = [(n, type(p).__name__, p.device.type, p.requires_grad, getattr(p, "note", None))
+                             for n, p in frozen.named_parameters()] + [frozen.absent]
     ids = torch.tensor([[1, 2, 3]])
     reference = _net()(ids)
     with tempfile.TemporaryDirectory() as tmp:
@@ -592,6 +643,18 @@ def big_models(lib):
                          _outcome(lambda: load(os.path.join(tmp, "nope"))),
                          _outcome(lambda: load(folder, device_map=dict(device_map)))]
         found["bin offload folder"] = sorted(os.listdir(os.path.join(tmp, "bin-offload")))
+        offload, index = lib.utils.offload, {}
+        os.makedirs(os.path.join(tmp, "weights"))  # Accelerate's offload_weight does not create it
+        for name, tensor in (("half", torch.arange(6, dtype=torch.float16).reshape(2, 3)),
+                             ("bf16", torch.ones(2, dtype=torch.bfloat16)), ("scalar", torch.tensor(3.0)),
+                             ("flags", torch.tensor([True, False]))):
+            offload.offload_weight(tensor, name, os.path.join(tmp, "weights"), index=index)
+        offload.save_offload_index(index, os.path.join(tmp, "weights"))
+        with open(os.path.join(tmp, "weights", "index.json")) as f:
+            found["offload index"] = (json.load(f), sorted(os.listdir(os.path.join(tmp, "weights"))))
+        loader = offload.OffloadedWeightsLoader(state_dict={"m": torch.ones(1)}, save_folder=os.path.join(tmp, "weights"))
+        found["offloaded weights"] = ({k: loader[k] for k in sorted(loader.keys())}, len(loader),
+                                      _outcome(lambda: loader["nope"]))
 
         def dispatched(**kwargs):
             with bm.init_empty_weights():
