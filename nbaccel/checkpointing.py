@@ -1003,7 +1003,7 @@ def load_accelerator_state(
                     weights_only=weights_only)
         for i in range(len(schedulers))
     ]
-    scaler_state = _torch_load(directory / SCALER_NAME) if scaler is not None else None
+    scaler_state = _read_scaler_state(directory) if scaler is not None else None
     custom_files = sorted(p.name for p in directory.iterdir() if _CUSTOM_RE.match(p.name))
     absent = [f"{CUSTOM_CHECKPOINT_NAME}_{i}.pkl" for i in range(len(custom_objects))
               if f"{CUSTOM_CHECKPOINT_NAME}_{i}.pkl" not in custom_files]
@@ -1044,7 +1044,7 @@ def load_accelerator_state(
             optimizer.load_state_dict(state)
     for scheduler, state in zip(schedulers, scheduler_states):
         scheduler.load_state_dict(state)
-    if scaler is not None:
+    if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     for dataloader, (kind, state) in zip(dataloaders, dataloader_states):
         if kind == "state_dict":
@@ -1135,6 +1135,18 @@ def _read_dataloader_state(directory: Path, index: int, dataloader: Any, process
         # Accelerate pickles its sampler object here; nbaccel does not unpickle arbitrary objects.
         logger.warning("%s holds a pickled sampler object (Accelerate format); not restored", path)
         return "none", None
+
+
+def _read_scaler_state(directory: Path) -> dict[str, Any] | None:
+    """The GradScaler's state, or None (a warning) for a checkpoint saved without one: Accelerate trains fp16 on
+    the CPU without a scaler (nbaccel scales there), and a run may turn fp16 on between a save and its resume.
+    The scaler then starts from its initial scale, which it adjusts within a few steps."""
+    path = directory / SCALER_NAME
+    if path.is_file():
+        return _torch_load(path)
+    logger.warning("%s has no %s (saved without fp16 gradient scaling): the GradScaler starts from its initial "
+                   "scale", directory, SCALER_NAME)
+    return None
 
 
 def _read_rng_states(directory: Path, process_index: int) -> dict[str, Any] | None:

@@ -460,3 +460,34 @@ def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
                 accelerate_outcome = ("ok", None)  # fails on several CPU processes only
             assert (theirs.pop(case), ours.pop(case)) == (accelerate_outcome, nbaccel_outcome), case
         assert_same(theirs, ours)
+
+
+def fp16_on_the_cpu(lib, root, phase):
+    """Accelerator(mixed_precision="fp16") on the CPU: Accelerate trains without a GradScaler there (in fp32) and
+    saves no scaler.pt; nbaccel scales (docs/compat.md). Save ("save") or resume the other library's checkpoint."""
+    accelerator = lib.Accelerator(cpu=True, mixed_precision="fp16")
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    checkpoint = os.path.join(root, "checkpoint")
+    if phase == "save":
+        accelerator.save_state(checkpoint)
+        return {"weights": {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    return {"load": _outcome(lambda: accelerator.load_state(checkpoint)),
+            "weights": {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}}
+
+
+def test_an_fp16_checkpoint_of_the_cpu_loads_across(tmp_path):
+    """nbaccel's scaler asked for the scaler.pt that Accelerate's checkpoint of a CPU fp16 run lacks
+    (CheckpointFileMissingError); a checkpoint saved without a scaler now loads with a warning, and the scaler
+    starts from its initial scale. Accelerate ignores nbaccel's scaler.pt."""
+    from parity_harness import run_ranks
+
+    for saved_by, loaded_by in (("accelerate", "nbaccel"), ("nbaccel", "accelerate")):
+        folder = str(tmp_path / saved_by)
+        [saved] = run_ranks(fp16_on_the_cpu, saved_by, 1, args=(folder, "save"))
+        [resumed] = run_ranks(fp16_on_the_cpu, loaded_by, 1, args=(folder, "load"))
+        assert resumed.pop("load") == ("ok", None), f"{loaded_by} resuming {saved_by}'s"
+        assert_same(saved, resumed, f"{loaded_by} resuming {saved_by}'s")
