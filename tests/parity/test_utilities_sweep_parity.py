@@ -258,6 +258,11 @@ def deliberate(lib):
     found["0-dim batch size"] = _outcome(lambda: u.ignorant_find_batch_size(torch.tensor(1.0)))
     found["device_specific without an Accelerator"] = _outcome(lambda: u.set_seed(1, device_specific=True))
     found["synchronize without a generator"] = _outcome(lambda: u.synchronize_rng_states(["generator"]))
+    def made_in_context():
+        with bm.init_on_device("meta", include_buffers=True):
+            return torch.ones(1).device.type
+
+    found["init_on_device by name"] = _outcome(made_in_context)
     found["on_process(-1)"] = _outcome(lambda: lib.PartialState().on_process(process_index=-1)(lambda: "ran")())
     return found
 
@@ -298,6 +303,8 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert ours["device_specific without an Accelerator"] == ("ok", None)
     assert theirs["synchronize without a generator"] == ("raised", "AssertionError")
     assert ours["synchronize without a generator"] == ("raised", "ValueError")
+    assert (theirs["init_on_device by name"], ours["init_on_device by name"]) == (("raised", "TypeError"),
+                                                                                  ("ok", "meta"))
     assert (theirs["on_process(-1)"], ours["on_process(-1)"]) == (("ok", "ran"), ("raised", "ValueError"))
 
 
