@@ -264,6 +264,8 @@ def deliberate(lib):
 
     found["init_on_device by name"] = _outcome(made_in_context)
     found["on_process(-1)"] = _outcome(lambda: lib.PartialState().on_process(process_index=-1)(lambda: "ran")())
+    found["on_process('0')"] = _outcome(lambda: lib.PartialState().on_process(process_index="0")(lambda: "ran")())
+    found["on_main_process()"] = _outcome(lambda: lib.PartialState().on_main_process()(lambda: "ran")())
     return found
 
 
@@ -306,6 +308,8 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert (theirs["init_on_device by name"], ours["init_on_device by name"]) == (("raised", "TypeError"),
                                                                                   ("ok", "meta"))
     assert (theirs["on_process(-1)"], ours["on_process(-1)"]) == (("ok", "ran"), ("raised", "ValueError"))
+    assert (theirs["on_process('0')"], ours["on_process('0')"]) == (("ok", "ran"), ("raised", "ValueError"))
+    assert (theirs["on_main_process()"], ours["on_main_process()"]) == (("raised", "TypeError"), ("ok", "ran"))
 
 
 def helpers(lib):
