@@ -271,6 +271,17 @@ def _replaceable(target: Path) -> bool:
     return MARKER_NAME in names or all(_KNOWN_FILE_RE.match(name) for name in names)
 
 
+def _holds_working_dir(target: Path) -> bool:
+    """Whether `target` is this process's working directory or one of its parents (`save_state(".")`): renaming it
+    away would leave the process in a deleted folder, where every relative path fails."""
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except FileNotFoundError:  # already in a deleted folder: nothing more to lose
+        return False
+    real = Path(os.path.realpath(target))
+    return cwd == real or real in cwd.parents
+
+
 def _move_files_into(tmp: Path, target: Path) -> None:
     """Non-atomic fallback: move each new file into `target` (each one replaced atomically)."""
     logger.warning(
@@ -804,7 +815,9 @@ def save_accelerator_state(
             manifest = write_manifest(tmp, skip=(MARKER_NAME,))  # sizes and checksums of every file, then
             if durable:                                          # the marker: both last, before the rename
                 fsync_file(manifest)
-            if _replaceable(target):
+            if _holds_working_dir(target):  # the folder stays; each file of the save is replaced atomically
+                _merge_files_into(tmp, target, durable)
+            elif _replaceable(target):
                 (tmp / MARKER_NAME).write_text(json.dumps({"format": "nbaccel-checkpoint", "version": 1,
                                                            "num_processes": num_processes, "step": step}))
                 if durable:

@@ -491,3 +491,38 @@ def test_an_fp16_checkpoint_of_the_cpu_loads_across(tmp_path):
         [resumed] = run_ranks(fp16_on_the_cpu, loaded_by, 1, args=(folder, "load"))
         assert resumed.pop("load") == ("ok", None), f"{loaded_by} resuming {saved_by}'s"
         assert_same(saved, resumed, f"{loaded_by} resuming {saved_by}'s")
+
+
+def into_the_working_directory(lib):
+    """save_state(".") from a folder of the run's own (twice), then load_state("."), then a relative path."""
+    accelerator = lib.Accelerator(cpu=True)
+    root = _root(lib, accelerator)
+    model = accelerator.unwrap_model(accelerator.prepare(_model()))
+    work = os.path.join(root, "work")
+    os.makedirs(work, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        found = {"first": _outcome(lambda: accelerator.save_state("."))}
+        accelerator.wait_for_everyone()
+        found["second"] = _outcome(lambda: accelerator.save_state("."))
+        accelerator.wait_for_everyone()
+        with torch.no_grad():
+            model[0].bias.zero_()
+        found["load"] = _outcome(lambda: accelerator.load_state("."))
+        found["bias loaded"] = bool(model[0].bias.abs().sum() > 0)
+        found["relative path works"] = _outcome(lambda: os.path.isdir(os.path.join(".", os.pardir, "work")))
+    finally:
+        os.chdir(cwd)
+    found["files"] = sorted(name for name in os.listdir(work) if not name.startswith(".nbaccel"))
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [2])
+def test_saving_into_the_working_directory_keeps_it(num_processes):
+    """nbaccel replaced the checkpoint folder as a whole, so save_state(".") renamed the working directory away:
+    the process was left in a deleted folder (FileNotFoundError for every relative path, the next save_state
+    included). A folder that holds the working directory now gets the save's files one by one."""
+    results = run_both(into_the_working_directory, num_processes)
+    assert results["accelerate"][0]["second"] == ("ok", "PosixPath", ".")
+    assert_same(results["accelerate"], results["nbaccel"])
