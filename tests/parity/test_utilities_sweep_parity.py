@@ -263,6 +263,7 @@ def deliberate(lib):
             return torch.ones(1).device.type
 
     found["init_on_device by name"] = _outcome(made_in_context)
+    found["sizes"] = [_outcome(lambda size=size: u.convert_file_size_to_int(size)) for size in ("100", "2TB", 10.5)]
     found["on_process(-1)"] = _outcome(lambda: lib.PartialState().on_process(process_index=-1)(lambda: "ran")())
     found["on_process('0')"] = _outcome(lambda: lib.PartialState().on_process(process_index="0")(lambda: "ran")())
     found["on_main_process()"] = _outcome(lambda: lib.PartialState().on_main_process()(lambda: "ran")())
@@ -308,6 +309,8 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert (theirs["init_on_device by name"], ours["init_on_device by name"]) == (("raised", "TypeError"),
                                                                                   ("ok", "meta"))
     assert (theirs["on_process(-1)"], ours["on_process(-1)"]) == (("ok", "ran"), ("raised", "ValueError"))
+    assert theirs["sizes"] == [("raised", "ValueError")] * 2 + [("raised", "AttributeError")]
+    assert ours["sizes"] == [("ok", 100), ("ok", 2 * 10**12), ("ok", 10)]
     assert (theirs["on_process('0')"], ours["on_process('0')"]) == (("ok", "ran"), ("raised", "ValueError"))
     assert (theirs["on_main_process()"], ours["on_main_process()"]) == (("raised", "TypeError"), ("ok", "ran"))
 
@@ -339,6 +342,8 @@ def helpers(lib):
                               _outcome(lambda: u.recursively_apply(lambda x: x, [t, "a"], error_on_other_type=True)),
                               u.recursively_apply(lambda x, y, z=0: x + y + z, [t], 1, z=2)],
         "merge_dicts": u.merge_dicts({"a": {"c": {"e": 3}}, "y": 2}, {"a": {"b": 1, "c": {"d": 2}}, "x": 1}),
+        "convert_file_size_to_int": [u.convert_file_size_to_int(size) for size in ("1KB", "1KiB", "1.5GB", "1Kb",
+                                                                               "5 GB", "5gb", 7)],
         "convert_bytes": [u.convert_bytes(n) for n in (0, 1023, 1024, 1536, 10**6, 1024**3 * 5.5, 1024**6 * 3)],
         "str_to_bool": [(u.str_to_bool(s), u.str_to_bool(s, to_bool=True)) for s in ("yes", "T", "on", "0", "off")],
         "str_to_bool bad": _outcome(lambda: u.str_to_bool("maybe")),
