@@ -34,8 +34,13 @@ def validate_mixed_precision(mixed_precision: Any, any_case: bool = True) -> str
     return value
 
 
+class FP8BackendMissingError(ImportError, ValueError):
+    """mixed_precision="fp8" without a backend nbaccel drives: an ImportError (a package is missing) that is
+    also the ValueError Accelerate raises there, so code written for either catches it."""
+
+
 def find_fp8_backend(preferred: str | None = None) -> str:
-    """The fp8 backend to use ("AO": torchao), or ImportError naming what to install.
+    """The fp8 backend to use ("AO": torchao), or FP8BackendMissingError naming what to install.
 
     Accelerate also drives transformer_engine and MS-AMP; nbaccel converts models with torchao's
     `convert_to_float8_training`, so those two give an error that says so.
@@ -44,12 +49,12 @@ def find_fp8_backend(preferred: str | None = None) -> str:
     if name not in FP8_BACKENDS:
         raise ValueError(f"Unknown fp8 backend {preferred!r}: choose one of {list(FP8_BACKENDS)}.")
     if name not in DRIVEN_FP8_BACKENDS:
-        raise ImportError(
+        raise FP8BackendMissingError(
             f"fp8 backend {name} ({FP8_BACKENDS[name]}) is not driven by nbaccel: use the torchao backend "
             "(`pip install torchao`, AORecipeKwargs) or run this script with Hugging Face Accelerate."
         )
     if importlib.util.find_spec("torchao") is None:
-        raise ImportError(
+        raise FP8BackendMissingError(
             "mixed_precision='fp8' needs an fp8 backend, and none nbaccel drives is installed: install `torchao` "
             "(`pip install torchao`; nbaccel does not drive `transformer_engine` or `msamp`), or use "
             "mixed_precision='bf16'."

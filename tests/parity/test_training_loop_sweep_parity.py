@@ -297,6 +297,20 @@ def compiling(lib):
     return found
 
 
+def fp8_without_a_backend(lib):
+    """mixed_precision="fp8" with no fp8 library installed (this environment has none): a ValueError, as
+    Accelerate's (nbaccel's was an ImportError only; it is both now)."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(name) for name in ("transformer_engine", "torchao", "msamp")):
+        return "an fp8 backend is installed"
+    try:
+        lib.Accelerator(cpu=True, mixed_precision="fp8")
+    except ValueError as error:
+        return ("ValueError", "fp8" in str(error))
+    return "no error"
+
+
 def public_names(lib):
     """The public names of the prepared optimizer and scheduler and of the gradient state (nbaccel's optimizer
     had no `accelerator_state`)."""
@@ -316,7 +330,7 @@ def public_names(lib):
 SCENARIOS = [bf16_autocast_blocks, bf16_forward_wrapper, zero_grad_of_other_optimizers, local_sgd_step_counts,
              schedulers_and_their_optimizers, a_scheduler_of_its_own, project_folders,
              prepared_again_after_free_memory, a_model_spread_over_devices, compiling,
-             public_names]
+             fp8_without_a_backend, public_names]
 
 
 def every_scenario(lib):
