@@ -760,6 +760,8 @@ def save_accelerator_state(
     Returns `output_dir` as a `Path`, as given (a relative folder stays relative, as Accelerate returns it).
     """
     target = Path(output_dir).absolute()
+    if target.is_symlink():  # a link to the folder (on another disk, say): the save goes where it points, beside
+        target = Path(os.path.realpath(target))  # the real folder, and the link stays a link
     tmp = _tmp_dir_for(target)
     for obj in custom_objects:
         check_checkpointable(obj)

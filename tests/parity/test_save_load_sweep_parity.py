@@ -494,7 +494,8 @@ def test_an_fp16_checkpoint_of_the_cpu_loads_across(tmp_path):
 
 
 def into_the_working_directory(lib):
-    """save_state(".") from a folder of the run's own (twice), then load_state("."), then a relative path."""
+    """save_state(".") from a folder of the run's own (twice), then load_state("."), then a relative path; and
+    save_state (twice) and load_state through a symbolic link to a folder."""
     accelerator = lib.Accelerator(cpu=True)
     root = _root(lib, accelerator)
     model = accelerator.unwrap_model(accelerator.prepare(_model()))
@@ -515,14 +516,26 @@ def into_the_working_directory(lib):
     finally:
         os.chdir(cwd)
     found["files"] = sorted(name for name in os.listdir(work) if not name.startswith(".nbaccel"))
+    real, link = os.path.join(root, "other-disk", "checkpoint"), os.path.join(root, "checkpoint")
+    if accelerator.is_main_process:  # a checkpoint folder that is a link to a folder elsewhere
+        os.makedirs(real)
+        os.symlink(real, link)
+    accelerator.wait_for_everyone()
+    found["through a link"] = [_outcome(lambda: accelerator.save_state(link) and None) for _ in range(2)]
+    accelerator.wait_for_everyone()
+    found["link kept"] = os.path.islink(link)
+    found["files where it points"] = sorted(name for name in os.listdir(real) if not name.startswith(".nbaccel"))
+    found["load through the link"] = _outcome(lambda: accelerator.load_state(link))
     return found
 
 
 @pytest.mark.parametrize("num_processes", [2])
-def test_saving_into_the_working_directory_keeps_it(num_processes):
+def test_saving_into_the_working_directory_or_a_link_keeps_it(num_processes):
     """nbaccel replaced the checkpoint folder as a whole, so save_state(".") renamed the working directory away:
     the process was left in a deleted folder (FileNotFoundError for every relative path, the next save_state
-    included). A folder that holds the working directory now gets the save's files one by one."""
+    included). A folder that holds the working directory now gets the save's files one by one. A link to a folder
+    was renamed, the save then failed ("Cannot call rmtree on a symbolic link"), the link was replaced by a folder
+    and every later save failed; the save now goes where the link points."""
     results = run_both(into_the_working_directory, num_processes)
     assert results["accelerate"][0]["second"] == ("ok", "PosixPath", ".")
     assert_same(results["accelerate"], results["nbaccel"])
