@@ -169,3 +169,74 @@ def test_rank_pool_ranks_listen_on_nothing_beyond_the_machine(monkeypatch):
     with RankPool(2) as pool:
         for addresses in pool.run(_listening_addresses):
             assert all(_is_loopback(address) for address in addresses), addresses
+
+
+# a fresh interpreter whose first launch imports PyYAML (on first use), held inside yaml/__init__ (yaml.error
+# imported, yaml.tokens not yet) while the main thread is interrupted, as a kernel's stop button does
+FIRST_USE_IMPORT_INTERRUPTED = """
+import os, signal, sys, threading, time
+gate = sys.argv[1]
+
+class HeldInsideYaml:
+    def find_spec(self, name, path=None, target=None):
+        if name == "yaml.tokens":  # yaml/__init__ has imported yaml.error
+            open(os.path.join(gate, "reached"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            sys.meta_path.remove(self)
+        return None
+
+from nbaccel import notebook_launcher
+assert "yaml" not in sys.modules, "the launch no longer imports yaml on first use: hold another module"
+sys.meta_path.insert(0, HeldInsideYaml())
+
+def interrupt_then_open():
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(gate, "reached")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    time.sleep(0.3)
+    open(os.path.join(gate, "open"), "w").close()
+
+threading.Thread(target=interrupt_then_open, daemon=True).start()
+try:
+    notebook_launcher(os.getpid, num_processes=2, dashboard=False)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+print("again", len(notebook_launcher(os.getpid, num_processes=2, dashboard=False)))
+"""
+
+
+def test_an_interrupt_inside_a_first_use_import_leaves_the_next_launch_working(tmp_path):
+    """The launch's first-use imports (PyYAML, psutil, packaging) run in the kernel's main thread; an interrupt
+    inside one left the package half made (its submodules kept, the package dropped), and every later launch of
+    the kernel failed with "partially initialized module 'yaml' has no attribute 'error'" (found by interrupting
+    `hosts="slurm"` launches at random moments). Those orphans are now forgotten, and the import starts afresh."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FIRST_USE_IMPORT_INTERRUPTED, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == ["interrupted", "again", "2"], (done.stdout, done.stderr[-3000:])
+
+
+def test_forget_orphans_touches_only_what_the_launch_imported():
+    import sys
+    import types
+
+    from nbaccel.launch.kernel.half_imports import forget_orphans
+
+    names = ["nbaccel_test_gone.sub", "nbaccel_test_gone.sub.deeper", "nbaccel_test_kept", "nbaccel_test_kept.sub",
+             "nbaccel_test_old_orphan.sub"]
+    sys.modules["nbaccel_test_old_orphan.sub"] = types.ModuleType("nbaccel_test_old_orphan.sub")
+    before = set(sys.modules)
+    try:
+        for name in names[:4]:
+            sys.modules[name] = types.ModuleType(name)
+        assert sorted(forget_orphans(before)) == names[:2]
+        assert [name in sys.modules for name in names] == [False, False, True, True, True]
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)

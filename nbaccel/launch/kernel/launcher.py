@@ -25,6 +25,7 @@ from ..launch_results import LaunchResults
 from ..messages import LaunchState
 from ..serialize import make_payload
 from ..worker.rank_prompts import post_mortem_on_error
+from .half_imports import imports_left_whole
 from .inprocess import run_in_process
 from .interrupts import interrupts_kept
 from .launch_session import LaunchSession
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from ..serialize import Payload
 
 
+@imports_left_whole()  # an interrupt in a first use's import leaves nothing half made
 def notebook_launcher(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -109,6 +111,7 @@ def notebook_launcher(
     return LaunchResults(launch(plan, request, Reporting(dashboard, tuple(observers))))  # a list; no Out: of Nones
 
 
+@imports_left_whole()
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
     """Run `function(*args)` on `num_processes` CPU processes (gloo), for tests and debugging.
 

@@ -33,6 +33,7 @@ from ...utils.tracebacks import PACKAGE_DIR, release_frames
 from ..errors import UnpicklableError
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
+from ..kernel.half_imports import imports_left_whole
 from ..kernel.plan import LaunchPlan, LaunchRequest, Program, build_plan, check_seconds
 from ..messages import MessageKind, PoolCommand, RankState
 from ..serialize import dumps_payload, dumps_value, find_culprit
@@ -91,6 +92,7 @@ class RankPool:
     `shutdown()`; it is also stopped when garbage-collected and when the interpreter exits.
     """
 
+    @imports_left_whole()  # an interrupt in a first use's import leaves nothing half made
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
                  timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None,
                  env_vars: Sequence[str] | Mapping[str, str] | None = None) -> None:
