@@ -387,6 +387,15 @@ def deliberate_differences(lib):
     accelerator.save_model(model, weights, max_shard_size=40)
     accelerator.save_model(model, weights)
     found["save_model again, whole"] = sorted(os.listdir(weights))
+    def pops_models(models, weights, output_dir):  # saves the models itself and takes them out of the list
+        while models:
+            models.pop()
+            weights.pop()
+
+    handle = accelerator.register_save_state_pre_hook(pops_models)
+    accelerator.save_state(os.path.join(root, "popped"))
+    handle.remove()
+    found["models after a hook popped them"] = len(accelerator._models)
     extra = WithExtraState()
     found["extra state, safetensors"] = _outcome(lambda: accelerator.save_model(extra, os.path.join(root, "extra")))
     found["extra state, torch.save"] = _outcome(
@@ -433,6 +442,7 @@ DELIBERATE = {
     "save_model again, whole": (  # Accelerate removes stale shards of pytorch_model*.bin only, never the index
         ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors",
          "model.safetensors.index.json"], ["model.safetensors"]),
+    "models after a hook popped them": (0, 1),  # Accelerate hands save hooks its own list, accelerator._models
     "extra state, safetensors": (("raised", []), ("raised", ["TypeError"])),  # Accelerate: AttributeError
     "extra state, torch.save": (("raised", []), ("ok", None)),
     "resaved as .bin": (  # Accelerate keeps the first save's model.safetensors beside the new file, and loads it
@@ -447,7 +457,8 @@ DELIBERATE = {
 def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
     load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
-    a folder saved again in the other format, save_model's earlier shards, a state dict holding a Python object,
+    a folder saved again in the other format, save_model's earlier shards, a save hook that pops `models`, a state
+    dict holding a Python object,
     state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
