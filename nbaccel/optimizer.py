@@ -39,6 +39,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False
         self._steps_done = 0
         self._on_xla = _xla.is_xla_device(device)  # replicas average their gradients at each step (no DDP)
+        # LOMO/AdaLomo update the parameters inside backward (accelerator.backward(loss, learning_rate=...)):
+        # their step() is a no-op, as in Accelerate (theirs would raise NotImplementedError)
+        self._updates_in_backward = any(cls.__module__.partition(".")[0] == "lomo_optim"
+                                        and cls.__name__ in ("Lomo", "AdaLomo") for cls in type(optimizer).__mro__)
         if device_placement and device is not None and optimizer.state:
             optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
@@ -107,7 +111,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad()
 
     def step(self, closure: Any = None) -> Any:
-        if not self.gradient_state.sync_gradients:
+        if not self.gradient_state.sync_gradients or self._updates_in_backward:
             return None
         result = None
         if self._on_xla:

@@ -382,3 +382,36 @@ def test_local_sgd_left_by_an_exception_does_not_average_where_accelerate_does()
     averaged = {k: (ours[0][k] + ours[1][k]) / 2 for k in ours[0]}
     for name, value in averaged.items():
         assert torch.allclose(value, theirs[0][name], atol=1e-6), name
+
+
+def lomo_step_and_zero_grad(lib, side):
+    """The usual loop with a LOMO optimizer: `backward(loss, learning_rate=)` updates the parameters, and the
+    `optimizer.step()` / `zero_grad()` the loop still calls do nothing (nbaccel's step raised torch's
+    NotImplementedError, Lomo having no step of its own)."""
+    import sys
+
+    sys.path.insert(0, side)
+    import lomo_optim
+
+    accelerator = lib.Accelerator(cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, lomo_optim.Lomo(model, lr=0.05))
+    torch.manual_seed(1)
+    calls = []
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)), learning_rate=0.05)
+        calls += [_outcome(optimizer.step), _outcome(optimizer.zero_grad)]
+    return {"calls": calls, "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}}
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_lomo_optimizers_step_does_nothing_as_in_accelerate(num_processes):
+    import os
+    import sys
+
+    side = os.path.join(sys.prefix, "side", "lomo")  # run.sh installs lomo-optim there (see constraints.txt)
+    assert os.path.isdir(os.path.join(side, "lomo_optim")), f"{side} lacks lomo-optim: run ./run.sh test"
+    results = run_both(lomo_step_and_zero_grad, num_processes, args=(side,))
+    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
+        assert_same(theirs, ours, f"lomo[{num_processes} processes][rank {rank}]")
