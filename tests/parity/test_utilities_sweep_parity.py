@@ -263,6 +263,12 @@ def deliberate(lib):
             return torch.ones(1).device.type
 
     found["init_on_device by name"] = _outcome(made_in_context)
+    import pickle
+
+    hooked = lib.hooks.add_hook_to_module(torch.nn.Linear(2, 2), lib.hooks.ModelHook())
+    found["hooked module pickles"] = _outcome(lambda: type(pickle.loads(pickle.dumps(hooked))).__name__)
+    found["value as a list"] = _outcome(lambda: u.set_module_tensor_to_device(torch.nn.Linear(2, 1), "bias", "cpu",
+                                                                              value=[0.5]))
     found["sizes"] = [_outcome(lambda size=size: u.convert_file_size_to_int(size)) for size in ("100", "2TB", 10.5)]
     found["on_process(-1)"] = _outcome(lambda: lib.PartialState().on_process(process_index=-1)(lambda: "ran")())
     found["on_process('0')"] = _outcome(lambda: lib.PartialState().on_process(process_index="0")(lambda: "ran")())
@@ -309,6 +315,9 @@ def test_what_nbaccel_does_on_purpose_otherwise():
     assert (theirs["init_on_device by name"], ours["init_on_device by name"]) == (("raised", "TypeError"),
                                                                                   ("ok", "meta"))
     assert (theirs["on_process(-1)"], ours["on_process(-1)"]) == (("ok", "ran"), ("raised", "ValueError"))
+    assert (theirs["hooked module pickles"], ours["hooked module pickles"]) == (("raised", "AttributeError"),
+                                                                                ("ok", "Linear"))
+    assert (theirs["value as a list"], ours["value as a list"]) == (("raised", "AttributeError"), ("ok", None))
     assert theirs["sizes"] == [("raised", "ValueError")] * 2 + [("raised", "AttributeError")]
     assert ours["sizes"] == [("ok", 100), ("ok", 2 * 10**12), ("ok", 10)]
     assert (theirs["on_process('0')"], ours["on_process('0')"]) == (("ok", "ran"), ("raised", "ValueError"))
