@@ -3,8 +3,9 @@ Accelerate 1.15 and on nbaccel (1 and 2 gloo ranks) and compared: return values,
 the files written and what they hold.
 
 Each scenario is code written for Accelerate (`lib` is the library's top-level module) and returns plain values:
-`_outcome` turns a call into ("ok", value) or (exception type names, ...). Every folder is made under a temporary
-root that rank 0 creates and broadcasts, so both ranks see the same checkpoint.
+`_outcome` turns a call into ("ok", value) or ("raised", the builtin exception types). Every folder is made under
+the test's tmp_path, in a folder rank 0 creates and broadcasts, so both ranks see the same checkpoint. Where nbaccel
+differs on purpose (docs/compat.md), `test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose` shows both sides.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _root(lib, accelerator) -> str:
-    """One temporary folder for this run, the same on every rank (asked after the Accelerator is made: a bare
-    `PartialState()` first would be a single process on each CPU rank under Accelerate)."""
-    root = tempfile.mkdtemp(prefix=f"save-sweep-{lib.__name__}-") if accelerator.is_main_process else None
+def _root(lib, accelerator, base: str) -> str:
+    """A folder of this run under the test's `base`, the same on every rank (asked after the Accelerator is made: a
+    bare `PartialState()` first would be a single process on each CPU rank under Accelerate)."""
+    root = tempfile.mkdtemp(prefix=f"{lib.__name__}-", dir=base) if accelerator.is_main_process else None
     return lib.utils.broadcast_object_list([root])[0]
 
 
@@ -62,11 +63,11 @@ class Counter:
         self.count = state["count"]
 
 
-def hooks_and_paths(lib):
+def hooks_and_paths(lib, base):
     """What register_*_pre_hook return (torch's RemovableHandle, usable as a context manager), what the hooks get,
     what save_state returns for a relative folder, and load_state of "~/..." and of a folder with a slash."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     accelerator.prepare(_model())
     seen = []
     save_handle = accelerator.register_save_state_pre_hook(
@@ -100,21 +101,21 @@ def hooks_and_paths(lib):
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_hooks_handles_and_checkpoint_paths_are_accelerates(num_processes):
+def test_hooks_handles_and_checkpoint_paths_are_accelerates(num_processes, tmp_path):
     """nbaccel's hook handles were a class of its own (not torch's RemovableHandle: no `with handle:`), save_state
     returned an absolute path for a relative folder, load_state did not expand "~" and handed load hooks the
     folder without its trailing slash."""
-    results = run_both(hooks_and_paths, num_processes)
+    results = run_both(hooks_and_paths, num_processes, args=(str(tmp_path),))
     assert results["nbaccel"][0]["handles"] == [("torch.utils.hooks", "RemovableHandle", True)] * 2
     assert results["nbaccel"][0]["relative"] == ("ok", "PosixPath", "checkpoint")
     assert_same(results["accelerate"], results["nbaccel"])
 
 
-def refused_loads_and_saves(lib):
+def refused_loads_and_saves(lib, base):
     """load_state with more or fewer registered objects than the checkpoint holds (Accelerate: RuntimeError), and
     save_model of a model whose weights are on the meta device (Accelerate: RuntimeError, no folder made)."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     accelerator.prepare(_model())
     accelerator.register_for_checkpointing(Counter())
     checkpoint = os.path.join(root, "checkpoint")
@@ -134,11 +135,11 @@ def refused_loads_and_saves(lib):
 
 
 @pytest.mark.parametrize("num_processes", [2])
-def test_refused_loads_and_saves_raise_accelerates_types(num_processes):
+def test_refused_loads_and_saves_raise_accelerates_types(num_processes, tmp_path):
     """nbaccel raised CheckpointFileMissingError / CheckpointError (no RuntimeError) for a registered-object count
     that differs from the checkpoint's, and NotImplementedError from save_model of a meta model, after making
     its folder. Accelerate's RuntimeError is the type now (nbaccel's also says which file is missing)."""
-    results = run_both(refused_loads_and_saves, num_processes)
+    results = run_both(refused_loads_and_saves, num_processes, args=(str(tmp_path),))
     assert results["accelerate"][0]["more objects"] == ("raised", ["RuntimeError"])
     assert results["nbaccel"][0]["more objects"] == ("raised", ["RuntimeError", "FileNotFoundError", "OSError"])
     for rank in results["nbaccel"]:  # a FileNotFoundError too, as nbaccel's missing checkpoint files are
@@ -146,11 +147,11 @@ def test_refused_loads_and_saves_raise_accelerates_types(num_processes):
     assert_same(results["accelerate"], results["nbaccel"])
 
 
-def saving_single_files(lib):
+def saving_single_files(lib, base):
     """Accelerator.save and utils.save: into a folder that does not exist (torch's RuntimeError; safetensors'
     own error), a list with safe_serialization=True (ValueError), and what a good save writes."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     found = {}
     missing = os.path.join(root, "absent")
     found["no folder"] = _outcome(lambda: accelerator.save({"a": 1}, os.path.join(missing, "a.pt")))
@@ -169,19 +170,19 @@ def saving_single_files(lib):
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_accelerator_save_fails_as_in_accelerate(num_processes):
+def test_accelerator_save_fails_as_in_accelerate(num_processes, tmp_path):
     """nbaccel's atomic write made its temporary file first, so a missing folder was a FileNotFoundError where
     torch.save raises RuntimeError ("Parent directory ... does not exist") and safetensors its SafetensorError;
     a list with safe_serialization=True was a TypeError (safetensors: ValueError)."""
-    results = run_both(saving_single_files, num_processes)
+    results = run_both(saving_single_files, num_processes, args=(str(tmp_path),))
     assert results["nbaccel"][0]["no folder"] == ("raised", ["RuntimeError"])
     assert_same(results["accelerate"], results["nbaccel"])
 
 
-def save_state_onto_a_file(lib):
+def save_state_onto_a_file(lib, base):
     """save_state to a path that is a file, and load_state from it."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     accelerator.prepare(_model())
     path = os.path.join(root, "not-a-folder")
     if accelerator.is_main_process:
@@ -198,10 +199,10 @@ def save_state_onto_a_file(lib):
 
 
 @pytest.mark.parametrize("num_processes", [2])
-def test_save_state_onto_a_file_is_a_file_exists_error_on_every_process(num_processes):
+def test_save_state_onto_a_file_is_a_file_exists_error_on_every_process(num_processes, tmp_path):
     """Accelerate's os.makedirs raises FileExistsError on each process; nbaccel raised its CheckpointError (no
     OSError), naming process 0 on the others. load_state of a file is a ValueError on both."""
-    results = run_both(save_state_onto_a_file, num_processes)
+    results = run_both(save_state_onto_a_file, num_processes, args=(str(tmp_path),))
     assert results["accelerate"][0]["save"] == ("raised", ["FileExistsError", "OSError"])
     for rank in results["nbaccel"]:  # docs/compat.md: a missing load_state folder is also a FileNotFoundError
         assert rank["load"] == ("raised", ["ValueError", "FileNotFoundError", "OSError"])
@@ -271,12 +272,12 @@ class _Records:
             self.seen.append((self.step, record.levelname))
 
 
-def tied_weights_and_rotation(lib):
+def tied_weights_and_rotation(lib, base):
     """A model with a tied embedding/head (the embedding first, as in a language model): the name save_model and
     save_state keep in model.safetensors, the weights after load_state, and the warnings of both saves and of
     total_limit's rotation."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     accelerator.project_configuration.automatic_checkpoint_naming = True
     accelerator.project_configuration.project_dir = root
     accelerator.project_configuration.total_limit = 1
@@ -308,11 +309,11 @@ def tied_weights_and_rotation(lib):
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_tied_weights_and_rotation_write_and_warn_as_in_accelerate(num_processes):
+def test_tied_weights_and_rotation_write_and_warn_as_in_accelerate(num_processes, tmp_path):
     """nbaccel kept the alphabetically first name of tied weights (`lm_head.weight`; Accelerate: the first in the
     state dict, `wte.weight`), silently; and deleted checkpoints over total_limit with an INFO record (Accelerate
     warns, so the deletion shows without any logging set up)."""
-    results = run_both(tied_weights_and_rotation, num_processes)
+    results = run_both(tied_weights_and_rotation, num_processes, args=(str(tmp_path),))
     assert results["accelerate"][0]["save_model keys"] == ["wte.weight"]
     assert results["accelerate"][0]["warnings"] == [("save_model", "WARNING"), ("save_state 0", "WARNING"),
                                                     ("save_state 1", "WARNING"), ("save_state 1", "WARNING")]
@@ -349,10 +350,10 @@ class WithExtraState(torch.nn.Module):
         self.note = state["note"]
 
 
-def deliberate_differences(lib):
+def deliberate_differences(lib, base):
     """docs/compat.md ("Checkpoint calls nbaccel takes or refuses on purpose"): each case's outcome."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     model = _model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     accelerator.register_for_checkpointing(Notes())
@@ -454,7 +455,7 @@ DELIBERATE = {
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
+def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes, tmp_path):
     """docs/compat.md lists each with its reason: a device as map_location, "on_device" on CPU processes,
     load_kwargs' weights_only for registered objects too, a checkpoint without any random_states_N.pkl,
     a folder saved again in the other format, save_model's earlier shards, a save hook that pops `models`, a state
@@ -462,7 +463,7 @@ def test_checkpoint_calls_nbaccel_takes_or_refuses_on_purpose(num_processes):
     state_dict attributes that are not methods, automatic
     naming without project_dir or checkpoints, other entries in checkpoints/, and total_limit applied after the
     save (so the count cannot land on an existing checkpoint). Everything else the scenario does is the same."""
-    results = run_both(deliberate_differences, num_processes)
+    results = run_both(deliberate_differences, num_processes, args=(str(tmp_path),))
     for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
         for case, (accelerate_outcome, nbaccel_outcome) in DELIBERATE.items():
             if case not in theirs and num_processes > 1:
@@ -504,11 +505,11 @@ def test_an_fp16_checkpoint_of_the_cpu_loads_across(tmp_path):
         assert_same(saved, resumed, f"{loaded_by} resuming {saved_by}'s")
 
 
-def into_the_working_directory(lib):
+def into_the_working_directory(lib, base):
     """save_state(".") from a folder of the run's own (twice), then load_state("."), then a relative path; and
     save_state (twice) and load_state through a symbolic link to a folder."""
     accelerator = lib.Accelerator(cpu=True)
-    root = _root(lib, accelerator)
+    root = _root(lib, accelerator, base)
     model = accelerator.unwrap_model(accelerator.prepare(_model()))
     work = os.path.join(root, "work")
     os.makedirs(work, exist_ok=True)
@@ -541,12 +542,12 @@ def into_the_working_directory(lib):
 
 
 @pytest.mark.parametrize("num_processes", [2])
-def test_saving_into_the_working_directory_or_a_link_keeps_it(num_processes):
+def test_saving_into_the_working_directory_or_a_link_keeps_it(num_processes, tmp_path):
     """nbaccel replaced the checkpoint folder as a whole, so save_state(".") renamed the working directory away:
     the process was left in a deleted folder (FileNotFoundError for every relative path, the next save_state
     included). A folder that holds the working directory now gets the save's files one by one. A link to a folder
     was renamed, the save then failed ("Cannot call rmtree on a symbolic link"), the link was replaced by a folder
     and every later save failed; the save now goes where the link points."""
-    results = run_both(into_the_working_directory, num_processes)
+    results = run_both(into_the_working_directory, num_processes, args=(str(tmp_path),))
     assert results["accelerate"][0]["second"] == ("ok", "PosixPath", ".")
     assert_same(results["accelerate"], results["nbaccel"])
