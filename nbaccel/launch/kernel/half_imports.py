@@ -15,6 +15,7 @@ there before the launch are never touched.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterator
 
@@ -22,18 +23,22 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def imports_left_whole() -> Iterator[None]:
     """On a KeyboardInterrupt out of the block, forget the half-imported packages' orphaned submodules."""
-    before = set(sys.modules)
+    # sys.modules is a dict: what is imported from now on comes after its last entry. Remembering that entry costs
+    # nothing; a copy of the names cost ~50 us a launch
+    last = next(reversed(sys.modules), None)
     try:
         yield
     except KeyboardInterrupt:
-        forget_orphans(before)
+        forget_orphans(last)
         raise
 
 
-def forget_orphans(before: set[str]) -> list[str]:
-    """Remove from `sys.modules` the modules not in `before` that a missing package would own; their names."""
-    present = set(sys.modules)
-    orphans = [name for name in present - before if any(parent not in present for parent in _packages_of(name))]
+def forget_orphans(last: str | None) -> list[str]:
+    """Remove from `sys.modules` the modules imported after `last` that a missing package would own; their
+    names. (Were `last` itself removed meanwhile, every module counts as new: an orphan is never whole.)"""
+    present = sys.modules.keys()
+    new = list(itertools.takewhile(lambda name: name != last, reversed(list(present))))
+    orphans = [name for name in new if any(parent not in present for parent in _packages_of(name))]
     for name in orphans:
         sys.modules.pop(name, None)
     return orphans
