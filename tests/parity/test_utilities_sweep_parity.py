@@ -42,7 +42,11 @@ def _catches(call, kind):
 
 def fixed_helpers(lib):
     """Each of these differed before the sweep's fixes."""
+    import gc
+
     import numpy as np
+
+    gc.freeze()  # find_executable_batch_size collects garbage at each try: keep that cheap
 
     u = lib.utils
     found = {}
@@ -400,7 +404,11 @@ def helpers(lib):
 
 def memory(lib):
     """The sizes `find_executable_batch_size` tries, for the errors Accelerate counts as out of memory. (Each
-    call and retry collects garbage, ~0.1 s with torch loaded: the searches are kept short.)"""
+    call and retry collects garbage, ~0.1 s with torch's objects to walk: they are frozen out of the collector's
+    way first, and the searches are kept short.)"""
+    import gc
+
+    gc.freeze()
     u = lib.utils
     found = {}
     for name, error in (("cuda", "CUDA out of memory. Tried to allocate"), ("cpu", "DefaultCPUAllocator: can't "
