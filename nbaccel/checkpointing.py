@@ -779,10 +779,10 @@ def save_accelerator_state(
         except BaseException as caught:  # noqa: BLE001 - reported to every process below
             error = caught
     failures = _step_failures(error, num_processes, target.parent)
-    if isinstance(error, FileExistsError) and failures:
-        raise error
-    if failures:
-        _reraise(error, f"Could not prepare the checkpoint folder {tmp}", failures)
+    if failures:  # the process that failed raises its own error (Accelerate's os.makedirs raises it on each)
+        if error is not None:
+            raise error
+        raise CheckpointError(f"Could not prepare the checkpoint folder {tmp}: it failed on {_where(failures)}.")
 
     # 2. every process writes its part. A process that does not see the main process's folder (each process
     # passed its own folder, as with a per-process tempfile, or nodes without a shared file system) writes

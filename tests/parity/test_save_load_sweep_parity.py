@@ -180,7 +180,7 @@ def test_accelerator_save_fails_as_in_accelerate(num_processes, tmp_path):
 
 
 def save_state_onto_a_file(lib, base):
-    """save_state to a path that is a file, and load_state from it."""
+    """save_state to a path that is a file, and load_state from it; save_state where the folder cannot be made."""
     accelerator = lib.Accelerator(cpu=True)
     root = _root(lib, accelerator, base)
     accelerator.prepare(_model())
@@ -190,7 +190,9 @@ def save_state_onto_a_file(lib, base):
             handle.write("notes")
     accelerator.wait_for_everyone()
     found = {"save": _outcome(lambda: accelerator.save_state(path)),
-             "load": _outcome(lambda: accelerator.load_state(path))}
+             "load": _outcome(lambda: accelerator.load_state(path)),
+             # a folder the system refuses to make (root included): PermissionError from os.makedirs
+             "not permitted": _outcome(lambda: accelerator.save_state("/sys/nbaccel-save-sweep/checkpoint"))}
     accelerator.wait_for_everyone()
     found["files"] = sorted(os.listdir(root))
     with open(path) as handle:
@@ -199,11 +201,18 @@ def save_state_onto_a_file(lib, base):
 
 
 @pytest.mark.parametrize("num_processes", [2])
-def test_save_state_onto_a_file_is_a_file_exists_error_on_every_process(num_processes, tmp_path):
+def test_save_state_onto_a_file_or_where_no_folder_can_be_made_raises_oserror(num_processes, tmp_path):
     """Accelerate's os.makedirs raises FileExistsError on each process; nbaccel raised its CheckpointError (no
-    OSError), naming process 0 on the others. load_state of a file is a ValueError on both."""
+    OSError), naming process 0 on the others. A folder that cannot be made: Accelerate's PermissionError on each
+    process; nbaccel's process 0 raised CheckpointError (it raises the PermissionError now; the others, which made
+    nothing, a CheckpointError naming process 0, as for a failed write). load_state of a file is a ValueError on
+    both."""
     results = run_both(save_state_onto_a_file, num_processes, args=(str(tmp_path),))
     assert results["accelerate"][0]["save"] == ("raised", ["FileExistsError", "OSError"])
+    assert results["accelerate"][0]["not permitted"] == ("raised", ["OSError"])
+    for rank in results["nbaccel"][1:]:  # docs/compat.md: the others say which process failed, and how
+        assert rank["not permitted"] == ("raised", [])
+        rank["not permitted"] = ("raised", ["OSError"])
     for rank in results["nbaccel"]:  # docs/compat.md: a missing load_state folder is also a FileNotFoundError
         assert rank["load"] == ("raised", ["ValueError", "FileNotFoundError", "OSError"])
         rank["load"] = ("raised", ["ValueError"])
