@@ -28,7 +28,7 @@ from . import data_loader as _data_loader
 from . import fsdp1 as _fsdp1
 from . import precision as _precision
 from . import sharding
-from .optimizer import AcceleratedOptimizer
+from .optimizer import AcceleratedOptimizer, is_lomo
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
 from .utils import process_group_exit
@@ -561,10 +561,7 @@ class Accelerator:
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
-        if any(cls.__module__.partition(".")[0] == "lomo_optim" for cls in type(optimizer).__mro__):
-            from lomo_optim import AdaLomo, Lomo  # (imports transformers: only for an optimizer from there)
-
-            self.has_lomo_optimizer |= isinstance(optimizer, (Lomo, AdaLomo))
+        self.has_lomo_optimizer |= is_lomo(optimizer)
         prepared = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
                                         device=self.device)
         self._optimizers.append(prepared)

@@ -39,10 +39,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False
         self._steps_done = 0
         self._on_xla = _xla.is_xla_device(device)  # replicas average their gradients at each step (no DDP)
-        # LOMO/AdaLomo update the parameters inside backward (accelerator.backward(loss, learning_rate=...)):
         # their step() is a no-op, as in Accelerate (theirs would raise NotImplementedError)
-        self._updates_in_backward = any(cls.__module__.partition(".")[0] == "lomo_optim"
-                                        and cls.__name__ in ("Lomo", "AdaLomo") for cls in type(optimizer).__mro__)
+        self._updates_in_backward = is_lomo(optimizer)
         if device_placement and device is not None and optimizer.state:
             optimizer.load_state_dict(send_to_device(optimizer.state_dict(), device))
 
@@ -151,6 +149,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def is_lomo(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is lomo_optim's Lomo or AdaLomo (or a subclass), which update the parameters inside
+    backward (`accelerator.backward(loss, learning_rate=...)`). Read from the class names: importing lomo_optim
+    imports transformers."""
+    return any(cls.__module__.partition(".")[0] == "lomo_optim" and cls.__name__ in ("Lomo", "AdaLomo")
+               for cls in type(optimizer).__mro__)
 
 
 def _takes_set_to_none(zero_grad: Any) -> bool:
