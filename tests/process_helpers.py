@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,3 +78,50 @@ def run_in_session(command: list[str], env: dict[str, str], cwd: Path, timeout: 
         out, _ = process.communicate()
         pytest.fail(f"{command} ran past {timeout} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(command, process.returncode, out)
+
+
+# The first lines of a fresh interpreter whose import of one module is held (in a meta-path finder, the package
+# above it half run) until the test opens its gate, while the main thread is interrupted there, as a kernel's
+# stop button does. `interrupted_then_again(first, again)` runs `first` with the hold in place, then `again`,
+# printing "interrupted" (or "not interrupted") and "again" with `again`'s result.
+_HELD_IMPORT = """
+import os, signal, sys, threading, time
+gate, held = sys.argv[1], sys.argv[2]
+
+def _wait_for(name):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(gate, name)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+class _Held:
+    def find_spec(self, name, path=None, target=None):
+        if name == held:
+            open(os.path.join(gate, "reached"), "w").close()
+            _wait_for("open")
+            sys.meta_path.remove(self)
+        return None
+
+def _interrupt_then_open():
+    _wait_for("reached")
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    time.sleep(0.3)
+    open(os.path.join(gate, "open"), "w").close()
+
+def interrupted_then_again(first, again):
+    sys.meta_path.insert(0, _Held())
+    threading.Thread(target=_interrupt_then_open, daemon=True).start()
+    try:
+        first()
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+    print("again", again())
+"""
+
+
+def run_interrupted_in_import(held: str, code: str, gate: Path,
+                              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` (which calls `interrupted_then_again`) in a fresh interpreter whose import of module `held` is
+    held and interrupted (`gate`: an empty folder for the hold's files)."""
+    return subprocess.run([sys.executable, "-c", _HELD_IMPORT + code, str(gate), held], capture_output=True,
+                          text=True, timeout=120, env=env)

@@ -171,41 +171,12 @@ def test_rank_pool_ranks_listen_on_nothing_beyond_the_machine(monkeypatch):
             assert all(_is_loopback(address) for address in addresses), addresses
 
 
-# a fresh interpreter whose first launch imports PyYAML (on first use), held inside yaml/__init__ (yaml.error
-# imported, yaml.tokens not yet) while the main thread is interrupted, as a kernel's stop button does
-FIRST_USE_IMPORT_INTERRUPTED = """
-import os, signal, sys, threading, time
-gate = sys.argv[1]
-
-class HeldInsideYaml:
-    def find_spec(self, name, path=None, target=None):
-        if name == "yaml.tokens":  # yaml/__init__ has imported yaml.error
-            open(os.path.join(gate, "reached"), "w").close()
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            sys.meta_path.remove(self)
-        return None
-
+# the first launch imports PyYAML on first use: held inside yaml/__init__ (yaml.error imported, yaml.tokens not yet)
+FIRST_LAUNCH_INTERRUPTED = """
 from nbaccel import notebook_launcher
 assert "yaml" not in sys.modules, "the launch no longer imports yaml on first use: hold another module"
-sys.meta_path.insert(0, HeldInsideYaml())
-
-def interrupt_then_open():
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(gate, "reached")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-    time.sleep(0.3)
-    open(os.path.join(gate, "open"), "w").close()
-
-threading.Thread(target=interrupt_then_open, daemon=True).start()
-try:
-    notebook_launcher(os.getpid, num_processes=2, dashboard=False)
-    print("not interrupted")
-except KeyboardInterrupt:
-    print("interrupted")
-print("again", len(notebook_launcher(os.getpid, num_processes=2, dashboard=False)))
+interrupted_then_again(lambda: notebook_launcher(os.getpid, num_processes=2, dashboard=False),
+                       lambda: len(notebook_launcher(os.getpid, num_processes=2, dashboard=False)))
 """
 
 
@@ -214,11 +185,9 @@ def test_an_interrupt_inside_a_first_use_import_leaves_the_next_launch_working(t
     inside one left the package half made (its submodules kept, the package dropped), and every later launch of
     the kernel failed with "partially initialized module 'yaml' has no attribute 'error'" (found by interrupting
     `hosts="slurm"` launches at random moments). Those orphans are now forgotten, and the import starts afresh."""
-    import subprocess
-    import sys
+    from process_helpers import run_interrupted_in_import
 
-    done = subprocess.run([sys.executable, "-c", FIRST_USE_IMPORT_INTERRUPTED, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120)
+    done = run_interrupted_in_import("yaml.tokens", FIRST_LAUNCH_INTERRUPTED, tmp_path)
     assert done.stdout.split() == ["interrupted", "again", "2"], (done.stdout, done.stderr[-3000:])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from process_helpers import SESSION_HELPERS
+from process_helpers import SESSION_HELPERS, run_interrupted_in_import
 
 from nbaccel.launch.host_protocol import AGENT_MODULE
 
@@ -283,40 +283,10 @@ def test_notebook_10(ray_cluster, tmp_path, monkeypatch):
     assert "left after the launch: [] []" in run.cell("left after the launch").text
 
 
-# a fresh interpreter whose `import ray` is held at ray._private.worker (ray/__init__ half run) until the gate
-# opens; the main thread is interrupted there, as a kernel's stop button does during a first launch
-IMPORT_INTERRUPTED = """
-import os, signal, sys, threading, time
-gate = sys.argv[1]
-
-class HeldInsideRay:
-    def find_spec(self, name, path=None, target=None):
-        if name == "ray._private.worker":
-            open(os.path.join(gate, "reached"), "w").close()
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            sys.meta_path.remove(self)
-        return None
-
-sys.meta_path.insert(0, HeldInsideRay())
+# `import ray` held at ray._private.worker (ray/__init__ half run)
+RAY_IMPORT_INTERRUPTED = """
 from nbaccel.launch.kernel.hosts import import_ray
-
-def interrupt_then_open():
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(gate, "reached")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-    time.sleep(0.3)
-    open(os.path.join(gate, "open"), "w").close()
-
-threading.Thread(target=interrupt_then_open, daemon=True).start()
-try:
-    import_ray()
-    print("not interrupted")
-except KeyboardInterrupt:
-    print("interrupted")
-print("again", callable(import_ray().init))
+interrupted_then_again(import_ray, lambda: callable(import_ray().init))
 """
 
 
@@ -324,11 +294,8 @@ def test_an_interrupt_during_the_first_import_of_ray_leaves_it_whole(tmp_path):
     """Ctrl-C while a kernel's first hosts='ray' launch imports Ray (seconds on a busy machine): the launch stops
     and the next one works. The import ran in the kernel's main thread and, interrupted there, left a half-made
     `ray` module: every later launch failed with "partially initialized module 'ray'" until a restart."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", IMPORT_INTERRUPTED, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_interrupted_in_import("ray._private.worker", RAY_IMPORT_INTERRUPTED, tmp_path,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stdout.split() == ["interrupted", "again", "True"], (done.stdout, done.stderr[-3000:])
 
 
