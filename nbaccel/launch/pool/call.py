@@ -38,6 +38,9 @@ _SHOWN = frozenset({MessageKind.DISPLAY.value, MessageKind.CLEAR_OUTPUT.value})
 _REPLY = MessageKind.REPLY.value
 _PROMPT = MessageKind.PROMPT.value
 INTERRUPT_GRACE = 3.0  # seconds the ranks get to return after an interrupt before they are restarted
+# seconds the other ranks get to return once a rank died or broke the process group: the pool restarts every rank
+# after such a call, so waiting for a rank that computes (or sleeps) on would only delay the report
+BROKEN_GRACE = 2.0
 
 
 class Hang(Exception):
@@ -66,6 +69,7 @@ class Call:
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.raw_seen: dict[int, tuple[Any, float]] = {}
         self.broken: str | None = None
+        self.broken_at: float | None = None  # when `broken` was set (monotonic): BROKEN_GRACE counts from there
         self.interrupted = False  # the user interrupted the call: the ranks' prompts are no longer asked
         self.on_progress = on_progress
         self.on_display = on_display  # a rank's display() / clear_output while the call runs
@@ -128,6 +132,8 @@ class Call:
                     objects[self.ranks[index].status] = ("status", index)
                 round_done = False
                 wake = min(check_at, self.progress_at) if self.changed and self.on_progress else check_at
+                if self.broken_at is not None:
+                    wake = min(wake, self.broken_at + BROKEN_GRACE)
                 for obj in wait(list(objects), max(0.0, wake - time.monotonic())):
                     what, index = objects[obj]
                     if what == "fd":
@@ -141,6 +147,9 @@ class Call:
                         asked.discard(index)
                         self._status(index)
                         round_done = not asked
+                if self.broken_at is not None and self.pending and time.monotonic() >= self.broken_at + BROKEN_GRACE:
+                    self._stop_waiting()
+                    break
                 if round_done and self.pending:
                     self._check()
                 if self.on_progress and self.changed and self.pending and time.monotonic() >= self.progress_at:
@@ -247,6 +256,7 @@ class Call:
         if message.get("pg_broken") and message.get("error") and self.broken is None:
             error = message["error"]
             self.broken = f"{rank_label(index, rank.host)}: {error['exc_type']}: {error['message']}".splitlines()[0]
+            self.broken_at = time.monotonic()
 
     def _serve_prompt(self, index: int, message: dict[str, Any]) -> None:
         """Show what the rank printed so far (pdb's listing), labelled, then ask the user (prompt_relay.py).
@@ -277,8 +287,21 @@ class Call:
         else:
             error = {"exc_type": "RankDied", "message": f"the rank process ended ({how})", "traceback": ""}
             self.broken = f"{rank_label(index, rank.host)} died ({how})"
+        if self.broken_at is None:
+            self.broken_at = time.monotonic()
         self.replies[index] = {"error": error}
         self.pending.discard(index)
+
+    def _stop_waiting(self) -> None:
+        """Give up on the ranks still busy BROKEN_GRACE seconds after a rank died or broke the process group:
+        the pool restarts every rank after this call anyway. Each gets an error that names the cause (marked as
+        the group's consequence, so the cause heads the report) and the output it printed."""
+        for index in sorted(self.pending):
+            self.outputs[index] = self.streams[index].take()
+            error = {"exc_type": "RankStopped", "traceback": "",
+                     "message": f"stopped before it finished, because {self.broken}; the pool restarts every rank"}
+            self.replies[index] = {"error": error, "pg_broken": True}
+        self.pending.clear()
 
     def _ask_status(self, outstanding: set[int]) -> set[int]:
         """Ask the busy ranks for a snapshot, except those whose answer to an earlier query is `outstanding`."""

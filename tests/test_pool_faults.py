@@ -1,0 +1,80 @@
+"""RankPool and %%ranks when a rank fails badly: it dies mid-cell, its peer is left computing or waiting in a
+collective. The user must get one error, soon, that names the rank and what happened, and no process stays.
+
+Each test starts its own pool (the suite fails a test that leaves a process running) and checks that the one
+it replaced is gone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from process_helpers import all_gone
+
+from nbaccel.launch.pool import RankFailedError, RankPool
+
+# a test that fails by waiting (the fault the file guards against) fails here, not at the suite's limit
+pytestmark = pytest.mark.timeout(60)
+
+SETUP = """
+import os, signal, time
+import torch
+import torch.distributed as dist
+rank = dist.get_rank()
+"""
+# rank 1 ends by SIGKILL (as the OOM killer or `kill -9` ends it) while rank 0 computes on, for far longer
+# than any test may take
+KILLED_WHILE_PEER_COMPUTES = """
+if rank == 1:
+    print("dying", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+print("computing", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def pool():
+    with RankPool(2, timeout=20) as pool:
+        yield pool
+
+
+def _fresh(pool: RankPool) -> list[int]:
+    """Define the cells' names on the ranks (a restart loses them); return the ranks' pids."""
+    pool.exec(SETUP).raise_if_failed()
+    return pool.pids
+
+
+def _killed_while_peer_computes() -> None:
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+def test_a_rank_that_dies_ends_the_call_without_waiting_for_the_others_to_finish(pool):
+    """The pool restarts every rank after a rank died, so the others' work is lost anyway: the call gives them
+    a short grace, then reports, instead of waiting for a computation of minutes (here ten) to end."""
+    old = _fresh(pool)
+    restarts = pool.restarts
+    results = pool.exec(KILLED_WHILE_PEER_COMPUTES)
+    assert results[1].error.exc_type == "RankDied" and "SIGKILL" in results[1].error.message
+    assert results[1].stdout == "dying\n" and not results[1].group_broken
+    stopped = results[0]
+    assert stopped.error.exc_type == "RankStopped" and stopped.group_broken, stopped
+    assert "rank 1 died (killed by SIGKILL" in stopped.error.message and "restarts every rank" in stopped.error.message
+    assert stopped.stdout == "computing\n"  # what it printed before it was given up
+    assert pool.restarts == restarts + 1 and all_gone(old)
+    # run(): the dead rank heads the error, the rank given up on follows as its consequence
+    old = pool.pids
+    with pytest.raises(RankFailedError) as caught:
+        pool.run(_killed_while_peer_computes)
+    assert all_gone(old)
+    head, also = str(caught.value).splitlines()[:2]
+    assert head.startswith("ranks 1, 0 failed; first: rank 1: RankDied: the rank process ended (killed by SIGKILL"), head
+    assert also.startswith("  also rank 0: RankStopped: stopped before it finished, because rank 1 died"), also
+    assert pool.exec("1 + 1").values == [2, 2]
