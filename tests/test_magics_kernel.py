@@ -84,7 +84,7 @@ def test_ranks_magics_in_a_kernel(tmp_path):
     assert "inside nbaccel and torch hidden" in out[3] and "NBACCEL_INTERNAL_FRAMES=1" in out[3]
     assert 'File "Cell In[6]", line 2, in <module>' in out[5]  # a rank's own traceback names its cell too
     assert "rank 0: 0" in out[4] and "rank 1: 1" in out[4]  # the next cell works (on new ranks)
-    assert "RankFailedError: rank 1 raised; first: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
+    assert "RankFailedError: rank 1 failed; first: rank 1: ZeroDivisionError" in out[5] and "rank 0: 'fine'" in out[5]
     assert "Pushed value to 2 ranks" in out[6]
     assert "differs between ranks" in out[8] and "[41, 42]" in out[8]
     assert "[rank 1] step 2" in out[9] and "all ranks: 'done'" in out[9]  # the live view, updated in place

@@ -30,6 +30,14 @@ if rank == 1:
 print("computing", flush=True)
 time.sleep(600)
 """
+# rank 1 dies after both ranks met once; rank 0 then waits for it in a collective, whose gloo error
+# ("Connection closed by peer") is the consequence, not the cause
+KILLED_WHILE_PEER_WAITS = """
+dist.all_reduce(torch.ones(1))
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(torch.ones(1))
+"""
 
 
 @pytest.fixture
@@ -77,4 +85,29 @@ def test_a_rank_that_dies_ends_the_call_without_waiting_for_the_others_to_finish
     head, also = str(caught.value).splitlines()[:2]
     assert head.startswith("ranks 1, 0 failed; first: rank 1: RankDied: the rank process ended (killed by SIGKILL"), head
     assert also.startswith("  also rank 0: RankStopped: stopped before it finished, because rank 1 died"), also
+    assert pool.exec("1 + 1").values == [2, 2]
+
+
+def test_a_ranks_cell_that_fails_names_the_rank_that_died_not_its_peer_s_gloo_error(pool):
+    """%%ranks shows every rank's traceback, then raises: its one line must name the cause (rank 1 was killed),
+    not rank 0's `Connection closed by peer`, which only follows from it."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from nbaccel.notebook.magics import RankMagics
+
+    _fresh(pool)
+    shell = InteractiveShell.instance()
+    try:
+        magics = RankMagics(shell)
+        magics.pool = pool
+        with capture_output(), pytest.raises(RankFailedError) as caught:
+            magics.ranks("", KILLED_WHILE_PEER_WAITS)
+    finally:
+        magics.pool = None  # the fixture's pool: the fixture stops it
+        InteractiveShell.clear_instance()
+    message = str(caught.value)
+    assert message.startswith("ranks 0, 1 failed; first: rank 1: RankDied: the rank process ended (killed by "
+                              "SIGKILL"), message
+    assert message.endswith("(remote traceback above)") and "Connection closed" not in message, message
     assert pool.exec("1 + 1").values == [2, 2]

@@ -231,14 +231,9 @@ class RankMagics(Magics):
             if live.handle is not None or any(r.stdout or r.stderr or r.text is not None for r in shown):
                 live.show(shown)
             raise
-        failed = results.failed
-        if failed:
+        if results.failed:
             live.show(results)
-            first = failed[0].error
-            raise RankFailedError(
-                f"rank{'s' if len(failed) > 1 else ''} {', '.join(str(r.rank) for r in failed)} raised; first: "
-                f"{first.exc_type}: {first.message}".rstrip(": ") + " (remote traceback above)",
-                list(results), failures={r.rank: r.error for r in failed})
+            raise _cell_failed(results)
         if live.handle is not None:  # a long cell: its live view becomes the final one
             live.show(results)
             return None
@@ -259,6 +254,20 @@ class RankMagics(Magics):
         if self.pool is not None:
             self.pool.shutdown()
             self.pool = None
+
+
+def _cell_failed(results: RankResults) -> RankFailedError:
+    """The error of a cell that failed on some ranks, its tracebacks shown above it. Headed by the first cause:
+    a rank that died or raised an error of its own, not one whose collective failed because of it (gloo's
+    `Connection closed by peer`), as `RankResults.raise_if_failed` orders them."""
+    failed = results.failed
+    first = min(failed, key=lambda result: (result.group_broken, result.rank))
+    error = first.error
+    head = f"rank {first.rank}: {error.exc_type}: {error.message}".rstrip(": ")
+    ranks = ", ".join(str(result.rank) for result in failed)
+    return RankFailedError(f"rank{'s' if len(failed) > 1 else ''} {ranks} failed; first: {head} "
+                           "(remote traceback above)", list(results),
+                           failures={result.rank: result.error for result in failed})
 
 
 class _LiveView:
