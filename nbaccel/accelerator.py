@@ -129,6 +129,9 @@ class Accelerator:
             from . import tracking
 
             self._chosen_trackers = tracking.filter_trackers(log_with, self.project_configuration.logging_dir)
+            if not self._chosen_trackers:  # log_with=[] (or "all" with nothing usable): say so, as Accelerate does
+                warnings.warn(f"log_with={log_with!r} selects no tracker that can run here: accelerator.log() "
+                              "will record nothing. Name a tracker, or leave log_with out.", UserWarning, stacklevel=2)
         else:
             self._chosen_trackers = []
         # as Accelerate's: the trackers chosen ("all" resolved), built-in ones by their LoggerType

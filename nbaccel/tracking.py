@@ -13,6 +13,7 @@ numbers so the live dashboard charts them.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import importlib.util
@@ -129,11 +130,19 @@ def _single_item(value: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON-friendly copy: one-element tensors/arrays become numbers, containers are walked, the rest str."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
+    """A JSON- and YAML-friendly copy: Enum members become their value, one-element tensors/arrays and numpy
+    scalars numbers, containers are walked, the rest str. Subclasses of bool, int, float and str come back as
+    the plain type, which `yaml.safe_dump` needs (it refuses a str-valued Enum member or a numpy float64)."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, bool):
+        return None if value is None else bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        return str.__str__(value)
     if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+        return float(value) if math.isfinite(value) else str(value)
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -228,12 +237,12 @@ class TensorBoardTracker(GeneralTracker):
     def store_init_configuration(self, values: dict) -> None:
         import yaml
 
-        hparams = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in values.items()}
-        self.writer.add_hparams(hparams, metric_dict={})
+        self.writer.add_hparams({key: _hparam(value) for key, value in values.items()}, metric_dict={})
         self.writer.flush()
+        # the whole text first: a value YAML cannot represent must not leave a half-written file
+        text = yaml.safe_dump(_plain(values))
         os.makedirs(self.logging_dir, exist_ok=True)
-        with open(os.path.join(self.logging_dir, "hparams.yml"), "w", encoding="utf-8") as handle:
-            yaml.safe_dump(_plain(values), handle)
+        write_text(os.path.join(self.logging_dir, "hparams.yml"), text)
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
@@ -241,8 +250,7 @@ class TensorBoardTracker(GeneralTracker):
             if isinstance(value, str):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
             elif isinstance(value, Mapping):
-                numbers = {k: n for k, n in ((k, _as_number(v)) for k, v in value.items()) if n is not None}
-                self.writer.add_scalars(key, numbers, global_step=step, **kwargs)
+                self.writer.add_scalars(key, _numbers_of(key, value), global_step=step, **kwargs)
             else:
                 number = _as_number(value)
                 if number is None:
@@ -263,6 +271,31 @@ class TensorBoardTracker(GeneralTracker):
     def finish(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _numbers_of(key: str, values: Mapping) -> dict[str, float | int]:
+    """The numbers of a dict logged to TensorBoard (`add_scalars`), each other member named in a warning. Accelerate
+    hands the dict over as it is and torch's `ValueError` ("could not convert string to float") ends the run."""
+    numbers = {}
+    for name, value in values.items():
+        number = _as_number(value)
+        if number is None:
+            logger.warning("tensorboard: %r in %r is %s, not a number; skipped", name, key, type(value).__name__)
+        else:
+            numbers[name] = number
+    return numbers
+
+
+def _hparam(value: Any) -> bool | int | float | str:
+    """What TensorBoard's hparams record for a configuration value: bool, int, float and str as they are (an
+    Enum member as its value), a one-element tensor or array or a numpy scalar as its number, as torch's
+    `add_hparams` reads a one-element tensor; anything else (None, a list, a dict) as its text."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, bool | int | float | str):
+        return value
+    number = _as_number(value)
+    return str(value) if number is None else number
 
 
 def _summary_writer_class() -> Any:
@@ -712,12 +745,11 @@ def _library_installed(name: str) -> bool:
 _ALL_BUILT_IN = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
 
-def get_available_trackers() -> list[str]:
-    """Names of the trackers `log_with="all"` starts here: Accelerate's built-ins whose library is installed
-    (in Accelerate's order), then the classes registered with `register_tracker_class`."""
-    built_in = [name for name in _ALL_BUILT_IN if _library_installed(name)]
-    registered = [name for name in LOGGER_TYPE_TO_CLASS if name not in _ALL_BUILT_IN and name != JSONL]
-    return built_in + registered
+def get_available_trackers() -> list[LoggerType]:
+    """The trackers `log_with="all"` starts here, as Accelerate's: its built-ins whose library is installed, in
+    its order, as `LoggerType` members. Classes registered with `register_tracker_class` are used when named,
+    not by "all" (as in Accelerate)."""
+    return [LoggerType(name) for name in _ALL_BUILT_IN if _library_installed(name)]
 
 
 def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
@@ -742,8 +774,9 @@ def filter_trackers(
 ) -> list[str | GeneralTracker]:
     """Check `log_with` and return the trackers to start: names (str) and `GeneralTracker` instances.
 
-    - `"all"`: every available tracker (those needing a directory only when `logging_dir` is given), plus
-      the instances listed beside it;
+    - `"all"`: the instances listed beside it, then every available built-in tracker (those needing a
+      directory only when `logging_dir` is given), in Accelerate's order, then the other names listed beside it
+      (which Accelerate drops);
     - a name: ValueError if unknown (listing the choices), ImportError naming the package to install if
       its library is missing, ValueError if it needs `logging_dir` and none is given;
     - repeats are dropped.
@@ -764,14 +797,18 @@ def filter_trackers(
         if isinstance(entry, GeneralTracker):
             add(entry)
             continue
+        # ValueError, not TypeError, for entries of the wrong kind: Accelerate raises ValueError for any entry
+        # it cannot use, and code written for it catches that
         if isinstance(entry, type) and issubclass(entry, GeneralTracker):
-            raise TypeError(
+            raise ValueError(
                 f"log_with got the class {entry.__name__}; pass an instance ({entry.__name__}(...)) or "
                 "register it with register_tracker_class and pass its name."
             )
         if not isinstance(entry, str):
-            raise TypeError(f"log_with entries must be tracker names or GeneralTracker instances, got {entry!r}.")
-        name = str(entry.value if isinstance(entry, LoggerType) else entry).lower()
+            raise ValueError(f"log_with entries must be tracker names or GeneralTracker instances, got {entry!r}.")
+        name = str(entry.value if isinstance(entry, LoggerType) else entry)
+        if name not in LOGGER_TYPE_TO_CLASS:  # a registered class's own spelling first, then any case
+            name = name.lower()
         if name == LoggerType.ALL.value:
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
@@ -791,11 +828,16 @@ def filter_trackers(
                 "ProjectConfiguration(logging_dir=...)."
             )
         add(name)
-    if wants_all:
-        for name in get_available_trackers():
+    if wants_all:  # Accelerate's order: the instances, then its built-ins; then the other names given
+        named = [item for item in chosen if isinstance(item, str)]
+        chosen[:] = [item for item in chosen if not isinstance(item, str)]
+        for member in get_available_trackers():
+            name = member.value
             if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
                 logger.warning("log_with='all': skipping %r, which needs a logging directory", name)
                 continue
+            add(name)
+        for name in named:
             add(name)
     return chosen
 
@@ -810,6 +852,9 @@ def init_trackers(
 ) -> list[GeneralTracker]:
     """Build (from `filter_trackers`' result), start, and configure the trackers; what
     `Accelerator.init_trackers` does on the main process. `init_kwargs[name]` goes to tracker `name`."""
+    if config is not None and not isinstance(config, Mapping):
+        # before any run starts; Accelerate's trackers each fail their own way (TypeError, AttributeError)
+        raise TypeError(f"init_trackers(config=...) takes a dict of name -> value, got {type(config).__name__}.")
     init_kwargs = dict(init_kwargs or {})
     trackers: list[GeneralTracker] = []
     for entry in log_with:
@@ -822,12 +867,25 @@ def init_trackers(
             trackers.append(tracker_class(project_name, logging_dir, **options))
         else:
             trackers.append(tracker_class(project_name, **options))
-    for tracker in trackers:
-        tracker.start()
+    _start_all(trackers)
     if config is not None:
         for tracker in trackers:
             tracker.store_init_configuration(config)
     return trackers
+
+
+def _start_all(trackers: list[GeneralTracker]) -> None:
+    """Start each tracker; if one fails, finish those already started (a W&B or MLflow run left open would stay
+    "running") and raise its error."""
+    for index, tracker in enumerate(trackers):
+        try:
+            tracker.start()
+        except BaseException:
+            try:
+                finish_trackers(trackers[:index])
+            except Exception as error:  # noqa: BLE001 - the start failure is the error to report
+                logger.error("Finishing the trackers started before the failure failed too: %s", error)
+            raise
 
 
 def log_to_trackers(

@@ -142,7 +142,7 @@ def test_filter_trackers_validates_and_deduplicates(tmp_path):
     for check in (accelerate_tracking.filter_trackers, filter_trackers):  # the phrase Accelerate's tests match
         with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
             check("tensorboard")
-    with pytest.raises(TypeError, match="pass an instance"):
+    with pytest.raises(ValueError, match="pass an instance"):  # Accelerate's type for an entry it cannot use
         filter_trackers([Recorder])
 
 
@@ -198,6 +198,19 @@ def test_finish_trackers_finishes_all_then_raises():
     with pytest.raises(OSError, match="flush failed"):
         finish_trackers([Broken(), good])
     assert good.calls[-1] == ("finish",)
+
+
+def test_a_failed_start_finishes_the_trackers_started_before_it():
+    class NoStart(Recorder):
+        name = "nostart"
+
+        def start(self):
+            raise OSError("no run")
+
+    first, last = Recorder(), Recorder()
+    with pytest.raises(OSError, match="no run"):
+        init_trackers([first, NoStart(), last], "proj")
+    assert first.calls[1:] == [("start",), ("finish",)] and last.calls[1:] == []
 
 
 # ------------------------------------------------------------------------- adapters (fake modules)

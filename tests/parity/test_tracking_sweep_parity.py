@@ -1,0 +1,164 @@
+"""Experiment tracking written for Accelerate, run on Accelerate 1.15 and on nbaccel in the same test and compared:
+`log_with` spellings, `get_available_trackers`, registered tracker classes, `init_trackers` configurations that
+TensorBoard records (read back from the event files) and `log` with dicts. Found by a parity sweep (2026-12-01);
+each comparison failed on nbaccel before its fix. The deliberate differences the scenarios meet (docs/compat.md,
+"Trackers") are stated on both sides.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import logging
+import os
+import warnings
+
+import pytest
+from parity_harness import assert_same, run_both
+
+pytest.importorskip("accelerate")
+pytest.importorskip("tensorboard")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _outcome(call):
+    """("ok", value, warnings) or ("raised", the exception's type name): what code written for Accelerate sees."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = call()
+        return ("ok", value, sorted({w.category.__name__ for w in caught}))
+    except Exception as exc:  # the exception's type is what code written for Accelerate catches
+        return ("raised", type(exc).__name__)
+
+
+def _folder():
+    """A folder of this run, shared by its ranks (the harness's per-run temporary folder)."""
+    return os.path.dirname(os.environ["PARITY_OUT"])
+
+
+def _names(log_with):
+    return [(type(t).__name__, str(getattr(t, "value", None) or getattr(t, "name", t))) for t in log_with]
+
+
+def choosing_trackers(lib):
+    """`log_with` spellings, registered classes and `get_available_trackers`."""
+    tracking = lib.tracking
+
+    class Camel(tracking.GeneralTracker):  # a registered class whose name is not lowercase
+        name, requires_logging_directory, tracker = "CamelTracker", False, None
+
+        def __init__(self, run_name, **kwargs):
+            super().__init__()
+            self.run_name = run_name
+
+    class Mine(tracking.GeneralTracker):
+        name, requires_logging_directory, tracker = "mine", False, None
+
+    found = {"available": _names(tracking.get_available_trackers()),
+             "register": _outcome(lambda: tracking.register_tracker_class(Camel))}
+    found["available after registering"] = _names(tracking.get_available_trackers())
+    for label, log_with in (("empty list", []), ("empty tuple", ()), ("a class", Mine), ("a number", 3),
+                            ("registered", "CamelTracker"), ("named then all", ["mlflow", "all"]),
+                            ("instance after all", ["wandb", "all", Mine()])):
+        lib.state.AcceleratorState._reset_state(True)
+        found[label] = _outcome(lambda log_with=log_with: _names(
+            lib.Accelerator(cpu=True, log_with=log_with, project_dir=_folder()).log_with))
+    lib.state.AcceleratorState._reset_state(True)
+    accelerator = lib.Accelerator(cpu=True, log_with="CamelTracker")
+    accelerator.init_trackers("camel")
+    found["registered started"] = [(type(t).__name__, t.run_name) for t in accelerator.trackers]
+    lib.state.AcceleratorState._reset_state(True)
+    accelerator = lib.Accelerator(cpu=True, log_with="tensorboard", project_dir=_folder())
+    found["config not a dict"] = _outcome(lambda: accelerator.init_trackers("listed", config=[("lr", 0.1)]))
+    return found
+
+
+def test_log_with_choices_and_registered_trackers_as_in_accelerate():
+    """nbaccel gave no warning for `log_with=[]`, raised TypeError (not ValueError) for a class or a number in
+    `log_with`, listed registered classes in `get_available_trackers()` (as strings) and started them for "all",
+    refused a registered class named in capitals, and met a configuration that is no dict with AttributeError."""
+    results = run_both(choosing_trackers, num_processes=1)
+    theirs, ours = results["accelerate"][0], results["nbaccel"][0]
+    assert theirs["empty list"] == ("ok", [], ["UserWarning"]) and theirs["a class"] == ("raised", "ValueError")
+    assert theirs["available"][0] == ("LoggerType", "tensorboard") and theirs["registered started"]
+    assert_same(theirs, ours, "choosing_trackers")
+
+
+class Mode(str, enum.Enum):
+    FAST = "fast"
+
+
+def _hparams(folder):
+    """The hyperparameters TensorBoard recorded under `folder`, read back from its event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    found = {}
+    for path in glob.glob(f"{folder}/**/events.out.tfevents*", recursive=True):
+        events = EventAccumulator(path)
+        events.Reload()
+        try:
+            contents = events.PluginTagToContent("hparams")
+        except KeyError:  # an event file with no hparams
+            continue
+        for content in contents.values():
+            data = plugin_data_pb2.HParamsPluginData.FromString(content)
+            if data.HasField("session_start_info"):
+                found.update({key: value.WhichOneof("kind") + " " + str(getattr(value, value.WhichOneof("kind")))
+                              for key, value in data.session_start_info.hparams.items()})
+    return found
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += 1
+
+
+def tensorboard_configuration(lib):
+    """A configuration with a str-valued Enum, a one-element tensor and a numpy float64, which torch's
+    `add_hparams` takes; then a dict logged with a string in it."""
+    import numpy as np
+    import torch
+
+    accelerator = lib.Accelerator(cpu=True, log_with="tensorboard", project_dir=_folder())
+    config = {"lr": 0.1, "epochs": 3, "optimizer": "adam", "flag": True, "mode": Mode.FAST,
+              "scale": torch.tensor([0.5]), "decay": np.float64(2.5)}
+    found = {"init_trackers": _outcome(lambda: accelerator.init_trackers("config", config=config))}
+    warned = _Warnings()
+    logging.getLogger().addHandler(warned)
+    found["dict with a string"] = _outcome(lambda: accelerator.log({"parts": {"a": 1.0, "note": "x"}}, step=1))
+    logging.getLogger().removeHandler(warned)
+    found["warnings logged"] = warned.count
+    accelerator.end_training()
+    found["hparams"] = _hparams(os.path.join(_folder(), "config"))
+    import yaml
+
+    def read(path):
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+
+    found["hparams.yml"] = [_outcome(lambda path=path: read(path))
+                            for path in glob.glob(f"{_folder()}/config/**/hparams.yml", recursive=True)]
+    return found
+
+
+def test_tensorboard_records_the_configuration_accelerate_records():
+    """nbaccel raised yaml's RepresenterError for the Enum (writing hparams.yml) and recorded the tensor as the
+    text "tensor([0.5000])" where Accelerate records 0.5. A string inside a logged dict: Accelerate's run ends
+    with torch's ValueError; nbaccel records the numbers and names the string in a warning (docs/compat.md)."""
+    results = run_both(tensorboard_configuration, num_processes=1)
+    theirs, ours = results["accelerate"][0], results["nbaccel"][0]
+    assert theirs["hparams"]["scale"] == "number_value 0.5" and theirs["hparams"]["mode"] == "string_value fast"
+    assert theirs.pop("dict with a string") == ("raised", "ValueError") and theirs.pop("warnings logged") == 0
+    assert ours.pop("dict with a string") == ("ok", None, []) and ours.pop("warnings logged") == 1
+    # hparams.yml: plain YAML here, in the run's folder; Accelerate's yaml.dump tags the tensor, the numpy number
+    # and the Enum as Python objects, which yaml.safe_load refuses (docs/compat.md)
+    assert theirs.pop("hparams.yml") == [("raised", "ConstructorError")]
+    assert ours.pop("hparams.yml") == [("ok", {"decay": 2.5, "epochs": 3, "flag": True, "lr": 0.1, "mode": "fast",
+                                               "optimizer": "adam", "scale": 0.5}, [])]
+    assert_same(theirs, ours, "tensorboard_configuration")
