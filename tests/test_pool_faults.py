@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from process_helpers import all_gone
 
-from nbaccel.launch.pool import RankFailedError, RankPool
+from nbaccel.launch.pool import RankFailedError, RankPool, RankResults
 
 # a test that fails by waiting (the fault the file guards against) fails here, not at the suite's limit
 pytestmark = pytest.mark.timeout(60)
@@ -111,3 +111,30 @@ def test_a_ranks_cell_that_fails_names_the_rank_that_died_not_its_peer_s_gloo_er
                               "SIGKILL"), message
     assert message.endswith("(remote traceback above)") and "Connection closed" not in message, message
     assert pool.exec("1 + 1").values == [2, 2]
+
+
+def _interrupt_once_every_rank_printed(partial: RankResults) -> None:
+    """What the stop button does (the kernel's SIGINT), once every rank is in the cell's last statement."""
+    if all(result.stdout for result in partial):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_says_what_it_did_to_each_rank(pool):
+    """The stop button during a %%ranks cell or pool call: a KeyboardInterrupt whose one line (IPython shows
+    `_render_traceback_`, not the frames of the pool's wait) says which ranks stopped and whether the ranks
+    keep their variables, or which did not stop, so that every rank was restarted."""
+    _fresh(pool)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        pool.exec("print('sleeping', flush=True)\ntime.sleep(600)", on_progress=_interrupt_once_every_rank_printed)
+    assert str(caught.value) == "interrupted: ranks 0, 1 stopped; the ranks keep their variables"
+    assert caught.value._render_traceback_() == [f"KeyboardInterrupt: {caught.value}"]
+    assert pool.exec("rank").values == [0, 1]
+    # rank 0 does not stop (as a rank inside a gloo collective does not): it is restarted with the others
+    old = pool.pids
+    with pytest.raises(KeyboardInterrupt) as caught:
+        pool.exec("if rank == 0:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                  "print('sleeping', flush=True)\ntime.sleep(600)", on_progress=_interrupt_once_every_rank_printed)
+    assert str(caught.value) == ("interrupted: rank 0 did not stop within 3 s (a rank inside a collective cannot "
+                                 "be interrupted); rank 1 stopped; every rank was restarted: the ranks' variables "
+                                 "are lost, re-run the cells that define them"), str(caught.value)
+    assert all_gone(old) and pool.exec("'rank' in dir()").values == [False, False]

@@ -385,6 +385,25 @@ class Call:
             for conn in wait(list(conns), left):
                 self._reply(conns[conn])
 
+    def interrupt_report(self) -> str:
+        """What the interrupt did to each selected rank, in one line (the message of the KeyboardInterrupt the
+        pool raises): which stopped, which had already returned, which did not stop (and so were restarted)."""
+        groups: dict[str, list[int]] = {}
+        for index in self.selected:
+            error = self.replies.get(index, {}).get("error") or {}
+            if index in self.pending:
+                what = f"did not stop within {INTERRUPT_GRACE:g} s (a rank inside a collective cannot be interrupted)"
+            elif error.get("exc_type") == "KeyboardInterrupt":
+                what = "stopped"
+            else:
+                what = "had failed" if error else "had finished"
+            groups.setdefault(what, []).append(index)
+        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {what}"
+                 for what, ranks in groups.items()]
+        after = ("every rank was restarted: the ranks' variables are lost, re-run the cells that define them"
+                 if self.pending else "the ranks keep their variables")
+        return f"interrupted: {'; '.join(parts)}; {after}"
+
     # -------------------------------------------------------------------------------------- results
     def _values(self) -> list[Any] | None:
         """The selected ranks' values, or None when a rank failed or a value cannot be loaded here (the results

@@ -391,9 +391,7 @@ class RankPool:
             except KeyboardInterrupt:
                 if call.pending:
                     self._recover(graceful=False)
-                    logger.warning(f"nbaccel: ranks {sorted(call.pending)} did not stop after the interrupt; the ranks "
-                          "were restarted and their variables are lost.")
-                raise
+                raise _interrupted(call.interrupt_report()) from None
             finally:
                 if call.broken and self._workers is not None and not call.pending:
                     self._recover(graceful=False)
@@ -459,6 +457,15 @@ class _DisplayTarget:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))
+
+
+def _interrupted(report: str) -> KeyboardInterrupt:
+    """The interrupt, saying what it did to each rank. IPython shows it as that one line (`_render_traceback_`,
+    as the pool's errors): the frames of the pool's wait, where the kernel happened to be, say nothing to the
+    user. Still a plain KeyboardInterrupt, so `except KeyboardInterrupt` and "Run all" treat it as one."""
+    interrupt = KeyboardInterrupt(report)
+    interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {report}"]  # type: ignore[attr-defined]
+    return interrupt
 
 
 def _check_name(name: Any) -> None:
