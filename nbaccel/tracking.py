@@ -221,6 +221,7 @@ class TensorBoardTracker(GeneralTracker):
     def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__()
         self.run_name = run_name
+        self.logging_dir_param = logging_dir  # Accelerate's attribute: the folder given, before the run's name
         self.logging_dir = os.path.join(logging_dir, run_name)
         self.init_kwargs = kwargs
         self.writer = None

@@ -129,6 +129,9 @@ def tensorboard_configuration(lib):
     config = {"lr": 0.1, "epochs": 3, "optimizer": "adam", "flag": True, "mode": Mode.FAST,
               "scale": torch.tensor([0.5]), "decay": np.float64(2.5)}
     found = {"init_trackers": _outcome(lambda: accelerator.init_trackers("config", config=config))}
+    tracker = accelerator.get_tracker("tensorboard")
+    found["tracker attributes"] = sorted(vars(tracker))  # scripts read tracker.logging_dir and logging_dir_param
+    found["run folder"] = os.path.relpath(tracker.logging_dir, tracker.logging_dir_param)
     warned = _Warnings()
     logging.getLogger().addHandler(warned)
     found["dict with a string"] = _outcome(lambda: accelerator.log({"parts": {"a": 1.0, "note": "x"}}, step=1))
@@ -148,8 +151,8 @@ def tensorboard_configuration(lib):
 
 
 def test_tensorboard_records_the_configuration_accelerate_records():
-    """nbaccel raised yaml's RepresenterError for the Enum (writing hparams.yml) and recorded the tensor as the
-    text "tensor([0.5000])" where Accelerate records 0.5. A string inside a logged dict: Accelerate's run ends
+    """nbaccel raised yaml's RepresenterError for the Enum (writing hparams.yml), recorded the tensor as the
+    text "tensor([0.5000])" where Accelerate records 0.5, and its tracker had no `logging_dir_param`. A string inside a logged dict: Accelerate's run ends
     with torch's ValueError; nbaccel records the numbers and names the string in a warning (docs/compat.md)."""
     results = run_both(tensorboard_configuration, num_processes=1)
     theirs, ours = results["accelerate"][0], results["nbaccel"][0]
