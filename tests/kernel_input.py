@@ -24,6 +24,7 @@ class Execution:
     stderr: str = ""
     shown: str = ""  # the text/plain of displays and the cell's value (e.g. %%ranks' side-by-side view)
     prompts: list[str] = field(default_factory=list)
+    passwords: list[str] = field(default_factory=list)  # the prompts asked as passwords (getpass: no echo)
     error: dict[str, Any] | None = None  # the execute reply's ename/evalue/traceback when it failed
     status: str = ""
     # (stdout length, stderr length) when each prompt arrived: what was shown before it
@@ -72,6 +73,8 @@ def _read_stdin(client: Any, msg_id: str, answer: Answer | None, result: Executi
     _read_iopub(client, msg_id, result, settle=0.3)  # the output the kernel flushed before asking
     prompt = msg["content"]["prompt"]
     result.prompts.append(prompt)
+    if msg["content"].get("password"):
+        result.passwords.append(prompt)
     result.seen_at_prompt.append((len(result.stdout), len(result.stderr)))
     line = answer(prompt, result) if answer is not None else ""
     if line is not None:

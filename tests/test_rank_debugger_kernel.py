@@ -79,6 +79,29 @@ def dist_break():
 print("dist", notebook_launcher(dist_break, num_processes=2, dashboard=False, start_method={method!r}))
 """
 
+# getpass() on a forked rank (which inherits ipykernel's getpass) and pdb's `interact` left with the end of input
+SECRET_AND_EOF = """
+def secret():
+    import getpass
+    key = getpass.getpass("API key? ") if os.environ["RANK"] == "0" else None
+    if os.environ["RANK"] == "1":
+        breakpoint()
+    return key
+print("secret", notebook_launcher(secret, num_processes=2, dashboard=False, start_method="fork"))
+"""
+# rank 1 waits at pdb, nobody answers; rank 0 fails meanwhile
+FAILS_AT_PDB = """
+def fails_at_pdb():
+    if os.environ["RANK"] == "1":
+        breakpoint()
+    time.sleep(1)
+    raise ValueError("rank 0 broke")
+try:
+    notebook_launcher(fails_at_pdb, num_processes=2, dashboard=False)
+except LaunchError as exc:
+    print("failed:", exc.first_rank, exc.failures[exc.first_rank].exc_type)
+"""
+
 
 @pytest.fixture
 def kernel(tmp_path, monkeypatch):
@@ -279,3 +302,23 @@ def test_launch_with_debug_opens_the_post_mortem_of_the_failing_rank(kernel):
     assert "[rank 1] [nbaccel] rank 1 failed: ValueError: bad total 11; post-mortem" in run.stdout, run.stdout
     bad = execute(client, "notebook_launcher(print, num_processes=2, debug='yes')")
     assert bad.error is not None and "debug must be True or False" in bad.error["evalue"], bad.error
+
+
+def test_getpass_eof_at_interact_and_a_failure_while_a_rank_waits_at_pdb(kernel):
+    """getpass() on a forked rank is asked in the notebook's password box (it inherited ipykernel's getpass,
+    which wrote to the kernel's own sockets from the rank: the cell hung); the end of input ("\x04", how a
+    client sends it) ends pdb's `interact` console instead of making the launch's input unavailable; a rank
+    waiting at pdb while another fails has its question withdrawn, and the cell ends with the failure."""
+    _, client = kernel
+    steps = ["interact", "print('inside', 40 + 2)", "\x04", "c"]  # rank 1's pdb; the ranks ask in any order
+    run = _ok(execute(client, SECRET_AND_EOF, lambda prompt, so_far: "s3cret" if "API key" in prompt else steps.pop(0)))
+    assert "secret ['s3cret', None]" in run.stdout, run.stdout
+    assert run.passwords == ["[rank 0] API key? "], run.prompts
+    assert "[rank 1] inside 42" in run.stdout.splitlines(), run.stdout
+    assert "end of input: rank 1 gets EOFError" in run.stderr, run.stderr
+
+    run = _ok(execute(client, FAILS_AT_PDB, lambda prompt, so_far: None, timeout=60))
+    assert "failed: 0 ValueError" in run.stdout, run.stdout
+    assert run.prompts == ["[rank 1] (Pdb) "], run.prompts
+    assert "the question of rank 1 was withdrawn: rank 0 failed" in run.stderr, run.stderr
+    assert execute(client, CHILDREN).stdout.strip() == "children 0"

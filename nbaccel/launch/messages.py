@@ -224,6 +224,7 @@ class Prompt(_Typed):
     prompt: str = ""
     id: int = 0  # the rank's count of prompts, echoed by the answer
     time: float = field(default_factory=time.time)
+    password: bool = False  # getpass(): asked without showing what the user types
 
 
 @dataclass(frozen=True)

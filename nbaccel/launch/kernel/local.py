@@ -75,7 +75,7 @@ class LocalBackend(Backend):
             stop_processes(self.processes)
             pipes.close_all()
             raise
-        return pipes.handles(plan.first_rank)
+        return pipes.handles(plan.first_rank, self.processes)
 
     def _start_pool(self, plan: LaunchPlan) -> list[StartedRank]:
         """Start every rank of `plan` running RankPool's loop with `plan.rank_environ(i)`."""

@@ -37,8 +37,11 @@ class Pipes:
             return [*self.worker_channels, *self.worker_out, *self.worker_err]
         return [self.worker_channels[i], self.worker_out[i], self.worker_err[i]]
 
-    def handles(self, first_rank: int) -> list[StartedRank]:
-        return [StartedRank(i, first_rank + i, self.channels[i], self.out_fds[i], self.err_fds[i])
+    def handles(self, first_rank: int, processes: list[Any] | None = None) -> list[StartedRank]:
+        """The kernel's handle of each rank; with its `processes` (multiprocessing), by local rank, when it has
+        them: their exit codes can then be read from any thread (a prompt's watch: prompt_relay.py)."""
+        return [StartedRank(i, first_rank + i, self.channels[i], self.out_fds[i], self.err_fds[i],
+                            process=processes[i] if processes else None)
                 for i in range(len(self.channels))]
 
     def close_all(self) -> None:

@@ -8,7 +8,9 @@ the rank ("[rank 1] (Pdb) "). The loop blocks while the user types, so several r
 after the other, and the other ranks wait. The line goes back to the rank as an `answer`; so does the end of
 input (EOFError in the rank), or why nobody can answer (the client sends no input requests: nbclient without
 allow_stdin, a kernel without stdin), which the rank raises as `RankInputUnavailable` instead of a silent
-`BdbQuit`. A KeyboardInterrupt (the kernel's interrupt) goes up to the loop, which stops the launch.
+`BdbQuit`. A KeyboardInterrupt (the kernel's interrupt) goes up to the loop, which stops the launch. A prompt
+whose answer became moot while the user is asked (the rank died at it, another rank failed) is withdrawn
+(interrupts.withdrawable), and the loop goes on to report what happened instead of waiting for a line.
 
 The relay keeps the time spent at prompts: the loop's timeouts and hang watch count time without it
 (`clock`, `wall`), so a rank at a prompt is never taken for a hang; they say so once per launch.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import getpass
 import sys
 import threading
 import time
@@ -26,6 +29,7 @@ from typing import Any, TextIO
 
 from ..messages import Answer, Prompt
 from ..worker.rank_prompts import STDIN_READ
+from .interrupts import Withdrawn, withdrawable
 
 NOTICE = ("[nbaccel] {label} waits for input: the timeout and the hang watch are paused while a rank is at a "
           "prompt, and resume when it goes on")
@@ -67,13 +71,25 @@ class PromptRelay:
         """time.time() less the time spent at prompts: what the hang watch compares the ranks' times with."""
         return time.time() - self.paused
 
-    def serve(self, label: str, message: dict[str, Any], reply: Callable[[dict[str, Any]], Any]) -> None:
-        """Ask the user for the line `message` (a `prompt`) waits for; send the `answer` with `reply`."""
+    def serve(self, label: str, message: dict[str, Any], reply: Callable[[dict[str, Any]], Any],
+              moot: Callable[[], str | None] | None = None) -> None:
+        """Ask the user for the line `message` (a `prompt`) waits for; send the `answer` with `reply`.
+
+        `moot` (called from another thread while the user is asked): why the prompt no longer needs an answer
+        (its rank died, another failed), else None. The question is then withdrawn, as an interrupt takes it
+        back, with a line that says why, and the rank gets no answer: the caller ends the launch or the call."""
         prompt = Prompt.from_wire(message)
         started = time.monotonic()
         self.active = True
         try:
-            fields = self._read(label) if message.get(STDIN_READ) else self._answer(label, prompt.prompt)
+            with withdrawable(moot) if moot is not None else contextlib.nullcontext():
+                if message.get(STDIN_READ):
+                    fields = self._read(label)
+                else:
+                    fields = self._answer(label, prompt.prompt, prompt.password)
+        except Withdrawn as why:
+            self._say(f"[nbaccel] the question of {label} was withdrawn: {why}")
+            return
         finally:
             self.active = False
             self.paused += time.monotonic() - started
@@ -85,7 +101,7 @@ class PromptRelay:
         prompt = Prompt.from_wire(message)
         _send(reply, Answer(prompt.rank, prompt.id, eof=True))
 
-    def _answer(self, label: str, text: str) -> dict[str, Any]:
+    def _answer(self, label: str, text: str, password: bool = False) -> dict[str, Any]:
         if self._unavailable is None:
             self._unavailable = _why_no_input()
         if self._unavailable is not None:
@@ -95,20 +111,22 @@ class PromptRelay:
         if not self._told:
             self._told = True
             self._say(NOTICE.format(label=label))
+        ask = getpass.getpass if password else builtins.input  # a kernel's getpass: Jupyter's password box
         try:
             with _reading_stdin():
-                return {"text": builtins.input(f"[{label}] {text}")}
+                return {"text": ask(f"[{label}] {text}")}
         except EOFError:
-            if not _on_terminal():  # e.g. `< /dev/null`, a pipe that ran dry
+            if not _on_terminal() and not _kernel_input():  # e.g. `< /dev/null`, a pipe that ran dry
                 self._unavailable = NO_MORE_INPUT
-                return self._answer(label, text)
+                return self._answer(label, text, password)
+            # Ctrl-D on a terminal; a kernel's input() raises EOFError when its client sends "\x04"
             self._say(f"[nbaccel] end of input: {label} gets EOFError")
             return {"eof": True}
         except Exception as exc:  # ipykernel: StdinNotImplementedError when the client allows no input
             if type(exc).__name__ != "StdinNotImplementedError":
                 raise
             self._unavailable = NO_INPUT_REQUESTS
-            return self._answer(label, text)
+            return self._answer(label, text, password)
 
     def _read(self, label: str) -> dict[str, Any]:
         """A rank's read of sys.stdin: the next line of this process's stdin, as read, newline included (the
@@ -121,7 +139,7 @@ class PromptRelay:
         if self._unavailable is not None:
             self._say(f"[nbaccel] {label} read sys.stdin, but nobody can answer: {self._unavailable}")
             return {"unavailable": self._unavailable}
-        if getattr(builtins.input, "__module__", None) != "builtins" or _on_terminal():
+        if _kernel_input() or _on_terminal():
             answer = self._answer(label, "")  # asked like input(): the notebook's input box, the terminal
             if "text" in answer:
                 answer["text"] += "\n"
@@ -180,9 +198,14 @@ def _on_terminal() -> bool:
         return False
 
 
+def _kernel_input() -> bool:
+    """Whether a kernel put its own input() in place (ipykernel: the notebook's input box)."""
+    return getattr(builtins.input, "__module__", None) != "builtins"
+
+
 def _why_no_input() -> str | None:
     """Why the kernel's input() cannot ask anyone, when that is known before asking."""
-    if getattr(builtins.input, "__module__", None) == "builtins":  # no kernel put its own input() in place
+    if not _kernel_input():
         stdin = sys.stdin
         if stdin is None or getattr(stdin, "closed", False):
             return NO_STDIN

@@ -242,12 +242,31 @@ class Supervisor:
         self.notify(message)
 
     def _serve_prompt(self, worker: StartedRank, message: Message) -> None:
-        """Show what the rank printed before it asked (pdb's listing), then ask the user (prompt_relay.py)."""
+        """Show what the rank printed before it asked (pdb's listing), then ask the user (prompt_relay.py).
+        Once the ranks are being stopped (a failure, an interrupt), a prompt read from what they left is not
+        asked: the rank is on its way out, and the user, who may have just interrupted, is asked nothing."""
+        if self._stopping:
+            return
         for fd in list(worker.open_fds):
             while fd in worker.open_fds and wait([fd], 0):
                 self._read_fd(fd)
         self._flush()
-        self.prompts.serve(worker.line_label, message, worker.reply or worker.channel.send)
+        self.prompts.serve(worker.line_label, message, worker.reply or worker.channel.send,
+                           moot=lambda: self._prompt_moot(worker))
+
+    def _prompt_moot(self, asking: StartedRank) -> str | None:
+        """Why the prompt of `asking` needs no answer any more: it ended, or (where one failure stops the launch)
+        another rank failed; else None. Called from the prompt's watch thread while this loop waits for the
+        user, so it reads exit codes only (safe from another thread; the ranks' messages are the loop's)."""
+        code = asking.exit_code()
+        if code is not None:
+            return f"{asking.label} ended ({_ended_how(code)})"
+        if self.backend.fail_fast:
+            for worker in self.workers:
+                code = worker.exit_code()
+                if worker is not asking and code not in (None, 0):
+                    return f"{worker.label} failed ({_ended_how(code)}), which stops the launch"
+        return None
 
     def _attempt_ended(self, restart: int) -> None:
         """Elastic restarted the workers: say how the attempt failed, the root cause first (what the ranks
@@ -302,10 +321,8 @@ class Supervisor:
             sig = signal_name(exitcode)
             if sig == "SIGKILL":
                 message = f"killed by SIGKILL ({oom_hint(worker.last_rss)})"
-            elif sig:
-                message = f"killed by {sig}"
             else:
-                message = f"exited with code {exitcode}"
+                message = _ended_how(exitcode)
             reported = worker.rank in self.failures
             self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig, last_rss=worker.last_rss))
             if not reported:
@@ -536,3 +553,9 @@ class Supervisor:
         self._displays.flush()
         self._flush()
         self.cell.close()
+
+
+def _ended_how(exitcode: int) -> str:
+    """How a rank's process ended, in words: "killed by SIGTERM", "exited with code 1"."""
+    sig = signal_name(exitcode)
+    return f"killed by {sig}" if sig else f"exited with code {exitcode}"

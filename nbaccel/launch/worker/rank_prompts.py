@@ -6,6 +6,8 @@ A rank has no terminal of its own: its stdin is the kernel's (a pipe the kernel'
   (kernel/prompt_relay.py) asks the user with its own `input()`, i.e. Jupyter's input box, labelled with the
   rank. pdb's command loop reads through `input()`, so pdb, `breakpoint()`, `pdb.post_mortem()` and
   `torch.distributed.breakpoint()` (a pdb whose stdin it points at /dev/stdin) all ask this way;
+- `getpass.getpass`: the same, asked without echo (the kernel's own getpass: Jupyter's password box), in place
+  of the one a forked rank inherits from ipykernel, which would write to the kernel's own sockets;
 - `sys.stdin`: a text stream over the launching process's stdin, read through the kernel the same way
   (`PromptStdin`): `readline()`, `read()`, iteration, `json.load(sys.stdin)`, `sys.stdin.buffer.read()`, and
   `pdb.Pdb(stdin=sys.stdin)`; "" at the end of input (a pipe or a file that ran dry, Ctrl-D on a terminal;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import bdb
 import builtins
+import getpass
 import io
 import os
 import sys
@@ -55,10 +58,11 @@ class PromptLine:
         self._lock = threading.Lock()
         self._count = 0
 
-    def ask(self, prompt: str) -> str:
+    def ask(self, prompt: str, password: bool = False) -> str:
         """The line the user typed (no newline); EOFError at the end of input; RankInputUnavailable when
-        nobody can answer."""
-        answer = self._request(str(prompt), f"asked for input ({prompt!r})")
+        nobody can answer. `password`: asked without showing what is typed (getpass)."""
+        what = "asked for a password" if password else f"asked for input ({prompt!r})"
+        answer = self._request(str(prompt), what, password=password)
         if answer.eof or answer.text is None:
             raise EOFError(f"rank {self.rank}: end of input")
         return answer.text
@@ -72,14 +76,14 @@ class PromptLine:
             return ""
         return answer.text
 
-    def _request(self, prompt: str, what: str, stdin: bool = False) -> Answer:
+    def _request(self, prompt: str, what: str, stdin: bool = False, password: bool = False) -> Answer:
         """Send one prompt and wait for its answer; `stdin`: a data read of sys.stdin (prompt_relay answers it
         with the line as read, or eof), not an input(). RankInputUnavailable, naming `what`, when nobody can
         answer."""
         with self._lock:
             flush_std()  # what the rank printed (pdb's listing) is in the pipe before the prompt is read
             self._count += 1
-            wire = Prompt(self.rank, prompt, self._count).to_wire()
+            wire = Prompt(self.rank, prompt, self._count, password=password).to_wire()
             if stdin:
                 wire[STDIN_READ] = True
             if self._send(wire) is False:
@@ -221,7 +225,12 @@ def install(send: Callable[[dict[str, Any]], Any], receive: Callable[[], Any], r
     def rank_input(prompt: object = "") -> str:
         return line.ask(str(prompt))
 
+    def rank_getpass(prompt: str = "Password: ", stream: Any = None) -> str:
+        return line.ask(str(prompt), password=True)
+
     builtins.input = rank_input
+    # a forked rank inherits ipykernel's getpass, which would send its input request on the kernel's own socket
+    getpass.getpass = rank_getpass
     sys.stdin = PromptStdin(line)
     _stdin_to_devnull()
     sys.breakpointhook = _breakpoint
