@@ -52,14 +52,15 @@ def _is_main_process() -> bool:
 
 
 def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Method decorator: run only on the main process when the tracker's `main_process_only` is true.
+    """Method decorator: run only on the main process when the object's `main_process_only` is true
+    (`GeneralTracker` sets it; on an object without the attribute the method runs everywhere, as in Accelerate).
 
     The check happens at call time and initializes nothing (no process group, no state object).
     """
 
     @functools.wraps(function)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "main_process_only", True) and not _is_main_process():
+        if getattr(self, "main_process_only", False) and not _is_main_process():
             return None
         return function(self, *args, **kwargs)
 

@@ -165,3 +165,63 @@ def test_tensorboard_records_the_configuration_accelerate_records():
     assert ours.pop("hparams.yml") == [("ok", {"decay": 2.5, "epochs": 3, "flag": True, "lr": 0.1, "mode": "fast",
                                                "optimizer": "adam", "scale": 0.5}, [])]
     assert_same(theirs, ours, "tensorboard_configuration")
+
+
+def on_every_rank(lib):
+    """`tracking.on_main_process` on classes with and without `main_process_only`, and the Accelerator's
+    tracker calls on every rank: before `init_trackers`, after it, and `end_training` twice."""
+    tracking = lib.tracking
+
+    class Plain:  # a user's class decorated with the tracker decorator, with no main_process_only of its own
+        @tracking.on_main_process
+        def who(self):
+            return "ran"
+
+    class Everywhere(Plain):
+        main_process_only = False
+
+    class MainOnly(Plain):
+        main_process_only = True
+
+    class Recorder(tracking.GeneralTracker):
+        name, requires_logging_directory = "recorder", False
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        @property
+        def tracker(self):
+            return self.calls
+
+        @tracking.on_main_process
+        def log(self, values, step=None, **kwargs):
+            self.calls.append(("log", sorted(values), step, kwargs))
+
+        @tracking.on_main_process
+        def finish(self):
+            self.calls.append("finish")
+
+    recorder = Recorder()
+    accelerator = lib.Accelerator(cpu=True, log_with=[recorder, "tensorboard"], project_dir=_folder())
+    found = {"decorated": [Plain().who(), Everywhere().who(), MainOnly().who()],
+             "log before init": _outcome(lambda: accelerator.log({"loss": 1.0}, step=0)),
+             "get before init": type(accelerator.get_tracker("recorder", unwrap=True)).__name__,
+             "init": _outcome(lambda: accelerator.init_trackers("ranks", config={"lr": 0.1}))}
+    found["trackers"] = [type(t).__name__ for t in accelerator.trackers]
+    found["get"] = _outcome(lambda: type(accelerator.get_tracker("tensorboard", unwrap=True)).__name__)
+    found["get unknown"] = _outcome(lambda: type(accelerator.get_tracker("wandb")).__name__)
+    found["log"] = _outcome(lambda: accelerator.log({"loss": 0.5}, step=1, log_kwargs={"recorder": {"k": 1}}))
+    found["end"] = _outcome(accelerator.end_training)
+    found["end again"] = _outcome(accelerator.end_training)
+    found["calls"] = recorder.calls
+    return found
+
+
+def test_tracker_calls_on_every_rank_as_in_accelerate():
+    """`on_main_process` on an object without `main_process_only` ran the method on the main process only;
+    Accelerate's runs it everywhere (the attribute defaults to False there; GeneralTracker sets True)."""
+    results = run_both(on_every_rank, num_processes=2)
+    assert [rank["decorated"] for rank in results["accelerate"]] == [["ran"] * 3, ["ran", "ran", None]]
+    assert results["accelerate"][1]["trackers"] == [] and results["accelerate"][0]["calls"][-1] == "finish"
+    assert_same(results["accelerate"], results["nbaccel"], "on_every_rank")
