@@ -138,3 +138,28 @@ def test_an_interrupt_says_what_it_did_to_each_rank(pool):
                                  "be interrupted); rank 1 stopped; every rank was restarted: the ranks' variables "
                                  "are lost, re-run the cells that define them"), str(caught.value)
     assert all_gone(old) and pool.exec("'rank' in dir()").values == [False, False]
+
+
+def _object_of_a_module_only_the_ranks_import(folder: str) -> object:
+    import sys
+
+    sys.path.insert(0, folder)  # on the rank only: the kernel cannot import the module
+    import rank_only_module
+
+    return rank_only_module.Thing()
+
+
+def test_a_value_the_kernel_cannot_unpickle_is_an_error_of_run_and_pull_not_a_none(pool, tmp_path):
+    (tmp_path / "rank_only_module.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(RankFailedError) as caught:
+        pool.run(_object_of_a_module_only_the_ranks_import, str(tmp_path))
+    assert str(caught.value).startswith("ranks 0, 1 failed; first: rank 0: ModuleNotFoundError: the value of rank 0 "
+                                        "cannot be unpickled in the kernel: No module named 'rank_only_module'")
+    pool.exec("import rank_only_module\nthing = rank_only_module.Thing()")
+    with pytest.raises(RankFailedError, match="the value of rank 1 cannot be unpickled in the kernel"):
+        pool.pull("thing", ranks=[1])
+    # a cell's value stays a result: the rank's description of it is shown, the problem is in its meta
+    results = pool.exec("thing")
+    assert results.failed == [] and results[0].text.startswith("<rank_only_module.Thing object")
+    assert results[0].meta["value_error"] == "ModuleNotFoundError: No module named 'rank_only_module'"
+    assert pool.run(int, "7") == [7, 7]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ...utils.tracebacks import PACKAGE_DIR, release_frames
-from ..errors import UnpicklableError
+from ..errors import UnpicklableError, WorkerFailure
 from ..hang_report import Diagnosis, explain, report_lines
 from ..kernel.addresses import free_port
 from ..kernel.half_imports import imports_left_whole
@@ -320,7 +320,7 @@ class RankPool:
                              values_only=True)
         if not isinstance(results, RankResults):  # every rank returned: its values, no results built
             return results
-        results.raise_if_failed()
+        _values_loaded(results).raise_if_failed()
         return results.values
 
     @_keeps_no_pool
@@ -340,7 +340,7 @@ class RankPool:
         """The value of variable `name` on every rank (or on `ranks`), as a list in rank order."""
         _check_name(name)
         results = self._call(lambda call_id: (PoolCommand.PULL.value, call_id, name), ranks, None)
-        results.raise_if_failed()
+        _values_loaded(results).raise_if_failed()
         return results.values
 
     @_keeps_no_pool
@@ -457,6 +457,20 @@ class _DisplayTarget:
             self._cell.display(rank, message)
         else:
             self._cell.clear_output(rank, bool(message.get("wait")))
+
+
+def _values_loaded(results: RankResults) -> RankResults:
+    """`results` where a value that the kernel could not unpickle (a class of a module only the rank can import)
+    is the rank's error: `run` and `pull` return values, and a None in its place would pass for the rank's own.
+    (`exec` keeps its results as they are: the rank's description of the value is shown instead.)"""
+    for result in results:
+        problem = result.meta.get("value_error")
+        if problem and result.error is None:
+            exc_type, _, detail = problem.partition(": ")
+            result.error = WorkerFailure(result.rank, exc_type, f"the value of rank {result.rank} cannot be unpickled "
+                                         f"in the kernel: {detail or exc_type}", "")
+            result.status = RankState.FAILED
+    return results
 
 
 def _interrupted(report: str) -> KeyboardInterrupt:
