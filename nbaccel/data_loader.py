@@ -1018,10 +1018,11 @@ def _copy_loader(loader: DataLoader) -> DataLoader:
     new.__dict__["_DataLoader__initialized"] = True
     new._iterator = None
     new._batches_yielded = 0
-    if getattr(new, "use_stateful_dataloader", False):  # a new loader in Accelerate: its own first state
+    if getattr(new, "use_stateful_dataloader", False):
+        # Its own position, taken when it is iterated (or asked for its state_dict): Accelerate's copy is a plain
+        # DataLoaderShard, which draws nothing from torch's RNG until iterated, so neither does this one.
         new._initial_iter_for_state_dict = False
         new._position = None
-        new._note_position()
     return new
 
 

@@ -112,3 +112,25 @@ def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches():
     assert theirs["batch_sampler_as_sampler"]["prepared"] == ("error", "TypeError")
     assert theirs["shuffled"] == list(range(6))
     assert sorted(ours["shuffled"]) == list(range(6)) != ours["shuffled"]
+
+
+def stateful_skip_scenario(lib):
+    """`skip_first_batches` of a shuffled stateful loader, with a draw from torch's RNG between making the copy
+    and iterating it (a model initialised there, dropout), and a copy that is never iterated."""
+    config = lib.utils.DataLoaderConfiguration(use_stateful_dataloader=True)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    lib.utils.set_seed(5)
+    loader = accelerator.prepare(DataLoader(torch.arange(10), batch_size=3, shuffle=True))
+    first = [_plain(batch) for batch in loader]
+    unused = accelerator.skip_first_batches(loader, 1)
+    copy = accelerator.skip_first_batches(loader, 1)
+    between = torch.rand(2)
+    return {"first": first, "between": between, "copy": [_plain(batch) for batch in copy], "after": torch.rand(2),
+            "unused": unused is not copy}
+
+
+def test_a_stateful_loaders_skip_copy_draws_when_iterated_as_in_accelerate():
+    """nbaccel's copy took torchdata's first state when made, drawing the pass's seeds from torch's RNG then
+    (Accelerate's copy is a plain DataLoaderShard that draws them when iterated): the draws in between, and
+    with them the copy's order, differed."""
+    assert_parity(run_both(stateful_skip_scenario, 2))
