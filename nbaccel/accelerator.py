@@ -762,9 +762,14 @@ class Accelerator:
         remainder = gradient_state.remainder
         if remainder <= 0:
             return data
-        if use_gather_object:
-            return data[:remainder]
-        return recursively_apply(lambda t: t[:remainder], data)
+        try:
+            if use_gather_object:
+                return data[:remainder]
+            return recursively_apply(lambda t: t[:remainder], data)
+        except (TypeError, IndexError):
+            # Nothing to cut: a dict gathered as an object on one process, a 0-dim tensor (a loss). Returned
+            # whole, as Accelerate does, rather than failing at the last batch of the evaluation.
+            return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum (or average) `tensor` over the processes; every process gets the result."""

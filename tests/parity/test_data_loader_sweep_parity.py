@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 from parity_harness import assert_parity, run_both
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(600)
@@ -63,10 +63,49 @@ def unbatched_scenario(lib):
             "batch_size": loader.batch_size}
 
 
-def test_a_loader_without_batch_size_yields_its_samples_as_in_accelerate():
+class Named(Dataset):
+    """Samples with a tensor and a name (a str): batches are dicts with a non-tensor field."""
+
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, index):
+        return {"x": torch.tensor([float(index)]), "name": f"s{index}"}
+
+
+def gather_scenario(lib):
+    """`gather_for_metrics` at every batch (7 samples, batches of 2) of a dict with a list of str (gathered as
+    objects), of a 0-dim loss, of the names with `use_gather_object=True`, and of the tensor alone."""
+    accelerator = lib.Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(Named(), batch_size=2))
+    out = []
+    for batch in loader:
+        out.append([_outcome(lambda value=value, objects=objects: _plain(
+                        accelerator.gather_for_metrics(value, use_gather_object=objects)))
+                    for value, objects in ((batch, False), (batch["x"].sum(), False), (batch["name"], True),
+                                           (batch["x"], False))])
+    return out
+
+
+def one_process_scenario(lib):
+    return {"unbatched": unbatched_scenario(lib), "skip": unbatched_skip_scenario(lib),
+            "gather": gather_scenario(lib)}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The 1-process scenarios, run once for the tests below (each run starts fresh interpreters)."""
+    return run_both(one_process_scenario, 1)
+
+
+def _part(results, name):
+    return {lib: [rank[name] for rank in ranks] for lib, ranks in results.items()}
+
+
+def test_a_loader_without_batch_size_yields_its_samples_as_in_accelerate(one_process):
     """nbaccel's prepared loader once rebuilt it with the DataLoader's default batch size (1), so each sample
     came wrapped in a batch of one (`[tensor(0)]` for `tensor(0)`) and `remainder` was 0."""
-    results = run_both(unbatched_scenario, 1)
+    results = _part(one_process, "unbatched")
     assert [b[0] for b in results["accelerate"][0]["passes"][0]] == [("tensor", "torch.int64", i) for i in range(5)]
     assert_parity(results)
 
@@ -91,14 +130,14 @@ def unbatched_skip_scenario(lib):
     return out
 
 
-def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches():
+def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches(one_process):
     """Deliberate difference (docs/compat.md): without a batch size, Accelerate's `skip_first_batches` copy of a
     DataLoader fails at its first batch (no batch sampler to skip in: TypeError), and with a BatchSampler passed
     as `sampler` it yields lists of 0-dim tensors where the DataLoader yields tensors; on 1 process its
     `prepare` of the latter raises TypeError (batch_size given twice). nbaccel's copies yield the DataLoader's
     own batches after the first two, and its `len()` is the batches left. A shuffled DataLoader without a batch
     size stays shuffled when prepared (Accelerate's rebuilds it without its sampler: in order)."""
-    results = run_both(unbatched_skip_scenario, 1)
+    results = _part(one_process, "skip")
     ours, theirs = results["nbaccel"][0], results["accelerate"][0]
     for name in ("unbatched", "batch_sampler_as_sampler"):
         own = ours[name]["own"]
@@ -134,3 +173,14 @@ def test_a_stateful_loaders_skip_copy_draws_when_iterated_as_in_accelerate():
     (Accelerate's copy is a plain DataLoaderShard that draws them when iterated): the draws in between, and
     with them the copy's order, differed."""
     assert_parity(run_both(stateful_skip_scenario, 2))
+
+
+def test_gather_for_metrics_returns_what_it_cannot_cut_at_the_last_batch(one_process):
+    """On one process the last batch (1 of 7 samples) has a remainder of 1: nbaccel cut every gathered value to
+    it and failed on a dict gathered as an object (TypeError) and on a 0-dim loss (IndexError), where Accelerate
+    returns such values whole."""
+    results = _part(one_process, "gather")
+    last = results["accelerate"][0][-1]
+    assert last[0] == ("ok", {"x": ("tensor", "torch.float32", [[6.0]]), "name": ("list", ["s6"])})
+    assert last[1] == ("ok", ("tensor", "torch.float32", 6.0))
+    assert_parity(results)
