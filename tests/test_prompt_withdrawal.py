@@ -129,3 +129,15 @@ def test_an_interrupt_at_one_prompt_asks_no_other_rank_on_the_way_out(monkeypatc
     with pytest.raises(KeyboardInterrupt):
         notebook_launcher(_asks, num_processes=2, dashboard=False, timeout=120)
     assert len(asked) == 1, asked
+
+
+def test_a_pool_rank_killed_at_its_prompt_withdraws_it(unanswered_input, capfd):
+    """RankPool and %%ranks serve prompts the same way: a rank that dies at its prompt ends the call."""
+    from nbaccel import RankPool
+
+    with RankPool(2, timeout=20) as pool:
+        with pytest.raises(Exception) as info:
+            pool.run(_dies_at_its_prompt)
+    assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value), str(info.value)
+    assert unanswered_input == ["[rank 1] name? "]
+    assert "the question of rank 1 was withdrawn: rank 1 ended (killed by SIGKILL" in capfd.readouterr().err

@@ -274,7 +274,17 @@ class Call:
         if self.interrupted:  # pdb answers the forwarded SIGINT with a new prompt: end of input ends it (quit)
             self.prompts.decline(message, rank.channel.send)
         else:
-            self.prompts.serve(label, message, rank.channel.send)
+            self.prompts.serve(label, message, rank.channel.send, moot=self._prompt_moot)
+
+    def _prompt_moot(self) -> str | None:
+        """Why a prompt needs no answer any more: a rank of the call died (a pool's ranks never exit while they
+        work); else None. Called from the prompt's watch thread, so it reads exit codes only."""
+        for index in self.selected:
+            rank = self.ranks[index]
+            code = rank.exit_code()
+            if code is not None:
+                return f"{rank_label(index, rank.host)} ended ({exit_text(code)})"
+        return None
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
