@@ -163,3 +163,22 @@ def test_a_value_the_kernel_cannot_unpickle_is_an_error_of_run_and_pull_not_a_no
     assert results.failed == [] and results[0].text.startswith("<rank_only_module.Thing object")
     assert results[0].meta["value_error"] == "ModuleNotFoundError: No module named 'rank_only_module'"
     assert pool.run(int, "7") == [7, 7]
+
+
+def _exits(code: int | None) -> None:
+    import sys
+
+    sys.exit(code) if code is not None else sys.exit()
+
+
+def test_run_takes_sys_exit_0_as_notebook_launcher_does_and_a_cell_as_ipython_does(pool):
+    """A function that ends with sys.exit() or sys.exit(0) succeeded under notebook_launcher (value None), so it
+    does under `run`; another code fails the rank, which stays up. In a cell, as in IPython's, any SystemExit
+    is the cell's error."""
+    assert pool.run(_exits, 0) == [None, None] and pool.run(_exits, None) == [None, None]
+    pids = pool.pids
+    with pytest.raises(RankFailedError, match=r"first: rank 0: SystemExit: 3"):
+        pool.run(_exits, 3)
+    results = pool.exec("import sys\nsys.exit(0)")
+    assert [result.error.exc_type for result in results] == ["SystemExit", "SystemExit"]
+    assert pool.pids == pids and pool.restarts == 0

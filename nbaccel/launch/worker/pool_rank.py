@@ -200,7 +200,12 @@ def _dispatch(command: PoolCommand, message: tuple, namespace: dict[str, Any], r
             reply["value"] = _dumps_value(value, reply)
     elif command is _RUN:
         function, args, kwargs = _load_sent(message[2])
-        value = function(*args, **kwargs)  # run() hands back values only: no preview text to make
+        try:
+            value = function(*args, **kwargs)  # run() hands back values only: no preview text to make
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            value = None  # sys.exit() / sys.exit(0) ends a function successfully, as under notebook_launcher
         reply["value"] = _dumps_value(value, reply, required=True)
     elif command is _PUSH:
         namespace[message[2]] = _load_sent(message[3])
