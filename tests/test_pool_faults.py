@@ -134,9 +134,10 @@ def test_an_interrupt_says_what_it_did_to_each_rank(pool):
     with pytest.raises(KeyboardInterrupt) as caught:
         pool.exec("if rank == 0:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                   "print('sleeping', flush=True)\ntime.sleep(600)", on_progress=_interrupt_once_every_rank_printed)
-    assert str(caught.value) == ("interrupted: rank 0 did not stop within 3 s (a rank inside a collective cannot "
-                                 "be interrupted); rank 1 stopped; every rank was restarted: the ranks' variables "
-                                 "are lost, re-run the cells that define them"), str(caught.value)
+    assert str(caught.value) == ("interrupted: rank 0 did not stop within 3 s (inside a collective, which cannot be "
+                                 "interrupted, or going on after the KeyboardInterrupt); rank 1 stopped; every rank "
+                                 "was restarted: the ranks' variables are lost, re-run the cells that define them"
+                                 ), str(caught.value)
     assert all_gone(old) and pool.exec("'rank' in dir()").values == [False, False]
 
 

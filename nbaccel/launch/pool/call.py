@@ -402,7 +402,8 @@ class Call:
         for index in self.selected:
             error = self.replies.get(index, {}).get("error") or {}
             if index in self.pending:
-                what = f"did not stop within {INTERRUPT_GRACE:g} s (a rank inside a collective cannot be interrupted)"
+                what = (f"did not stop within {INTERRUPT_GRACE:g} s (inside a collective, which cannot be interrupted, "
+                        "or going on after the KeyboardInterrupt)")
             elif error.get("exc_type") == "KeyboardInterrupt":
                 what = "stopped"
             else:
