@@ -102,6 +102,20 @@ class GeneralTracker:
         """Flush and close the run."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _warn_once(message: str) -> None:
+    """Log `message` once per process. Accelerate's trackers warn through `warning_once`, so a value logged at
+    every step is named once, not at every step."""
+    logger.warning(message)
+
+
+def _warn_skipped(tracker: str, key: str, value: Any, kind: str = "a number") -> None:
+    """Name a value `tracker` cannot record (its key, type and value, shortened) once per distinct text."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    _warn_once(f"{tracker}: {key!r} is {type(value).__name__} {shown}, not {kind}; not logged")
+
+
 def _require(tracker: str) -> Any:
     """Import the library behind the built-in tracker `tracker`, or say what to install (`_REQUIREMENTS`)."""
     module, install = _REQUIREMENTS[tracker]
@@ -256,8 +270,7 @@ class TensorBoardTracker(GeneralTracker):
             else:
                 number = _as_number(value)
                 if number is None:
-                    logger.warning("tensorboard: %r is %s, not a number, string or dict; skipped",
-                                   key, type(value).__name__)
+                    _warn_skipped("tensorboard", key, value, "a number, string or dict")
                     continue
                 self.writer.add_scalar(key, number, global_step=step, **kwargs)
         self.writer.flush()
@@ -282,7 +295,7 @@ def _numbers_of(key: str, values: Mapping) -> dict[str, float | int]:
     for name, value in values.items():
         number = _as_number(value)
         if number is None:
-            logger.warning("tensorboard: %r in %r is %s, not a number; skipped", name, key, type(value).__name__)
+            _warn_skipped("tensorboard", f"{key}/{name}", value)
         else:
             numbers[name] = number
     return numbers
@@ -527,7 +540,7 @@ class MLflowTracker(GeneralTracker):
         items = []
         for key, value in values.items():
             if len(str(value)) > limit:
-                logger.warning("mlflow: parameter %r is longer than %d characters; not logged", key, limit)
+                _warn_once(f"mlflow: parameter {key!r} is longer than {limit} characters; not logged")
             else:
                 items.append((key, value))
         for start in range(0, len(items), batch):  # mlflow takes at most `batch` params per call
@@ -540,7 +553,7 @@ class MLflowTracker(GeneralTracker):
         for key, value in values.items():
             number = _as_number(value)
             if number is None:
-                logger.warning("mlflow: %r is %s, not a number; not logged", key, type(value).__name__)
+                _warn_skipped("mlflow", key, value)
             else:
                 metrics[key] = number
         mlflow.log_metrics(metrics, step=step, **kwargs)
@@ -608,7 +621,7 @@ class ClearMLTracker(GeneralTracker):
         for key, value in values.items():
             number = _as_number(value)
             if number is None:
-                logger.warning("clearml: %r is %s, not a number; not logged", key, type(value).__name__)
+                _warn_skipped("clearml", key, value)
                 continue
             if step is None:
                 report.report_single_value(name=key, value=number, **kwargs)
@@ -680,7 +693,7 @@ class DVCLiveTracker(GeneralTracker):
         for key, value in values.items():
             number = _as_number(value)
             if number is None:
-                logger.warning("dvclive: %r is %s, not a number; not logged", key, type(value).__name__)
+                _warn_skipped("dvclive", key, value)
                 continue
             self.live.log_metric(key, number, **kwargs)
         self.live.next_step()

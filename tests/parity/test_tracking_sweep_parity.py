@@ -225,3 +225,30 @@ def test_tracker_calls_on_every_rank_as_in_accelerate():
     assert [rank["decorated"] for rank in results["accelerate"]] == [["ran"] * 3, ["ran", "ran", None]]
     assert results["accelerate"][1]["trackers"] == [] and results["accelerate"][0]["calls"][-1] == "finish"
     assert_same(results["accelerate"], results["nbaccel"], "on_every_rank")
+
+
+def mlflow_warnings(lib):
+    """Values MLflow cannot record, logged at every step: the same value, then a new value each time."""
+    os.environ.update(MLFLOW_TRACKING_URI=f"file:{_folder()}/mlruns", MLFLOW_ALLOW_FILE_STORE="true")
+    accelerator = lib.Accelerator(cpu=True, log_with="mlflow")
+    accelerator.init_trackers("warned")
+    warned = _Warnings()
+    logging.getLogger().addHandler(warned)
+    for step in range(3):
+        accelerator.log({"loss": 1.0 / (step + 1), "phase": "train"}, step=step)
+    found = {"same text at every step": warned.count}
+    for step in range(3, 6):
+        accelerator.log({"loss": 1.0, "note": f"step {step}"}, step=step)
+    found["new text at every step"] = warned.count - found["same text at every step"]
+    logging.getLogger().removeHandler(warned)
+    accelerator.end_training()
+    return found
+
+
+def test_mlflow_names_a_value_it_drops_once_per_distinct_value():
+    """nbaccel's MLflow tracker warned at every `log` call about a string logged at every step; Accelerate warns
+    once per distinct message (`warning_once`): once for a repeated value, once per step for a changing one."""
+    pytest.importorskip("mlflow")
+    results = run_both(mlflow_warnings, num_processes=1)
+    assert results["accelerate"][0] == {"same text at every step": 1, "new text at every step": 3}
+    assert_same(results["accelerate"], results["nbaccel"], "mlflow_warnings")
