@@ -783,11 +783,18 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
     LOGGER_TYPE_TO_CLASS[str(tracker_class.name)] = tracker_class
 
 
+def _built_in_as_enum(name: str) -> str | LoggerType:
+    """Accelerate's built-in tracker names as `LoggerType` members (what its `filter_trackers` returns); nbaccel's
+    "jsonl" and registered classes' names as they are."""
+    return LoggerType(name) if name in {member.value for member in LoggerType} else name
+
+
 def filter_trackers(
     log_with: str | LoggerType | GeneralTracker | Iterable[str | LoggerType | GeneralTracker] | None,
     logging_dir: str | os.PathLike | None = None,
 ) -> list[str | GeneralTracker]:
-    """Check `log_with` and return the trackers to start: names (str) and `GeneralTracker` instances.
+    """Check `log_with` and return the trackers to start: built-in ones as `LoggerType` members (as Accelerate's
+    function returns them), other names as str, and `GeneralTracker` instances.
 
     - `"all"`: the instances listed beside it, then every available built-in tracker (those needing a
       directory only when `logging_dir` is given), in Accelerate's order, then the other names listed beside it
@@ -842,7 +849,7 @@ def filter_trackers(
                 f"Logging with `{name}` requires a `logging_dir`: pass Accelerator(project_dir=...) or "
                 "ProjectConfiguration(logging_dir=...)."
             )
-        add(name)
+        add(_built_in_as_enum(name))
     if wants_all:  # Accelerate's order: the instances, then its built-ins; then the other names given
         named = [item for item in chosen if isinstance(item, str)]
         chosen[:] = [item for item in chosen if not isinstance(item, str)]
@@ -851,7 +858,7 @@ def filter_trackers(
             if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
                 logger.warning("log_with='all': skipping %r, which needs a logging directory", name)
                 continue
-            add(name)
+            add(member)
         for name in named:
             add(name)
     return chosen

@@ -58,6 +58,7 @@ def choosing_trackers(lib):
     found = {"available": _names(tracking.get_available_trackers()),
              "register": _outcome(lambda: tracking.register_tracker_class(Camel))}
     found["available after registering"] = _names(tracking.get_available_trackers())
+    found["filter_trackers"] = _names(tracking.filter_trackers(["wandb", "CamelTracker", Mine()], _folder()))
     for label, log_with in (("empty list", []), ("empty tuple", ()), ("a class", Mine), ("a number", 3),
                             ("registered", "CamelTracker"), ("named then all", ["mlflow", "all"]),
                             ("instance after all", ["wandb", "all", Mine()])):
@@ -77,7 +78,8 @@ def choosing_trackers(lib):
 def test_log_with_choices_and_registered_trackers_as_in_accelerate():
     """nbaccel gave no warning for `log_with=[]`, raised TypeError (not ValueError) for a class or a number in
     `log_with`, listed registered classes in `get_available_trackers()` (as strings) and started them for "all",
-    refused a registered class named in capitals, and met a configuration that is no dict with AttributeError."""
+    refused a registered class named in capitals, met a configuration that is no dict with AttributeError, and
+    its `filter_trackers` returned built-in trackers as strings where Accelerate's returns `LoggerType` members."""
     results = run_both(choosing_trackers, num_processes=1)
     theirs, ours = results["accelerate"][0], results["nbaccel"][0]
     assert theirs["empty list"] == ("ok", [], ["UserWarning"]) and theirs["a class"] == ("raised", "ValueError")
