@@ -183,3 +183,32 @@ def test_run_takes_sys_exit_0_as_notebook_launcher_does_and_a_cell_as_ipython_do
     results = pool.exec("import sys\nsys.exit(0)")
     assert [result.error.exc_type for result in results] == ["SystemExit", "SystemExit"]
     assert pool.pids == pids and pool.restarts == 0
+
+
+def test_debug_with_nothing_to_debug_says_why_in_one_line(pool):
+    """`%ranks debug` when no rank failed is a misuse of the magic (IPython's one-line UsageError, not a
+    traceback through the pool); after the ranks were restarted the failure's frames are gone, and it says so
+    instead of opening a new rank that has nothing to show."""
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbaccel.notebook.magics import RankMagics
+
+    shell = InteractiveShell.instance()
+    magics = RankMagics(shell)
+    magics.pool = pool
+    try:
+        with pytest.raises(UsageError, match=r"^no rank failed in the last cell or function call; name the rank: "
+                                             r"%ranks debug 1$"):
+            magics.ranks("debug")
+        assert pool.exec("1 / 0 if __import__('os').environ['RANK'] == '1' else 0").failed[0].rank == 1
+        assert pool.failed_ranks == [1]
+        pool.exec("import os\nif os.environ['RANK'] == '1':\n    os._exit(3)\n")  # rank 1 dies: every rank restarts
+        assert pool.failed_ranks == [] and pool.restarts == 1
+        with pytest.raises(UsageError, match="the ranks were restarted after the last failure"):
+            magics.ranks("debug")
+        with pytest.raises(RuntimeError, match="the ranks were restarted after the last failure"):
+            pool.debug()
+    finally:
+        magics.pool = None  # the fixture's pool: the fixture stops it
+        InteractiveShell.clear_instance()

@@ -167,6 +167,8 @@ class RankMagics(Magics):
         rank = options.rank
         if rank is not None and not 0 <= rank < pool.world_size:
             raise UsageError(f"rank {rank} does not exist: the ranks are 0..{pool.world_size - 1}")
+        if rank is None and not pool.failed_ranks:  # one line, as for any misuse of a magic
+            raise UsageError(pool.nothing_to_debug("%ranks debug 1"))
         pool.debug(rank)
 
     def _require(self) -> RankPool:

@@ -114,6 +114,7 @@ class RankPool:
         self._cells = itertools.count(1)
         self._cell_names: dict[tuple[str, str | None], tuple[str, bool]] = {}  # (source, name) -> _cell_name's answer
         self._failed_ranks: list[int] = []  # the ranks the last exec/run failed on (`debug`)
+        self._failures_lost = False  # a restart ended the processes of the last failure (`nothing_to_debug`)
         self._lock = threading.RLock()
         self._workers: RankProcesses | None = None
         self._finalizer: weakref.finalize | None = None
@@ -231,6 +232,8 @@ class RankPool:
     close = shutdown
 
     def _stop(self, graceful: bool) -> None:
+        self._failures_lost = self._failures_lost or bool(self._failed_ranks)
+        self._failed_ranks = []  # their processes end here: a post-mortem would open a new rank
         self._stop_reader()  # before the pipes it reads are closed
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -350,9 +353,22 @@ class RankPool:
         rank (`%ranks debug [RANK]`). The rank stays alive: its namespace and frames are those of the failure."""
         if rank is None:
             if not self._failed_ranks:
-                raise RuntimeError("no rank failed in the last cell or function call; name the rank: pool.debug(1)")
+                raise RuntimeError(self.nothing_to_debug("pool.debug(1)"))
             rank = self._failed_ranks[0]
         self._call(lambda call_id: (PoolCommand.DEBUG.value, call_id), [rank], None).raise_if_failed()
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """The ranks on which the last cell or function call failed, whose post-mortem `debug` opens (empty once
+        the ranks were restarted: the frames of the failure went with the processes)."""
+        return list(self._failed_ranks)
+
+    def nothing_to_debug(self, naming: str) -> str:
+        """Why `debug()` has no failed rank to open (when `failed_ranks` is empty); `naming`: how to name a rank."""
+        if self._failures_lost:
+            return ("the ranks were restarted after the last failure, and its frames went with the old processes: "
+                    "run the failing cell again, then debug it")
+        return f"no rank failed in the last cell or function call; name the rank: {naming}"
 
     # ------------------------------------------------------------------------------------------ the wait
     def _call(self, make: Callable[[int], tuple], ranks: Iterable[int] | None,
@@ -377,10 +393,11 @@ class RankPool:
             try:
                 results = call.run(make, values_only and not report)
                 if not isinstance(results, RankResults):
-                    self._failed_ranks = []
+                    self._failed_ranks, self._failures_lost = [], False
                     return results
                 if runs_code:  # exec/run: the ranks that failed are what `debug` opens
                     self._failed_ranks = [result.rank for result in results if result.error is not None]
+                    self._failures_lost = False
                 if report:
                     self._report_results(results)
                 return results
