@@ -14,6 +14,7 @@ import cloudpickle
 import pytest
 from ssh_server import HOSTS
 
+from nbaccel import LaunchError
 from nbaccel.launch.kernel.launcher import notebook_launcher
 from nbaccel.launch.pool import RankPool
 
@@ -81,3 +82,34 @@ def test_rank_pool_on_hosts_asks_in_the_kernel(ssh_config, user, monkeypatch):
     labels = [re.sub(r"^\[(\S+ )?rank", "[rank", prompt) for prompt in asked]
     assert sorted(labels) == ["[rank 0] rank 0 name? ", "[rank 1] rank 1 name? "], asked
     assert names == [["a", "b"][labels.index(f"[rank {rank}] rank {rank} name? ")] for rank in (0, 1)], (names, asked)
+
+
+def killed_at_its_prompt_on_rank_three():
+    import signal
+    import threading
+
+    if os.environ["RANK"] == "3":
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        input("name? ")
+    return 1
+
+
+def test_a_rank_killed_at_its_prompt_on_another_host_withdraws_it(ssh_config, monkeypatch, capfd):
+    """The agent's exit report reaches the prompt's watch: the question is withdrawn, the launch fails."""
+    asked = []
+
+    def nobody_answers(prompt=""):
+        asked.append(prompt)
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise AssertionError("the question was not withdrawn")
+
+    monkeypatch.setattr(builtins, "input", nobody_answers)
+    with pytest.raises(LaunchError) as info:
+        notebook_launcher(killed_at_its_prompt_on_rank_three, num_processes=2, hosts=list(HOSTS), dashboard=False)
+    assert info.value.first_rank == 3 and "SIGKILL" in str(info.value), str(info.value)
+    assert asked == [f"[{HOSTS[1]} rank 3] name? "], asked
+    assert f"the question of {HOSTS[1]} rank 3 was withdrawn" in capfd.readouterr().err

@@ -152,7 +152,7 @@ class SshBackend(Backend):
         self._stopping = False
         self.world_size = 0
         self.pool = False  # RankPool's ranks: their commands and status go to them (the sender thread)
-        self.remote: dict[tuple[int, int], StartedRank] = {}  # pool: (host index, local rank) -> the rank
+        self.remote: dict[tuple[int, int], StartedRank] = {}  # (host index, local rank) -> the rank
         self._closing: set[tuple[int, int, str]] = set()  # duplex relay ends the sender thread is to close
         self._lock = threading.Lock()
         self._sending = threading.Event()
@@ -283,8 +283,10 @@ class SshBackend(Backend):
         agent.writers.append({"channel": channel_w, "stdout": out_w, "stderr": err_w})
         rank = agent.first_rank + i
         # reports_memory: the kernel cannot sample another host's processes (its pids are not ours)
-        return StartedRank(rank, rank, channel_r, out_r, err_r, host=agent.host, reports_memory=True,
-                           reply=partial(_answer, agent, i))
+        started = self.remote[(agent.index, i)] = StartedRank(
+            rank, rank, channel_r, out_r, err_r, host=agent.host, reports_memory=True, reply=partial(_answer, agent, i))
+        started.expect_exit_report()  # its exit code, readable from any thread (a prompt's watch: prompt_relay.py)
+        return started
 
     def _pool_ends(self, agent: Agent, i: int) -> StartedRank:
         commands, relay_commands = Pipe(duplex=True)
