@@ -121,6 +121,8 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     assert error is not None and error.ename == "LaunchError"
     assert "rank 1" in error.evalue and "ValueError: bad rank" in error.evalue
     assert "Traceback from rank 1" in error.evalue
+    # shown as its message, with rank 1's traceback in it; not the kernel's frames from the cell to the raise
+    assert "\n".join(error.traceback) == f"LaunchError: {error.evalue}", error.traceback
 
     assert error_of(again) is None and "again [5, 5]" in stream_text(again)
 

@@ -118,6 +118,12 @@ class LaunchError(ChildFailedError, RuntimeError):
             return self.first_rank, self.failures[self.first_rank]
         return super().get_first_failure()
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the message, which holds the ranks' own tracebacks, without the kernel's
+        frames between the cell and the raise (the plan, the backend, the supervisor's loop: nothing there is
+        the user's to fix). Plain Python and pytest show the whole traceback as ever."""
+        return [f"{type(self).__name__}: {self}"]
+
     def _format_failure(self, idx: int, rank: int, failure: Any) -> tuple[str, int]:
         # torch's report shows the remote traceback when `message` is an error-file record
         if isinstance(failure, WorkerFailure):

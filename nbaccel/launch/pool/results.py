@@ -25,9 +25,6 @@ class RankPoolError(LaunchError):
         self.results = results or []
         self.restarted = restarted
 
-    def _render_traceback_(self) -> list[str]:  # IPython: show the report, not the pool's own frames
-        return [f"{type(self).__name__}: {self}"]
-
 
 class RankFailedError(RankPoolError):
     """A rank raised an exception (the remote traceback is in the message and in `.failures`)."""
