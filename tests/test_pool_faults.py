@@ -212,3 +212,25 @@ def test_debug_with_nothing_to_debug_says_why_in_one_line(pool):
     finally:
         magics.pool = None  # the fixture's pool: the fixture stops it
         InteractiveShell.clear_instance()
+
+
+def test_a_wrong_rank_or_pool_argument_in_a_magic_is_one_line(pool):
+    """`%%ranks --ranks 5` on two ranks and `%ranks start` with an argument RankPool refuses are misuses of the
+    magic: IPython's one-line UsageError, as for a malformed argument, not a ValueError's traceback."""
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbaccel.notebook.magics import RankMagics
+
+    magics = RankMagics(InteractiveShell.instance())
+    try:
+        with pytest.raises(UsageError, match="Unknown mixed_precision mode: 'bogus'"):
+            magics.ranks("start --mixed_precision bogus")
+        assert magics.pool is None
+        magics.pool = pool
+        with pytest.raises(UsageError, match=r"^--ranks 1,5: no rank 5; the ranks are 0\.\.1$"):
+            magics.ranks("--ranks 1,5", "1")
+        assert magics.ranks("--ranks 1", "41 + 1")[0].value == 42
+    finally:
+        magics.pool = None  # the fixture's pool: the fixture stops it
+        InteractiveShell.clear_instance()

@@ -116,8 +116,11 @@ class RankMagics(Magics):
         if self.pool is not None and self.pool.running:
             print(f"Stopping the running ranks first ({self.pool.world_size} ranks).")
             self.pool.shutdown()
-        self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
-                             mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
+        try:
+            self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
+                                 mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
+        except ValueError as exc:  # an argument RankPool refuses before anything starts: a misuse of the magic
+            raise UsageError(str(exc)) from None
         where = f" on {', '.join(self.pool.hosts.names)}" if self.pool.hosts else ""
         print(f"Started {self.pool.world_size} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")
@@ -220,6 +223,12 @@ class RankMagics(Magics):
         """Run the cell on every rank (each in its own namespace) and show the ranks side by side."""
         options = magic_arguments.parse_argstring(RankMagics._run_cell, line)
         pool = self._require()
+        if options.ranks is not None:  # checked here, so that a wrong rank is one line, not a traceback
+            unknown = [rank for rank in options.ranks if not 0 <= rank < pool.world_size]
+            if unknown or not options.ranks:
+                raise UsageError(f"--ranks {','.join(map(str, options.ranks))}: "
+                                 f"{'no rank ' + ', '.join(map(str, unknown)) if unknown else 'no rank given'}; "
+                                 f"the ranks are 0..{pool.world_size - 1}")
         # the kernel's own transformer, as for a cell: `!cmd`, `%magic`, `x?` become get_ipython() calls
         cell = self.shell.transform_cell(cell)
         live = _LiveView()
