@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 from parity_harness import assert_parity, run_both
-from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(600)
@@ -153,6 +153,28 @@ def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches(one
     assert sorted(ours["shuffled"]) == list(range(6)) != ours["shuffled"]
 
 
+class SizedStream(IterableDataset):
+    """An iterable dataset with a length (10 samples)."""
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(10))
+
+    def __len__(self):
+        return 10
+
+
+def sized_stream_skip(lib):
+    """`skip_first_batches(loader, 1)` of a prepared iterable loader with a length, sharded and dispatched:
+    its batches and its `len()`."""
+    out = {}
+    for dispatch in (False, True):
+        config = lib.utils.DataLoaderConfiguration(dispatch_batches=dispatch)
+        accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+        copy = accelerator.skip_first_batches(accelerator.prepare(DataLoader(SizedStream(), batch_size=2)), 1)
+        out[dispatch] = ([_plain(batch) for batch in copy], len(copy))
+    return out
+
+
 def stateful_skip_scenario(lib):
     """`skip_first_batches` of a shuffled stateful loader, with a draw from torch's RNG between making the copy
     and iterating it (a model initialised there, dropout), and a copy that is never iterated."""
@@ -168,11 +190,33 @@ def stateful_skip_scenario(lib):
             "unused": unused is not copy}
 
 
-def test_a_stateful_loaders_skip_copy_draws_when_iterated_as_in_accelerate():
+def two_process_scenario(lib):
+    return {"stateful_skip": stateful_skip_scenario(lib), "sized_stream_skip": sized_stream_skip(lib)}
+
+
+@pytest.fixture(scope="module")
+def two_processes():
+    """The 2-process scenarios, run once for the tests below."""
+    return run_both(two_process_scenario, 2)
+
+
+def test_a_stateful_loaders_skip_copy_draws_when_iterated_as_in_accelerate(two_processes):
     """nbaccel's copy took torchdata's first state when made, drawing the pass's seeds from torch's RNG then
     (Accelerate's copy is a plain DataLoaderShard that draws them when iterated): the draws in between, and
     with them the copy's order, differed."""
-    assert_parity(run_both(stateful_skip_scenario, 2))
+    assert_parity(_part(two_processes, "stateful_skip"))
+
+
+def test_len_of_an_iterable_loaders_skip_copy_is_the_batches_it_yields(two_processes):
+    """Deliberate difference (docs/compat.md): `len()` of the copy is the batches it yields (2 processes, 10
+    samples in batches of 2: 3 steps, 1 skipped, 2 left); Accelerate's counts the whole pass (3). The batches
+    are the same."""
+    results = _part(two_processes, "sized_stream_skip")
+    for dispatch in (False, True):
+        for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
+            assert theirs[dispatch][0] == ours[dispatch][0]
+            assert len(ours[dispatch][0]) == ours[dispatch][1] == 2
+            assert theirs[dispatch][1] == 3
 
 
 def test_gather_for_metrics_returns_what_it_cannot_cut_at_the_last_batch(one_process):
