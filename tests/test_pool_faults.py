@@ -216,21 +216,30 @@ def test_debug_with_nothing_to_debug_says_why_in_one_line(pool):
 
 def test_a_wrong_rank_or_pool_argument_in_a_magic_is_one_line(pool):
     """`%%ranks --ranks 5` on two ranks and `%ranks start` with an argument RankPool refuses are misuses of the
-    magic: IPython's one-line UsageError, as for a malformed argument, not a ValueError's traceback."""
+    magic: IPython's one-line UsageError, as for a malformed argument, not a ValueError's traceback; and the
+    ranks that run stay running (a typo must not cost their variables)."""
     from IPython.core.error import UsageError
     from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
 
     from nbaccel.notebook.magics import RankMagics
 
     magics = RankMagics(InteractiveShell.instance())
     try:
+        magics.pool = pool
+        pool.exec("kept = 1")
         with pytest.raises(UsageError, match="Unknown mixed_precision mode: 'bogus'"):
             magics.ranks("start --mixed_precision bogus")
-        assert magics.pool is None
-        magics.pool = pool
+        assert magics.pool is pool and pool.exec("kept").values == [1, 1]
         with pytest.raises(UsageError, match=r"^--ranks 1,5: no rank 5; the ranks are 0\.\.1$"):
             magics.ranks("--ranks 1,5", "1")
         assert magics.ranks("--ranks 1", "41 + 1")[0].value == 42
+        old = pool.pids
+        with capture_output() as shown:  # arguments that pass: the running ranks are stopped, new ones start
+            magics.ranks("start -n 1")
+        assert shown.stdout.startswith("Stopped the 2 ranks that ran before.\nStarted 1 ranks"), shown.stdout
+        assert not pool.running and all_gone(old) and magics.pool.exec("1").values == [1]
     finally:
-        magics.pool = None  # the fixture's pool: the fixture stops it
+        if magics.pool is not pool:
+            magics.close()  # the pool the magic started
         InteractiveShell.clear_instance()

@@ -113,14 +113,15 @@ class RankMagics(Magics):
         """Start the ranks (a RankPool) with the process group ready; a running pool is stopped first."""
         if options.num_processes < 1:
             raise UsageError(f"-n must be at least 1, got {options.num_processes}")
-        if self.pool is not None and self.pool.running:
-            print(f"Stopping the running ranks first ({self.pool.world_size} ranks).")
-            self.pool.shutdown()
-        try:
+        running = self.pool if self.pool is not None and self.pool.running else None
+        try:  # the running ranks are stopped once the arguments passed (a mistyped one leaves them running)
             self.pool = RankPool(options.num_processes, start_method="spawn" if options.spawn else None,
-                                 mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts)
+                                 mixed_precision=options.mixed_precision, timeout=options.timeout, hosts=options.hosts,
+                                 replacing=running)
         except ValueError as exc:  # an argument RankPool refuses before anything starts: a misuse of the magic
             raise UsageError(str(exc)) from None
+        if running is not None:
+            print(f"Stopped the {running.world_size} ranks that ran before.")
         where = f" on {', '.join(self.pool.hosts.names)}" if self.pool.hosts else ""
         print(f"Started {self.pool.world_size} ranks{where} ({self.pool.start_method}, devices "
               f"{', '.join(self.pool.devices)}, timeout {self.pool.timeout:g} s). Run a cell on them with %%ranks.")

@@ -89,17 +89,21 @@ class RankPool:
     built; `exec(source)` and `run(fn, *args, **kwargs)` run on them and return per-rank results. `timeout`
     (seconds) bounds how long a rank may wait inside one collective before the call fails; a collective
     that another rank cannot join fails after a couple of seconds. Use it as a context manager or call
-    `shutdown()`; it is also stopped when garbage-collected and when the interpreter exits.
+    `shutdown()`; it is also stopped when garbage-collected and when the interpreter exits. `replacing`: a pool
+    to stop once these arguments are checked, before the new ranks start (`%ranks start` passes the running
+    one): arguments that fail leave it running.
     """
 
     @imports_left_whole()  # an interrupt in a first use's import leaves nothing half made
     def __init__(self, num_processes: int = 2, start_method: str | None = None, mixed_precision: str = "no",
                  timeout: float = 30, observers: Iterable[Any] = (), hosts: Sequence[str] | str | None = None,
-                 env_vars: Sequence[str] | Mapping[str, str] | None = None) -> None:
+                 env_vars: Sequence[str] | Mapping[str, str] | None = None, *, replacing: RankPool | None = None) -> None:
         # every check and default once, in plan.py (the same builder as notebook_launcher's): bad input fails here
         self._plan_built = build_plan(LaunchRequest(function=None, program=Program.POOL, num_processes=num_processes,
                                                     start_method=start_method, mixed_precision=mixed_precision,
                                                     timeout=timeout, hosts=hosts, env_vars=env_vars))
+        if replacing is not None:  # stopped once the arguments passed, before the new ranks take the devices
+            replacing.shutdown()
         plan = self._plan_built
         if plan.start_note:
             logger.warning(plan.start_note)
