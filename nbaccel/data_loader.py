@@ -494,9 +494,14 @@ class DataLoaderShard(_PreparedLoaderMixin, DataLoader):
     def __init__(self, dataset: Any, device: torch.device | None = None, rng_types: list | None = None,
                  synchronized_generator: torch.Generator | None = None, skip_batches: int = 0,
                  non_blocking: bool = False, drop_last_of_source: bool = False,
-                 use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+                 use_stateful_dataloader: bool = False, _drop_last: bool | None = None,
+                 _non_blocking: bool | None = None, torch_device_mesh: Any = None, iteration: int = 0,
+                 **kwargs: Any) -> None:
         self._base.__init__(self, dataset, **kwargs)
-        self._init_prepared(device, non_blocking, drop_last_of_source)
+        # `_drop_last`, `_non_blocking`: Accelerate's names of the two flags (code that builds the class itself
+        # passes them); `torch_device_mesh` changes nothing here, as in Accelerate.
+        self._init_prepared(device, _pick(_non_blocking, non_blocking), _pick(_drop_last, drop_last_of_source))
+        self.iteration = iteration
         # At each epoch's start every process takes process 0's state of these RNGs ("generator": the
         # sampler's generator when the user gave it; one nbaccel created is agreed once, at prepare).
         self.rng_types = [str(r) for r in rng_types or [] if synchronized_generator is not None or str(r) != "generator"]
@@ -621,9 +626,14 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
 
     def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
                  device: torch.device | None = None, non_blocking: bool = False, drop_last_of_source: bool = False,
-                 slice_fn: Any = None, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+                 slice_fn: Any = None, use_stateful_dataloader: bool = False, _drop_last: bool | None = None,
+                 _non_blocking: bool | None = None, torch_device_mesh: Any = None, iteration: int = 0,
+                 **kwargs: Any) -> None:
+        if torch_device_mesh is not None:
+            raise ValueError("torch_device_mesh (tensor parallel dispatching) is not supported by nbaccel.")
         self._base.__init__(self, dataset, **kwargs)
-        self._init_prepared(device, non_blocking, drop_last_of_source)
+        self._init_prepared(device, _pick(_non_blocking, non_blocking), _pick(_drop_last, drop_last_of_source))
+        self.iteration = iteration
         state = PartialState()
         self.num_processes = state.num_processes
         self.process_index = state.process_index
@@ -745,6 +755,11 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
         if not self.split_batches:
             whole = whole // self.num_processes if self._drop_last else math.ceil(whole / self.num_processes)
         return self._skipped_length(whole)
+
+
+def _pick(accelerate_name: bool | None, ours: bool) -> bool:
+    """A flag given under Accelerate's private name (`_drop_last`, `_non_blocking`) or under nbaccel's."""
+    return ours if accelerate_name is None else accelerate_name
 
 
 def _batch_length(batch: Any) -> int:

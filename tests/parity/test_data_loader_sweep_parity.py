@@ -190,8 +190,30 @@ def stateful_skip_scenario(lib):
             "unused": unused is not copy}
 
 
+def constructor_scenario(lib):
+    """`DataLoaderShard` and `DataLoaderDispatcher` built directly with Accelerate's keyword arguments
+    (`_drop_last`, `_non_blocking`, `iteration`, `skip_batches`): batches, epoch, remainder, `len()`."""
+    lib.Accelerator(cpu=True)
+    loaders = {
+        "shard": lambda: lib.data_loader.DataLoaderShard(torch.arange(7), batch_size=2, _drop_last=True,
+                                                         _non_blocking=False, iteration=3, skip_batches=1),
+        "dispatcher": lambda: lib.data_loader.DataLoaderDispatcher(torch.arange(7), batch_size=2, _drop_last=False,
+                                                                   _non_blocking=False, iteration=2, skip_batches=1),
+    }
+    out = {}
+    for name, build in loaders.items():
+        def run(build=build):
+            loader = build()
+            batches = [(_plain(batch), loader.remainder) for batch in loader]
+            return {"batches": batches, "iteration": loader.iteration, "drop_last": loader._drop_last,
+                    "len": len(loader)}
+        out[name] = _outcome(run)
+    return out
+
+
 def two_process_scenario(lib):
-    return {"stateful_skip": stateful_skip_scenario(lib), "sized_stream_skip": sized_stream_skip(lib)}
+    return {"stateful_skip": stateful_skip_scenario(lib), "sized_stream_skip": sized_stream_skip(lib),
+            "constructors": constructor_scenario(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -227,4 +249,16 @@ def test_gather_for_metrics_returns_what_it_cannot_cut_at_the_last_batch(one_pro
     last = results["accelerate"][0][-1]
     assert last[0] == ("ok", {"x": ("tensor", "torch.float32", [[6.0]]), "name": ("list", ["s6"])})
     assert last[1] == ("ok", ("tensor", "torch.float32", 6.0))
+    assert_parity(results)
+
+
+def test_prepared_loader_classes_take_accelerates_constructor_arguments(two_processes):
+    """`DataLoaderShard(..., _drop_last=, _non_blocking=, iteration=)` and the same for `DataLoaderDispatcher`
+    (Accelerate's signatures) raised TypeError ("unexpected keyword argument '_drop_last'"). Built with
+    `skip_batches`, `len()` is the batches they yield (docs/compat.md); Accelerate's counts the skipped one."""
+    results = _part(two_processes, "constructors")
+    lengths = {lib: [{name: value[1].pop("len") for name, value in rank.items()} for rank in ranks]
+               for lib, ranks in results.items()}
+    assert lengths["accelerate"] == [{"shard": 4, "dispatcher": 2}] * 2
+    assert lengths["nbaccel"] == [{"shard": 3, "dispatcher": 1}] * 2
     assert_parity(results)
