@@ -89,7 +89,7 @@ def gather_scenario(lib):
 
 def one_process_scenario(lib):
     return {"unbatched": unbatched_scenario(lib), "skip": unbatched_skip_scenario(lib),
-            "gather": gather_scenario(lib)}
+            "gather": gather_scenario(lib), "too_short": too_short_to_dispatch(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +211,19 @@ def constructor_scenario(lib):
     return out
 
 
+def too_short_to_dispatch(lib):
+    """A dispatched loader with `drop_last=True` whose data fill no step (3 samples in batches of 2: one batch,
+    and a step on 2 processes takes 2; on 1 process 1 sample): the batches of each pass, and `len()`."""
+    config = lib.utils.DataLoaderConfiguration(dispatch_batches=True)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    samples = 3 if accelerator.num_processes > 1 else 1
+    loader = accelerator.prepare(DataLoader(torch.arange(samples), batch_size=2, drop_last=True))
+    return {"passes": [_outcome(lambda: [_plain(batch) for batch in loader]) for _ in range(2)], "len": len(loader)}
+
+
 def two_process_scenario(lib):
     return {"stateful_skip": stateful_skip_scenario(lib), "sized_stream_skip": sized_stream_skip(lib),
-            "constructors": constructor_scenario(lib)}
+            "constructors": constructor_scenario(lib), "too_short": too_short_to_dispatch(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +277,16 @@ def test_prepared_loader_classes_take_accelerates_constructor_arguments(two_proc
     assert lengths["accelerate"] == [{"shard": 4, "dispatcher": 2}] * 2
     assert lengths["nbaccel"] == [{"shard": 3, "dispatcher": 1}] * 2
     assert_parity(results)
+
+
+def test_a_dispatched_loader_with_no_whole_step_yields_nothing(one_process, two_processes):
+    """Deliberate difference (docs/compat.md): with `drop_last=True` and too few samples for one step, nbaccel's
+    dispatched loader yields no batch (what the DataLoader yields on one process) and its `len()` is 0, pass
+    after pass. Accelerate's raises ValueError ("Batch does not contain any data") on one process and TypeError
+    (a broadcast of None) on two."""
+    for results, error in ((one_process, "ValueError"), (two_processes, "TypeError")):
+        results = _part(results, "too_short")
+        for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
+            assert theirs["passes"] == [("error", error)] * 2
+            assert ours["passes"] == [("ok", [])] * 2
+            assert theirs["len"] == ours["len"] == 0
