@@ -154,13 +154,16 @@ def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches(one
 
 
 class SizedStream(IterableDataset):
-    """An iterable dataset with a length (10 samples)."""
+    """An iterable dataset with a length (10 samples unless told)."""
+
+    def __init__(self, length=10):
+        self.length = length
 
     def __iter__(self):
-        return iter(torch.tensor([i]) for i in range(10))
+        return iter(torch.tensor([i]) for i in range(self.length))
 
     def __len__(self):
-        return 10
+        return self.length
 
 
 def sized_stream_skip(lib):
@@ -218,7 +221,9 @@ def too_short_to_dispatch(lib):
     accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
     samples = 3 if accelerator.num_processes > 1 else 1
     loader = accelerator.prepare(DataLoader(torch.arange(samples), batch_size=2, drop_last=True))
-    return {"passes": [_outcome(lambda: [_plain(batch) for batch in loader]) for _ in range(2)], "len": len(loader)}
+    empty = accelerator.prepare(DataLoader(SizedStream(0), batch_size=2))  # an iterable dataset: dispatched
+    return {"passes": [_outcome(lambda: [_plain(batch) for batch in loader]) for _ in range(2)], "len": len(loader),
+            "empty": _outcome(lambda: [_plain(batch) for batch in empty])}
 
 
 def two_process_scenario(lib):
@@ -280,13 +285,13 @@ def test_prepared_loader_classes_take_accelerates_constructor_arguments(two_proc
 
 
 def test_a_dispatched_loader_with_no_whole_step_yields_nothing(one_process, two_processes):
-    """Deliberate difference (docs/compat.md): with `drop_last=True` and too few samples for one step, nbaccel's
-    dispatched loader yields no batch (what the DataLoader yields on one process) and its `len()` is 0, pass
-    after pass. Accelerate's raises ValueError ("Batch does not contain any data") on one process and TypeError
-    (a broadcast of None) on two."""
+    """Deliberate difference (docs/compat.md): with `drop_last=True` and too few samples for one step, or no
+    samples at all, nbaccel's dispatched loader yields no batch (what the DataLoader yields on one process) and
+    its `len()` is 0, pass after pass. Accelerate's raises ValueError ("Batch does not contain any data") on one
+    process and TypeError (a broadcast of None) on two."""
     for results, error in ((one_process, "ValueError"), (two_processes, "TypeError")):
         results = _part(results, "too_short")
         for theirs, ours in zip(results["accelerate"], results["nbaccel"]):
-            assert theirs["passes"] == [("error", error)] * 2
-            assert ours["passes"] == [("ok", [])] * 2
+            assert theirs["passes"] == [("error", error)] * 2 and theirs["empty"] == ("error", error)
+            assert ours["passes"] == [("ok", [])] * 2 and ours["empty"] == ("ok", [])
             assert theirs["len"] == ours["len"] == 0
