@@ -912,6 +912,8 @@ def prepare_data_loader(
         kwargs.pop("generator", None)
         if iterable:
             kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        elif dataloader.batch_sampler is None:  # batch_size=None: the sampler's items are the batches
+            kwargs.update(sampler=dataloader.sampler, batch_size=None)
         else:
             kwargs.update(batch_sampler=dataloader.batch_sampler)
         prepared: DataLoader = DataLoaderDispatcher(

@@ -87,9 +87,21 @@ def gather_scenario(lib):
     return out
 
 
+def dispatched_batch_sampler_as_sampler(lib):
+    """`dispatch_batches=True` with a BatchSampler passed as `sampler`: the batches and a skip copy's."""
+    config = lib.utils.DataLoaderConfiguration(dispatch_batches=True)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+
+    def run():
+        loader = accelerator.prepare(_batch_sampler_as_sampler())
+        return [_plain(batch) for batch in loader], [_plain(batch) for batch in accelerator.skip_first_batches(loader, 1)]
+    return _outcome(run)
+
+
 def one_process_scenario(lib):
     return {"unbatched": unbatched_scenario(lib), "skip": unbatched_skip_scenario(lib),
-            "gather": gather_scenario(lib), "too_short": too_short_to_dispatch(lib)}
+            "gather": gather_scenario(lib), "too_short": too_short_to_dispatch(lib),
+            "dispatched_batch_sampler": dispatched_batch_sampler_as_sampler(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +163,17 @@ def test_skip_first_batches_of_a_loader_without_batch_size_keeps_its_batches(one
     assert theirs["batch_sampler_as_sampler"]["prepared"] == ("error", "TypeError")
     assert theirs["shuffled"] == list(range(6))
     assert sorted(ours["shuffled"]) == list(range(6)) != ours["shuffled"]
+
+
+def test_a_dispatched_loader_with_a_batch_sampler_as_sampler_dispatches_its_batches(one_process):
+    """Deliberate difference (docs/compat.md): with `dispatch_batches=True`, a BatchSampler passed as `sampler`
+    gives the DataLoader's batches (nbaccel once dropped it and failed with IndexError); Accelerate's rebuild
+    drops it too and raises RuntimeError (and on two processes waits for ever)."""
+    results = _part(one_process, "dispatched_batch_sampler")
+    own = results["nbaccel"][0][1][0]
+    assert own == [("tensor", "torch.int64", list(range(i, min(i + 4, 10)))) for i in (0, 4, 8)]
+    assert results["nbaccel"][0] == ("ok", (own, own[1:]))
+    assert results["accelerate"][0] == ("error", "RuntimeError")
 
 
 class SizedStream(IterableDataset):
