@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import os
 import pathlib
 import re
@@ -58,6 +59,8 @@ _UNSET = object()  # `split_batches` given explicitly or not
 _DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU,
               DistributedType.MULTI_XPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA,
               DistributedType.MULTI_SDAA, DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON)
+
+_logger = logging.getLogger(__name__)
 
 
 def _unsupported(name: str, what: str) -> ValueError:
@@ -760,6 +763,11 @@ class Accelerator:
         if not gradient_state.end_of_dataloader:
             return data
         remainder = gradient_state.remainder
+        if remainder == -1 and self.is_main_process:
+            # as Accelerate's INFO record: with no length, nothing here says which samples were repeated
+            _logger.info("gather_for_metrics at the last batch of a loader whose dataset has no length: the "
+                         "gathered values are returned whole; drop the samples repeated to even the processes out "
+                         "yourself.")
         if remainder <= 0:
             return data
         try:

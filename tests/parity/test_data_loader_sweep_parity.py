@@ -7,6 +7,7 @@ returning dicts, tuples, namedtuples and non-tensors, `skip_first_batches` of un
 from __future__ import annotations
 
 import collections
+import logging
 
 import pytest
 import torch
@@ -249,9 +250,47 @@ def too_short_to_dispatch(lib):
             "empty": _outcome(lambda: [_plain(batch) for batch in empty])}
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+class Unsized(IterableDataset):
+    """An iterable dataset without a length (5 samples)."""
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(5))
+
+
+def unsized_gather_log(lib):
+    """`gather_for_metrics` over a sharded iterable dataset without a length (remainder unknown): the INFO
+    records of the accelerator's logger, per batch."""
+    config = lib.utils.DataLoaderConfiguration(dispatch_batches=False)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    logger = logging.getLogger(f"{lib.__name__}.accelerator")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        out = []
+        for batch in accelerator.prepare(DataLoader(Unsized(), batch_size=2)):
+            gathered = accelerator.gather_for_metrics(batch)
+            out.append((_plain(gathered), [(r.levelname, "no length" in r.getMessage()) for r in handler.records]))
+            handler.records.clear()
+        return out
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def two_process_scenario(lib):
     return {"stateful_skip": stateful_skip_scenario(lib), "sized_stream_skip": sized_stream_skip(lib),
-            "constructors": constructor_scenario(lib), "too_short": too_short_to_dispatch(lib)}
+            "constructors": constructor_scenario(lib), "too_short": too_short_to_dispatch(lib),
+            "unsized_gather_log": unsized_gather_log(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +357,12 @@ def test_a_dispatched_loader_with_no_whole_step_yields_nothing(one_process, two_
             assert theirs["passes"] == [("error", error)] * 2 and theirs["empty"] == ("error", error)
             assert ours["passes"] == [("ok", [])] * 2 and ours["empty"] == ("ok", [])
             assert theirs["len"] == ours["len"] == 0
+
+
+def test_gather_for_metrics_says_at_the_last_batch_that_an_unsized_dataset_was_not_trimmed(two_processes):
+    """Accelerate logs an INFO record on the main process when `gather_for_metrics` reaches the last batch of a
+    loader whose dataset has no length (it cannot drop the repeated samples); nbaccel logged nothing."""
+    results = _part(two_processes, "unsized_gather_log")
+    assert [logs for _, logs in results["accelerate"][0]] == [[], [("INFO", True)]]
+    assert all(logs == [] for _, logs in results["accelerate"][1])
+    assert_parity(results)
