@@ -663,8 +663,9 @@ class DataLoaderDispatcher(_PreparedLoaderMixin, DataLoader):
         batches = list(itertools.islice(iterator, wanted))
         if not batches or (len(batches) < wanted and self._drop_last):
             return None
-        if self.num_processes > 1:
-            for batch in batches:
+        for batch in batches:
+            _check_batch_dimension(batch)
+            if self.num_processes > 1:
                 _check_dispatchable(batch)
         return _concatenate(batches)
 
@@ -786,6 +787,18 @@ class _Refused:
         if self.type_error:
             return TypeError(self.text)
         return RuntimeError(f"process 0 failed to read the next batch to dispatch: {self.text}")
+
+
+def _check_batch_dimension(batch: Any) -> None:
+    """RuntimeError (Accelerate's type for batches it cannot join) for a 0-dim tensor: a dispatched batch is cut
+    along its first dimension, which a sample yielded without batching (batch_size=None) may lack."""
+    for path, leaf in iter_leaves(batch, "batch"):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 0:
+            raise RuntimeError(
+                f"Dispatched batches are split along their first dimension, but {path} is a 0-dim tensor (a "
+                "DataLoader with batch_size=None yields its samples unbatched). Give the DataLoader a batch_size, "
+                "or pass `DataLoaderConfiguration(dispatch_batches=False)`."
+            )
 
 
 def _check_dispatchable(batch: Any) -> None:

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from parity_harness import assert_parity, run_both
+from parity_harness import assert_parity, assert_same, run_both
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
 pytest.importorskip("accelerate")
@@ -96,7 +96,8 @@ def dispatched_batch_sampler_as_sampler(lib):
     def run():
         loader = accelerator.prepare(_batch_sampler_as_sampler())
         return [_plain(batch) for batch in loader], [_plain(batch) for batch in accelerator.skip_first_batches(loader, 1)]
-    return _outcome(run)
+    unbatched = accelerator.prepare(_unbatched())  # 0-dim samples: nothing to split
+    return _outcome(run), _outcome(lambda: [_plain(batch) for batch in unbatched])
 
 
 def one_process_scenario(lib):
@@ -171,10 +172,19 @@ def test_a_dispatched_loader_with_a_batch_sampler_as_sampler_dispatches_its_batc
     gives the DataLoader's batches (nbaccel once dropped it and failed with IndexError); Accelerate's rebuild
     drops it too and raises RuntimeError (and on two processes waits for ever)."""
     results = _part(one_process, "dispatched_batch_sampler")
-    own = results["nbaccel"][0][1][0]
+    own = results["nbaccel"][0][0][1][0]
     assert own == [("tensor", "torch.int64", list(range(i, min(i + 4, 10)))) for i in (0, 4, 8)]
-    assert results["nbaccel"][0] == ("ok", (own, own[1:]))
-    assert results["accelerate"][0] == ("error", "RuntimeError")
+    assert results["nbaccel"][0][0] == ("ok", (own, own[1:]))
+    assert results["accelerate"][0][0] == ("error", "RuntimeError")
+
+
+def test_a_dispatched_0_dim_batch_is_a_runtime_error_as_in_accelerate(one_process):
+    """A DataLoader with batch_size=None over 0-dim samples, dispatched on one process: Accelerate cannot join
+    the batch (RuntimeError); nbaccel failed on slicing it (IndexError) and now says that such a batch has no
+    dimension to split (RuntimeError)."""
+    results = _part(one_process, "dispatched_batch_sampler")
+    assert [rank[1] for rank in results["accelerate"]] == [("error", "RuntimeError")]
+    assert_same(results["accelerate"][0][1], results["nbaccel"][0][1])
 
 
 class SizedStream(IterableDataset):
