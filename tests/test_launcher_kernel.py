@@ -121,6 +121,7 @@ def test_launches_from_a_real_kernel(kernel_name, tmp_path):
     assert error is not None and error.ename == "LaunchError"
     assert "rank 1" in error.evalue and "ValueError: bad rank" in error.evalue
     assert "Traceback from rank 1" in error.evalue
+    assert "  Cell In[3], line 3, in bad\n" in error.evalue, error.evalue  # the cell, as IPython names it
     # shown as its message, with rank 1's traceback in it; not the kernel's frames from the cell to the raise
     assert "\n".join(error.traceback) == f"LaunchError: {error.evalue}", error.traceback
 

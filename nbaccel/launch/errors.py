@@ -9,7 +9,9 @@ torch.distributed.elastic), so `except ChildFailedError` code written for Accele
 from __future__ import annotations
 
 import copy
+import re
 import signal as signals
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -169,5 +171,26 @@ def format_failures(failures: dict[int, WorkerFailure], first: int | None = None
     if head.traceback:
         lines.append("")
         lines.append(f"Traceback from {rank_label(head.rank, head.host)} (remote):")
-        lines.append(head.traceback.rstrip())
+        lines.append(cells_named(head.traceback.rstrip()))
     return "\n".join(lines)
+
+
+_FRAME_FILE = re.compile(r'^(\s*)File "([^"]+)", line (\d+)', re.MULTILINE)
+
+
+def cells_named(traceback: str) -> str:
+    """`traceback` with the kernel's notebook cells named as IPython names them in its own tracebacks
+    ("Cell In[3], line 4") instead of by the temporary file each cell is compiled as; as is outside IPython.
+    The ranks run the cells' code (inherited, or sent with its name under spawn and to other hosts), so their
+    frames carry those file names."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if name_of is None:
+        return traceback
+
+    def named(frame: re.Match) -> str:
+        label = name_of(frame.group(2))
+        return f"{frame.group(1)}{label[0]} {label[1]}, line {frame.group(3)}" if label else frame.group(0)
+
+    return _FRAME_FILE.sub(named, traceback)
