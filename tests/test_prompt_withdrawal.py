@@ -141,3 +141,20 @@ def test_a_pool_rank_killed_at_its_prompt_withdraws_it(unanswered_input, capfd):
     assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value), str(info.value)
     assert unanswered_input == ["[rank 1] name? "]
     assert "the question of rank 1 was withdrawn: rank 1 ended (killed by SIGKILL" in capfd.readouterr().err
+
+
+def _dies_at_its_prompt_once():
+    if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        pid = os.getpid()
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        input("name? ")
+    return int(os.environ["RANK"])
+
+
+def test_an_elastic_restart_withdraws_the_prompt_and_the_restarted_ranks_finish(unanswered_input, capfd):
+    """max_restarts: torch elastic's agent restarts the ranks after the one at the prompt died; the question is
+    withdrawn and the launch goes on to the restarted ranks' results (before: it waited at the prompt)."""
+    assert notebook_launcher(_dies_at_its_prompt_once, num_processes=2, dashboard=False, max_restarts=1,
+                             timeout=120) == [0, 1]
+    assert unanswered_input == ["[rank 1] name? "]
+    assert "the question of rank 1 was withdrawn: rank 1: killed by SIGKILL" in capfd.readouterr().err

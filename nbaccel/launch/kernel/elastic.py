@@ -231,6 +231,14 @@ class ElasticBackend(ThreadedBackend):
         result = self.value
         return _process_failures(result) if result is not None and result.is_failed() else {}
 
+    def prompt_moot(self) -> str | None:
+        # the agent's thread appends an attempt that failed before it restarts (or gives up on) the ranks; the
+        # supervisor's loop, blocked at the prompt meanwhile, has not taken it yet
+        if self._ended_attempts:
+            failed = ", ".join(f.summary() for attempt in list(self._ended_attempts) for f in attempt.values())
+            return f"{failed or 'a rank failed'}; torch elastic's agent restarts or stops the ranks"
+        return None
+
     def restarted_failures(self) -> dict[int, WorkerFailure]:
         failures: dict[int, WorkerFailure] = {}
         while self._ended_attempts:  # the agent's thread appends, the supervisor's takes: a deque is safe for both

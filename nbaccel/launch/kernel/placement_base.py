@@ -174,6 +174,12 @@ class Backend:
         the backend saw it (torch elastic's agent: a rank killed by a signal reports nothing itself)."""
         return {}
 
+    def prompt_moot(self) -> str | None:
+        """Why a rank's prompt needs no answer any more where only the backend can tell (torch elastic's agent
+        is restarting the ranks), else None. Called from the prompt's watch thread (prompt_relay.py) while the
+        supervisor waits for the user: it reads only what the backend's own threads write."""
+        return None
+
     def lost_reason(self) -> str | None:
         """Why ranks ended without a word, when the backend knows (e.g. torch_xla's spawn raised)."""
         return None

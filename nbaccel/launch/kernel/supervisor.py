@@ -256,7 +256,7 @@ class Supervisor:
 
     def _prompt_moot(self, asking: StartedRank) -> str | None:
         """Why the prompt of `asking` needs no answer any more: it ended, or (where one failure stops the launch)
-        another rank failed; else None. Called from the prompt's watch thread while this loop waits for the
+        another rank failed, or the backend says (an elastic restart); else None. Called from the prompt's watch thread while this loop waits for the
         user, so it reads exit codes only (safe from another thread; the ranks' messages are the loop's)."""
         code = asking.exit_code()
         if code is not None:
@@ -266,7 +266,7 @@ class Supervisor:
                 code = worker.exit_code()
                 if worker is not asking and code not in (None, 0):
                     return f"{worker.label} failed ({_ended_how(code)}), which stops the launch"
-        return None
+        return self.backend.prompt_moot()
 
     def _attempt_ended(self, restart: int) -> None:
         """Elastic restarted the workers: say how the attempt failed, the root cause first (what the ranks
