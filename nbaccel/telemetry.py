@@ -9,6 +9,7 @@ them. Message shape and kinds are documented in docs/internals.md ("The channel"
 from __future__ import annotations
 
 import collections
+import numbers
 import sys
 import threading
 import time
@@ -120,7 +121,11 @@ def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
     reporter = _current()
     if reporter.sink is None:
         return
-    numbers = {key: float(value) for key, value in values.items() if _is_number(value)}
+    numbers = {}
+    for key, value in values.items():
+        number = _as_number(value)
+        if number is not None:
+            numbers[key if type(key) is str else str(key)] = number  # the kernel's views sort the names
     if not numbers:
         return
     if reporter.sampler is not None:
@@ -158,14 +163,31 @@ def report_total_steps(total: int) -> None:
     emit("total", total=total)
 
 
-def _is_number(value: Any) -> bool:
+def _as_number(value: Any) -> float | None:
+    """`value` as a float if it is one real number (a Python or NumPy number, a one-element tensor or
+    array), else None. Never raises: what a tracker accepts (a string, an image, a meta or complex tensor, an
+    int too large for a float) must not fail the training loop only because a dashboard is attached."""
     if type(value) is float:  # the common case first: `loss.item()`
-        return True
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return True
-    return getattr(value, "numel", lambda: 0)() == 1  # a one-element tensor or numpy scalar
+        return value
+    if isinstance(value, (bool, numpy_bool_types())):
+        return None
+    try:
+        if isinstance(value, numbers.Real):  # int, NumPy's float32 and int64, Fraction
+            return float(value)
+        size = getattr(value, "numel", None) or getattr(value, "size", None)
+        size = size() if callable(size) else size
+        if size == 1 and callable(getattr(value, "item", None)):  # a one-element tensor or array
+            item = value.item()  # not float(tensor): that warns for a tensor that requires grad
+            return float(item) if isinstance(item, numbers.Real) and not isinstance(item, bool) else None
+    except Exception:  # noqa: BLE001 - a value that cannot be read as a number is not charted
+        return None
+    return None
+
+
+def numpy_bool_types() -> tuple[type, ...]:
+    """NumPy's bool scalar type when NumPy is loaded (a flag is not a metric to chart, as `bool` is not)."""
+    numpy = sys.modules.get("numpy")
+    return (numpy.bool_,) if numpy is not None else ()
 
 
 def collective_fields(event: str, record: collective_trace.CollectiveRecord) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def rich_renderable(model: DashboardModel):
         ranks = sorted({r for series in model.metrics.values() for r in series.last_by_rank()})
         for column in ["metric", "mean", *[f"rank {r}" for r in ranks], "trend (mean)"]:
             metrics.add_column(column, no_wrap=True)
-        for name, series in model.metrics.items():
+        for name in model.shown_metrics():
+            series = model.metrics[name]
             last = series.last_by_rank()
             _, means = series.mean_series()
             mean = sum(last.values()) / len(last) if last else None
@@ -158,7 +159,7 @@ class PlainView:
 
     @staticmethod
     def _progress_line(model: DashboardModel, s) -> str:
-        metrics = " ".join(f"{k}={format_value(v)}" for k, v in sorted(s.metrics.items()))
+        metrics = " ".join(f"{k}={format_value(s.metrics[k])}" for k in model.shown_metrics() if k in s.metrics)
         line = (f"[{model.title}] rank {s.rank}: step {format_step(s, model.total)} "
                 f"({format_rate(s.steps_per_second)}), RAM {ram_text(s)}")
         if s.device_allocated is not None:

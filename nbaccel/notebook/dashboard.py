@@ -240,14 +240,13 @@ class Dashboard:
 
     def _finish_view(self) -> None:
         if self.mode == "widget":
-            from .render import metrics_png, png_bundle, summary_html, summary_text
+            from .render import chart_text, metrics_png, png_bundle, summary_html, summary_text
 
             self._display_handle.update({"text/html": summary_html(self.model), "text/plain": summary_text(self.model)},
                                         raw=True)
             png = metrics_png(self.model)
             if png is not None:
-                names = ", ".join(sorted(self.model.metrics))
-                self._chart_handle.update(png_bundle(png, f"{self.model.title}: chart of {names}"), raw=True)
+                self._chart_handle.update(png_bundle(png, chart_text(self.model)), raw=True)
             if self._view is not None:  # its output is gone: free the widgets (and keep them out of saved widget state)
                 self._view.close()
         elif self._view is not None:

@@ -7,6 +7,7 @@ docs/internals.md ("The channel"); times come from the messages, so a recorded s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from ..launch.messages import MessageKind, RankState
 
 STATES = (RankState.STARTING, RankState.RUNNING, RankState.FINISHED, RankState.FAILED)  # the ones shown
 RATE_WINDOW_S = 5.0  # steps per second: measured over the last few seconds of step reports
+# The views chart and tabulate the first metrics logged, this many: a run that logs thousands of names (one per
+# parameter) would otherwise take minutes to draw (matplotlib: about 0.1 s a chart) into tables no one can read.
+MAX_SHOWN_METRICS = 16
 
 
 @dataclass
@@ -210,7 +214,8 @@ class DashboardModel:
                 continue
             if math.isnan(value) or math.isinf(value):
                 continue
-            self.metrics.setdefault(name, MetricSeries(str(name))).add(state.rank, value, step)
+            name = str(name)  # views sort the names: 1 and "loss" would not compare
+            self.metrics.setdefault(name, MetricSeries(name)).add(state.rank, value, step)
             state.metrics[name] = value
 
     def _on_step(self, state: RankRow, message: dict) -> None:
@@ -338,6 +343,15 @@ class DashboardModel:
         if RankState.RUNNING in states or RankState.FINISHED in states:
             return RankState.RUNNING
         return RankState.STARTING
+
+    def shown_metrics(self) -> list[str]:
+        """The names of the metrics the views draw, sorted: the first MAX_SHOWN_METRICS logged."""
+        return sorted(itertools.islice(self.metrics, MAX_SHOWN_METRICS))
+
+    @property
+    def hidden_metrics(self) -> int:
+        """How many logged metrics the views leave out (beyond MAX_SHOWN_METRICS)."""
+        return max(0, len(self.metrics) - MAX_SHOWN_METRICS)
 
     def summary(self) -> dict[str, Any]:
         """The static end-of-run summary: final status, peak memory per rank, wall time, last metrics."""

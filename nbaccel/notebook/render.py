@@ -18,6 +18,7 @@ import math
 from ..launch.messages import RankState
 from . import background_drawing
 from .dashboard_model import (
+    MAX_SHOWN_METRICS,
     DashboardModel,
     device_memory_text,
     format_bytes,
@@ -113,6 +114,8 @@ def header_html(model: DashboardModel) -> str:
              f"<span style='color:{color};font-weight:600'>{state}</span>",
              f"{len(model.ranks)} process{'es' if len(model.ranks) != 1 else ''}"]
     parts += [f"{html.escape(str(key))} {html.escape(_info_text(value))}" for key, value in model.info.items()]
+    if model.hidden_metrics:
+        parts.append(html.escape(hidden_metrics_text(model)))
     if model.wall_time is not None:
         parts.append(f"wall time {format_duration(model.wall_time)}")
     return "<div class='nbaccel-header' style='font-family:sans-serif'>" + " · ".join(parts) + "</div>"
@@ -126,7 +129,7 @@ def _info_text(value) -> str:
 def metrics_png(model: DashboardModel, *, width: float = 4.0, height: float = 2.6, dpi: int = 100) -> bytes | None:
     """A PNG with one line chart per logged metric, side by side: the mean across ranks, each rank thin
     behind it (None when nothing was logged)."""
-    names = sorted(model.metrics)
+    names = model.shown_metrics()
     if not names:
         return None
     background_drawing.wait_for_background_import()  # a live view's import of the same modules may still run
@@ -195,6 +198,17 @@ def nice_ticks(low: float, high: float, *, integer: bool = False, count: int = 5
     return [round(float(t), 12) for t in ticks if low - 1e-9 * span <= t <= high + 1e-9 * span]
 
 
+def hidden_metrics_text(model: DashboardModel) -> str:
+    """What the views say of the metrics they leave out (see MAX_SHOWN_METRICS)."""
+    return (f"{len(model.metrics)} metrics logged: only the first {MAX_SHOWN_METRICS} are shown "
+            f"({model.hidden_metrics} left out)")
+
+
+def chart_text(model: DashboardModel) -> str:
+    """The text form of the end-of-run chart: which metrics it draws."""
+    return f"{model.title}: chart of {', '.join(model.shown_metrics())}"
+
+
 def png_bundle(png: bytes, text: str) -> dict[str, str]:
     """Display data of a PNG image (base64, as Jupyter stores it) with its text form."""
     return {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text}
@@ -206,7 +220,7 @@ def summary_html(model: DashboardModel) -> str:
     summary = model.summary()
     heads = ["rank", *_host_head(model), "device", "status", "steps", "steps/s", "peak RAM",
              "peak device memory"]
-    names = sorted(summary["metrics"])
+    names = model.shown_metrics()
     heads += names
     rows = []
     for s, info in zip(model.ranks, summary["ranks"]):
@@ -236,8 +250,11 @@ def summary_html(model: DashboardModel) -> str:
 def summary_text(model: DashboardModel) -> str:
     """The summary as plain text lines (for text/plain outputs and logs)."""
     lines = [f"{model.title}: {model.overall_state}, wall time {format_duration(model.wall_time)}"]
+    if model.hidden_metrics:
+        lines[0] += f"; {hidden_metrics_text(model)}"
+    names = model.shown_metrics()
     for s in model.ranks:
-        metrics = " ".join(f"{k}={format_value(v)}" for k, v in sorted(s.metrics.items()))
+        metrics = " ".join(f"{k}={format_value(s.metrics[k])}" for k in names if k in s.metrics)
         where = f"{s.host} " if s.host else ""
         lines.append(
             f"  rank {s.rank} [{where}{s.device or '?'}] {status_text(s)}; step {format_step(s, model.total)}; "
@@ -269,8 +286,7 @@ class HtmlView:
         self.render(model)
         png = metrics_png(model)
         if png is not None:
-            self._chart.update(png_bundle(png, f"{model.title}: chart of {', '.join(sorted(model.metrics))}"),
-                               raw=True)
+            self._chart.update(png_bundle(png, chart_text(model)), raw=True)
 
     def close(self) -> None:
         pass

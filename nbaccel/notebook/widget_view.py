@@ -135,7 +135,7 @@ class WidgetView:
             self.progress.value = progress
             self.progress.bar_style = {RankState.FAILED: "danger", RankState.FINISHED: "success"}.get(model.overall_state, "info")
             self.progress_text.value = model.progress_text()
-        for name in model.metrics:
+        for name in model.shown_metrics():
             if name not in self.panels:
                 self.panels[name] = _MetricPanel(name)
                 self.charts.children = tuple(panel.box for panel in self.panels.values())

@@ -1,0 +1,70 @@
+"""The dashboard and the ranks' telemetry under what users do to them: odd logged values, very many metrics,
+ranks that die or flood their output. A run must end with its own result or one clear error, and the dashboard in a
+final state; the dashboard itself never raises into the training loop or the cell."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from nbaccel import telemetry
+from nbaccel.notebook.dashboard_model import MAX_SHOWN_METRICS, DashboardModel
+from nbaccel.notebook.render import chart_text, metrics_png, summary_html, summary_text
+
+
+@pytest.fixture
+def sent():
+    """Telemetry attached to a list: the messages a launch's sink would carry to the kernel."""
+    messages: list[dict] = []
+    telemetry.attach(messages.append, 0)
+    yield messages
+    telemetry.detach()
+
+
+def test_logging_what_a_tracker_accepts_never_fails_the_training_loop(sent):
+    # Accelerate's log() with no tracker ignores these; with the dashboard attached, they raised in the loop
+    # (meta and complex tensors, an int too large for a float) or warned (a tensor that requires grad).
+    odd = {"meta": torch.tensor(1.0, device="meta"), "complex": torch.tensor(1 + 2j), "huge": 10**400,
+           "text": "epoch done", "none": None, "nested": {"a": 1.0}, "vector": torch.ones(3), "flag": True,
+           "np_flag": np.bool_(True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        telemetry.log_metrics(odd, step=1)
+        telemetry.log_metrics({"loss": torch.tensor(0.5, requires_grad=True)}, step=2)
+    assert [message["values"] for message in sent] == [{"loss": 0.5}]
+
+
+def test_numpy_numbers_and_one_element_arrays_are_charted(sent):
+    telemetry.log_metrics({"f32": np.float32(0.5), "i64": np.int64(3), "scalar_array": np.array(0.25),
+                           "one": np.array([2.0]), "t": torch.tensor([[4]])}, step=1)
+    assert sent[-1]["values"] == {"f32": 0.5, "i64": 3.0, "scalar_array": 0.25, "one": 2.0, "t": 4.0}
+
+
+def test_metric_names_that_are_not_strings_do_not_break_the_summary(sent):
+    telemetry.log_metrics({1: 0.5, "loss": 1.0}, step=1)
+    assert sent[-1]["values"] == {"1": 0.5, "loss": 1.0}
+    model = DashboardModel(1)
+    # a message from another sink (RankPool's observers, a custom channel) may still carry them
+    model.update(dict(kind="metrics", rank=0, time=1.0, values={2: 1.0, "loss": 2.0}, step=1))
+    model.finish(results=[None])
+    assert "loss" in summary_html(model) and "2=1" in summary_text(model)
+    assert metrics_png(model).startswith(b"\x89PNG")
+
+
+def test_thousands_of_metric_names_are_summarized_not_drawn_one_by_one():
+    # 300 names took 30 s of matplotlib at the end of the run (10,000: hours), under the dashboard's lock
+    model = DashboardModel(2)
+    for rank in range(2):
+        model.update(dict(kind="metrics", rank=rank, time=1.0, step=1,
+                          values={f"layer{i}.grad_norm": float(i) for i in range(10_000)}))
+    model.finish(results=[None, None])
+    shown = model.shown_metrics()
+    assert len(shown) == MAX_SHOWN_METRICS and "layer0.grad_norm" in shown
+    page, text = summary_html(model), summary_text(model)
+    assert "10000 metrics logged" in page and "10000 metrics logged" in text
+    assert page.count("layer") == MAX_SHOWN_METRICS and len(text) < 10_000
+    assert chart_text(model).count("layer") == MAX_SHOWN_METRICS
+    assert metrics_png(model, dpi=20).startswith(b"\x89PNG")
