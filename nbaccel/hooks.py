@@ -171,6 +171,14 @@ class AlignDevicesHook(ModelHook):
         self.tied_params_map = tied_params_map
         self.input_device = None
         self.original_devices: dict[str, torch.device] = {}
+        self.param_original_devices: dict[str, torch.device] = {}  # Accelerate's attributes, kept for code that
+        self.buffer_original_devices: dict[str, torch.device] = {}  # reads them (empty there too)
+        # Offloaded tensors that are tied weights: their copy in the weights map (a safetensors read from disk
+        # gives a new pointer each time) is entered in `tied_params_map` at each forward, so the modules that
+        # share it load it once; `tied_pointers_to_remove` are those entries, dropped after the forward so the
+        # execution device does not keep the weight.
+        self.tied_params_names: set[str] = set()
+        self.tied_pointers_to_remove: set[tuple[int, Any]] = set()
 
     def __repr__(self) -> str:
         return (
@@ -201,6 +209,8 @@ class AlignDevicesHook(ModelHook):
                     module, include_buffers=self.offload_buffers, recurse=self.place_submodules)
             }
         for name in self._offloaded(module):
+            if self.tied_params_map is not None and _tensor(module, name).data_ptr() in self.tied_params_map:
+                self.tied_params_names.add(name)
             set_module_tensor_to_device(module, name, "meta")
         if self.execution_device is not None:
             if self.offload_buffers:  # non-persistent buffers are not in any weights map: keep them on device
@@ -216,18 +226,42 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload:
+            self.tied_pointers_to_remove = set()
             for name in self._offloaded(module):
-                set_module_tensor_to_device(module, name, self.execution_device, value=self.weights_map[name],
+                value = self.weights_map[name]
+                self._track_tied(name, value)
+                set_module_tensor_to_device(module, name, self.execution_device, value=value,
+                                            fp16_statistics=self._fp16_statistics(name, value),
                                             tied_params_map=self.tied_params_map)
         return (
             _send_to_device(args, self.execution_device),
             _send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
         )
 
+    def _track_tied(self, name: str, value: torch.Tensor | None) -> None:
+        """Enter the loaded copy of a tied weight in `tied_params_map` for this forward."""
+        if value is None or self.tied_params_map is None:
+            return
+        pointer = value.data_ptr()
+        if name in self.tied_params_names and pointer not in self.tied_params_map:
+            self.tied_params_map[pointer] = {}
+        if pointer in self.tied_params_map and self.execution_device not in self.tied_params_map[pointer]:
+            self.tied_pointers_to_remove.add((pointer, self.execution_device))
+
+    def _fp16_statistics(self, name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """The `SCB` scales stored beside an int8 weight in the weights map (8-bit checkpoints), if any."""
+        if value is None or value.dtype != torch.int8 or "weight" not in name:
+            return None
+        scales = name.replace("weight", "SCB")
+        return self.weights_map[scales] if scales in self.weights_map else None
+
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:
             for name in self._offloaded(module):
                 set_module_tensor_to_device(module, name, "meta")
+            for pointer, device in self.tied_pointers_to_remove:  # free the tied copies this forward loaded
+                self.tied_params_map[pointer].pop(device, None)
+            self.tied_pointers_to_remove = set()
         if self.io_same_device and self.input_device is not None:
             output = _send_to_device(output, self.input_device, skip_keys=self.skip_keys)
         return output
@@ -236,8 +270,16 @@ class AlignDevicesHook(ModelHook):
         if self.offload:
             for name, device in self.original_devices.items():
                 if device.type != "meta" and name in self.weights_map:
-                    set_module_tensor_to_device(module, name, device, value=self.weights_map[name])
+                    value = self.weights_map[name]
+                    set_module_tensor_to_device(module, name, device, value=value,
+                                                fp16_statistics=self._fp16_statistics(name, value))
         return module
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer at the dotted `name` under `module`."""
+    owner_path, _, attribute = name.rpartition(".")
+    return getattr(module.get_submodule(owner_path), attribute)
 
 
 def _preloads(module: nn.Module, preload_module_classes: list[str] | None) -> bool:
