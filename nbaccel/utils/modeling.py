@@ -419,8 +419,10 @@ def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> di
         device_map[module_name] = values[0]
         return device_map
     depth = len(module_name.split(".")) + 1 if module_name else 1
-    children = {".".join(k.split(".")[:depth]) for k in keys if len(k) > len(module_name)}
-    for child in sorted(children):
+    # Children in the map's (model) order. A merged entry moves to the end of the map, as in Accelerate, whose
+    # children come in set order: with two merges its key order changes with PYTHONHASHSEED (docs/compat.md).
+    children = dict.fromkeys(".".join(k.split(".")[:depth]) for k in keys if len(k) > len(module_name))
+    for child in children:
         clean_device_map(device_map, module_name=child)
     return device_map
 
@@ -599,9 +601,13 @@ def _cover_split_buffers(model: nn.Module, device_map: dict[str, Device]) -> Non
         if _device_for(name, device_map) is not None:
             continue
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        device = next((d for key, d in device_map.items() if key.startswith(owner + ".") or not owner), None)
-        if device is not None:
-            device_map[name] = device
+        parts = [key for key in device_map if key.startswith(owner + ".") or not owner]
+        if parts:  # the new entry goes after the module's parts, so the others keep their order
+            entries = list(device_map.items())
+            at = max(i for i, (key, _) in enumerate(entries) if key in parts) + 1
+            entries.insert(at, (name, device_map[parts[0]]))
+            device_map.clear()
+            device_map.update(entries)
 
 
 @dataclass
