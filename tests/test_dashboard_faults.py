@@ -9,8 +9,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from dashboard_streams import T0, scripted_stream  # tests/ is on sys.path
 
 from nbaccel import telemetry
+from nbaccel.notebook import Dashboard
 from nbaccel.notebook.dashboard_model import MAX_SHOWN_METRICS, DashboardModel
 from nbaccel.notebook.render import chart_text, metrics_png, summary_html, summary_text
 
@@ -68,3 +70,26 @@ def test_thousands_of_metric_names_are_summarized_not_drawn_one_by_one():
     assert page.count("layer") == MAX_SHOWN_METRICS and len(text) < 10_000
     assert chart_text(model).count("layer") == MAX_SHOWN_METRICS
     assert metrics_png(model, dpi=20).startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("how, shown", [("interrupted", "stopped: the launch was interrupted"),
+                                        ("timeout", "stopped: the launch timed out")])
+def test_ranks_stopped_by_an_interrupt_or_a_timeout_say_so(capsys, how, shown):
+    # The launcher sends the launch's end before it closes the dashboard; the ranks still running said only
+    # "stopped before reporting its end", as if they had vanished.
+    dashboard = Dashboard(2, mode="plain").start()
+    for message in scripted_stream()[:-2]:  # both ranks running, neither finished
+        dashboard(message)
+    dashboard(dict(kind="launch", rank=None, time=T0 + 2, state=how))
+    dashboard.close()
+    assert [s.error for s in dashboard.model.ranks] == [shown, shown]
+    assert capsys.readouterr().out.count(shown) >= 2
+
+
+def test_a_new_launch_start_forgets_an_earlier_interrupt():
+    model = DashboardModel(1)
+    model.update(dict(kind="launch", rank=None, time=T0, state="interrupted"))
+    model.update(dict(kind="launch", rank=None, time=T0 + 1, state="started"))
+    model.update(dict(kind="status", rank=0, time=T0 + 1, state="running"))
+    model.finish()
+    assert model.ranks[0].error == "stopped before reporting its end"

@@ -13,9 +13,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..launch.messages import MessageKind, RankState
+from ..launch.messages import LaunchState, MessageKind, RankState
 
 STATES = (RankState.STARTING, RankState.RUNNING, RankState.FINISHED, RankState.FAILED)  # the ones shown
+# What a rank that never reported its end shows, by how the launch ended (a `launch` message's state).
+STOPPED_BY = {LaunchState.INTERRUPTED: "stopped: the launch was interrupted",
+              LaunchState.TIMEOUT: "stopped: the launch timed out"}
+NOT_REPORTED = "stopped before reporting its end"
 RATE_WINDOW_S = 5.0  # steps per second: measured over the last few seconds of step reports
 # The views chart and tabulate the first metrics logged, this many: a run that logs thousands of names (one per
 # parameter) would otherwise take minutes to draw (matplotlib: about 0.1 s a chart) into tables no one can read.
@@ -106,6 +110,7 @@ class DashboardModel:
         self.start_time: float | None = None
         self.end_time: float | None = None
         self.finished = False
+        self.stopped_by: str | None = None  # the launch's interrupt or timeout, from its `launch` end message
         self.version = 0  # bumped on every change: views redraw only when it moved
 
     # --- updates ---------------------------------------------------------------------------------------
@@ -113,6 +118,9 @@ class DashboardModel:
     def update(self, message: dict[str, Any]) -> bool:
         """Apply one channel message; returns whether anything shown changed. Unknown kinds are ignored."""
         kind = message.get("kind")
+        if kind == MessageKind.LAUNCH.value:  # the whole launch's start or end: no rank of its own
+            self.stopped_by = STOPPED_BY.get(message.get("state"))  # a new start forgets an earlier interrupt
+            return False
         handler = _HANDLERS.get(kind)
         rank = message.get("rank")
         if handler is None or not isinstance(rank, int) or rank < 0:
@@ -157,7 +165,7 @@ class DashboardModel:
                 elif results is not None:
                     state.state = RankState.FINISHED
                 else:
-                    state.state, state.error = RankState.FAILED, state.error or "stopped before reporting its end"
+                    state.state, state.error = RankState.FAILED, state.error or self.stopped_by or NOT_REPORTED
         if end_time is not None:
             self.end_time = end_time
         else:  # the last message of the run (message times, so a replayed stream gives the same summary)
