@@ -92,7 +92,8 @@ def test_model_ignores_malformed_and_grows_for_unknown_ranks():
     assert not model.update({"kind": "nope", "rank": 0})
     assert not model.update({"kind": "step"})  # no rank
     assert model.update({"kind": "metrics", "rank": 2, "time": T0, "values": {"acc": "x", "b": float("nan")}})
-    assert len(model.ranks) == 3 and model.metrics == {}
+    assert len(model.ranks) == 3 and list(model.metrics) == ["b"]  # NaN: the rank's latest value, not charted
+    assert model.metrics["b"].points == {}
     with pytest.raises(ValueError, match="num_processes"):
         DashboardModel(0)
 

@@ -13,8 +13,8 @@ from dashboard_streams import T0, scripted_stream  # tests/ is on sys.path
 
 from nbaccel import telemetry
 from nbaccel.notebook import Dashboard
-from nbaccel.notebook.dashboard_model import MAX_SHOWN_METRICS, DashboardModel
-from nbaccel.notebook.render import chart_text, metrics_png, summary_html, summary_text
+from nbaccel.notebook.dashboard_model import MAX_SHOWN_METRICS, DashboardModel, format_value
+from nbaccel.notebook.render import chart_text, metric_table_html, metrics_png, summary_html, summary_text
 
 
 @pytest.fixture
@@ -93,3 +93,20 @@ def test_a_new_launch_start_forgets_an_earlier_interrupt():
     model.update(dict(kind="status", rank=0, time=T0 + 1, state="running"))
     model.finish()
     assert model.ranks[0].error == "stopped before reporting its end"
+
+
+def test_a_metric_gone_nan_shows_nan_not_its_last_finite_value():
+    # Before, NaN and inf were dropped: the tables kept showing the loss of the step before it diverged, and a
+    # metric that was never finite was not shown at all.
+    model = DashboardModel(2)
+    for rank in range(2):
+        model.update(dict(kind="metrics", rank=rank, time=T0, values={"loss": 0.5, "grad": float("inf")}, step=1))
+    model.update(dict(kind="metrics", rank=1, time=T0 + 1, values={"loss": float("nan")}, step=2))
+    model.finish(results=[None, None])
+    assert model.metrics["loss"].mean_series() == ([1.0], [0.5])  # the chart: finite values only
+    assert format_value(model.ranks[1].metrics["loss"]) == "nan"
+    table = metric_table_html(model, "loss")
+    assert ">nan<" in table and ">0.5<" in table
+    assert "loss=nan" in summary_text(model) and "grad=inf" in summary_text(model)
+    assert model.shown_metrics() == ["grad", "loss"]
+    assert metrics_png(model, dpi=20).startswith(b"\x89PNG")

@@ -66,13 +66,18 @@ class MetricSeries:
 
     name: str
     points: dict[float, dict[int, float]] = field(default_factory=dict)
+    latest: dict[int, float] = field(default_factory=dict)  # each rank's last logged value, NaN and inf included
     _count: dict[int, int] = field(default_factory=dict, repr=False)
 
     def add(self, rank: int, value: float, step: int | None) -> None:
+        """Record a logged value: charted when finite; a NaN or inf is only each rank's latest value (a loss
+        gone NaN must show as such in the tables, not as its last finite value)."""
         count = self._count.get(rank, 0) + 1
         self._count[rank] = count
-        x = float(step) if step is not None else float(count)
-        self.points.setdefault(x, {})[rank] = value
+        self.latest[rank] = value
+        if math.isfinite(value):
+            x = float(step) if step is not None else float(count)
+            self.points.setdefault(x, {})[rank] = value
 
     def mean_series(self, max_points: int | None = None) -> tuple[list[float], list[float]]:
         """(xs, mean across ranks at each x), x ascending; averaged down to `max_points` buckets if longer."""
@@ -83,11 +88,8 @@ class MetricSeries:
         return xs, means
 
     def last_by_rank(self) -> dict[int, float]:
-        """The latest value (highest x) each rank logged."""
-        last: dict[int, float] = {}
-        for x in sorted(self.points):
-            last.update(self.points[x])
-        return last
+        """The latest value each rank logged, by rank."""
+        return dict(sorted(self.latest.items()))
 
 
 class DashboardModel:
@@ -219,8 +221,6 @@ class DashboardModel:
             try:
                 value = float(value)
             except (TypeError, ValueError):
-                continue
-            if math.isnan(value) or math.isinf(value):
                 continue
             name = str(name)  # views sort the names: 1 and "loss" would not compare
             self.metrics.setdefault(name, MetricSeries(name)).add(state.rank, value, step)

@@ -163,10 +163,13 @@ def draw_metric(axes, model: DashboardModel, name: str) -> None:
             xs = [x for x in sorted(series.points) if rank in series.points[x]]
             axes.plot(xs, [series.points[x][rank] for x in xs], linewidth=0.8, alpha=0.35,
                       label=f"rank {rank}")
+    axes.set_title(name, fontsize=10)
     xs, means = series.mean_series(max_points=2000)
+    if not xs:  # only NaN or inf logged: nothing to plot
+        axes.text(0.5, 0.5, "no finite value logged", ha="center", va="center", transform=axes.transAxes)
+        return
     axes.plot(xs, means, color="#1f6feb", linewidth=1.8, marker="o" if len(xs) < 30 else None,
               markersize=3, label="mean")
-    axes.set_title(name, fontsize=10)
     axes.set_xlabel("step", fontsize=8)
     axes.tick_params(labelsize=7)
     axes.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
@@ -236,7 +239,7 @@ def summary_html(model: DashboardModel) -> str:
         means = [summary["metrics"][name]["mean"] for name in names]
         rows.append(
             "<tr>" + _cell("mean", "font-weight:600") + _cell("") * (len(heads) - len(names) - 1)
-            + "".join(_cell(format_value(None if math.isnan(m) else m)) for m in means) + "</tr>"
+            + "".join(_cell(format_value(m)) for m in means) + "</tr>"  # NaN: a rank's metric went NaN
         )
     table = (
         f'<table class="nbaccel-summary-ranks" style="{_TABLE_STYLE}"><tr>'
