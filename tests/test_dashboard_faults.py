@@ -13,7 +13,12 @@ from dashboard_streams import T0, scripted_stream  # tests/ is on sys.path
 
 from nbaccel import telemetry
 from nbaccel.notebook import Dashboard
-from nbaccel.notebook.dashboard_model import MAX_SHOWN_METRICS, DashboardModel, format_value
+from nbaccel.notebook.dashboard_model import (
+    MAX_SERIES_POINTS,
+    MAX_SHOWN_METRICS,
+    DashboardModel,
+    format_value,
+)
 from nbaccel.notebook.render import chart_text, metric_table_html, metrics_png, summary_html, summary_text
 
 
@@ -110,3 +115,19 @@ def test_a_metric_gone_nan_shows_nan_not_its_last_finite_value():
     assert "loss=nan" in summary_text(model) and "grad=inf" in summary_text(model)
     assert model.shown_metrics() == ["grad", "loss"]
     assert metrics_png(model, dpi=20).startswith(b"\x89PNG")
+
+
+def test_a_metric_logged_every_iteration_keeps_a_bounded_series():
+    # 40,000 logs a second per rank (accelerator.log in a tight loop) grew the kernel's series without end, and
+    # each redraw sorted and averaged all of it under the dashboard's lock (a million points: seconds).
+    model = DashboardModel(2)
+    for rank in range(2):
+        history = [{"values": {"v": float(i)}, "step": None} for i in range(1, 3 * MAX_SERIES_POINTS)]
+        model.update(dict(kind="metrics", rank=rank, time=T0, values={"v": 3.0 * MAX_SERIES_POINTS}, history=history))
+    series = model.metrics["v"]
+    assert MAX_SERIES_POINTS // 2 <= len(series.points) <= MAX_SERIES_POINTS
+    xs, means = series.mean_series()
+    assert xs[0] < 64 and xs[-1] == 3 * MAX_SERIES_POINTS  # the whole run, averaged in small buckets
+    assert max(abs(x - mean) for x, mean in zip(xs, means)) <= 32  # v == x: a bucket's mean stays near its x
+    assert means[-1] == pytest.approx(3.0 * MAX_SERIES_POINTS, rel=1e-3)
+    assert series.last_by_rank() == {0: 3.0 * MAX_SERIES_POINTS, 1: 3.0 * MAX_SERIES_POINTS}

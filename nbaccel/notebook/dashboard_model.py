@@ -24,6 +24,10 @@ RATE_WINDOW_S = 5.0  # steps per second: measured over the last few seconds of s
 # The views chart and tabulate the first metrics logged, this many: a run that logs thousands of names (one per
 # parameter) would otherwise take minutes to draw (matplotlib: about 0.1 s a chart) into tables no one can read.
 MAX_SHOWN_METRICS = 16
+# Points a metric keeps in the kernel: past it, neighbouring points are averaged in pairs. A loop that logs every
+# iteration (tens of thousands a second) would otherwise grow the kernel's memory without end, and every redraw,
+# which sorts and averages the whole series under the dashboard's lock, would take seconds.
+MAX_SERIES_POINTS = 10_000
 
 
 @dataclass
@@ -78,6 +82,20 @@ class MetricSeries:
         if math.isfinite(value):
             x = float(step) if step is not None else float(count)
             self.points.setdefault(x, {})[rank] = value
+            if len(self.points) > MAX_SERIES_POINTS:
+                self._halve()
+
+    def _halve(self) -> None:
+        """Average neighbouring points in pairs (at the later x), each rank's values with its own."""
+        xs = sorted(self.points)
+        merged: dict[float, dict[int, float]] = {}
+        for first, second in zip(xs[0::2], xs[1::2]):
+            a, b = self.points[first], self.points[second]
+            merged[second] = {rank: (a[rank] + b[rank]) / 2 if rank in a and rank in b else a.get(rank, b.get(rank))
+                              for rank in a.keys() | b.keys()}
+        if len(xs) % 2:
+            merged[xs[-1]] = self.points[xs[-1]]
+        self.points = merged
 
     def mean_series(self, max_points: int | None = None) -> tuple[list[float], list[float]]:
         """(xs, mean across ranks at each x), x ascending; averaged down to `max_points` buckets if longer."""
