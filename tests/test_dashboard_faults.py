@@ -4,6 +4,8 @@ final state; the dashboard itself never raises into the training loop or the cel
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 
 import numpy as np
@@ -13,6 +15,7 @@ from dashboard_streams import T0, scripted_stream  # tests/ is on sys.path
 
 from nbaccel import telemetry
 from nbaccel.notebook import Dashboard
+from nbaccel.notebook.dashboard import resolve_mode, widgets_installed
 from nbaccel.notebook.dashboard_model import (
     MAX_SERIES_POINTS,
     MAX_SHOWN_METRICS,
@@ -131,3 +134,15 @@ def test_a_metric_logged_every_iteration_keeps_a_bounded_series():
     assert max(abs(x - mean) for x, mean in zip(xs, means)) <= 32  # v == x: a bucket's mean stays near its x
     assert means[-1] == pytest.approx(3.0 * MAX_SERIES_POINTS, rel=1e-3)
     assert series.last_by_rank() == {0: 3.0 * MAX_SERIES_POINTS, 1: 3.0 * MAX_SERIES_POINTS}
+
+
+def test_the_view_is_chosen_whatever_sys_modules_holds_for_the_widget_libraries(monkeypatch):
+    # A module object without a spec (put there by a frontend or a test) made find_spec raise ValueError: with
+    # dashboard=True the launch failed, with "auto" it ran without a dashboard; None there blocks the import.
+    monkeypatch.setitem(sys.modules, "bqplot", types.ModuleType("bqplot"))
+    monkeypatch.setitem(sys.modules, "ipywidgets", types.ModuleType("ipywidgets"))
+    assert widgets_installed()
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    assert not widgets_installed()
+    with pytest.raises(ImportError, match="nbaccel\\[notebook\\]"):
+        resolve_mode("widget")

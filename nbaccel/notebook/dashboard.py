@@ -72,7 +72,16 @@ def in_notebook_kernel() -> bool:
 def widgets_installed() -> bool:
     """Whether the widget view can be drawn: ipywidgets and bqplot (the `notebook` extra) are installed (found,
     not imported: bqplot imports pandas, a second the launch need not wait for)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("ipywidgets", "bqplot"))
+    return all(_importable(name) for name in ("ipywidgets", "bqplot"))
+
+
+def _importable(name: str) -> bool:
+    """Whether `import name` would find a module: one already imported counts (find_spec raises ValueError
+    for a module object without a spec, such as one a test or a frontend put in sys.modules), None there is
+    a blocked import."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def resolve_mode(mode: str) -> str:
