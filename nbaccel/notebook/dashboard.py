@@ -76,12 +76,11 @@ def widgets_installed() -> bool:
 
 
 def _importable(name: str) -> bool:
-    """Whether `import name` would find a module: one already imported counts (find_spec raises ValueError
-    for a module object without a spec, such as one a test or a frontend put in sys.modules), None there is
-    a blocked import."""
-    if name in sys.modules:
-        return sys.modules[name] is not None
-    return importlib.util.find_spec(name) is not None
+    """Whether `import name` would find a module (None in sys.modules: a blocked import, not found)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # a module object without a spec in sys.modules (a frontend's or a test's): imported
+        return True
 
 
 def resolve_mode(mode: str) -> str:
