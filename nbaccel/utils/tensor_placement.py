@@ -19,6 +19,11 @@ class UnknownDtypeError(ValueError, AttributeError):
     `getattr(torch, name)` raises."""
 
 
+class NoSuchSubmoduleError(ValueError, AttributeError):
+    """A dotted tensor name through a submodule the module lacks: a ValueError, and the AttributeError that
+    Accelerate's `getattr` raises there."""
+
+
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """`"float16"`, `"torch.float16"` or `torch.float16` -> `torch.float16`."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -63,7 +68,8 @@ def set_module_tensor_to_device(
     clear_cache: bool = True,
 ) -> None:
     """Put the parameter or buffer `tensor_name` (dotted, relative to `module`) on `device`, optionally with a
-    new `value` (cast to the existing dtype, or to `dtype` when given; integer tensors are never cast).
+    new `value` (cast to the existing dtype, or to `dtype` when given; integer tensors are never cast). Without a
+    value, `dtype` applies only to a move to "meta".
 
     `param.to(device)` would return a detached copy; this replaces the module's entry instead, keeping the
     Parameter class and `requires_grad`. With `tied_params_map` ({data_ptr: {device: tensor}}), a tied weight
@@ -75,7 +81,7 @@ def set_module_tensor_to_device(
         for part in path.split("."):
             child = getattr(owner, part, None)
             if child is None:
-                raise ValueError(f"{module.__class__.__name__} has no submodule {part!r} (in {tensor_name!r}).")
+                raise NoSuchSubmoduleError(f"{module.__class__.__name__} has no submodule {part!r} (in {tensor_name!r}).")
             owner = child
     if name not in owner._parameters and name not in owner._buffers:
         raise ValueError(f"{owner.__class__.__name__} has no parameter or buffer named {name!r} ({tensor_name!r}).")
@@ -117,10 +123,11 @@ def set_module_tensor_to_device(
                 value = value.to(dtype, non_blocking=non_blocking)
             new = value.to(device, non_blocking=non_blocking)
         else:
-            if not to_meta and old.device == torch.device(device) and dtype is None:
+            if not to_meta and old.device == torch.device(device):
                 return
             new = old.to(device, non_blocking=non_blocking)
-            if dtype is not None and not str(old.dtype).startswith(_NOT_CAST_PREFIXES):
+            # without a value, `dtype` only shapes a meta placeholder (as in Accelerate): a real tensor keeps its dtype
+            if to_meta and dtype is not None and not str(old.dtype).startswith(_NOT_CAST_PREFIXES):
                 new = new.to(dtype)
 
         if is_buffer:

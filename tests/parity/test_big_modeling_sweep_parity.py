@@ -107,3 +107,26 @@ def test_inferred_device_map_keeps_accelerates_key_order():
     # Accelerate merges children in set order (PYTHONHASHSEED decides); nbaccel in the model's order
     assert sorted(accelerate["cleaned"]) == sorted(nbaccel["cleaned"])
     assert nbaccel["cleaned"] == [("head", "disk"), ("c", "cpu"), ("x", "cpu"), ("b", "disk")]
+
+
+def set_tensor_scenario(lib):
+    """`set_module_tensor_to_device` with a dtype and no value (to the CPU, to meta), and through a submodule
+    that is not there."""
+    result = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        model = _Net()
+        lib.utils.set_module_tensor_to_device(model, "head.weight", device, dtype=torch.float16)
+        lib.utils.set_module_tensor_to_device(model, "blocks.0.scale", device, dtype=torch.float16)
+        result[device] = (model.head.weight.dtype, model.blocks[0].scale.dtype, type(model.head.weight).__name__)
+    try:
+        lib.utils.set_module_tensor_to_device(_Net(), "nowhere.weight", "cpu")
+    except AttributeError as error:  # what Accelerate's getattr raises
+        result["missing"] = f"AttributeError: {'nowhere' in str(error)}"
+    return result
+
+
+def test_set_module_tensor_to_device_dtype_without_value_matches():
+    results = run_both(set_tensor_scenario, 1)
+    assert results["nbaccel"][0]["cpu"][0] == torch.float32  # a real tensor keeps its dtype without a value
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "set_module_tensor_to_device")
