@@ -146,3 +146,18 @@ def test_the_view_is_chosen_whatever_sys_modules_holds_for_the_widget_libraries(
     assert not widgets_installed()
     with pytest.raises(ImportError, match="nbaccel\\[notebook\\]"):
         resolve_mode("widget")
+
+
+def test_a_second_interrupt_while_the_summary_draws_still_ends_the_live_view(monkeypatch):
+    # Ctrl-C twice: the second KeyboardInterrupt landed in close()'s summary drawing and skipped the rest of it,
+    # leaving the view open (its rich Live, its widgets) and the kernel's heap frozen for the chart import.
+    thawed = []
+    monkeypatch.setattr("nbaccel.notebook.background_drawing.thaw", lambda: thawed.append(True))
+    dashboard = Dashboard(2, mode="plain").start()
+    closed = []
+    monkeypatch.setattr(dashboard._view, "finish", lambda model: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(dashboard._view, "close", lambda: closed.append(True))
+    with pytest.raises(KeyboardInterrupt):
+        dashboard.close()
+    assert thawed and closed and not dashboard._drawer.is_alive()
+    dashboard.close()  # idempotent afterwards

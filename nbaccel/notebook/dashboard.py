@@ -171,19 +171,22 @@ class Dashboard:
         """End the live view; what is displayed stays. A started dashboard not finished yet is finished
         first (static summary) with the launch's `results` / `failures` when given; ranks that never
         reported their end then show as failed ("stopped before reporting its end", e.g. an interrupt)."""
-        with self._lock:
-            if not self._finished and (self._started or results is not None or failures is not None):
-                self._end(results, failures)
-            if not self._closed:
-                self._closed = True
-                self._ended.set()
-                self._changed.set()  # the drawing thread wakes up and sees the end
-                if self.mode in ("html", "terminal", "plain") and self._view is not None:
-                    self._guard(self._view.close)
-        drawer = self._drawer  # joined outside the lock: it may be waiting for it
-        if drawer is not None and drawer is not threading.current_thread():
-            drawer.join(timeout=5)
-        background_drawing.thaw()
+        try:
+            with self._lock:
+                if not self._finished and (self._started or results is not None or failures is not None):
+                    self._end(results, failures)
+        finally:  # even when a second Ctrl-C lands in the summary's drawing: the live view still ends
+            with self._lock:
+                if not self._closed:
+                    self._closed = True
+                    self._ended.set()
+                    self._changed.set()  # the drawing thread wakes up and sees the end
+                    if self.mode in ("html", "terminal", "plain") and self._view is not None:
+                        self._guard(self._view.close)
+            drawer = self._drawer  # joined outside the lock: it may be waiting for it
+            if drawer is not None and drawer is not threading.current_thread():
+                drawer.join(timeout=5)
+            background_drawing.thaw()
 
     def _end(self, results: list | None, failures: dict | None) -> None:
         """Final states and the static summary (under the lock)."""
