@@ -22,6 +22,7 @@ from nbaccel.notebook.dashboard_model import (
     DashboardModel,
     format_value,
 )
+from nbaccel.notebook.live_output import MAX_LIVE_ROW, CellOutput
 from nbaccel.notebook.render import chart_text, metric_table_html, metrics_png, summary_html, summary_text
 
 
@@ -161,3 +162,12 @@ def test_a_second_interrupt_while_the_summary_draws_still_ends_the_live_view(mon
         dashboard.close()
     assert thawed and closed and not dashboard._drawer.is_alive()
     dashboard.close()  # idempotent afterwards
+
+
+def test_a_megabyte_line_redrawn_with_carriage_returns_is_cut_in_the_live_area():
+    cell = CellOutput(kernel=False)
+    cell.live(0, "stdout", ["z" * 1_000_000 + " 7/10"])
+    cell.live(1, "stderr", ["rank 1: 70%|███████   | 7/10"])
+    text = cell.live_text()
+    assert len(text) < 2 * MAX_LIVE_ROW
+    assert text.splitlines()[0].endswith("z…") and text.splitlines()[1] == "[rank 1] rank 1: 70%|███████   | 7/10"

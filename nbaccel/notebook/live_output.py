@@ -25,6 +25,9 @@ import uuid
 from typing import Any
 
 LIVE_INTERVAL = 0.2  # seconds between redraws of the live rows (at least 2 per second as asked)
+# A live row is cut to this many characters: a rank redrawing a megabyte-long line with \r (no newline) sent all of
+# it to the browser twice (text and HTML) five times a second; its final state is still printed whole, once.
+MAX_LIVE_ROW = 1000
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
@@ -81,7 +84,7 @@ class CellOutput:
         self._draw()
 
     def live_text(self) -> str:
-        return "\n".join(f"[rank {rank}] {row}" for (rank, _), rows in sorted(self._live.items()) for row in rows)
+        return "\n".join(f"[rank {rank}] {_cut(row)}" for (rank, _), rows in sorted(self._live.items()) for row in rows)
 
     def _draw(self) -> None:
         self._dirty = False
@@ -181,6 +184,10 @@ def label(rank: int, data: dict[str, Any]) -> dict[str, Any]:
         data["text/html"] = (f"<div class='nbaccel-display' data-rank='{rank}'><div style='font-size:11px;"
                              f"color:#666;font-family:monospace'>rank {rank}</div>{data['text/html']}</div>")
     return data
+
+
+def _cut(row: str) -> str:
+    return row if len(row) <= MAX_LIVE_ROW else row[:MAX_LIVE_ROW - 1] + "…"
 
 
 def _flush_std() -> None:
