@@ -387,10 +387,10 @@ def attach_align_device_hook_on_blocks(
             attach_execution_device_hook(module, device, skip_keys=skip_keys,
                                          preload_module_classes=preload_module_classes,
                                          tied_params_map=tied_params_map)
-        return
-    if module_name == "":
+    elif module_name == "":
         add_hook_to_module(module, AlignDevicesHook(execution_device=execution_device.get(""), io_same_device=True,
                                                     skip_keys=skip_keys, tied_params_map=tied_params_map))
+    # deeper keys of the map ({"b": "cpu", "b.0": "disk"}) override this module's hooks for their submodules
     for child_name, child in module.named_children():
         attach_align_device_hook_on_blocks(
             child, execution_device=execution_device, offload=offload, weights_map=weights_map,

@@ -130,3 +130,37 @@ def test_set_module_tensor_to_device_dtype_without_value_matches():
     results = run_both(set_tensor_scenario, 1)
     assert results["nbaccel"][0]["cpu"][0] == torch.float32  # a real tensor keeps its dtype without a value
     assert_same(results["accelerate"][0], results["nbaccel"][0], "set_module_tensor_to_device")
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def nested_map_scenario(lib):
+    """A device map with a key inside another ("b" on the CPU, "b.0" on disk): the deeper key wins."""
+    result = {}
+    for device_map in ({"a": "cpu", "b": "cpu", "b.0": "disk"}, {"": "cpu", "b": "disk"}):
+        torch.manual_seed(0)
+        model = _Stack()
+        with tempfile.TemporaryDirectory() as folder:
+            lib.dispatch_model(model, dict(device_map), offload_dir=folder)
+            output = model(torch.ones(1, 3))
+            result[str(device_map)] = {
+                "devices": {name: str(t.device) for name, t in model.state_dict().items()},
+                "hooks": {name: type(module._hf_hook).__name__ for name, module in model.named_modules()
+                          if hasattr(module, "_hf_hook")},
+                "output": output.detach(),
+            }
+    return result
+
+
+def test_nested_device_map_keys_offload_the_inner_module():
+    results = run_both(nested_map_scenario, 1)
+    assert "meta" in results["nbaccel"][0]["{'': 'cpu', 'b': 'disk'}"]["devices"].values()
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "nested device map")
