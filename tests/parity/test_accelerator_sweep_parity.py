@@ -330,6 +330,11 @@ def one_process_backend(lib):
     return made if made[0] == "raised" else ("ok", made[1].num_processes, str(made[1].distributed_type))
 
 
+def unwrap_no_module(lib):
+    accelerator = lib.Accelerator(cpu=True)
+    return [_outcome(lambda obj=obj: accelerator.unwrap_model(obj)) for obj in (3, None)]
+
+
 def empty_dict_split(lib):
     state = lib.PartialState(cpu=True)
     return _outcome(lambda: state.split_between_processes({}).__enter__())
@@ -352,6 +357,9 @@ def test_what_nbaccel_does_on_purpose_otherwise():
 
     one = run_both(one_process_backend, 1)  # Accelerate asks torch for a process group it never made
     assert one == {"accelerate": [("raised", "ValueError")], "nbaccel": [("ok", 1, "DistributedType.NO")]}
+
+    unwrapped = run_both(unwrap_no_module, 1)  # Accelerate looks for compiled regions in `3._modules`
+    assert unwrapped == {"accelerate": [[("raised", "AttributeError")] * 2], "nbaccel": [[("ok", 3), ("ok", None)]]}
 
     split = run_both(empty_dict_split, 2)  # Accelerate reads the first key of a dict that has none
     assert split == {"accelerate": [("raised", "IndexError")] * 2, "nbaccel": [("ok", {})] * 2}
