@@ -171,3 +171,19 @@ def test_a_megabyte_line_redrawn_with_carriage_returns_is_cut_in_the_live_area()
     text = cell.live_text()
     assert len(text) < 2 * MAX_LIVE_ROW
     assert text.splitlines()[0].endswith("z…") and text.splitlines()[1] == "[rank 1] rank 1: 70%|███████   | 7/10"
+
+
+def test_malformed_messages_from_a_custom_channel_are_dropped_not_raised(capsys):
+    # observe() is documented never to raise: these raised AttributeError/ValueError/TypeError (in a launch the
+    # supervisor then removed the dashboard, which stopped updating), and rank 10**9 built a billion rows.
+    dashboard = Dashboard(2, mode="plain").start()
+    for message in [None, "text", {"kind": "memory", "rank": 0, "rss": "abc"},
+                    {"kind": "metrics", "rank": 0, "values": [1, 2]}, {"kind": "live", "rank": 0, "lines": 5},
+                    {"kind": "metrics", "rank": 0, "history": [{"values": 5}]},
+                    {"kind": "status", "rank": 10**9, "state": "running"},
+                    {"kind": "status", "rank": 1, "local_rank": 10**9, "state": "running"}]:
+        dashboard(message)
+    dashboard(dict(kind="step", rank=1, time=T0, step=3))
+    dashboard.finish(results=[None, None], failures={10**9: "x"})
+    assert len(dashboard.model.ranks) == 2 and dashboard.model.ranks[1].step == 3
+    assert [s.state for s in dashboard.model.ranks] == ["finished", "finished"]

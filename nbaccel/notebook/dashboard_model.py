@@ -28,6 +28,9 @@ MAX_SHOWN_METRICS = 16
 # iteration (tens of thousands a second) would otherwise grow the kernel's memory without end, and every redraw,
 # which sorts and averages the whole series under the dashboard's lock, would take seconds.
 MAX_SERIES_POINTS = 10_000
+# Rows the table grows to for ranks beyond num_processes (a larger world): a message naming rank 10**9 (a custom
+# channel's bug) would otherwise build a billion rows, the kernel's memory and time gone.
+MAX_RANK_ROWS = 65_536
 
 
 @dataclass
@@ -136,21 +139,23 @@ class DashboardModel:
     # --- updates ---------------------------------------------------------------------------------------
 
     def update(self, message: dict[str, Any]) -> bool:
-        """Apply one channel message; returns whether anything shown changed. Unknown kinds are ignored."""
+        """Apply one channel message; returns whether anything shown changed. Unknown kinds and malformed messages are ignored."""
+        if not isinstance(message, dict):
+            return False
         kind = message.get("kind")
         if kind == MessageKind.LAUNCH.value:  # the whole launch's start or end: no rank of its own
             self.stopped_by = STOPPED_BY.get(message.get("state"))  # a new start forgets an earlier interrupt
             return False
         handler = _HANDLERS.get(kind)
         rank = message.get("rank")
-        if handler is None or not isinstance(rank, int) or rank < 0:
+        if handler is None or not _row_index(rank):
             return False
         # Rows are this node's processes: a multi-node launch tags messages with the node-local rank too. A
         # launch on several hosts (the kernel names each rank's host on its messages) shows every host's ranks: by
         # global rank.
         self.on_hosts = self.on_hosts or bool(message.get("host"))
         local_rank = message.get("local_rank")
-        by_local = isinstance(local_rank, int) and local_rank >= 0 and not self.on_hosts
+        by_local = _row_index(local_rank) and not self.on_hosts
         state = self._rank(local_rank if by_local else rank)
         if message.get("host"):  # stamped by the kernel on every message of a rank it started on a host
             state.host = str(message["host"])
@@ -161,7 +166,10 @@ class DashboardModel:
                 self.start_time = now
             state.first_seen = now if state.first_seen is None else min(state.first_seen, now)
             state.last_seen = now if state.last_seen is None else max(state.last_seen, now)
-        handler(self, state, message)
+        try:
+            handler(self, state, message)
+        except (TypeError, ValueError, AttributeError, OverflowError):  # a malformed field: the message is dropped
+            return False
         self.version += 1
         return True
 
@@ -170,7 +178,7 @@ class DashboardModel:
         finished, and any rank still marked starting/running takes the outcome of the whole run."""
         failures = dict(failures or {})
         for rank, error in failures.items():
-            if isinstance(rank, int) and rank >= 0:
+            if _row_index(rank):
                 state = self._rank(rank)
                 state.state, state.error = RankState.FAILED, _first_line(error) or state.error or "failed"
         for rank, _result in enumerate(results or []):
@@ -490,6 +498,11 @@ def status_text(state: RankRow) -> str:
     if state.state == RankState.RUNNING and not state.busy:
         return SETTING_UP_TEXT
     return str(state.state)
+
+
+def _row_index(rank: Any) -> bool:
+    """Whether `rank` can name a row of the table (an int from 0 to MAX_RANK_ROWS - 1)."""
+    return isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < MAX_RANK_ROWS
 
 
 def _first_line(error: Any) -> str | None:
