@@ -378,9 +378,14 @@ def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
 
 
 def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: dict[str, Device]) -> None:
-    """Warn when the names of one tied group are mapped to different devices."""
+    """Warn when the names of one tied group are mapped to different devices; a ValueError (as Accelerate's)
+    when the map gives one of them no device at all."""
     for group in tied_params:
         devices = {name: _device_for(name, device_map) for name in group}
+        unplaced = [name for name, device in devices.items() if device is None]
+        if unplaced:
+            raise ValueError(f"The `device_map` gives no device to the tied parameter(s) {unplaced}: add their "
+                             "modules (or '' for the whole model) to the map.")
         if len({str(d) for d in devices.values()}) > 1:
             logger.warning("Tied parameters are on different devices: %s. Use device_map='auto' or fix the map.",
                            devices)

@@ -164,3 +164,21 @@ def test_nested_device_map_keys_offload_the_inner_module():
     results = run_both(nested_map_scenario, 1)
     assert "meta" in results["nbaccel"][0]["{'': 'cpu', 'b': 'disk'}"]["devices"].values()
     assert_same(results["accelerate"][0], results["nbaccel"][0], "nested device map")
+
+
+def tied_check_scenario(lib):
+    """`check_tied_parameters_on_same_device` with a tied parameter the map gives no device."""
+    check = lib.utils.check_tied_parameters_on_same_device
+    result = {"placed": check([["a.weight", "b.weight"]], {"a": "cpu", "b": "cpu"})}
+    try:
+        check([["a.weight", "c.weight"]], {"a": "cpu", "b": "cpu"})
+        result["unplaced"] = "no error"
+    except ValueError:
+        result["unplaced"] = "ValueError"
+    return result
+
+
+def test_tied_parameter_without_a_device_is_a_value_error():
+    results = run_both(tied_check_scenario, 1)
+    assert results["nbaccel"][0]["unplaced"] == "ValueError"
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "check_tied_parameters_on_same_device")
