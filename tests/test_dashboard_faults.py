@@ -187,3 +187,20 @@ def test_malformed_messages_from_a_custom_channel_are_dropped_not_raised(capsys)
     dashboard.finish(results=[None, None], failures={10**9: "x"})
     assert len(dashboard.model.ranks) == 2 and dashboard.model.ranks[1].step == 3
     assert [s.state for s in dashboard.model.ranks] == ["finished", "finished"]
+
+
+def _one() -> int:
+    return 1
+
+
+def test_a_dashboard_passed_to_a_second_launch_says_it_shows_one_run(capsys):
+    # Before, the second launch ran with nothing shown: start() was a no-op and every message was ignored.
+    from nbaccel import notebook_launcher
+
+    dashboard = Dashboard(2, mode="plain")
+    dashboard.finish(results=[1, 1])
+    with pytest.raises(RuntimeError, match="pass a new Dashboard"):
+        notebook_launcher(_one, num_processes=2, dashboard=dashboard)
+    with pytest.raises(RuntimeError, match="already showed a run that ended"):
+        dashboard.start()
+    assert [s.state for s in dashboard.model.ranks] == ["finished", "finished"]

@@ -37,6 +37,8 @@ _FALLBACK_HTML = (
     "the notebook was saved (an ipywidgets view; it needs the running kernel).</i></div>"
 )
 _FALLBACK_TEXT = "nbaccel live dashboard (the run was still going when this was saved)"
+ENDED_ERROR = ("this Dashboard already showed a run that ended, and keeps its summary: pass a new Dashboard(...) "
+               "to each launch (or dashboard=True)")
 
 
 class Throttle:
@@ -140,9 +142,17 @@ class Dashboard:
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
+    @property
+    def ended(self) -> bool:
+        """Whether this dashboard's run is over (finished or closed): it shows one run, and stays as it ended."""
+        return self._finished or self._closed
+
     def start(self) -> Dashboard:
-        """Show the dashboard (displays the widget, starts the live table or the log lines)."""
+        """Show the dashboard (displays the widget, starts the live table or the log lines); again while
+        running: nothing. RuntimeError once it ended: a dashboard shows one run."""
         with self._lock:
+            if self.ended:
+                raise RuntimeError(ENDED_ERROR)
             if self._started:
                 return self
             self._started = True

@@ -45,7 +45,11 @@ class DashboardHandle:
 
 
 def check_dashboard(dashboard: Any) -> None:
-    """Reject a `dashboard=` value `make_dashboard` cannot use (TypeError), before any process starts."""
+    """Reject a `dashboard=` value `make_dashboard` cannot use (TypeError; a Dashboard whose run ended:
+    RuntimeError), before any process starts."""
+    if getattr(dashboard, "ended", False) is True:  # a Dashboard shows one run: say so before ranks start
+        raise RuntimeError("dashboard=: this Dashboard already showed a run that ended, and keeps its summary: "
+                           "pass a new Dashboard(...) to each launch (or dashboard=True)")
     if dashboard is None or isinstance(dashboard, bool) or callable(dashboard):
         return
     if callable(getattr(dashboard, "observe", None)):
