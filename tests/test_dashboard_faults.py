@@ -204,3 +204,10 @@ def test_a_dashboard_passed_to_a_second_launch_says_it_shows_one_run(capsys):
     with pytest.raises(RuntimeError, match="already showed a run that ended"):
         dashboard.start()
     assert [s.state for s in dashboard.model.ranks] == ["finished", "finished"]
+
+
+@pytest.mark.parametrize("interval", ["10", -1, None, True])
+def test_a_bad_plain_interval_is_refused_when_the_dashboard_is_made(interval):
+    # Before, it was taken and the first redraw failed: "nbaccel dashboard stopped drawing: TypeError ..."
+    with pytest.raises(ValueError, match="plain_interval must be a number of seconds >= 0"):
+        Dashboard(2, mode="plain", plain_interval=interval)

@@ -123,6 +123,8 @@ class Dashboard:
     ):
         if not (isinstance(max_redraws_per_second, (int, float)) and max_redraws_per_second > 0):
             raise ValueError(f"max_redraws_per_second must be a positive number, got {max_redraws_per_second!r}")
+        if isinstance(plain_interval, bool) or not (isinstance(plain_interval, (int, float)) and plain_interval >= 0):
+            raise ValueError(f"plain_interval must be a number of seconds >= 0, got {plain_interval!r}")
         self.model = DashboardModel(num_processes, title=title, total_steps=total_steps, info=launch_info)
         self.mode = resolve_mode(mode)
         self.plain_interval = plain_interval
