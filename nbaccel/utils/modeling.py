@@ -718,7 +718,8 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: dict[str, De
         result = {}
         with safe_open(checkpoint_file, framework="pt", device="cpu") as handle:
             _check_safetensors_format(checkpoint_file, handle.metadata())
-            for key in handle.keys():
+            # the file's storage order, as safetensors' load_file (and so Accelerate) returns it; keys() is sorted
+            for key in getattr(handle, "offset_keys", handle.keys)():
                 tensor = handle.get_tensor(key)
                 device = _device_for(key, device_map) if device_map else None
                 if device not in (None, "cpu", "disk"):

@@ -182,3 +182,22 @@ def test_tied_parameter_without_a_device_is_a_value_error():
     results = run_both(tied_check_scenario, 1)
     assert results["nbaccel"][0]["unplaced"] == "ValueError"
     assert_same(results["accelerate"][0], results["nbaccel"][0], "check_tied_parameters_on_same_device")
+
+
+def load_state_dict_order_scenario(lib):
+    """`load_state_dict` of a safetensors file with tensors of several dtypes: keys in the file's order."""
+    from safetensors.torch import save_file
+
+    tensors = {"a.weight": torch.ones(2, 3), "a.bias": torch.ones(2, dtype=torch.float16),
+               "b.index": torch.tensor([1, 2]), "flag": torch.tensor(True)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/model.safetensors"
+        save_file(tensors, path, metadata={"format": "pt"})
+        loaded = lib.utils.load_state_dict(path)
+        return list(loaded.items())
+
+
+def test_load_state_dict_keeps_the_files_key_order():
+    results = run_both(load_state_dict_order_scenario, 1)
+    assert [key for key, _ in results["nbaccel"][0]] != sorted(key for key, _ in results["nbaccel"][0])
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "load_state_dict")
