@@ -121,17 +121,19 @@ def log_metrics(values: dict[str, Any], step: int | None = None) -> None:
     reporter = _current()
     if reporter.sink is None:
         return
-    numbers = {}
+    charted = {}
     for key, value in values.items():
         number = _as_number(value)
         if number is not None:
-            numbers[key if type(key) is str else str(key)] = number  # the kernel's views sort the names
-    if not numbers:
+            charted[key if type(key) is str else str(key)] = number  # the kernel's views sort the names
+    if not charted:
         return
+    if isinstance(step, numbers.Integral) and not isinstance(step, (bool, int)):
+        step = int(step)  # NumPy's int64 (`for step in np.arange(n)`): the kernel charts int steps
     if reporter.sampler is not None:
-        reporter.queue.append({"values": numbers, "step": step, "time": time.time()})
+        reporter.queue.append({"values": charted, "step": step, "time": time.time()})
     else:
-        _emit(reporter, "metrics", {"values": numbers, "step": step})
+        _emit(reporter, "metrics", {"values": charted, "step": step})
 
 
 def report_step(step: int, total: int | None = None, position: EpochPosition | None = None) -> None:

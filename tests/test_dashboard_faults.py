@@ -211,3 +211,12 @@ def test_a_bad_plain_interval_is_refused_when_the_dashboard_is_made(interval):
     # Before, it was taken and the first redraw failed: "nbaccel dashboard stopped drawing: TypeError ..."
     with pytest.raises(ValueError, match="plain_interval must be a number of seconds >= 0"):
         Dashboard(2, mode="plain", plain_interval=interval)
+
+
+def test_a_numpy_step_is_charted_as_that_step(sent):
+    # `for step in np.arange(n)`: the step was an np.int64, which the dashboard did not take for a step, so
+    # the chart counted logs instead (x 1, 2, 3 for steps 10, 20, 30).
+    for step in np.arange(10, 40, 10):
+        telemetry.log_metrics({"loss": 1.0}, step=step)
+    assert [message["step"] for message in sent] == [10, 20, 30]
+    assert all(type(message["step"]) is int for message in sent)
