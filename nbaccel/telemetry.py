@@ -161,8 +161,12 @@ def _step_fields(step: int, total: int | None, position: EpochPosition | None) -
 
 def report_total_steps(total: int) -> None:
     """The number of optimizer steps the whole run will take, when the training code knows it: the
-    dashboard then shows `step/total` and the run's progress (otherwise the epoch's, from the data loader)."""
-    emit("total", total=total)
+    dashboard then shows `step/total` and the run's progress (otherwise the epoch's, from the data loader).
+    A whole float (`len(loader) * epochs / accumulation`: 88.0) or NumPy integer counts; ValueError otherwise."""
+    whole = isinstance(total, numbers.Integral) or (isinstance(total, float) and total.is_integer())
+    if isinstance(total, bool) or not whole or total < 1:
+        raise ValueError(f"report_total_steps: total must be a positive whole number of optimizer steps, got {total!r}")
+    emit("total", total=int(total))
 
 
 def _as_number(value: Any) -> float | None:

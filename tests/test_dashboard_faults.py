@@ -220,3 +220,14 @@ def test_a_numpy_step_is_charted_as_that_step(sent):
         telemetry.log_metrics({"loss": 1.0}, step=step)
     assert [message["step"] for message in sent] == [10, 20, 30]
     assert all(type(message["step"]) is int for message in sent)
+
+
+def test_the_runs_length_as_a_whole_float_counts_and_a_wrong_one_is_refused(sent):
+    # Before, report_total_steps(len(loader) * epochs / 2) sent 88.0, which the dashboard ignored (no run
+    # progress, no step/total) without a word; 88.5 or "88" too.
+    telemetry.report_total_steps(88.0)
+    telemetry.report_total_steps(np.int64(90))
+    assert [(m["kind"], m["total"], type(m["total"])) for m in sent] == [("total", 88, int), ("total", 90, int)]
+    for wrong in (88.5, "88", 0, True, None):
+        with pytest.raises(ValueError, match="positive whole number of optimizer steps"):
+            telemetry.report_total_steps(wrong)
