@@ -201,3 +201,31 @@ def test_load_state_dict_keeps_the_files_key_order():
     results = run_both(load_state_dict_order_scenario, 1)
     assert [key for key, _ in results["nbaccel"][0]] != sorted(key for key, _ in results["nbaccel"][0])
     assert_same(results["accelerate"][0], results["nbaccel"][0], "load_state_dict")
+
+
+class _Int8(nn.Module):
+    """A layer with an int8 weight whose forward reports the weight's `SCB` scales (as 8-bit layers read them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 2, dtype=torch.int8), requires_grad=False)
+
+    def forward(self, x):
+        return x, getattr(self.weight, "SCB", None)
+
+
+def int8_offload_scenario(lib):
+    """An offloaded int8 weight brought back by AlignDevicesHook with the `SCB` scales stored beside it."""
+    model = _Int8()
+    weights = {"weight": torch.full((2, 2), 3, dtype=torch.int8), "SCB": torch.tensor([5.0, 6.0])}
+    lib.hooks.add_hook_to_module(model, lib.hooks.AlignDevicesHook(execution_device="cpu", offload=True,
+                                                                   weights_map=weights))
+    _, scales = model(torch.ones(1))
+    lib.hooks.remove_hook_from_module(model)
+    return {"in_forward": scales, "weight": model.weight, "after_removal": getattr(model.weight, "SCB", None)}
+
+
+def test_offloaded_int8_weight_gets_its_scales():
+    results = run_both(int8_offload_scenario, 1)
+    assert results["nbaccel"][0]["in_forward"] is not None
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "int8 offload")
