@@ -859,7 +859,9 @@ def load_checkpoint_in_model(
                 unexpected.append(key)
                 continue
             target_dtype = dtype
-            if dtype is not None and any(key == m or key.startswith(m + ".") or f".{m}." in f".{key}"
+            # as in Accelerate, the modules kept in float32 are kept so only against float16 (bfloat16 has
+            # float32's range, so they follow `dtype` there)
+            if dtype == torch.float16 and any(key == m or key.startswith(m + ".") or f".{m}." in f".{key}"
                                          for m in fp32_names):
                 target_dtype = torch.float32
             device = _device_for(key, device_map) if device_map is not None else None

@@ -229,3 +229,26 @@ def test_offloaded_int8_weight_gets_its_scales():
     results = run_both(int8_offload_scenario, 1)
     assert results["nbaccel"][0]["in_forward"] is not None
     assert_same(results["accelerate"][0], results["nbaccel"][0], "int8 offload")
+
+
+def keep_in_fp32_scenario(lib):
+    """`load_checkpoint_in_model(..., keep_in_fp32_modules=...)` with float16 and with bfloat16."""
+    from safetensors.torch import save_file
+
+    result = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        source = _Stack()
+        with tempfile.TemporaryDirectory() as folder:
+            path = f"{folder}/model.safetensors"
+            save_file(source.state_dict(), path, metadata={"format": "pt"})
+            model = _Stack()
+            lib.load_checkpoint_in_model(model, path, device_map={"": "cpu"}, dtype=dtype, keep_in_fp32_modules=["a"])
+            result[str(dtype)] = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    return result
+
+
+def test_keep_in_fp32_modules_applies_against_float16_only():
+    results = run_both(keep_in_fp32_scenario, 1)
+    assert results["nbaccel"][0]["torch.float16"]["a.weight"] == torch.float32
+    assert_same(results["accelerate"][0], results["nbaccel"][0], "keep_in_fp32_modules")
