@@ -247,6 +247,10 @@ def _on_collective(event: str, trace: collective_trace.in_collective) -> None:
 # --- the background sampler: memory and the latest step, a few times a second ---------------------------
 
 FLUSH_INTERVAL = 0.25  # seconds between sends of the queued log messages (the dashboard redraws at most 5/s by default)
+# Logs one send carries at most: past it, consecutive logs are averaged in pairs. `accelerator.log` in a tight loop
+# (a few hundred thousand a second) made messages the kernel took longer to read than the rank took to write: the
+# launch's end waited seconds for them, and the rank's memory grew with what was still to send.
+MAX_LOGS_PER_SEND = 1024
 
 
 def start_sampler(interval: float = 0.5) -> None:
@@ -345,6 +349,8 @@ class _Sampler:
         entries = []
         while reporter.queue:
             entries.append(reporter.queue.popleft())
+        while len(entries) > MAX_LOGS_PER_SEND:
+            entries = merge_logs(entries)
         if entries:
             latest = entries.pop()
             message = {"kind": "metrics", "rank": reporter.rank, **latest}
@@ -364,6 +370,58 @@ class _Sampler:
             self._rss_peak = max(self._rss_peak, sample["rss"], sample["rss_peak"] or 0)
             sample["rss_peak"] = self._rss_peak
         _emit(self.reporter, "memory", sample)
+
+
+def merge_logs(entries: list[Message]) -> list[Message]:
+    """Queued logs ({"values", "step", "time"}) averaged in consecutive pairs, name by name: each pair becomes
+    one log at the later one's step and time, which says in `logs` how many it stands for (the dashboard counts
+    logs for a metric logged without a step)."""
+    merged = []
+    for first, second in zip(entries[0::2], entries[1::2]):
+        values = dict(first["values"])
+        for name, value in second["values"].items():
+            values[name] = (values[name] + value) / 2 if name in values else value
+        merged.append({"values": values, "step": second["step"], "time": second["time"],
+                       "logs": first.get("logs", 1) + second.get("logs", 1)})
+    if len(entries) % 2:
+        merged.append(entries[-1])
+    return merged
+
+
+def coalesce_metrics(batch: list[Message]) -> list[Message]:
+    """A batch of messages (the launcher's sink sends one every few hundredths of a second) with each run of
+    consecutive `metrics` messages made one, its earlier logs in `history`, averaged past MAX_LOGS_PER_SEND
+    (`merge_logs`). The kernel then hands the dashboard one message per run, not one per `accelerator.log`:
+    a tight loop's hundreds of thousands a second kept the kernel busy seconds after the ranks were done."""
+    out: list[Message] = []
+    run: list[Message] = []
+    for message in [*batch, None]:
+        if message is not None and message.get("kind") == "metrics":
+            run.append(message)
+            continue
+        out.extend(run if len(run) < 2 else [_one_metrics_message(run)])
+        run = []
+        if message is not None:
+            out.append(message)
+    return out
+
+
+def _one_metrics_message(run: list[Message]) -> Message:
+    entries: list[Message] = []
+    for message in run:
+        for entry in message.get("history") or ():
+            entries.append(entry)
+        latest = {"values": message.get("values") or {}, "step": message.get("step"), "time": message.get("time")}
+        if "logs" in message:
+            latest["logs"] = message["logs"]
+        entries.append(latest)
+    while len(entries) > MAX_LOGS_PER_SEND:
+        entries = merge_logs(entries)
+    merged = {key: value for key, value in run[-1].items() if key not in ("history", "logs")}
+    merged.update(entries[-1])
+    if len(entries) > 1:
+        merged["history"] = entries[:-1]
+    return merged
 
 
 def _host_memory() -> dict[str, int | None]:

@@ -5,6 +5,7 @@ final state; the dashboard itself never raises into the training loop or the cel
 from __future__ import annotations
 
 import sys
+import threading
 import types
 import warnings
 
@@ -231,3 +232,61 @@ def test_the_runs_length_as_a_whole_float_counts_and_a_wrong_one_is_refused(sent
     for wrong in (88.5, "88", 0, True, None):
         with pytest.raises(ValueError, match="positive whole number of optimizer steps"):
             telemetry.report_total_steps(wrong)
+
+
+def test_a_flood_of_logs_is_averaged_on_the_rank_into_bounded_sends(sent):
+    # 170,000 logs a second per rank made messages the kernel read slower than the rank wrote them: the launch's end
+    # waited seconds, and the rank's memory grew with the backlog. A send now carries at most MAX_LOGS_PER_SEND.
+    reporter = telemetry._current()
+    reporter.sampler = telemetry._Sampler(1.0, reporter)  # not started: flushed below, once
+    try:
+        for n in range(1, 5001):
+            telemetry.log_metrics({"v": float(n)})
+        telemetry.log_metrics({"v": 5001.0, "w": 1.0}, step=None)
+        reporter.sampler.flush()
+    finally:
+        reporter.sampler = None
+    (message,) = sent
+    entries = [*message.get("history", []), message]
+    assert len(entries) <= telemetry.MAX_LOGS_PER_SEND
+    assert sum(entry.get("logs", 1) for entry in entries) == 5001
+    model = DashboardModel(1)
+    model.update(dict(message, rank=0, time=T0))
+    xs, means = model.metrics["v"].mean_series()
+    assert xs[-1] == 5001.0 and means[-1] == pytest.approx(5001.0, abs=8)
+    assert max(abs(x - mean) for x, mean in zip(xs, means)) <= 8  # v == n: each average sits at its logs' end
+
+
+def test_the_launchers_sink_sends_a_run_of_logs_as_one_message():
+    # notebook_launcher's sink sent one message per accelerator.log: a loop logging 170,000 a second per rank
+    # kept the kernel busy handing them to the dashboard one by one, and the launch ended 5 s after the ranks.
+    from multiprocessing import Pipe
+
+    from nbaccel.launch.channel import WorkerSink
+
+    kernel_end, worker_end = Pipe(duplex=False)
+    received: list[dict] = []
+    reader = threading.Thread(target=lambda: received.append(kernel_end.recv()), daemon=True)
+    reader.start()  # reads while the flush writes: a batch larger than the pipe's buffer would block it
+    sink = WorkerSink(worker_end, rank=1, interval=3600)  # its sender thread waits: flushed below, once
+    try:
+        for n in range(1, 3001):
+            sink(dict(kind="metrics", rank=1, time=T0 + n, values={"v": float(n)}, step=None))
+        sink(dict(kind="step", rank=1, time=T0 + 3001, step=1))
+        sink(dict(kind="metrics", rank=1, time=T0 + 3002, values={"v": 0.5}, step=1))
+        sink.flush()
+        reader.join(timeout=30)
+    finally:
+        sink.close()
+    (batch,) = received
+    kinds = [message["kind"] for message in batch["messages"]]
+    assert kinds == ["metrics", "step", "metrics"]
+    first = batch["messages"][0]
+    entries = [*first["history"], first]
+    assert len(entries) <= telemetry.MAX_LOGS_PER_SEND and sum(e.get("logs", 1) for e in entries) == 3000
+    assert first["rank"] == 1 and first["local_rank"] == 1 and first["time"] == T0 + 3000
+    model = DashboardModel(2)
+    for message in batch["messages"]:
+        model.update(message)
+    assert model.metrics["v"].last_by_rank() == {1: 0.5} and model.ranks[1].step == 1
+    assert max(model.metrics["v"].points) == 3000.0  # the 3000 stepless logs still count as 3000

@@ -192,6 +192,10 @@ class WorkerSink:
                 return
             batch.append(last)
         if batch:
+            if len(batch) > 1:  # runs of logs as one message each (telemetry.coalesce_metrics)
+                from .. import telemetry
+
+                batch = telemetry.coalesce_metrics(batch)
             self._send_locked({"kind": MessageKind.BATCH.value, "rank": self.rank, "messages": batch})
 
     def _send_locked(self, message: Message) -> None:

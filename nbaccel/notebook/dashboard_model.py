@@ -76,10 +76,11 @@ class MetricSeries:
     latest: dict[int, float] = field(default_factory=dict)  # each rank's last logged value, NaN and inf included
     _count: dict[int, int] = field(default_factory=dict, repr=False)
 
-    def add(self, rank: int, value: float, step: int | None) -> None:
+    def add(self, rank: int, value: float, step: int | None, logs: int = 1) -> None:
         """Record a logged value: charted when finite; a NaN or inf is only each rank's latest value (a loss
-        gone NaN must show as such in the tables, not as its last finite value)."""
-        count = self._count.get(rank, 0) + 1
+        gone NaN must show as such in the tables, not as its last finite value). `logs`: how many logs the
+        value stands for (a rank averages a flood of them, telemetry.merge_logs), counted for a stepless x."""
+        count = self._count.get(rank, 0) + logs
         self._count[rank] = count
         self.latest[rank] = value
         if math.isfinite(value):
@@ -237,19 +238,20 @@ class DashboardModel:
         # A sampler-batched message carries the earlier logs of its interval in `history`, oldest first.
         for entry in message.get("history") or ():
             if isinstance(entry, dict):
-                self._add_metrics(state, entry.get("values") or {}, entry.get("step"))
-        self._add_metrics(state, message.get("values") or {}, message.get("step"))
+                self._add_metrics(state, entry.get("values") or {}, entry.get("step"), entry.get("logs"))
+        self._add_metrics(state, message.get("values") or {}, message.get("step"), message.get("logs"))
         self._mark_running(state)
 
-    def _add_metrics(self, state: RankRow, values: dict, step: Any) -> None:
+    def _add_metrics(self, state: RankRow, values: dict, step: Any, logs: Any = None) -> None:
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        logs = logs if isinstance(logs, int) and not isinstance(logs, bool) and logs > 0 else 1
         for name, value in values.items():
             try:
                 value = float(value)
             except (TypeError, ValueError):
                 continue
             name = str(name)  # views sort the names: 1 and "loss" would not compare
-            self.metrics.setdefault(name, MetricSeries(name)).add(state.rank, value, step)
+            self.metrics.setdefault(name, MetricSeries(name)).add(state.rank, value, step, logs)
             state.metrics[name] = value
 
     def _on_step(self, state: RankRow, message: dict) -> None:
