@@ -396,14 +396,20 @@ def coalesce_metrics(batch: list[Message]) -> list[Message]:
     out: list[Message] = []
     run: list[Message] = []
     for message in [*batch, None]:
-        if message is not None and message.get("kind") == "metrics":
+        is_log = message is not None and message.get("kind") == "metrics"
+        if is_log and (not run or _same_rank(run[-1], message)):
             run.append(message)
             continue
         out.extend(run if len(run) < 2 else [_one_metrics_message(run)])
-        run = []
-        if message is not None:
+        run = [message] if is_log else []
+        if message is not None and not is_log:
             out.append(message)
     return out
+
+
+def _same_rank(first: Message, second: Message) -> bool:
+    """Whether two messages come from one rank (a sink may carry several: torch_xla's ranks are threads)."""
+    return first.get("rank") == second.get("rank") and first.get("local_rank") == second.get("local_rank")
 
 
 def _one_metrics_message(run: list[Message]) -> Message:

@@ -290,3 +290,11 @@ def test_the_launchers_sink_sends_a_run_of_logs_as_one_message():
         model.update(message)
     assert model.metrics["v"].last_by_rank() == {1: 0.5} and model.ranks[1].step == 1
     assert max(model.metrics["v"].points) == 3000.0  # the 3000 stepless logs still count as 3000
+
+
+def test_logs_of_ranks_sharing_a_sink_are_not_merged_across_ranks():
+    # torch_xla runs ranks as threads of one process, which may share a sink: a run of logs is one rank's
+    batch = [dict(kind="metrics", rank=rank, local_rank=rank, time=T0 + n, values={"v": float(rank)}, step=n)
+             for n, rank in enumerate([0, 0, 1, 1, 0])]
+    merged = telemetry.coalesce_metrics(batch)
+    assert [(m["rank"], len(m.get("history", ()))) for m in merged] == [(0, 1), (1, 1), (0, 0)]
