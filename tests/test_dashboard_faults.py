@@ -298,3 +298,14 @@ def test_logs_of_ranks_sharing_a_sink_are_not_merged_across_ranks():
              for n, rank in enumerate([0, 0, 1, 1, 0])]
     merged = telemetry.coalesce_metrics(batch)
     assert [(m["rank"], len(m.get("history", ()))) for m in merged] == [(0, 1), (1, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("mode", ["widget", "html"])
+def test_a_notebook_view_asked_for_in_plain_python_is_one_clear_error(mode):
+    # Before, notebook_launcher(..., dashboard="widget") in a script printed the display dicts as text, then
+    # "RuntimeWarning: nbaccel dashboard stopped drawing: AttributeError: 'NoneType' object has no attribute 'update'".
+    from IPython.core.interactiveshell import InteractiveShell
+
+    assert not InteractiveShell.initialized()  # no shell: plain Python
+    with pytest.raises(ValueError, match="this is plain Python .*'terminal' or 'plain'"):
+        Dashboard(2, mode=mode)

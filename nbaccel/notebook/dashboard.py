@@ -71,6 +71,15 @@ def in_notebook_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def _ipython_running() -> bool:
+    """Whether an IPython shell runs in this process (a kernel, or terminal IPython): display() has a publisher."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return get_ipython() is not None
+
+
 def widgets_installed() -> bool:
     """Whether the widget view can be drawn: ipywidgets and bqplot (the `notebook` extra) are installed (found,
     not imported: bqplot imports pandas, a second the launch need not wait for)."""
@@ -92,6 +101,9 @@ def resolve_mode(mode: str) -> str:
     if mode == "widget" and not widgets_installed():
         raise ImportError(f"Dashboard(mode='widget') needs ipywidgets and bqplot: {INSTALL_HINT} "
                           "(or mode='html' / 'auto', which need neither)")
+    if mode in ("widget", "html") and not _ipython_running():
+        raise ValueError(f"Dashboard(mode={mode!r}) draws into a notebook's output, and this is plain Python (no "
+                         "IPython): use mode='auto' (or dashboard=True), 'terminal' or 'plain'")
     if mode != "auto":
         return mode
     if in_notebook_kernel():
