@@ -301,11 +301,11 @@ def test_logs_of_ranks_sharing_a_sink_are_not_merged_across_ranks():
 
 
 @pytest.mark.parametrize("mode", ["widget", "html"])
-def test_a_notebook_view_asked_for_in_plain_python_is_one_clear_error(mode):
+def test_a_notebook_view_asked_for_in_plain_python_is_one_clear_error(monkeypatch, mode):
     # Before, notebook_launcher(..., dashboard="widget") in a script printed the display dicts as text, then
     # "RuntimeWarning: nbaccel dashboard stopped drawing: AttributeError: 'NoneType' object has no attribute 'update'".
     from IPython.core.interactiveshell import InteractiveShell
 
-    assert not InteractiveShell.initialized()  # no shell: plain Python
+    monkeypatch.setattr(InteractiveShell, "_instance", None, raising=False)  # no shell: plain Python
     with pytest.raises(ValueError, match="this is plain Python .*'terminal' or 'plain'"):
         Dashboard(2, mode=mode)
