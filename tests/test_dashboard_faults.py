@@ -309,3 +309,13 @@ def test_a_notebook_view_asked_for_in_plain_python_is_one_clear_error(monkeypatc
     monkeypatch.setattr(InteractiveShell, "_instance", None, raising=False)  # no shell: plain Python
     with pytest.raises(ValueError, match="this is plain Python .*'terminal' or 'plain'"):
         Dashboard(2, mode=mode)
+
+
+def test_a_notebook_view_asked_for_in_plain_python_fails_before_any_rank_starts(tmp_path):
+    """notebook_launcher checks the view first (observers.check_dashboard): no rank runs the function."""
+    from nbaccel import notebook_launcher
+
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match="this is plain Python"):
+        notebook_launcher(marker.touch, num_processes=2, dashboard="html")
+    assert not marker.exists()

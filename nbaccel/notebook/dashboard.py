@@ -122,6 +122,9 @@ class Dashboard:
     arguments (the launcher passes `start_method`, `world_size`, `rendezvous`, `device`) are shown in the header.
     """
 
+    # the view a mode gives here, or why it cannot be drawn here: the launcher asks before any rank starts
+    resolve_mode = staticmethod(resolve_mode)
+
     def __init__(
         self,
         num_processes: int,

@@ -46,7 +46,8 @@ class DashboardHandle:
 
 def check_dashboard(dashboard: Any) -> None:
     """Reject a `dashboard=` value `make_dashboard` cannot use (TypeError; a Dashboard whose run ended:
-    RuntimeError), before any process starts."""
+    RuntimeError; a view this process cannot draw, such as "widget" in plain Python: the Dashboard's own
+    ValueError or ImportError), before any process starts."""
     if getattr(dashboard, "ended", False) is True:  # a Dashboard shows one run: say so before ranks start
         raise RuntimeError("dashboard=: this Dashboard already showed a run that ended, and keeps its summary: "
                            "pass a new Dashboard(...) to each launch (or dashboard=True)")
@@ -54,7 +55,14 @@ def check_dashboard(dashboard: Any) -> None:
         return
     if callable(getattr(dashboard, "observe", None)):
         return
-    if isinstance(dashboard, str) and (dashboard == "auto" or dashboard in VIEW_MODES):
+    if isinstance(dashboard, str) and dashboard in VIEW_MODES:
+        try:
+            resolve = views().dashboard_type().resolve_mode
+        except (ImportError, AttributeError):  # no notebook views: make_dashboard says so
+            return
+        resolve(dashboard)
+        return
+    if dashboard == "auto":
         return
     raise TypeError(
         f"dashboard={dashboard!r}: pass 'auto', True, False, one of the views {', '.join(map(repr, VIEW_MODES))}, "
