@@ -341,8 +341,7 @@ class SshBackend(Backend):
                 os.write(self._exit_wake[1], b"\0")
             except OSError:
                 pass  # full: the supervisor has wake-ups enough to read
-        if (agent.index, i) in self.remote:
-            self.remote[(agent.index, i)].report_exit(code)
+        self.remote[(agent.index, i)].report_exit(code)
 
     def _write(self, agent: Agent, i: int, name: str, data: bytes) -> None:
         target = agent.writers[i].get(name)
@@ -407,7 +406,7 @@ class SshBackend(Backend):
             if agent.lost and not self._stopping and "channel" in agent.writers[i]:
                 failure = Failure(rank, "HostLost", agent.lost, local_rank=i)
                 self._write(agent, i, "channel", _pickled(failure.to_wire()))
-            if agent.lost and (agent.index, i) in self.remote:  # a pool's rank: no channel message, its exit says it
+            if agent.lost:  # why, beside its exit (a pool's rank has no channel message to say it)
                 self.remote[(agent.index, i)].lost = agent.lost
             self._rank_exited(agent, i, LOST_EXIT)
 
