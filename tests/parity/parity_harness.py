@@ -214,3 +214,11 @@ def assert_same(accelerate_value: Any, nbaccel_value: Any, path: str = "result")
 
 def assert_parity(results: dict[str, list]) -> None:
     assert_same(results["accelerate"], results["nbaccel"])
+
+
+def assert_ranks_same(results: dict[str, list], label: str) -> None:
+    """`run_both`'s results rank by rank (`assert_same`), each failure named `label[rank N]` and the path below."""
+    theirs, ours = results["accelerate"], results["nbaccel"]
+    assert len(theirs) == len(ours), f"{label}: {len(theirs)} ranks under Accelerate, {len(ours)} under nbaccel"
+    for rank, (accelerate_value, nbaccel_value) in enumerate(zip(theirs, ours)):
+        assert_same(accelerate_value, nbaccel_value, f"{label}[rank {rank}]")

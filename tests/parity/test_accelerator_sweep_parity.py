@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both
+from parity_harness import assert_ranks_same, run_both
 from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("accelerate")
@@ -296,10 +296,7 @@ def every_matching_scenario(lib):
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_accelerators_methods_as_in_accelerate(num_processes):
-    results = run_both(every_matching_scenario, num_processes)
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        for name in theirs:
-            assert_same(theirs[name], ours[name], f"{name}[{num_processes} processes][rank {rank}]")
+    assert_ranks_same(run_both(every_matching_scenario, num_processes), f"{num_processes} processes")
 
 
 # --- on purpose otherwise (docs/compat.md) -------------------------------------------------------------------

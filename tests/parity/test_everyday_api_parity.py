@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both, run_ranks
+from parity_harness import assert_ranks_same, assert_same, run_both, run_ranks
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 pytest.importorskip("accelerate")
@@ -567,8 +567,7 @@ def profiling(lib, root):
 
 
 def _compare(results: dict, name: str, num_processes: int) -> None:
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        assert_same(theirs, ours, f"{name}[{num_processes} processes][rank {rank}]")
+    assert_ranks_same(results, f"{name}[{num_processes} processes]")
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])

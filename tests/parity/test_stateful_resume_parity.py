@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both, run_ranks
+from parity_harness import assert_ranks_same, assert_same, run_both, run_ranks
 from torch.utils.data import DataLoader
 
 pytest.importorskip("accelerate")
@@ -89,15 +89,10 @@ def crossed_scenario(lib, root, every, resume_from):
     return checkpointing_run(lib, os.path.join(root, other), every, resume_from, False)
 
 
-def _same(results, what):
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        assert_same(theirs, ours, f"{what}[rank {rank}]")
-
-
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_an_uninterrupted_stateful_run_draws_what_accelerate_draws(tmp_path, num_processes):
     """No checkpoint: the stateful loaders' pass iterators (and their draws) come when Accelerate's do."""
-    _same(run_both(checkpointing_scenario, num_processes, args=(str(tmp_path), 0, None)), "uninterrupted")
+    assert_ranks_same(run_both(checkpointing_scenario, num_processes, args=(str(tmp_path), 0, None)), "uninterrupted")
 
 
 def test_saving_on_two_ranks_leaves_the_run_as_it_was(tmp_path):
@@ -105,16 +100,16 @@ def test_saving_on_two_ranks_leaves_the_run_as_it_was(tmp_path):
     test_everyday_api_parity.py): saving every 3 steps gives the run without saving."""
     saving = run_ranks(checkpointing_scenario, "nbaccel", 2, args=(str(tmp_path), 3, None))
     plain = run_ranks(checkpointing_scenario, "nbaccel", 2, args=(str(tmp_path / "plain"), 0, None))
-    _same({"accelerate": saving, "nbaccel": plain}, "saving vs not saving (nbaccel, 2 ranks)")
+    assert_ranks_same({"accelerate": saving, "nbaccel": plain}, "saving vs not saving (nbaccel, 2 ranks)")
 
 
 def test_save_state_mid_epoch_leaves_the_run_as_it_was(tmp_path):
     """Saving every 3 steps (mid-epoch, at the epoch's last batch, before the evaluation loader was ever
     iterated and after) changes nothing in the run: the same as without saving, and as in Accelerate."""
     saving = run_both(checkpointing_scenario, 1, args=(str(tmp_path), 3, None))
-    _same(saving, "saving every 3 steps")
+    assert_ranks_same(saving, "saving every 3 steps")
     plain = run_both(checkpointing_scenario, 1, args=(str(tmp_path / "plain"), 0, None))
-    _same({"accelerate": saving["nbaccel"], "nbaccel": plain["nbaccel"]}, "saving vs not saving (nbaccel)")
+    assert_ranks_same({"accelerate": saving["nbaccel"], "nbaccel": plain["nbaccel"]}, "saving vs not saving (nbaccel)")
 
 
 @pytest.mark.parametrize("resume_from", ["step_3", "step_6", "step_9"])
@@ -124,7 +119,7 @@ def test_a_resumed_stateful_run_is_accelerates(tmp_path, resume_from):
     run (draws, losses, weights) is Accelerate's resumed run."""
     run_both(checkpointing_scenario, 1, args=(str(tmp_path), 3, None))
     resumed = run_both(checkpointing_scenario, 1, args=(str(tmp_path), 3, resume_from))
-    _same(resumed, f"resumed from {resume_from}")
+    assert_ranks_same(resumed, f"resumed from {resume_from}")
     assert all(len(batches) == 2 for _, batches in resumed["nbaccel"][0]["evaluations"])
 
 
@@ -135,7 +130,7 @@ def test_resumed_before_the_epochs_evaluation_the_run_differs_on_both(tmp_path):
     without that draw. So resumed from `epoch_0` nbaccel ends at the uninterrupted weights, from `step_3` it
     does not, and neither does Accelerate (docs/compat.md)."""
     full = run_both(checkpointing_scenario, 2, args=(str(tmp_path), 3, None, False))
-    _same(full, "uninterrupted, plain loaders")
+    assert_ranks_same(full, "uninterrupted, plain loaders")
     uninterrupted = full["nbaccel"][0]["weights"]
     for lib, (result, *_) in run_both(checkpointing_scenario, 2, args=(str(tmp_path), 3, "step_3", False)).items():
         assert any(not torch.equal(result["weights"][k], v) for k, v in uninterrupted.items()), lib
@@ -150,7 +145,7 @@ def test_a_resumed_plain_loader_run_ends_at_the_uninterrupted_weights_unlike_acc
     (there is no position to restore), and so does Accelerate resuming nbaccel's (it reads no position)."""
     every = "epoch" if resume_from.startswith("epoch") else 4
     full = run_both(checkpointing_scenario, 2, args=(str(tmp_path), every, None, False))
-    _same(full, "uninterrupted, plain loaders")
+    assert_ranks_same(full, "uninterrupted, plain loaders")
     resumed = run_both(checkpointing_scenario, 2, args=(str(tmp_path), every, resume_from, False))
     theirs, ours = resumed["accelerate"][0], resumed["nbaccel"][0]
     uninterrupted = full["nbaccel"][0]

@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both
+from parity_harness import assert_ranks_same, assert_same, run_both
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(300)
@@ -345,10 +345,7 @@ def every_scenario(lib):
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_training_loop_as_in_accelerate(num_processes):
-    results = run_both(every_scenario, num_processes)
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        for name in theirs:
-            assert_same(theirs[name], ours[name], f"{name}[{num_processes} processes][rank {rank}]")
+    assert_ranks_same(run_both(every_scenario, num_processes), f"{num_processes} processes")
 
 
 def local_sgd_left_by_an_exception(lib):
@@ -412,6 +409,5 @@ def test_a_lomo_optimizers_step_does_nothing_as_in_accelerate(num_processes):
 
     side = os.path.join(sys.prefix, "side", "lomo")  # run.sh installs lomo-optim there (see constraints.txt)
     assert os.path.isdir(os.path.join(side, "lomo_optim")), f"{side} lacks lomo-optim: run ./run.sh test"
-    results = run_both(lomo_step_and_zero_grad, num_processes, args=(side,))
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        assert_same(theirs, ours, f"lomo[{num_processes} processes][rank {rank}]")
+    assert_ranks_same(run_both(lomo_step_and_zero_grad, num_processes, args=(side,)),
+                      f"lomo[{num_processes} processes]")

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from parity_harness import assert_same, run_both
+from parity_harness import assert_ranks_same, assert_same, run_both
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(300)
@@ -716,6 +716,4 @@ def test_the_same_on_both(scenario):
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_each_rank_logs_decorates_and_splits_as_in_accelerate(num_processes):
-    results = run_both(ranks, num_processes)
-    for rank, (theirs, ours) in enumerate(zip(results["accelerate"], results["nbaccel"])):
-        assert_same(theirs, ours, f"ranks[rank {rank}]")
+    assert_ranks_same(run_both(ranks, num_processes), "ranks")
