@@ -45,10 +45,18 @@ def _load_object(spec: str) -> Any:
         finally:
             sys.path.remove(os.path.dirname(path))
     else:
+        # the console script's sys.path lacks the working folder that `python -m nbaccel` has: a package in the
+        # folder the command runs from must import either way, as with uvicorn's or gunicorn's "module:name"
+        added = os.getcwd() not in sys.path
+        if added:
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(location)
         except ImportError as error:
             raise ValueError(f"model {spec!r}: cannot import module {location!r}: {error}") from error
+        finally:
+            if added:
+                sys.path.remove(os.getcwd())
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):
