@@ -170,3 +170,50 @@ def test_a_built_stateful_loader_still_pickles():
     loader = DataLoaderShard(list(range(10)), batch_size=2, use_stateful_dataloader=True)
     copy = pickle.loads(pickle.dumps(loader))
     assert [b.tolist() for b in copy] == [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def dispatched_draws_scenario(lib, root, resume_from, checkpoints):
+    """A dispatched stateful run on 2 ranks (every epoch 3 steps) saving at each epoch's end, or resumed from
+    `checkpoints`'s `resume_from`: where torch's RNG stands at each step (a digest of its state) and the batch."""
+    import hashlib
+
+    def draws():
+        return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12]
+
+    config = lib.utils.DataLoaderConfiguration(use_stateful_dataloader=True, dispatch_batches=True)
+    accelerator = lib.Accelerator(cpu=True, dataloader_config=config)
+    lib.utils.set_seed(42)
+    train = DataLoader(TRAIN, shuffle=True, batch_size=2, collate_fn=torch.tensor)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+    model, train = accelerator.prepare(model, train)
+    overall = 0
+    if resume_from is not None:
+        accelerator.load_state(os.path.join(root, checkpoints, resume_from))
+        overall = int(resume_from.replace("step_", ""))
+    steps = []
+    for _ in range(overall // len(train), EPOCHS):
+        for batch in train:
+            steps.append((overall, draws(), batch[:, 0].tolist()))
+            model(batch)  # dropout draws from torch's RNG
+            overall += 1
+        if resume_from is None:
+            accelerator.save_state(os.path.join(root, lib.__name__, f"step_{overall}"))
+    return steps
+
+
+def test_a_resumed_dispatched_stateful_loader_draws_on_rank_1_as_the_uninterrupted_run(tmp_path):
+    """Deliberate difference (docs/compat.md): resumed from an epoch's end, a dispatched stateful loader on
+    process 1 (which reads no data: process 0 sends it its batches) draws one seed from torch's RNG as its next
+    pass begins, as in the run that was never interrupted; Accelerate's restored loader there draws one more,
+    so every later draw on that rank (dropout here) differs from its own uninterrupted run. The batches and
+    process 0's draws are the same on both (the batches after such a resume are not the uninterrupted run's on
+    either library). Both resume nbaccel's checkpoint: on 2 ranks Accelerate's ranks
+    write the loader's state to one file at once (see `test_saving_on_two_ranks_leaves_the_run_as_it_was`)."""
+    root = str(tmp_path)
+    uninterrupted = run_ranks(dispatched_draws_scenario, "nbaccel", 2, args=(root, None, "nbaccel"))
+    resumed = run_both(dispatched_draws_scenario, 2, args=(root, "step_3", "nbaccel"))
+    ours, theirs = resumed["nbaccel"], resumed["accelerate"]
+    assert [[(n, batch) for n, _, batch in rank] for rank in ours] == [[(n, b) for n, _, b in rank] for rank in theirs]
+    assert ours[0] == theirs[0]
+    assert [step[:2] for step in ours[1]] == [step[:2] for step in uninterrupted[1] if step[0] >= 3]
+    assert ours[1][0][1] != theirs[1][0][1]
