@@ -252,3 +252,19 @@ def test_keep_in_fp32_modules_applies_against_float16_only():
     results = run_both(keep_in_fp32_scenario, 1)
     assert results["nbaccel"][0]["torch.float16"]["a.weight"] == torch.float32
     assert_same(results["accelerate"][0], results["nbaccel"][0], "keep_in_fp32_modules")
+
+
+def test_get_max_memory_leaves_the_callers_dict_alone():
+    """Deliberate difference (docs/compat.md): both return the sizes in bytes, but Accelerate also writes them
+    back into the dict the caller passed; nbaccel leaves that dict as it was."""
+    import accelerate.utils
+
+    import nbaccel.utils
+
+    returned = {}
+    for lib in (accelerate.utils, nbaccel.utils):
+        given = {"cpu": "1GB", 0: 5}
+        returned[lib.__name__] = (lib.get_max_memory(given), given)
+    assert returned["accelerate.utils"][0] == returned["nbaccel.utils"][0] == {"cpu": 10**9, 0: 5}
+    assert returned["accelerate.utils"][1] == {"cpu": 10**9, 0: 5}
+    assert returned["nbaccel.utils"][1] == {"cpu": "1GB", 0: 5}
