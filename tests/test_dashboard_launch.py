@@ -108,6 +108,32 @@ def test_dashboard_mode_strings_build_that_view(monkeypatch, capsys):
     assert built[-1] == (1, "terminal", "terminal")
 
 
+def test_ranks_that_end_before_their_first_memory_sample_show_their_peak(capsys, monkeypatch):
+    """A launch shorter than the memory interval (1 s): each rank sends its peak host memory with its result
+    (the kernel cannot sample a process that has already exited), so the summary shows it rather than '–';
+    with NBACCEL_MEMORY_INTERVAL=0 (no memory reports) nothing is sent."""
+    from nbaccel.launch import notebook_launcher
+
+    seen = []
+    assert notebook_launcher(lambda: 5, num_processes=2, dashboard=seen.append, timeout=60) == [5, 5]
+    peaks = {m["rank"]: m["rss_peak"] for m in seen if m.get("kind") == "memory"}
+    assert sorted(peaks) == [0, 1] and all(peak > 2**20 for peak in peaks.values()), seen
+    notebook_launcher(lambda: 5, num_processes=2, dashboard="plain", timeout=60)
+    assert "peak RAM –" not in capsys.readouterr().out
+    monkeypatch.setenv("NBACCEL_MEMORY_INTERVAL", "0")
+    seen.clear()
+    notebook_launcher(lambda: 5, num_processes=2, dashboard=seen.append, timeout=60)
+    assert [m for m in seen if m.get("kind") == "memory"] == []
+
+
+def test_the_terminal_column_shows_a_peak_known_alone():
+    from nbaccel.notebook.console import _compact
+
+    assert _compact(None, 3 * 2**20) == "–/3.0M"
+    assert _compact(None, None, None) == "–"
+    assert _compact(2**20, None, 3 * 2**20) == "1.0M/3.0M"
+
+
 def _fails_on_rank_1():
     from nbaccel import PartialState
 

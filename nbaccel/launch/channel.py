@@ -64,6 +64,7 @@ class WorkerSink:
         self.defer: Callable[[tuple[Any, ...]], None] = self._defer
         self.ticker: Callable[[], None] | None = None  # called by the sender thread every tick_interval
         self.tick_interval = 1.0
+        self.ticked = False  # the ticker ran at least once
         self._sender_started = False  # a sender thread was started at least once
         self._ticks_wait = False  # started early (`start_sender_early`): no ticks before the first telemetry
 
@@ -164,6 +165,7 @@ class WorkerSink:
             ticker = self.ticker
             if ticker is not None and not self._ticks_wait and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.tick_interval
+                self.ticked = True
                 try:
                     ticker()
                 except Exception:  # a failed sample must never disturb the training

@@ -95,10 +95,16 @@ def rich_renderable(model: DashboardModel):
 
 
 def _compact(*values: int | None) -> str:
-    """'1.2G/2.0G': byte counts in a narrow terminal column; '–' when the first is unknown."""
-    if values[0] is None:
+    """'1.2G/2.0G': byte counts in a narrow terminal column; '–' when none is known, '–/2.0G' when only the
+    first is not (a rank that ended before its first sample sends its peak alone)."""
+    if all(v is None for v in values):
         return "–"
-    return "/".join(format_bytes(v).replace(" ", "").replace("iB", "") for v in values if v is not None)
+    first = "–" if values[0] is None else _short_bytes(values[0])
+    return "/".join([first, *(_short_bytes(v) for v in values[1:] if v is not None)])
+
+
+def _short_bytes(value: int) -> str:
+    return format_bytes(value).replace(" ", "").replace("iB", "")
 
 
 class RichView:

@@ -118,6 +118,8 @@ def execute(payload: Payload, sink: WorkerSink, *, thread_rank: bool = False, de
             ) from exc
         flush_std()
         _stop_telemetry_sampler(telemetry)  # what it queued goes first: the result follows every logged value
+        if sink.ticker is not None and not sink.ticked:  # it ended before its first sample: its peak, for the view
+            sink.queue(messages.memory(sink.rank, sink.local_rank, telemetry.peak_memory_sample()))
         sink.queue(Result(sink.rank, data, imported=[name for name in PRELOADABLE_MODULES if name in sys.modules])
                    .to_wire())
         sink(Status(sink.rank, RankState.FINISHED, device=device).to_wire())  # one write with the result
