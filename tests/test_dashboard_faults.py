@@ -82,6 +82,27 @@ def test_thousands_of_metric_names_are_summarized_not_drawn_one_by_one():
     assert metrics_png(model, dpi=20).startswith(b"\x89PNG")
 
 
+def test_chosen_metrics_are_shown_when_thousands_of_names_bury_the_loss():
+    # One log call with a value per parameter, `loss` last: the first 16 names shown left `loss` out, and the
+    # user had no way to ask for it.
+    values = {**{f"layer{i}.grad_norm": float(i) for i in range(1_000)}, "loss": 0.25, "lr": 0.1}
+    default = DashboardModel(1)
+    default.update(dict(kind="metrics", rank=0, time=1.0, step=1, values=values))
+    assert "loss" not in default.shown_metrics()
+    assert "metrics=[...]" in summary_text(default)
+    board = Dashboard(1, mode="plain", metrics=["loss", "lr", "never_logged"])
+    board.model.update(dict(kind="metrics", rank=0, time=1.0, step=1, values=values))
+    board.model.finish(results=[None])
+    assert board.model.shown_metrics() == ["loss", "lr"]
+    assert board.model.hidden_metrics == 1_000
+    text = summary_text(board.model)
+    assert "loss=0.25" in text and "layer0" not in text and "the chosen ones are shown (1000 left out)" in text
+    assert chart_text(board.model).endswith("chart of loss, lr")
+    for bad in ("loss", [], ["loss", 3], None.__class__):
+        with pytest.raises(ValueError, match="metrics must be a list of the names to show"):
+            Dashboard(1, mode="plain", metrics=bad)
+
+
 @pytest.mark.parametrize("how, shown", [("interrupted", "stopped: the launch was interrupted"),
                                         ("timeout", "stopped: the launch timed out")])
 def test_ranks_stopped_by_an_interrupt_or_a_timeout_say_so(capsys, how, shown):

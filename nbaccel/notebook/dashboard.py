@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import background_drawing
@@ -115,11 +115,13 @@ def resolve_mode(mode: str) -> str:
 class Dashboard:
     """Live per-rank status, memory, throughput and logged metrics of a launch.
 
-    `Dashboard(num_processes, title=None, total_steps=None, mode="auto")`; `start()` shows it,
+    `Dashboard(num_processes, title=None, total_steps=None, mode="auto", metrics=None)`; `start()` shows it,
     `observe(message)` (or calling the instance) feeds it a channel message, `finish(results, failures)`
     leaves a static summary, `close()` ends it (idempotent; a started dashboard is finished first, with
     `close(results=..., failures=...)` as the launcher calls it). Other keyword
     arguments (the launcher passes `start_method`, `world_size`, `rendezvous`, `device`) are shown in the header.
+    `metrics`: the names of the logged metrics to chart and tabulate, in that order (default: the first 16
+    logged; a run that logs one value per parameter would bury `loss`).
     """
 
     # the view a mode gives here, or why it cannot be drawn here: the launcher asks before any rank starts
@@ -134,13 +136,15 @@ class Dashboard:
         mode: str = "auto",
         max_redraws_per_second: float = 5.0,
         plain_interval: float = 10.0,
+        metrics: Sequence[str] | None = None,
         **launch_info: Any,
     ):
         if not (isinstance(max_redraws_per_second, (int, float)) and max_redraws_per_second > 0):
             raise ValueError(f"max_redraws_per_second must be a positive number, got {max_redraws_per_second!r}")
         if isinstance(plain_interval, bool) or not (isinstance(plain_interval, (int, float)) and plain_interval >= 0):
             raise ValueError(f"plain_interval must be a number of seconds >= 0, got {plain_interval!r}")
-        self.model = DashboardModel(num_processes, title=title, total_steps=total_steps, info=launch_info)
+        self.model = DashboardModel(num_processes, title=title, total_steps=total_steps, info=launch_info,
+                                    metrics=metrics)
         self.mode = resolve_mode(mode)
         self.plain_interval = plain_interval
         self.redraws = 0

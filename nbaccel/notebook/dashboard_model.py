@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,11 +119,16 @@ class DashboardModel:
     """Per-rank state, logged metrics and run progress, built from channel messages by `update`."""
 
     def __init__(self, num_processes: int, *, title: str | None = None, total_steps: int | None = None,
-                 info: dict[str, Any] | None = None):
+                 info: dict[str, Any] | None = None, metrics: Sequence[str] | None = None):
         if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
             raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
             raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence) or not metrics
+                                    or not all(isinstance(name, str) for name in metrics)):
+            raise ValueError(f"metrics must be a list of the names to show, such as ['loss', 'lr'], got {metrics!r}")
+        # the names the views draw, in this order, once logged; None: the first MAX_SHOWN_METRICS logged
+        self.chosen_metrics = None if metrics is None else list(dict.fromkeys(metrics))
         self.title = title or "nbaccel"
         self.info = {key: value for key, value in (info or {}).items() if value is not None}
         self.total_steps = total_steps
@@ -381,12 +387,17 @@ class DashboardModel:
         return RankState.STARTING
 
     def shown_metrics(self) -> list[str]:
-        """The names of the metrics the views draw, sorted: the first MAX_SHOWN_METRICS logged."""
+        """The names of the metrics the views draw: the chosen ones logged so far, in the order chosen; else the
+        first MAX_SHOWN_METRICS logged, sorted."""
+        if self.chosen_metrics is not None:
+            return [name for name in self.chosen_metrics if name in self.metrics]
         return sorted(itertools.islice(self.metrics, MAX_SHOWN_METRICS))
 
     @property
     def hidden_metrics(self) -> int:
-        """How many logged metrics the views leave out (beyond MAX_SHOWN_METRICS)."""
+        """How many logged metrics the views leave out (not chosen, or beyond MAX_SHOWN_METRICS)."""
+        if self.chosen_metrics is not None:
+            return len(self.metrics) - len(self.shown_metrics())
         return max(0, len(self.metrics) - MAX_SHOWN_METRICS)
 
     def summary(self) -> dict[str, Any]:

@@ -202,9 +202,11 @@ def nice_ticks(low: float, high: float, *, integer: bool = False, count: int = 5
 
 
 def hidden_metrics_text(model: DashboardModel) -> str:
-    """What the views say of the metrics they leave out (see MAX_SHOWN_METRICS)."""
+    """What the views say of the metrics they leave out (see MAX_SHOWN_METRICS), and how to choose others."""
+    if model.chosen_metrics is not None:
+        return f"{len(model.metrics)} metrics logged: the chosen ones are shown ({model.hidden_metrics} left out)"
     return (f"{len(model.metrics)} metrics logged: only the first {MAX_SHOWN_METRICS} are shown "
-            f"({model.hidden_metrics} left out)")
+            f"({model.hidden_metrics} left out; Dashboard(..., metrics=[...]) chooses them)")
 
 
 def chart_text(model: DashboardModel) -> str:
