@@ -37,6 +37,7 @@ from .launch_options import FROM_CONFIG, FSDP_DEFAULTS, add_launch_arguments
 if TYPE_CHECKING:
     from ..launch.hang_report import Diagnosis
     from ..launch.kernel.plan import LaunchPlan
+    from ..launch.kernel.threaded import ThreadedBackend
     from ..launch.rank_environment import WorkerConfig
 
 
@@ -562,7 +563,7 @@ def run_settings(s: LaunchSettings) -> int:
     if script is None:
         raise LaunchError(f"placement {plan.placement.value!r} runs no script for nbaccel launch")
     try:
-        with _signals_stop_the_launch():
+        with _signals_stop_the_launch(backend):
             run_plan(plan, backend, None, Reporting(dashboard=False))
     except LaunchError as error:
         if script.deadlock is not None:
@@ -595,10 +596,13 @@ class _Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def _signals_stop_the_launch() -> Iterator[None]:
-    """SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the launch (every rank) and end it with 128 + the signal, as
-    torchrun's agent does when it runs in the main thread (here it runs beside the supervisor)."""
+def _signals_stop_the_launch(backend: ThreadedBackend) -> Iterator[None]:
+    """SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the launch (every rank), as torchrun's agent does when it runs
+    in the main thread (here it runs beside the supervisor), and end it with 128 + the signal (torchrun: exit 1
+    and SignalException's traceback; docs/compat.md). The ranks get the signal the launch got, as torchrun
+    passes it on: Ctrl-C reaches a script as KeyboardInterrupt (its `except KeyboardInterrupt:` saves)."""
     def stop(signum: int, frame: object) -> None:
+        backend.stop_signal = signum
         raise _Stopped(signum)
 
     names = [name for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]

@@ -61,10 +61,10 @@ def started_with(variable: str, value: str) -> list[int]:
 
 
 def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
-    """Stop every rank (multiprocessing.Process-like) and everything it started: SIGTERM to each live rank,
-    to each rank's process group (worker/parent_death.py `lead_own_group`: its children are there, also
-    those of a rank already dead) and to live descendants that left it; SIGKILL what is left after `grace`
-    seconds; reap the ranks."""
+    """Stop every rank (multiprocessing.Process-like) and everything it started: SIGTERM to each rank's process
+    group (worker/parent_death.py `lead_own_group`: its children are there, also those of a rank already dead)
+    and to each live rank or descendant outside those groups, once per process; SIGKILL what is left after
+    `grace` seconds; reap the ranks."""
     processes = list(processes)
     leaders = [proc.pid for proc in processes if proc.pid is not None]
     alive = [proc for proc in processes if proc.is_alive()]
@@ -72,10 +72,9 @@ def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
         return
     extra = descendants(proc.pid for proc in alive)  # e.g. a child that made a session of its own
     try:
-        for proc in alive:
-            _signal(proc.pid, signal.SIGTERM)
+        outside = outside_groups([proc.pid for proc in alive] + extra, leaders)  # before: see outside_groups
         signal_groups(leaders, signal.SIGTERM)
-        for pid in extra:
+        for pid in outside:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in alive:
@@ -94,13 +93,15 @@ def stop_processes(processes: Iterable[Any], grace: float = STOP_GRACE) -> None:
         _reap(extra)
 
 
-def kill_pids(pids: Iterable[int], grace: float = STOP_GRACE) -> None:
-    """Like stop_processes for bare pids (workers another launcher started, e.g. torch elastic)."""
+def kill_pids(pids: Iterable[int], grace: float = STOP_GRACE, sig: int = signal.SIGTERM) -> None:
+    """Like stop_processes for bare pids (workers another launcher started, e.g. torch elastic), with `sig`
+    first (`nbaccel launch` passes on the signal it got, as torchrun does)."""
     leaders = list(pids)
     pids = leaders + descendants(leaders)
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    signal_groups(leaders, signal.SIGTERM)
+    outside = outside_groups(pids, leaders)
+    signal_groups(leaders, sig)
+    for pid in outside:
+        _signal(pid, sig)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and (any(process_running(pid) for pid in pids) or groups_alive(leaders)):
         time.sleep(0.02)
@@ -126,6 +127,23 @@ def stop_groups(leaders: Iterable[int], grace: float = STOP_GRACE, strays: Itera
     signal_groups(leaders, signal.SIGKILL)
     for pid in strays:
         _signal(pid, signal.SIGKILL)
+
+
+def outside_groups(pids: Iterable[int], leaders: Iterable[int]) -> list[int]:
+    """The live `pids` that a signal to the process groups the `leaders` lead does not reach. Each process gets
+    the stop signal once: a rank signalled by pid and again through its group ran its SIGTERM handler (a
+    checkpoint save) a second time, from inside the first. Asked before the groups are signalled: a rank that
+    makes its group in between then gets the signal twice, rather than not at all."""
+    groups = {pid for pid in leaders if pid > 1 and pid != os.getpgrp()}
+    found = []
+    for pid in pids:
+        try:
+            if os.getpgid(pid) in groups:
+                continue
+        except OSError:  # ended
+            continue
+        found.append(pid)
+    return found
 
 
 def signal_groups(leaders: Iterable[int], sig: int) -> None:

@@ -8,6 +8,7 @@ them does not depend on the other launcher's internals.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class ThreadedBackend(Backend):
     rank_groups = True  # the other launcher's ranks run here (each registers its group)
     thread_name = "nbaccel-launcher"
     stop_grace = STOP_GRACE  # seconds a stopped worker gets between SIGTERM and SIGKILL
+    stop_signal: int = signal.SIGTERM  # what a stopped worker gets first (`nbaccel launch`: the signal it got)
 
     def __init__(self) -> None:
         self._target: Callable[[], Any] = lambda: None
@@ -104,7 +106,7 @@ class ThreadedBackend(Backend):
 
     def stop(self) -> None:
         if self._stopped:  # again (the supervisor stopped, then the launch): only what started since
-            kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+            self._kill_started()
             return
         self._stopped = True
         self.before_stop()
@@ -112,13 +114,17 @@ class ThreadedBackend(Backend):
         # kill: kill what is there until its call returns, rather than wait JOIN_TIMEOUT for it and kill once
         deadline = time.monotonic() + JOIN_TIMEOUT
         while True:
-            kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+            self._kill_started()
             self.after_kill()
             self._thread.join(0.1)
             if not self._thread.is_alive() or time.monotonic() >= deadline:
                 break
-        kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace)
+        self._kill_started()
         self.finished()
+
+    def _kill_started(self) -> None:
+        """Stop the workers the other launcher started (this process's children since the start)."""
+        kill_pids((pid for pid in _children() if pid not in self._before), self.stop_grace, self.stop_signal)
 
     def exit_failures(self) -> dict[int, WorkerFailure]:
         return {}

@@ -76,7 +76,7 @@ def relay_whole_lines() -> int | None:
     if pid == 0:  # the relay
         code = 0
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
                 signal.signal(sig, signal.SIG_IGN)
             for _, write_end in pipes.values():  # hold no writer of its own pipes
                 os.close(write_end)

@@ -1,0 +1,178 @@
+"""`nbaccel launch` under the signals and faults a terminal, a batch system or a container runtime sends,
+compared with `accelerate launch` on the same script (exit status, what the ranks got, what is left running)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from process_helpers import all_gone, environment_without, is_alive
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each rank writes down every stop signal it gets (its handler, which saves and exits, must run once) and says
+# READY once its handlers are in place.
+RECORDING = textwrap.dedent("""
+    import os, signal, sys, time
+    rank = os.environ["RANK"]
+    def got(signum, frame):
+        with open(f"got-{rank}", "a") as record:
+            record.write(signal.Signals(signum).name + "\\n")
+        time.sleep(0.5)  # a checkpoint's save: a second signal now would enter this handler again
+        os.write(1, f"saved {rank}\\n".encode())
+        sys.exit(0)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, got)
+    os.write(1, f"READY {rank} {os.getpid()}\\n".encode())
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def _environment(folder: Path) -> dict[str, str]:
+    """Neither library's settings nor a config file from the test run; the folder's own temporary files."""
+    (folder / "tmp").mkdir()
+    return {**environment_without(), "HOME": str(folder), "NBACCEL_CONFIG_FILE": str(folder / "none.yaml"),
+            "HF_HOME": str(folder / "hf"), "PYTHONPATH": str(ROOT), "TMPDIR": str(folder / "tmp")}
+
+
+def _signalled_launch(lib: str, folder: Path, sig: int) -> tuple[int, str, dict[str, list[str]]]:
+    """Run RECORDING on 2 ranks under `lib`'s launcher, send `sig` to the launcher once both ranks are ready;
+    return its exit status, its output and the signals each rank got. No rank may be left running."""
+    folder.mkdir()
+    (folder / "job.py").write_text(RECORDING)
+    launch = subprocess.Popen([sys.executable, "-m", f"{lib}.commands.launch", "--multi_gpu", "--num_processes",
+                               "2", "job.py"], cwd=folder, env=_environment(folder), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    pids, lines = [], []
+    try:
+        while len(pids) < 2:
+            line = launch.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY"):
+                pids.append(int(line.split()[2]))
+        assert len(pids) == 2, "".join(lines)
+        launch.send_signal(sig)
+        out, _ = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    left = [] if all_gone(pids) else [pid for pid in pids if is_alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{lib}: ranks {left} outlived the stopped launch"
+    got = {path.name: path.read_text().split() for path in sorted(folder.glob("got-*"))}
+    return launch.returncode, "".join(lines) + out, got
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT], ids=lambda sig: sig.name)
+def test_each_rank_gets_the_launchs_signal_once_as_under_accelerate(tmp_path, sig):
+    """torchrun (under `accelerate launch`) passes the signal it got on to each rank's process group, once:
+    Ctrl-C reaches the script as SIGINT (KeyboardInterrupt, its `except KeyboardInterrupt:` saves). nbaccel
+    sent SIGTERM whatever it got, and sent it twice (to the rank and to its group), so a SIGTERM handler saving
+    a checkpoint was entered again from inside the first save. The rank's last lines, written in its handler,
+    reach the output (its line relay ignores SIGQUIT too). nbaccel's exit status is 128 + the signal and one
+    line (Accelerate: 1, with torch's SignalException traceback; docs/compat.md)."""
+    name = signal.Signals(sig).name
+    theirs, their_out, their_got = _signalled_launch("accelerate", tmp_path / "accelerate", sig)
+    ours, our_out, our_got = _signalled_launch("nbaccel", tmp_path / "nbaccel", sig)
+    assert their_got == our_got == {"got-0": [name], "got-1": [name]}, (their_got, our_got, our_out)
+    assert theirs == 1 and "SignalException: Process" in their_out, their_out
+    assert ours == 128 + sig, our_out
+    assert our_out.count("saved ") == their_out.count("saved ") == 2, our_out
+    assert our_out.rstrip().endswith(f"nbaccel launch: stopped by {name}; workers stopped"), our_out
+
+
+def test_the_signal_is_passed_on_to_what_the_rank_started(tmp_path):
+    """As torchrun signals each rank's process group, nbaccel's stop reaches the rank's children with the
+    launch's signal (SIGHUP: a closed terminal), once each."""
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", '''
+        import os, signal, sys, time
+        def got(signum, frame):
+            open(f"child-{os.environ['RANK']}", "a").write(signal.Signals(signum).name + "\\\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGHUP, got)
+        signal.signal(signal.SIGTERM, got)
+        open(f"ready-{os.environ['RANK']}", "w").close()
+        time.sleep(120)
+        '''])
+        while not os.path.exists(f"ready-{os.environ['RANK']}"):
+            time.sleep(0.02)
+        os.write(1, f"READY {os.environ['RANK']} {child.pid}\\n".encode())
+        child.wait()
+    """))
+    launch = subprocess.Popen([sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2", "job.py"],
+                              cwd=tmp_path, env=_environment(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        children = [int(launch.stdout.readline().split()[2]) for _ in range(2)]
+        launch.send_signal(signal.SIGHUP)
+        out, _ = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    assert all_gone(children), "a rank's child outlived the stopped launch"
+    assert launch.returncode == 128 + signal.SIGHUP, out
+    got = {path.name: path.read_text().split() for path in sorted(tmp_path.glob("child-*"))}
+    assert got == {"child-0": ["SIGHUP"], "child-1": ["SIGHUP"]}, (got, out)
+
+
+# A process that counts the times it gets SIGRTMIN (a real-time signal: two sent are two received, where two
+# SIGTERMs sent before the first is handled count as one), writes the count to COUNTS/NAME and exits. With
+# "children" it first starts one child in its own process group and one in a session of its own (a leftover
+# that left the group), which count the same way.
+COUNTING = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    counts, name = sys.argv[1], sys.argv[2]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN})
+    if sys.argv[3:] == ["children"]:
+        for child, own_session in (("grouped", False), ("strayed", True)):
+            subprocess.Popen([sys.executable, __file__, counts, child], start_new_session=own_session)
+        while len(os.listdir(counts)) < 2:
+            time.sleep(0.01)
+    open(os.path.join(counts, name + ".ready"), "w").close()
+    got = 0
+    while signal.sigtimedwait({signal.SIGRTMIN}, 0.5 if got else 60) is not None:
+        got += 1
+    with open(os.path.join(counts, name + ".tmp"), "w") as file:
+        file.write(str(got))
+    os.rename(os.path.join(counts, name + ".tmp"), os.path.join(counts, name))
+""")
+
+
+def test_a_stop_signals_each_process_once(tmp_path):
+    """kill_pids (how `nbaccel launch` stops torchrun's ranks) signalled each rank by pid and again through its
+    process group, and each child in the group by pid and through the group: a SIGTERM handler saving a
+    checkpoint ran twice, the second time inside the first. Now the rank, its child in its group and its child
+    that left the group get the signal once each."""
+    from nbaccel.launch.kernel.process_trees import kill_pids
+
+    (tmp_path / "counting.py").write_text(COUNTING)
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    rank = subprocess.Popen([sys.executable, str(tmp_path / "counting.py"), str(counts), "rank", "children"],
+                            start_new_session=True)  # as torch elastic starts a rank: leader of its own group
+    try:
+        while len(list(counts.glob("*.ready"))) < 3 and rank.poll() is None:
+            time.sleep(0.02)
+        kill_pids([rank.pid], grace=30, sig=signal.SIGRTMIN)
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()
+    got = {name: (counts / name).read_text() for name in ("rank", "grouped", "strayed") if (counts / name).exists()}
+    assert got == {"rank": "1", "grouped": "1", "strayed": "1"}, got
