@@ -94,6 +94,20 @@ def test_each_rank_gets_the_launchs_signal_once_as_under_accelerate(tmp_path, si
     assert our_out.rstrip().endswith(f"nbaccel launch: stopped by {name}; workers stopped"), our_out
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_monitor_interval_that_is_no_number_of_seconds_is_refused_before_any_rank_starts(tmp_path, value):
+    """`--monitor_interval nan` (or inf) passed the check (`<= 0` is false for both): the ranks started, then
+    torch's agent failed with a traceback (ValueError: Invalid value NaN; OverflowError), as under `accelerate
+    launch`. Now it is a usage error, exit 2, before anything starts."""
+    (tmp_path / "job.py").write_text("open('ran', 'w').close()\n")
+    done = subprocess.run([sys.executable, "-m", "nbaccel", "launch", "--cpu", f"--monitor_interval={value}",
+                           "job.py"], cwd=tmp_path, env=_environment(tmp_path), capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    assert f"--monitor_interval must be a finite number of seconds > 0, got {value}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "ran").exists()
+
+
 def test_the_signal_is_passed_on_to_what_the_rank_started(tmp_path):
     """As torchrun signals each rank's process group, nbaccel's stop reaches the rank's children with the
     launch's signal (SIGHUP: a closed terminal), once each."""

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import copy
 import importlib.util
+import math
 import os
 import signal
 import sys
@@ -462,8 +463,8 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail(f"--rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {short_repr(s.rdzv_backend)}")
     if s.max_restarts < 0:
         fail(f"--max_restarts must be >= 0, got {s.max_restarts}")
-    if s.monitor_interval <= 0:
-        fail(f"--monitor_interval must be > 0 seconds, got {s.monitor_interval}")
+    if not 0 < s.monitor_interval < math.inf:  # nan and inf too: torch's agent would fail on them after the start
+        fail(f"--monitor_interval must be a finite number of seconds > 0, got {s.monitor_interval}")
     if s.gradient_accumulation_steps is not None and s.gradient_accumulation_steps < 1:
         fail(f"--gradient_accumulation_steps must be >= 1, got {s.gradient_accumulation_steps}")
     if s.gpu_ids not in (None, "all") and not all(p.strip().isdigit() for p in str(s.gpu_ids).split(",")):
