@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -934,12 +935,16 @@ def prepare_data_loader(
             non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
             use_stateful_dataloader=use_stateful_dataloader, **kwargs)
     elif iterable:
-        if num_processes > 1:
+        generator = None
+        own_shards = None if split_batches else _own_streaming_shards(dataset, num_processes, process_index)
+        if own_shards is not None:
+            dataset = own_shards
+        elif num_processes > 1:
             dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
                                            num_processes=num_processes, process_index=process_index,
                                            split_batches=split_batches)
+            generator = getattr(dataloader.dataset, "generator", None)
         per_process = dataloader.batch_size // num_processes if split_batches else dataloader.batch_size
-        generator = getattr(dataloader.dataset, "generator", None) if num_processes > 1 else None
         prepared = DataLoaderShard(dataset, device=place, rng_types=sync, synchronized_generator=generator,
                                    batch_size=per_process, drop_last=dataloader.drop_last,
                                    non_blocking=non_blocking, drop_last_of_source=dataloader.drop_last,
@@ -972,6 +977,18 @@ def prepare_data_loader(
     if isinstance(sampler, SeedableRandomSampler):
         prepared.set_sampler(sampler)
     return prepared
+
+
+def _own_streaming_shards(dataset: Any, num_processes: int, process_index: int) -> Any:
+    """This process's shards of a Hugging Face `datasets.IterableDataset` (streaming) that has at least one per
+    process, as Accelerate gives them: each process then reads only its own files, rather than the whole stream
+    to keep every n-th batch. None for any other dataset (or one process)."""
+    streaming = getattr(sys.modules.get("datasets"), "IterableDataset", None)  # imported if the dataset is one
+    if num_processes < 2 or streaming is None or not isinstance(dataset, streaming):
+        return None
+    if dataset.n_shards < num_processes:
+        return None
+    return dataset.shard(num_shards=num_processes, index=process_index)
 
 
 def _has_length(obj: Any) -> bool:
