@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jupyter_client
+import pytest
+from kernel_input import execute, write_kernelspec
+
 NBACCEL = Path(sys.executable).parent / "nbaccel"  # the console script, whose sys.path lacks the working folder
 
 
@@ -19,3 +23,48 @@ def test_estimate_memory_imports_a_package_from_the_working_folder(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "1,001,000" in done.stdout and "3.82 MB" in done.stdout  # parameters; float32 total size
+
+
+README_QUICKSTART_AFTER_DILL = '''
+import logging
+# what `import torch.utils.data` does where dill is installed (HF datasets needs it): dill's logger gets
+# logging's _StderrHandler, whose stream is a read-only property reading sys.stderr
+dill_like = logging.getLogger("docs_test_dill_like")
+dill_like.propagate = False
+dill_like.addHandler(logging._StderrHandler())
+from nbaccel import notebook_launcher
+
+def train():
+    import os
+    logging.getLogger("docs_test_dill_like").warning("logged by rank %s", os.environ["RANK"])
+    return int(os.environ["RANK"])
+
+print("results:", notebook_launcher(train, num_processes=2, dashboard=False))
+'''
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    name = write_kernelspec(tmp_path / "jupyter")
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    manager = jupyter_client.KernelManager(kernel_name=name)
+    manager.start_kernel(cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        yield client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.kernel
+def test_a_launch_from_a_kernel_with_a_read_only_stderr_handler_runs(kernel):
+    # The README quickstart in a kernel failed on every rank once datasets (so dill) was installed:
+    # "AttributeError: property 'stream' of '_StderrHandler' object has no setter" while the rank rebound the
+    # log handlers it inherited from the kernel. Such a handler follows sys.stderr by itself: left as it is.
+    run = execute(kernel, README_QUICKSTART_AFTER_DILL, timeout=120)
+    assert run.error is None, f"{run.error}\n{run.stdout}\n{run.stderr}"
+    assert "results: [0, 1]" in run.stdout
+    assert "[rank 1] logged by rank 1" in run.stderr

@@ -266,7 +266,16 @@ def _handlers_on_kernel_streams() -> list[logging.Handler]:
     loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
                                        if isinstance(logger, logging.Logger)]
     return [handler for logger in loggers for handler in logger.handlers
-            if type(getattr(handler, "stream", None)).__module__.startswith("ipykernel")]
+            if type(getattr(handler, "stream", None)).__module__.startswith("ipykernel")
+            and not _follows_sys_stderr(handler)]
+
+
+def _follows_sys_stderr(handler: logging.Handler) -> bool:
+    """A handler whose `stream` is a read-only property reads `sys.stderr` at each record (logging's
+    `_StderrHandler`, which dill puts on its logger, and torch.utils.data imports dill where it is installed):
+    it writes to the rank's stderr by itself, and setting its stream would raise AttributeError in every rank."""
+    stream = getattr(type(handler), "stream", None)
+    return isinstance(stream, property) and stream.fset is None
 
 
 def _rebind_log_handlers() -> None:
