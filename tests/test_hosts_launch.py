@@ -862,12 +862,14 @@ def test_ranks_magic_with_hosts(ssh_config, tmp_path, monkeypatch):
 
 def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
     # No SLURM cluster here (docs/launcher.md says why): stand-ins with SLURM's command lines. `scontrol show
-    # hostnames LIST` expands the allocation's list; `srun ... --nodelist=NODE CMD` runs CMD on NODE, here over
-    # the session's sshd, its stdin/stdout being the agent's channel as under the real srun.
+    # job -o ID` says the allocation runs; `scontrol show hostnames LIST` expands its list; `srun ...
+    # --nodelist=NODE CMD` runs CMD on NODE, here over the session's sshd, its stdin/stdout being the agent's
+    # channel as under the real srun.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
-        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames nbaccel-host-[a-b]" ] || { echo "bad call: $*" >&2; exit 1; }\n'
+        '#!/bin/sh\n[ "$*" = "show job -o 7" ] && { echo "JobId=7 JobState=RUNNING"; exit 0; }\n'
+        '[ "$1 $2 $3" = "show hostnames nbaccel-host-[a-b]" ] || { echo "bad call: $*" >&2; exit 1; }\n'
         f'printf "{HOSTS[0]}\\n{HOSTS[1]}\\n"\n')
     calls = tmp_path / "srun-calls"
     (bin_dir / "srun").write_text(
@@ -878,6 +880,7 @@ def test_slurm_hosts_start_agents_with_srun(ssh_config, tmp_path, monkeypatch):
         (bin_dir / script).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "nbaccel-host-[a-b]")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.delenv("NBACCEL_SSH_CONFIG")  # srun, not ssh, reaches the nodes
     results = notebook_launcher(meet, ("slurm",), num_processes=1, hosts="slurm", dashboard=False)
     assert [r[:2] for r in results] == [(0, 2), (1, 2)]

@@ -35,6 +35,11 @@ SLURM = "slurm"
 RAY = "ray"
 RAY_INSTALL = "pip install nbaccel[ray]"
 CONNECT_TIMEOUT = 10  # seconds ssh may take to connect
+# the job states (scontrol show job's JobState) of an allocation that has ended
+_SLURM_ENDED = {"COMPLETED", "COMPLETING", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE", "OUT_OF_MEMORY"}
+# what srun says when the allocation it is to start a step in has ended
+_SRUN_JOB_GONE = ("has expired", "Invalid job id", "already completing or completed", "Job has already finished")
 # what ssh says, and what nbaccel tells the user it means
 _SSH_DIAGNOSES = (
     (("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED", "host key for"),
@@ -110,6 +115,7 @@ def slurm_hosts() -> tuple[str, ...]:
     if scontrol is None:
         raise HostError(SLURM, "hosts='slurm': SLURM_JOB_NODELIST is set but `scontrol` is not on PATH, so the node "
                         f"list {nodelist!r} cannot be expanded; load SLURM's tools (e.g. `module load slurm`).")
+    check_allocation(scontrol, nodelist)
     done = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
     names = tuple(line.strip() for line in done.stdout.splitlines() if line.strip())
     if done.returncode != 0 or not names:
@@ -118,6 +124,48 @@ def slurm_hosts() -> tuple[str, ...]:
     return names
 
 
+def check_allocation(scontrol: str, nodelist: str) -> None:
+    """HostError unless this kernel's SLURM job (SLURM_JOB_ID) is running. Outside a job srun would queue a new
+    job per host (forever, with a node drained), and in a job that has ended it fails host by host."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job:
+        raise HostError(SLURM, f"hosts='slurm' needs a SLURM allocation: SLURM_JOB_NODELIST is set ({nodelist!r}) "
+                        "but SLURM_JOB_ID is not, and srun outside an allocation would queue a new job per host. "
+                        "Start Jupyter (or Python) inside `salloc` or an sbatch job.")
+    done = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    found = re.search(r"\bJobState=(\S+)", done.stdout)
+    if found is None and "Invalid job id" not in done.stderr:
+        raise HostError(SLURM, f"hosts='slurm': `scontrol show job {job}` failed: "
+                        f"{(done.stderr or done.stdout).strip() or 'no answer'}")
+    state = found.group(1) if found else None
+    if state == "RUNNING":
+        return
+    if state is None or state in _SLURM_ENDED:
+        how = f"has ended ({state or 'SLURM no longer knows it'})"
+    else:
+        how = f"is not running ({state})"
+    raise HostError(SLURM, f"hosts='slurm': this kernel's SLURM allocation (job {job}, SLURM_JOB_ID) {how}, so "
+                    "srun cannot start anything in it. Start a new allocation (`salloc`, or an sbatch job) and "
+                    "Jupyter in it, or set SLURM_JOB_ID and SLURM_JOB_NODELIST to a running allocation of yours.")
+
+
+def slurm_ended(host: str, srun_said: str) -> str | None:
+    """Why SLURM ended the job step of `host`'s agent, from what srun printed (slurmstepd's `*** STEP 5.0 ON
+    node CANCELLED AT ... ***` line), or None when SLURM did not say it ended the step."""
+    found = re.search(r"\*\*\* (STEP|JOB) (\S+) ON \S+ CANCELLED AT (\S+)(?: DUE TO ([^*]+?))? \*\*\*", srun_said)
+    if found is None:
+        return None
+    what, ident, when, cause = found.groups()
+    step = f"job step {ident}" if what == "STEP" else f"job {ident}"
+    if cause == "TIME LIMIT":
+        why = (f"SLURM ended {step} on {host!r} at {when}: the allocation reached its time limit (--time; ask for "
+               "more, or save checkpoints and resume in a new allocation)")
+    elif cause:
+        why = f"SLURM ended {step} on {host!r} at {when} due to {cause.lower()}"
+    else:
+        why = f"SLURM cancelled {step} on {host!r} at {when} (scancel of the job or of the step, or the allocation " \
+              "was revoked)"
+    return f"{why}; the agent and its ranks ended with it."
 
 
 @dataclass(frozen=True)
@@ -248,14 +296,32 @@ def agent_command(host: str, via: str = "ssh") -> list[str]:
     return command + [shlex.join(remote)]
 
 
-def diagnose(host: str, stderr: str, exitcode: int | None) -> HostError:
+def diagnose(host: str, stderr: str, exitcode: int | None, via: str = "ssh") -> HostError:
     """The clear error for an agent that ended before it said hello."""
     said = stderr.strip()
+    if via == "srun":
+        return _srun_diagnosis(host, said, exitcode)
     for needles, text in _SSH_DIAGNOSES:
         if any(needle in said for needle in needles):
             return HostError(host, text.format(host=host) + (f" ssh said: {said}" if said else ""))
     return HostError(host, f"the agent on {host!r} ended before it answered (exit code {exitcode}): "
                      f"{said or 'no output'}")
+
+
+def _srun_diagnosis(host: str, said: str, exitcode: int | None) -> HostError:
+    """diagnose() for an agent srun started: SLURM's reasons first, then those of the agent's Python."""
+    if any(needle in said for needle in _SRUN_JOB_GONE):
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID") or "?"
+        return HostError(host, f"hosts='slurm': this kernel's SLURM allocation (job {job}) has ended, so srun "
+                         f"could not start the agent on {host!r}. Start a new allocation (`salloc`, or an sbatch "
+                         f"job) and launch there. srun said: {said}")
+    ended = slurm_ended(host, said)
+    if ended is not None:
+        return HostError(host, f"{ended} srun said: {said}")
+    for needles, text in _SSH_DIAGNOSES[-2:]:  # the agent's Python or nbaccel missing on the node
+        if any(needle in said for needle in needles):
+            return HostError(host, text.format(host=host) + f" srun said: {said}")
+    return HostError(host, f"srun could not start the agent on {host!r} (exit code {exitcode}): {said or 'no output'}")
 
 
 def check_versions(host: str, theirs: dict[str, str], ours: dict[str, str]) -> None:

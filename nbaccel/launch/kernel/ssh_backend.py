@@ -42,7 +42,7 @@ from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, v
 from ..messages import Failure
 from ..serialize import referenced_modules
 from .addresses import is_loopback_address
-from .hosts import HostError, agent_command, check_modules, check_versions, diagnose
+from .hosts import HostError, agent_command, check_modules, check_versions, diagnose, slurm_ended
 from .placement_base import Backend, StartedRank
 from .plan import Placement, Program
 
@@ -225,10 +225,10 @@ class SshBackend(Backend):
                 hello = agent.from_agent.recv() if ready else None
             except (EOFError, OSError):
                 agent.process.wait(5)
-                raise diagnose(agent.host, agent.said(), agent.process.returncode) from None
+                raise diagnose(agent.host, agent.said(), agent.process.returncode, self.via) from None
             if hello is None:
                 raise HostError(agent.host, f"the agent on {agent.host!r} did not answer within {HELLO_TIMEOUT:.0f} s "
-                                f"(NBACCEL_HOST_TIMEOUT); ssh said: {agent.said() or 'nothing'}")
+                                f"(NBACCEL_HOST_TIMEOUT); {self.via} said: {agent.said() or 'nothing'}")
             if not isinstance(hello, Hello):
                 raise HostError(agent.host, f"the agent on {agent.host!r} answered {hello!r} instead of its hello")
             check_versions(agent.host, hello.versions, ours)
@@ -398,9 +398,7 @@ class SshBackend(Backend):
                 agent.process.wait(2)
             except subprocess.TimeoutExpired:
                 pass
-            said = agent.said()
-            agent.lost = (f"the agent on {agent.host!r} ended ({self.via} exit code {agent.process.returncode})"
-                          + (f": {said}" if said else "") + "; its ranks were lost with it")
+            agent.lost = self._ended(agent, agent.said())
         for i in running:
             rank = agent.first_rank + i
             if agent.lost and not self._stopping and "channel" in agent.writers[i]:
@@ -409,6 +407,11 @@ class SshBackend(Backend):
             if agent.lost:  # why, beside its exit (a pool's rank has no channel message to say it)
                 self.remote[(agent.index, i)].lost = agent.lost
             self._rank_exited(agent, i, LOST_EXIT)
+
+    def _ended(self, agent: Agent, said: str) -> str:
+        """Why an agent's session ended while its ranks ran (`said`: what ssh or srun printed)."""
+        return (f"the agent on {agent.host!r} ended ({self.via} exit code {agent.process.returncode})"
+                + (f": {said}" if said else "") + "; its ranks were lost with it")
 
     # ------------------------------------------------------------------ the Backend protocol
     def wait_objects(self) -> list[Any]:
@@ -483,6 +486,10 @@ class SlurmBackend(SshBackend):
     """The hosts of a SLURM allocation: the same agents, each started by `srun` on its node."""
 
     via = "srun"
+
+    def _ended(self, agent: Agent, said: str) -> str:
+        """SLURM's own reason when it ended the agent's job step (scancel, the time limit)."""
+        return slurm_ended(agent.host, said) or super()._ended(agent, said)
 
 
 def _pickled(message: dict) -> bytes:
