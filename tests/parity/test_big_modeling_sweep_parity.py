@@ -268,3 +268,21 @@ def test_get_max_memory_leaves_the_callers_dict_alone():
     assert returned["accelerate.utils"][0] == returned["nbaccel.utils"][0] == {"cpu": 10**9, 0: 5}
     assert returned["accelerate.utils"][1] == {"cpu": 10**9, 0: 5}
     assert returned["nbaccel.utils"][1] == {"cpu": "1GB", 0: 5}
+
+
+def test_load_state_dict_reads_a_meta_mapped_tensor_as_meta(tmp_path):
+    """Deliberate difference (docs/compat.md): a safetensors tensor mapped to "meta" is read as an empty tensor
+    of its shape and dtype; Accelerate passes "meta" to safetensors, which refuses it."""
+    import accelerate.utils
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    import nbaccel.utils
+
+    path = str(tmp_path / "w.safetensors")
+    save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(2, dtype=torch.float16)}, path, metadata={"format": "pt"})
+    loaded = nbaccel.utils.load_state_dict(path, device_map={"weight": "meta", "bias": "cpu"})
+    assert (loaded["weight"].device.type, loaded["weight"].shape) == ("meta", (2, 3))
+    assert torch.equal(loaded["bias"], torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(SafetensorError, match="meta"):
+        accelerate.utils.load_state_dict(path, device_map={"weight": "meta", "bias": "cpu"})
