@@ -190,3 +190,63 @@ def test_a_stop_signals_each_process_once(tmp_path):
         rank.wait()
     got = {name: (counts / name).read_text() for name in ("rank", "grouped", "strayed") if (counts / name).exists()}
     assert got == {"rank": "1", "grouped": "1", "strayed": "1"}, got
+
+
+# Ctrl-C caught and let go (a rank in a C call that would see it late, or a loop that swallows
+# KeyboardInterrupt): the rank goes on; SIGTERM ends it. Each signal is written down.
+SWALLOWS_CTRL_C = textwrap.dedent("""
+    import os, signal, sys, time
+    rank = os.environ["RANK"]
+    def got(signum, frame):
+        with open(f"got-{rank}", "a") as record:
+            record.write(signal.Signals(signum).name + "\\n")
+        if signum == signal.SIGTERM:
+            sys.exit(0)
+    signal.signal(signal.SIGINT, got)
+    signal.signal(signal.SIGTERM, got)
+    os.write(1, f"READY {rank} {os.getpid()}\\n".encode())
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def _ctrl_c_twice(lib: str, folder: Path) -> tuple[int, str, dict[str, list[str]]]:
+    """Run SWALLOWS_CTRL_C on 2 ranks under `lib`'s launcher; SIGINT the launcher, and again once both ranks
+    got the first. Returns its exit status, its output and the signals each rank got; no rank may be left."""
+    folder.mkdir()
+    (folder / "job.py").write_text(SWALLOWS_CTRL_C)
+    launch = subprocess.Popen([sys.executable, "-m", f"{lib}.commands.launch", "--multi_gpu", "--num_processes",
+                               "2", "job.py"], cwd=folder, env=_environment(folder), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 2 and (line := launch.stdout.readline()):
+            if line.startswith("READY"):
+                pids.append(int(line.split()[2]))
+        assert len(pids) == 2, f"{lib}: the ranks did not start"
+        launch.send_signal(signal.SIGINT)
+        while len(list(folder.glob("got-*"))) < 2 and launch.poll() is None:
+            time.sleep(0.02)
+        launch.send_signal(signal.SIGINT)
+        out, _ = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    left = [] if all_gone(pids) else [pid for pid in pids if is_alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{lib}: ranks {left} outlived the stopped launch"
+    return launch.returncode, out, {path.name: path.read_text().split() for path in sorted(folder.glob("got-*"))}
+
+
+def test_a_second_ctrl_c_sends_sigterm_as_under_accelerate(tmp_path):
+    """torchrun passes the first Ctrl-C on (SIGINT) and, on a second one while the ranks are being stopped,
+    sends SIGTERM: a rank that did not end on the first (in a C call, or a loop that swallows
+    KeyboardInterrupt) ends now instead of after the 30 s grace. nbaccel passed SIGINT on again."""
+    theirs, their_out, their_got = _ctrl_c_twice("accelerate", tmp_path / "accelerate")
+    ours, our_out, our_got = _ctrl_c_twice("nbaccel", tmp_path / "nbaccel")
+    expected = ["SIGINT", "SIGTERM"]
+    assert their_got == our_got == {"got-0": expected, "got-1": expected}, (their_got, our_got, our_out)
+    assert theirs == 1 and ours == 128 + signal.SIGINT, our_out
+    assert our_out.rstrip().endswith("nbaccel launch: stopped by SIGINT; workers stopped"), our_out
