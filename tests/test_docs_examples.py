@@ -8,9 +8,26 @@ from pathlib import Path
 
 import jupyter_client
 import pytest
-from kernel_input import execute, write_kernelspec
+from kernel_input import execute, scripted, write_kernelspec
 
 NBACCEL = Path(sys.executable).parent / "nbaccel"  # the console script, whose sys.path lacks the working folder
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def block_starting(page: str, first_line: str, after: str = "") -> str:
+    """The first fenced code block of a page of the repository (README.md, docs/...) whose first line is
+    `first_line`, below the line `after` (a heading) when given."""
+    lines = (ROOT / page).read_text().splitlines()
+    lines = lines[lines.index(after) + 1:] if after else lines
+    block = None
+    for line in lines:
+        if line.startswith("```"):
+            if block is not None and block and block[0].strip() == first_line:
+                return "\n".join(block) + "\n"
+            block = None if block is not None else []
+        elif block is not None:
+            block.append(line)
+    raise AssertionError(f"{page} has no code block starting with {first_line!r}")
 
 
 def test_estimate_memory_imports_a_package_from_the_working_folder(tmp_path):
@@ -68,3 +85,20 @@ def test_a_launch_from_a_kernel_with_a_read_only_stderr_handler_runs(kernel):
     assert run.error is None, f"{run.error}\n{run.stdout}\n{run.stderr}"
     assert "results: [0, 1]" in run.stdout
     assert "[rank 1] logged by rank 1" in run.stderr
+
+
+@pytest.mark.kernel
+def test_the_persistent_ranks_and_post_mortem_examples_run_as_written(kernel):
+    # README's "Persistent ranks in two cells", then docs/debugging.md's %%ranks cell and `%ranks debug`
+    # (its cell once used a `dist` no rank had, and a comment after `%ranks debug` that the magic took for a rank)
+    start = block_starting("README.md", "%load_ext nbaccel")
+    assert execute(kernel, start).error is None
+    run = execute(kernel, block_starting("README.md", "%%ranks"))
+    assert run.error is None and "all ranks: tensor([ 0,  1,  2, 10, 11, 12])" in run.shown
+    cell = block_starting("docs/debugging.md", "%%ranks", after="## Post-mortem")
+    run = execute(kernel, cell)
+    assert run.error["ename"] == "RankFailedError" and "ZeroDivisionError" in run.error["evalue"], run.error
+    run = execute(kernel, block_starting("docs/debugging.md", "%ranks debug"), scripted("p scale", "q"))
+    assert run.error is None, run.error
+    assert run.prompts[0] == "[rank 1] (Pdb) " and "[rank 1] 14" in run.stdout
+    assert execute(kernel, "%ranks stop").error is None
