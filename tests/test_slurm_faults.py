@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from process_helpers import all_gone, run_in_session
 
 from nbaccel.launch import HostError
 from nbaccel.launch.kernel.hosts import slurm_ended, slurm_hosts
+from nbaccel.utils.other import get_free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -186,3 +188,45 @@ def test_slurms_reasons_for_ending_a_step():
     assert "SLURM ended job 9 on 'n1' at T due to preemption;" in slurm_ended(
         "n1", "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT T DUE TO PREEMPTION ***")
     assert slurm_ended("vm", "srun: error: vm: task 0: Exited with exit code 1") is None
+
+
+SCRIPT = """
+from {package} import PartialState
+
+state = PartialState(cpu=True)  # Accelerate's PartialState() ignores the CPU launch here (test_accelerate_ci_scripts)
+print(f"rank {{state.process_index}} of {{state.num_processes}}", flush=True)
+"""
+
+
+def srun_launch(env: dict[str, str], tmp_path: Path, package: str, options: str) -> subprocess.CompletedProcess:
+    """`srun -n2 bash -c '<package> launch OPTIONS script'` in a new two-task allocation of the one node: two
+    "machines" of one launch, as an sbatch script with --ntasks-per-node=1 starts one per node."""
+    script = tmp_path / f"{package}_script.py"
+    script.write_text(SCRIPT.format(package=package))
+    launcher = Path(sys.executable).with_name(package)
+    command = f"{launcher} launch {options} --mixed_precision no --dynamo_backend no {script}"
+    return run_in_session(["salloc", "-N1", "-n2", "srun", "-n2", "bash", "-c", command], env, tmp_path, timeout=120)
+
+
+def test_nbaccel_launch_under_srun_as_accelerate_launch(slurm_env, slurm_cluster, tmp_path):
+    """Two srun tasks, each a machine (--machine_rank $SLURM_PROCID, the static rendezvous on the first node):
+    four ranks of one world under nbaccel launch as under accelerate launch."""
+    for package in ("accelerate", "nbaccel"):
+        options = (f"--multi_gpu --num_processes 4 --num_machines 2 --machine_rank $SLURM_PROCID "
+                   f"--main_process_ip {slurm_cluster.node} --main_process_port {get_free_port()}")
+        done = srun_launch(slurm_env, tmp_path, package, options)
+        assert done.returncode == 0, done.stdout
+        assert sorted(re.findall(r"rank \d of \d", done.stdout)) == [f"rank {r} of 4" for r in range(4)], done.stdout
+
+
+def test_srun_tasks_without_machine_rank_are_refused_before_anything_starts(slurm_env, slurm_cluster, tmp_path):
+    """`srun -n2 nbaccel launch --num_machines 2` without --machine_rank: each task was machine 0; one failed on
+    the port the other's store held (a traceback) and the other waited for the missing machine until the
+    allocation ended (Accelerate: the same). Now every task exits 2 with one line that says what to pass."""
+    options = (f"--num_processes 4 --num_machines 2 --main_process_ip {slurm_cluster.node} "
+               f"--main_process_port {get_free_port()}")
+    done = srun_launch(slurm_env, tmp_path, "nbaccel", options)
+    refusal = ("nbaccel launch: error: srun runs this command as 2 tasks (SLURM_STEP_NUM_TASKS), and without "
+               "--machine_rank every one would be machine 0 of --num_machines 2: give each its own")
+    assert done.stdout.count(refusal) == 2 and not re.search(r"rank \d of", done.stdout), done.stdout
+    assert "Traceback" not in done.stdout, done.stdout

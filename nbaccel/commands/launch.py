@@ -157,6 +157,7 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
     _report_inert_options(args, settings)
     given = args.num_processes is not None or (config is not None and config.num_processes is not None)
     _check(settings, given_processes=given)
+    _check_srun_tasks(settings, machine_rank_given=pick("machine_rank") is not None)
     if settings.main_process_port == 0:  # as Accelerate: 0 means "pick a free port" (on this machine)
         from ..utils.other import get_free_port
 
@@ -165,6 +166,20 @@ def resolve_settings(args: argparse.Namespace, config: LaunchConfig | None) -> L
         devices = 0 if settings.use_cpu else _device_count()
         settings.num_processes = max(devices, 1) * settings.num_machines
     return settings
+
+
+def _check_srun_tasks(s: LaunchSettings, machine_rank_given: bool) -> None:
+    """Under `srun -n N` (N > 1) every task runs this very command: with the static rendezvous and no
+    --machine_rank each task would be machine 0, and they wait for each other until the rendezvous times out
+    (or fail on the port the first one holds). Refused before anything starts (Accelerate: the same wait)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if (s.num_machines > 1 and s.rdzv_backend == "static" and not machine_rank_given and tasks.isdigit()
+            and int(tasks) > 1):
+        raise LaunchOptionError(
+            f"srun runs this command as {tasks} tasks (SLURM_STEP_NUM_TASKS), and without --machine_rank every "
+            f"one would be machine 0 of --num_machines {s.num_machines}: give each its own, `srun bash -c "
+            "'nbaccel launch --machine_rank $SLURM_PROCID ...'`, or pass --rdzv_backend c10d, whose rendezvous "
+            "numbers the machines itself")
 
 
 def _threads_per_process(args: argparse.Namespace, config: LaunchConfig | None, num_machines: int) -> int:
