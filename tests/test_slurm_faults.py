@@ -124,6 +124,79 @@ def test_scancel_during_a_collective_names_slurm_and_the_kernel_launches_again(s
     assert all_gone(processes_of_job(job) + processes_of_job(new), within=10)
 
 
+CHECKPOINT_SIGNAL_KERNEL = """
+import os, signal, subprocess, sys, threading, time
+from pathlib import Path
+import psutil
+from nbaccel.launch.kernel.launcher import notebook_launcher
+from nbaccel.utils.atomic_files import write_text
+
+folder = Path(sys.argv[1])
+job = os.environ["SLURM_JOB_ID"]
+
+def train(folder):
+    import os, signal, time
+    from pathlib import Path
+    from nbaccel import PartialState
+    state = PartialState()
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # "save a checkpoint"
+    write_text(Path(folder, f"pid-{state.process_index}"), str(os.getpid()), durable=False)
+    while not Path(folder, "go").exists():
+        if got:
+            write_text(Path(folder, f"got-{state.process_index}"), "", durable=False)
+        time.sleep(0.05)
+    return len(got)
+
+def keepers():
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if "group_keeper.sh" in " ".join(proc.cmdline()) and proc.parent().environ().get("SLURM_JOB_ID") == job:
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+def signal_while_they_train():
+    while len(list(folder.glob("pid-*"))) < 2:
+        time.sleep(0.1)
+    # as SLURM's proctrack/cgroup delivers it: to every process of the step, the ranks' groups' keeper too
+    keeper = keepers()
+    for proc in keeper + [child for proc in keeper for child in proc.children()]:
+        proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.5)
+    print("keeper alive:", bool(keeper) and all(proc.is_running() and proc.status() != "zombie" for proc in keeper),
+          flush=True)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to the agent's step (proctrack/pgid here)
+    while len(list(folder.glob("got-*"))) < 2:
+        time.sleep(0.1)
+    write_text(folder / "go", "", durable=False)
+
+threading.Thread(target=signal_while_they_train, daemon=True).start()
+print("results:", notebook_launcher(train, (str(folder),), num_processes=2, hosts="slurm", dashboard=False),
+      flush=True)
+"""
+
+
+def test_a_checkpoint_signal_reaches_the_ranks_and_the_launch_goes_on(slurm_env, tmp_path):
+    """`scancel --signal=USR1 JOB` (or sbatch/salloc --signal=USR1@T), which asks a job's programs for a
+    checkpoint: each rank's handler runs once and the launch returns. Before, the signal reached the agent
+    (srun's task) and killed it, and the ranks with it: 'HostLost: the agent on 'vm' ended (srun exit code
+    138): srun: error: vm: task 0: User defined signal 1'. The ranks' groups' keeper ignores it too (before,
+    USR1 ended it: under proctrack/cgroup SLURM signals every process of the step)."""
+    script = tmp_path / "kernel.py"
+    script.write_text(CHECKPOINT_SIGNAL_KERNEL)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    done = run_in_session(["salloc", "-N1", "-n1", sys.executable, str(script), str(folder)], slurm_env,
+                          tmp_path, timeout=120)
+    assert "keeper alive: True" in done.stdout, done.stdout
+    assert "results: [1, 1]" in done.stdout, done.stdout
+    job = re.search(r"Granted job allocation (\d+)", done.stdout).group(1)
+    assert all_gone(processes_of_job(job), within=10)
+
+
 POOL_KERNEL = """
 import os, subprocess, time
 from nbaccel import RankPool

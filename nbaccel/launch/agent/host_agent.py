@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload, missing_modules
-from .session import KernelReader, at_leave, hold_in_session, leave
+from .session import FORWARDED_SIGNALS, KernelReader, at_leave, forward_signals_to, hold_in_session, leave
 
 if TYPE_CHECKING:
     from ..kernel.rank_groups import RankGroups
@@ -137,6 +137,8 @@ def _serve_store(listen_fd: int, port: int, ready_w: int, alive_r: int) -> None:
     from ..worker.parent_death import die_with_parent
 
     die_with_parent()
+    for signum in FORWARDED_SIGNALS:  # in the agent's process group, which `scancel --signal` signals: not its end
+        signal.signal(signum, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # not the SSH session's stderr: the session ends with the agent, not with this
         os.dup2(devnull, fd)
@@ -200,6 +202,7 @@ class Relay:
         else:
             for i, handle in enumerate(self.backend.start(plan, Payload(data=start.payload))):
                 self._add(i, handle.stdout_fd, handle.stderr_fd, channel=handle.channel)
+        forward_signals_to([proc.pid for proc in self.backend.processes])
         self.send(FrameKind.STARTED, [proc.pid for proc in self.backend.processes])
 
     def _add(self, i: int, out_fd: int, err_fd: int, **pipes: Connection) -> None:

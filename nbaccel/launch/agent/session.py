@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -24,9 +25,29 @@ from typing import Any
 from ..host_protocol import STOP
 
 SESSION_END_GRACE = 10.0  # seconds the relay loop has to stop the ranks once the SSH session ended
+# what a batch system sends a job's steps to ask its programs for a checkpoint (`scancel --signal=USR1 JOB`,
+# `sbatch/salloc --signal=USR1@90`): meant for the ranks, it reaches the agent (srun's task), which it killed,
+# and the ranks with it (PR_SET_PDEATHSIG); the agent hands it to its ranks' process groups instead
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 _SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
 _AT_LEAVE: list[Callable[[], None]] = []
+_RANKS: list[int] = []  # the pids of this host's ranks, each its process group's leader: FORWARDED_SIGNALS' aim
+
+
+def _in_slurm_step_cgroup() -> bool:
+    """Whether this process runs in a SLURM job step's cgroup (proctrack/cgroup: .../job_N/step_M/...), where
+    SLURM signals every process of the step, the ranks forked here too; else (proctrack/pgid) only this one's
+    process group."""
+    try:
+        with open("/proc/self/cgroup") as cgroups:
+            text = cgroups.read()
+    except OSError:
+        return False
+    return "/job_" in text and "/step_" in text
+
+
+_SLURM_SIGNALS_EVERY_PROCESS = _in_slurm_step_cgroup()
 
 
 def open_session() -> tuple[Connection, KernelReader]:
@@ -36,11 +57,33 @@ def open_session() -> tuple[Connection, KernelReader]:
     commands = Connection(os.dup(0), writable=False)
     _SESSION_FDS.extend((kernel.fileno(), commands.fileno()))
     os.register_at_fork(after_in_child=_release_session_in_child)
+    for signum in FORWARDED_SIGNALS:  # from the first line on: one that comes while torch imports is no rank's
+        signal.signal(signum, _forward_to_ranks)
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     return kernel, KernelReader(commands)
+
+
+def forward_signals_to(ranks: list[int]) -> None:
+    """FORWARDED_SIGNALS go to these ranks (pids) from now on."""
+    _RANKS[:] = ranks
+
+
+def _forward_to_ranks(signum: int, frame: Any) -> None:
+    if _SLURM_SIGNALS_EVERY_PROCESS:
+        return  # the ranks have it already
+    for pid in _RANKS:
+        try:
+            os.killpg(pid, signum)  # the rank and what it started, as `nbaccel launch` signals a rank
+        except ProcessLookupError:
+            try:
+                os.kill(pid, signum)  # a rank that has not made its group yet
+            except ProcessLookupError:
+                pass
+        except PermissionError:
+            pass
 
 
 def hold_in_session(fd: int) -> None:
@@ -125,7 +168,13 @@ def _frame(data: bytes | None) -> Any:
 def _release_session_in_child() -> None:
     """In a process forked here (a rank): point the session's fds at /dev/null. A rank holding the session's
     stdout would keep the SSH session open after this agent ended; the numbers stay taken, so nothing else
-    reuses them while the copied Connection objects still name them."""
+    reuses them while the copied Connection objects still name them. The forwarded signals are the rank's own
+    again (their default, or its function's handlers)."""
+    for signum in FORWARDED_SIGNALS:
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass  # forked from another thread than the main one (it is the child's main thread in CPython)
     try:
         devnull = os.open(os.devnull, os.O_RDWR)
     except OSError:

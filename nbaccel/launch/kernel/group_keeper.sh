@@ -10,7 +10,7 @@
 # and looks for the kernel (its own parent) once a second, which costs a `sleep` process a second.
 kernel=$1
 folder=$2
-trap '' INT  # a terminal's Ctrl-C is the kernel's to handle
+trap '' INT USR1 USR2  # a terminal's Ctrl-C is the kernel's to handle, a batch system's checkpoint signal the ranks'
 
 kernel_alive() {  # whether the kernel is still this script's parent: a dead kernel its own parent has not reaped yet
     # still answers `kill -0`, but its children were re-parented the moment it died. Without /proc: `kill -0`
