@@ -113,7 +113,7 @@ def test_scancel_during_a_collective_names_slurm_and_the_kernel_launches_again(s
     cancelled = re.search(r"cancelled: (.*)", done.stdout)
     assert cancelled, done.stdout
     assert re.search(rf"HostLost: SLURM cancelled job step {job}\.\d+ on '[^']+' at \S+ \(scancel of the job or "
-                     r"of the step, or the allocation was revoked\); the agent and its ranks ended with it\.$",
+                     r"of the step, or the allocation was revoked\); the agent and its ranks ended with it$",
                      cancelled.group(1)), done.stdout
     assert re.search(rf"stale: hosts='slurm': this kernel's SLURM allocation \(job {job}, SLURM_JOB_ID\) has ended "
                      r"\((CANCELLED|COMPLETING)\), so srun cannot start anything in it\.", done.stdout), done.stdout
@@ -257,7 +257,7 @@ def test_slurms_reasons_for_ending_a_step():
                  "srun: error: vm: task 0: Terminated")
     assert slurm_ended("vm", srun_said) == (
         "SLURM ended job step 5.0 on 'vm' at 2026-12-01T10:59:13: the allocation reached its time limit (--time; "
-        "ask for more, or save checkpoints and resume in a new allocation); the agent and its ranks ended with it.")
+        "ask for more, or save checkpoints and resume in a new allocation); the agent and its ranks ended with it")
     assert "SLURM ended job 9 on 'n1' at T due to preemption;" in slurm_ended(
         "n1", "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT T DUE TO PREEMPTION ***")
     assert slurm_ended("vm", "srun: error: vm: task 0: Exited with exit code 1") is None

@@ -165,7 +165,7 @@ def slurm_ended(host: str, srun_said: str) -> str | None:
     else:
         why = f"SLURM cancelled {step} on {host!r} at {when} (scancel of the job or of the step, or the allocation " \
               "was revoked)"
-    return f"{why}; the agent and its ranks ended with it."
+    return f"{why}; the agent and its ranks ended with it"
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ def _srun_diagnosis(host: str, said: str, exitcode: int | None) -> HostError:
                          f"job) and launch there. srun said: {said}")
     ended = slurm_ended(host, said)
     if ended is not None:
-        return HostError(host, f"{ended} srun said: {said}")
+        return HostError(host, f"{ended}. srun said: {said}")
     for needles, text in _SSH_DIAGNOSES[-2:]:  # the agent's Python or nbaccel missing on the node
         if any(needle in said for needle in needles):
             return HostError(host, text.format(host=host) + f" srun said: {said}")
