@@ -60,13 +60,20 @@ folder = Path(sys.argv[1])
 job = os.environ["SLURM_JOB_ID"]
 
 def train(folder):
-    import os, time
+    import os, signal, time
     import torch, torch.distributed as dist
     from nbaccel import PartialState
     state = PartialState()
+
+    def save_then_exit(signum, frame):  # SLURM's SIGTERM: KillWait's seconds to save before its SIGKILL
+        print(f"rank {state.process_index} saves a checkpoint", flush=True)
+        write_text(Path(folder, "checkpoint"), "saved", durable=False)
+        raise SystemExit(0)
+
     write_text(Path(folder, f"pid-{state.process_index}"), str(os.getpid()), durable=False)
     if state.process_index == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never enters it: rank 0 waits in the collective
+    signal.signal(signal.SIGTERM, save_then_exit)
     time.sleep(120)
 
 def cancel_once_both_run():
@@ -98,9 +105,10 @@ finally:
 
 
 def test_scancel_during_a_collective_names_slurm_and_the_kernel_launches_again(slurm_env, tmp_path):
-    """The job scancel'ed while rank 0 waits in an all_reduce and rank 1 sleeps: one LaunchError saying SLURM
-    cancelled the agent's step (before: "the agent on 'vm' ended (srun exit code 143): srun: Job step aborted:
-    ..." and srun's other lines), nothing of the job left; the next launch in the ended allocation is a
+    """The job scancel'ed while rank 0 waits in an all_reduce and rank 1 sleeps: SLURM's SIGTERM reaches the
+    ranks (rank 1's handler saves a checkpoint), then one LaunchError says SLURM cancelled the agent's step
+    (before: "the agent on 'vm' ended (srun exit code 143): srun: Job step aborted: ..." and srun's other
+    lines), nothing of the job left; the next launch in the ended allocation is a
     HostError saying so before srun runs (before: srun's "Slurm job N has expired", worded as an agent that
     ended); and the same kernel then launches in a new allocation."""
     script = tmp_path / "kernel.py"
@@ -119,6 +127,9 @@ def test_scancel_during_a_collective_names_slurm_and_the_kernel_launches_again(s
                      r"\((CANCELLED|COMPLETING)\), so srun cannot start anything in it\.", done.stdout), done.stdout
     new = re.search(r"new job (\d+)", done.stdout).group(1)
     assert f"next: ['{new}', '{new}']" in done.stdout, done.stdout
+    # the SIGTERM reached the training rank, whose handler saved and said so (before: the agent died at once and
+    # the ranks with it, SIGKILLed)
+    assert (folder / "checkpoint").read_text() == "saved" and "rank 1] rank 1 saves a checkpoint" in done.stdout
     pids = [int(path.read_text()) for path in folder.glob("pid-*")]
     assert len(pids) == 2 and all_gone(pids, within=10), done.stdout
     assert all_gone(processes_of_job(job) + processes_of_job(new), within=10)
@@ -282,21 +293,21 @@ def srun_launch(env: dict[str, str], tmp_path: Path, package: str, options: str)
 
 
 def test_nbaccel_launch_under_srun_as_accelerate_launch(slurm_env, slurm_cluster, tmp_path):
-    """Two srun tasks, each a machine (--machine_rank $SLURM_PROCID, the static rendezvous on the first node):
-    four ranks of one world under nbaccel launch as under accelerate launch."""
+    """Two srun tasks, each a machine (--machine_rank $SLURM_PROCID, the static rendezvous on the first node)
+    with one rank each: one world of two ranks under nbaccel launch as under accelerate launch."""
     for package in ("accelerate", "nbaccel"):
-        options = (f"--multi_gpu --num_processes 4 --num_machines 2 --machine_rank $SLURM_PROCID "
+        options = (f"--multi_gpu --num_processes 2 --num_machines 2 --machine_rank $SLURM_PROCID "
                    f"--main_process_ip {slurm_cluster.node} --main_process_port {get_free_port()}")
         done = srun_launch(slurm_env, tmp_path, package, options)
         assert done.returncode == 0, done.stdout
-        assert sorted(re.findall(r"rank \d of \d", done.stdout)) == [f"rank {r} of 4" for r in range(4)], done.stdout
+        assert sorted(re.findall(r"rank \d of \d", done.stdout)) == ["rank 0 of 2", "rank 1 of 2"], done.stdout
 
 
 def test_srun_tasks_without_machine_rank_are_refused_before_anything_starts(slurm_env, slurm_cluster, tmp_path):
     """`srun -n2 nbaccel launch --num_machines 2` without --machine_rank: each task was machine 0; one failed on
     the port the other's store held (a traceback) and the other waited for the missing machine until the
     allocation ended (Accelerate: the same). Now every task exits 2 with one line that says what to pass."""
-    options = (f"--num_processes 4 --num_machines 2 --main_process_ip {slurm_cluster.node} "
+    options = (f"--num_processes 2 --num_machines 2 --main_process_ip {slurm_cluster.node} "
                f"--main_process_port {get_free_port()}")
     done = srun_launch(slurm_env, tmp_path, "nbaccel", options)
     refusal = ("nbaccel launch: error: srun runs this command as 2 tasks (SLURM_STEP_NUM_TASKS), and without "

@@ -38,7 +38,15 @@ from typing import TYPE_CHECKING, Any
 from ..channel import close_quietly
 from ..host_protocol import STOP, FrameKind, Hello, KernelFrame, Probe, Start, versions
 from ..serialize import Payload, missing_modules
-from .session import FORWARDED_SIGNALS, KernelReader, at_leave, forward_signals_to, hold_in_session, leave
+from .session import (
+    FORWARDED_SIGNALS,
+    KernelReader,
+    at_leave,
+    forward_signals_to,
+    hold_in_session,
+    leave,
+    terminated,
+)
 
 if TYPE_CHECKING:
     from ..kernel.rank_groups import RankGroups
@@ -137,7 +145,9 @@ def _serve_store(listen_fd: int, port: int, ready_w: int, alive_r: int) -> None:
     from ..worker.parent_death import die_with_parent
 
     die_with_parent()
-    for signum in FORWARDED_SIGNALS:  # in the agent's process group, which `scancel --signal` signals: not its end
+    # in the agent's process group, which `scancel` (--signal) signals: it ends with the agent (at_leave), not
+    # while the ranks save a checkpoint
+    for signum in (*FORWARDED_SIGNALS, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # not the SSH session's stderr: the session ends with the agent, not with this
@@ -233,7 +243,7 @@ class Relay:
                     elif id(obj) in readers and readers[id(obj)] in self.pipes:
                         self._read_pipe(readers[id(obj)])
                 self._report_exits()
-                if self.leaves_when_done and self.backend.finished():
+                if (self.leaves_when_done or terminated()) and self.backend.finished():
                     return
         finally:
             self.backend.stop()
@@ -341,7 +351,8 @@ class Relay:
         except (EOFError, OSError):
             del self.pipes[key]
             close_quietly(conn)
-            self.send(FrameKind.END, key[0], key[1])
+            if not terminated():  # else the kernel's end stays open for the loss it writes there (ssh_backend)
+                self.send(FrameKind.END, key[0], key[1])
 
     def _report_exits(self, limit: float = DRAIN) -> None:
         """Each rank that exited: what it left in its pipes first, then its exit code."""
@@ -355,7 +366,8 @@ class Relay:
                     break
                 for fd in wait(mine, timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
                     self._read_fd(fd)
-            self.send(FrameKind.EXIT, i, code)
+            if not terminated():  # else the kernel counts the ranks as lost with this agent (session._terminate)
+                self.send(FrameKind.EXIT, i, code)
 
 
 def main(kernel: Connection, reader: KernelReader) -> int:
@@ -390,7 +402,7 @@ def main(kernel: Connection, reader: KernelReader) -> int:
         relay.close()
         return 1
     relay.serve()
-    return 0
+    return 128 + signal.SIGTERM if terminated() else 0
 
 
 def preload(launch: bool) -> None:

@@ -33,6 +33,7 @@ FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _SESSION_FDS: list[int] = []  # this process's ends of the SSH session (and its wake-up pipe)
 _AT_LEAVE: list[Callable[[], None]] = []
 _RANKS: list[int] = []  # the pids of this host's ranks, each its process group's leader: FORWARDED_SIGNALS' aim
+_TERMINATED = threading.Event()
 
 
 def _in_slurm_step_cgroup() -> bool:
@@ -59,6 +60,7 @@ def open_session() -> tuple[Connection, KernelReader]:
     os.register_at_fork(after_in_child=_release_session_in_child)
     for signum in FORWARDED_SIGNALS:  # from the first line on: one that comes while torch imports is no rank's
         signal.signal(signum, _forward_to_ranks)
+    signal.signal(signal.SIGTERM, _terminate)
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -69,6 +71,23 @@ def open_session() -> tuple[Connection, KernelReader]:
 def forward_signals_to(ranks: list[int]) -> None:
     """FORWARDED_SIGNALS go to these ranks (pids) from now on."""
     _RANKS[:] = ranks
+
+
+def terminated() -> bool:
+    """Whether the agent got SIGTERM once its ranks ran (SLURM's scancel or time limit, before SIGKILL)."""
+    return _TERMINATED.is_set()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM: before any rank runs, end at once (as by default). Then the ranks get it too (a checkpoint on
+    SIGTERM is theirs to save in SLURM's KillWait) and the relay loop leaves once they have exited, without
+    reporting their exits: the kernel takes them for lost with this agent, and names why from srun's lines."""
+    if not _RANKS:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _TERMINATED.set()
+    _forward_to_ranks(signum, frame)
 
 
 def _forward_to_ranks(signum: int, frame: Any) -> None:
@@ -170,7 +189,7 @@ def _release_session_in_child() -> None:
     stdout would keep the SSH session open after this agent ended; the numbers stay taken, so nothing else
     reuses them while the copied Connection objects still name them. The forwarded signals are the rank's own
     again (their default, or its function's handlers)."""
-    for signum in FORWARDED_SIGNALS:
+    for signum in (*FORWARDED_SIGNALS, signal.SIGTERM):
         try:
             signal.signal(signum, signal.SIG_DFL)
         except (ValueError, OSError):
