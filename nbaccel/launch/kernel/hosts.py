@@ -222,6 +222,7 @@ def attach(address: str | None) -> Any:
     """The ray module, connected to the cluster (the user's own `ray.init()` is kept)."""
     ray = import_ray()
     if ray.is_initialized():
+        _refuse_local_mode(ray)
         return ray
     try:
         with warnings.catch_warnings():  # Ray's tip on num_gpus=0: the agents' actors want the GPUs hidden then
@@ -233,6 +234,17 @@ def attach(address: str | None) -> Any:
                         "and `ray start --address ...` on the other nodes), set RAY_ADDRESS, or call ray.init() "
                         "first.") from None
     return ray
+
+
+def _refuse_local_mode(ray: Any) -> None:
+    """The user's `ray.init(local_mode=True)` runs every actor inside the kernel's own process, one call at a
+    time: the agents' actors could not run the ranks there (their stream calls would wait on each other). Said
+    before anything starts, without touching the user's connection."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    if worker is not None and getattr(worker.global_worker, "mode", None) == getattr(worker, "LOCAL_MODE", object()):
+        raise HostError(RAY, "hosts='ray' cannot run under ray.init(local_mode=True), which runs every actor in "
+                        "this process: call ray.shutdown(), then ray.init(address=...) without local_mode (or let "
+                        "nbaccel attach: RAY_ADDRESS, else address='auto').")
 
 
 def resolve_ray_hosts(spec: RayHosts) -> HostSet:

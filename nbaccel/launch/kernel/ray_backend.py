@@ -17,6 +17,7 @@ ranks.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import threading
@@ -30,7 +31,7 @@ from ..channel import close_quietly
 from ..host_protocol import AGENT_MODULE
 from ..rank_environment import source_checkout_root
 from ..ray_session import RaySession
-from .hosts import RAY, HostError, attach, import_ray
+from .hosts import RAY, HostError, HostSet, attach, import_ray
 from .ssh_backend import Agent, SshBackend
 
 if TYPE_CHECKING:
@@ -39,16 +40,73 @@ if TYPE_CHECKING:
 PLACE_TIMEOUT = float(os.environ.get("NBACCEL_RAY_PLACE_TIMEOUT", "60"))  # seconds to reserve the nodes
 READ_WAIT = 1.0  # seconds one `read` of an agent's stream waits on its node
 PLACE_POLL = 0.2  # seconds of each wait for the placement group (an interrupt is heard between two)
+PLACE_NOTE = 2.0  # seconds of waiting for busy nodes before the launch says that it waits
+ALIVE_POLL = 1.0  # seconds between two checks, while the group waits, that its nodes are alive
+logger = logging.getLogger(__name__)  # notices: records of nbaccel.launch (utils/notices.py)
 
 
-def _wait_placed(group: Any, timeout: float) -> bool:
-    """`group.wait(timeout)` in short waits: Ray's own wait blocks in C++, where the kernel's interrupt (a user
-    stopping a launch that waits for busy nodes) would be heard only when it ends."""
-    deadline = time.monotonic() + timeout
+def _never_fits(ray: Any, hosts: HostSet, per_rank: dict[str, float], num_processes: int) -> str | None:
+    """Why a chosen node can never hold `num_processes` ranks of `per_rank` each (its total resources, busy or
+    not, are too few), or None. Ray would keep such a placement group pending for ever: the launch says so at
+    once instead of waiting PLACE_TIMEOUT for it."""
+    totals = {node["NodeID"]: node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")}
+    for node_id, name in zip(hosts.node_ids, hosts.names):
+        have = totals.get(node_id, {})
+        fit = min((int(have.get(key, 0) / value + 1e-9) for key, value in per_rank.items()), default=num_processes)
+        if fit < num_processes:
+            has = {key: have.get(key, 0) for key in per_rank}
+            advice = f"Pass num_processes={fit} or fewer" if fit else "Ask less of each rank"
+            return (f"hosts='ray': node {name!r} has {has} in all, and {num_processes} rank(s) of {per_rank} each "
+                    f"need {_times(per_rank, num_processes)} there: Ray can never place them. {advice} "
+                    "(num_processes ranks run on each node), or RayHosts(cpus_per_rank=..., resources=...).")
+    return None
+
+
+def _times(per_rank: dict[str, float], count: int) -> dict[str, float]:
+    return {key: value * count for key, value in per_rank.items()}
+
+
+def _dead_nodes(ray: Any, hosts: HostSet) -> list[str]:
+    """The chosen nodes Ray no longer lists as alive."""
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    return [name for node_id, name in zip(hosts.node_ids, hosts.names) if node_id not in alive]
+
+
+def _wait_placed(ray: Any, group: Any, hosts: HostSet, reserve: dict[str, float], timeout: float) -> None:
+    """Wait for the placement group; HostError once `timeout` s pass or a chosen node dies meanwhile.
+
+    `group.wait` in short waits: Ray's own wait blocks in C++, where the kernel's interrupt (a user stopping a
+    launch that waits for busy nodes) would be heard only when it ends. Nodes busy with other work: Ray's way
+    is to wait for them, so the launch waits too, and says so after PLACE_NOTE s, with its bound. A node lost
+    shortly before the launch is still listed alive until Ray's health check fails it (about 15 s): its
+    bundle can never be placed, so the wait ends when Ray marks it dead, naming it."""
+    started = time.monotonic()
+    deadline, noted, next_check = started + timeout, False, started + ALIVE_POLL
     while not group.wait(min(PLACE_POLL, max(0.01, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            return False
-    return True
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + ALIVE_POLL
+            dead = _dead_nodes(ray, hosts)
+            if dead:
+                raise HostError(RAY, f"hosts='ray': node(s) {dead} left the Ray cluster while the launch reserved "
+                                "them (Ray marked them dead). Launch again: it runs on the nodes alive then.")
+        if now >= deadline:
+            raise HostError(RAY, f"hosts='ray': Ray could not reserve {reserve} on each of {list(hosts.names)} "
+                            f"within {timeout:.0f} s (NBACCEL_RAY_PLACE_TIMEOUT); other work holds them: `ray "
+                            "status` shows what is free. Launch when they are free, pass fewer num_processes or "
+                            "RayHosts(cpus_per_rank=...), or set NBACCEL_RAY_PLACE_TIMEOUT to wait longer.")
+        if not noted and now - started >= PLACE_NOTE:
+            noted = True
+            logger.warning(f"nbaccel: hosts='ray': waiting for Ray to free {reserve} on each of {list(hosts.names)} "
+                           "(held by other work, or on a node just lost; `ray status` shows what is free); giving up "
+                           f"after {timeout:.0f} s (NBACCEL_RAY_PLACE_TIMEOUT). Interrupt to stop waiting.")
+
+
+def _death_cause(exc: BaseException) -> str:
+    """Ray's reason for an actor's death in a few words: its "dead because" line (a node that died, a
+    `ray.kill`), else the error's kind (ActorUnavailableError: its process or node went away)."""
+    because = next((line.strip() for line in str(exc).splitlines() if "dead because" in line), "")
+    return because[:300] or type(exc).__name__
 
 
 class ActorProcess:
@@ -63,6 +121,8 @@ class ActorProcess:
         self._ended = ended  # the agent's stdout reached its end
         self.returncode: int | None = None
         self.said = ""
+        self.killed = False  # the launch killed the actor (its stop, its close)
+        self.died: str | None = None  # why Ray says the actor died, when the launch did not kill it
 
     def wait(self, timeout: float | None = None) -> int | None:
         if not self._ended.wait(timeout):
@@ -76,6 +136,7 @@ class ActorProcess:
         return self.returncode
 
     def kill(self) -> None:
+        self.killed = True
         try:
             self._ray.kill(self.actor, no_restart=True)
         except Exception:
@@ -126,7 +187,11 @@ class RayAgent(Agent):
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-        except Exception:
+        except OSError:  # the kernel closed its end (the launch's close), or Ray's get timed out
+            return
+        except Exception as exc:
+            if not self.process.killed:  # not the launch's kill: its node was lost, or someone killed it
+                self.process.died = _death_cause(exc)
             return
         finally:
             close_quietly(fd)
@@ -137,6 +202,12 @@ class RayAgent(Agent):
         and the actor its agent (2-3 s on a busy machine, after the user interrupted the launch). Killing it
         cancels an actor still being made; an agent already running dies with its actor (PDEATHSIG)."""
         self.process.kill()
+
+    def vanished(self) -> str | None:
+        if self.process.died is None:
+            return None
+        return (f"node {self.host!r} lost: the Ray actor of its agent died ({self.process.died}); its ranks were "
+                "lost with it")
 
     def said(self) -> str:
         if not self.process.said:
@@ -159,18 +230,17 @@ class RayBackend(SshBackend):
         ray = attach(hosts.ray.address)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        reserve = {"CPU": plan.num_processes * hosts.ray.cpus_per_rank,
-                   "GPU": plan.num_processes * hosts.ray.gpus_per_rank,
-                   **{key: plan.num_processes * value for key, value in hosts.ray.resources.items()}}
-        reserve = {key: value for key, value in reserve.items() if value}
+        per_rank = {"CPU": hosts.ray.cpus_per_rank, "GPU": hosts.ray.gpus_per_rank, **hosts.ray.resources}
+        per_rank = {key: value for key, value in per_rank.items() if value}
+        never = _never_fits(ray, hosts, per_rank, plan.num_processes)
+        if never:
+            raise HostError(RAY, never)
+        reserve = _times(per_rank, plan.num_processes)
         self.group_name = f"nbaccel-{uuid.uuid4().hex[:8]}"
         self.group = ray.util.placement_group(  # each node's bundle on that node (its Ray label)
             [dict(reserve) or {"CPU": 0.001} for _ in hosts.node_ids], strategy="STRICT_SPREAD",
             name=self.group_name, bundle_label_selector=[{"ray.io/node-id": node} for node in hosts.node_ids])
-        if not _wait_placed(self.group, PLACE_TIMEOUT):
-            raise HostError(RAY, f"hosts='ray': Ray could not reserve {reserve} on each of {list(hosts.names)} within "
-                            f"{PLACE_TIMEOUT:.0f} s (NBACCEL_RAY_PLACE_TIMEOUT); other work may hold them: `ray status` "
-                            "shows what is free. Pass fewer num_processes or RayHosts(cpus_per_rank=...).")
+        _wait_placed(ray, self.group, hosts, reserve, PLACE_TIMEOUT)
         session = ray.remote(RaySession)
         for index, host in enumerate(hosts.names):
             with warnings.catch_warnings():  # Ray's note on num_gpus=0 (it hides the GPUs then, as wanted)

@@ -103,6 +103,11 @@ class Agent:
         with self._lock:
             self.to_agent.send(message)
 
+    def vanished(self) -> str | None:
+        """Why the agent's transport ended by itself, when it can tell that apart from the launch's own stop
+        (a Ray actor that died; an ssh or srun process cannot tell), else None."""
+        return None
+
     def end_unstarted(self) -> None:
         """End an agent that has no rank yet: its session's end is enough (the agent reads its stdin from its
         first line on, so it leaves at once, even while it imports)."""
@@ -393,6 +398,11 @@ class SshBackend(Backend):
     def _agent_ended(self, agent: Agent) -> None:
         """The agent's session ended: its ranks that did not report an exit are lost with it."""
         running = [i for i in range(len(agent.writers)) if i not in agent.exited]
+        # lost by itself, even while the launch stops: the others' errors (their collective's peer gone) may
+        # have stopped the launch before the loss was seen, and the loss is the cause to name
+        vanished = agent.vanished()
+        if running and agent.lost is None and vanished:
+            agent.lost = vanished
         if running and not self._stopping and agent.lost is None:
             try:
                 agent.process.wait(2)
@@ -401,7 +411,7 @@ class SshBackend(Backend):
             agent.lost = self._ended(agent, agent.said())
         for i in running:
             rank = agent.first_rank + i
-            if agent.lost and not self._stopping and "channel" in agent.writers[i]:
+            if agent.lost and (not self._stopping or vanished) and "channel" in agent.writers[i]:
                 failure = Failure(rank, "HostLost", agent.lost, local_rank=i)
                 self._write(agent, i, "channel", _pickled(failure.to_wire()))
             if agent.lost:  # why, beside its exit (a pool's rank has no channel message to say it)
