@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import copy
 import importlib.util
-import math
 import os
 import signal
 import sys
@@ -478,8 +477,10 @@ def _check(s: LaunchSettings, given_processes: bool = True) -> None:
         fail(f"--rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {short_repr(s.rdzv_backend)}")
     if s.max_restarts < 0:
         fail(f"--max_restarts must be >= 0, got {s.max_restarts}")
-    if not 0 < s.monitor_interval < math.inf:  # nan and inf too: torch's agent would fail on them after the start
-        fail(f"--monitor_interval must be a finite number of seconds > 0, got {s.monitor_interval}")
+    # nan, inf and more than time.sleep takes too: torch's agent sleeps it, and would fail after the ranks started
+    if not 0 < s.monitor_interval <= threading.TIMEOUT_MAX:
+        fail(f"--monitor_interval must be a number of seconds > 0 (at most {threading.TIMEOUT_MAX:.0f}), "
+             f"got {s.monitor_interval}")
     if s.gradient_accumulation_steps is not None and s.gradient_accumulation_steps < 1:
         fail(f"--gradient_accumulation_steps must be >= 1, got {s.gradient_accumulation_steps}")
     if s.gpu_ids not in (None, "all") and not all(p.strip().isdigit() for p in str(s.gpu_ids).split(",")):
