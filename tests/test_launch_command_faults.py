@@ -4,6 +4,8 @@ compared with `accelerate launch` on the same script (exit status, what the rank
 from __future__ import annotations
 
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -113,9 +115,11 @@ def test_a_monitor_interval_that_is_no_number_of_seconds_is_refused_before_any_r
     assert not (tmp_path / "ran").exists()
 
 
-def test_the_signal_is_passed_on_to_what_the_rank_started(tmp_path):
-    """As torchrun signals each rank's process group, nbaccel's stop reaches the rank's children with the
-    launch's signal (SIGHUP: a closed terminal), once each."""
+def test_a_closed_terminal_stops_the_ranks_and_what_they_started(tmp_path):
+    """The launch runs on a terminal (a pty, its controlling terminal), which then closes: the launch gets SIGHUP
+    and, as torchrun signals each rank's process group, the ranks' children get SIGHUP too, once each. Its last
+    line then fails on the dead terminal (EIO), which made the launch end with a traceback and status 1 instead
+    of 128 + SIGHUP."""
     (tmp_path / "job.py").write_text(textwrap.dedent("""
         import os, signal, subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c", '''
@@ -130,24 +134,37 @@ def test_the_signal_is_passed_on_to_what_the_rank_started(tmp_path):
         '''])
         while not os.path.exists(f"ready-{os.environ['RANK']}"):
             time.sleep(0.02)
-        os.write(1, f"READY {os.environ['RANK']} {child.pid}\\n".encode())
+        print(f"READY {os.environ['RANK']} {child.pid}", flush=True)
         child.wait()
     """))
-    launch = subprocess.Popen([sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2", "job.py"],
-                              cwd=tmp_path, env=_environment(tmp_path), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    command = [sys.executable, "-m", "nbaccel", "launch", "--cpu", "--num_processes", "2", "job.py"]
+    environment = _environment(tmp_path)
+    pid, terminal = pty.fork()  # the child leads a session whose controlling terminal is the pty
+    if pid == 0:
+        try:
+            os.chdir(tmp_path)
+            os.execve(sys.executable, command, environment)
+        finally:
+            os._exit(127)
+    seen = b""
     try:
-        children = [int(launch.stdout.readline().split()[2]) for _ in range(2)]
-        launch.send_signal(signal.SIGHUP)
-        out, _ = launch.communicate(timeout=60)
+        while seen.count(b"READY") < 2:
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # the launch ended (EIO)
+                break
+            if not chunk:
+                break
+            seen += chunk
+        children = [int(found) for found in re.findall(rb"READY \d+ (\d+)", seen)]
+        assert len(children) == 2, seen.decode(errors="replace")
     finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.communicate()
+        os.close(terminal)  # the terminal closes: the kernel sends SIGHUP to its session's leader
+        _, status = os.waitpid(pid, 0)
     assert all_gone(children), "a rank's child outlived the stopped launch"
-    assert launch.returncode == 128 + signal.SIGHUP, out
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP, seen.decode(errors="replace")
     got = {path.name: path.read_text().split() for path in sorted(tmp_path.glob("child-*"))}
-    assert got == {"child-0": ["SIGHUP"], "child-1": ["SIGHUP"]}, (got, out)
+    assert got == {"child-0": ["SIGHUP"], "child-1": ["SIGHUP"]}, got
 
 
 # A process that counts the times it gets SIGRTMIN (a real-time signal: two sent are two received, where two

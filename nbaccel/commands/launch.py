@@ -597,11 +597,20 @@ def run_settings(s: LaunchSettings) -> int:
             print(f"nbaccel launch: {_deadlock_report(diagnosis)}", file=sys.stderr)
         return 1
     except _Stopped as stop:
-        print(f"nbaccel launch: stopped by {signal.Signals(stop.signum).name}; workers stopped", file=sys.stderr)
+        _last_line(f"nbaccel launch: stopped by {signal.Signals(stop.signum).name}; workers stopped")
         return 128 + stop.signum
     if script.exit_hang is not None:  # every script completed; a process hung in its teardown
         print(f"nbaccel launch: {script.exit_hang.summary()}", file=sys.stderr)
     return 0
+
+
+def _last_line(line: str) -> None:
+    """The stopped launch's line on stderr. A closed terminal (its SIGHUP stopped the launch) fails the write with
+    EIO: the launch still ends with its status (128 + the signal), not with a traceback and 1."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 class _Stopped(BaseException):
