@@ -111,7 +111,7 @@ def test_a_model_freed_after_end_training_while_a_collective_is_queued_exits_zer
 
 
 HANGS_IN_TEARDOWN = """
-    import threading
+    import time
     import torch
     from nbaccel import Accelerator
 
@@ -122,8 +122,11 @@ HANGS_IN_TEARDOWN = """
 
 
     class HangsWhenFreed:
-        def __del__(self):
-            threading.Event().wait()  # freed with the module's globals, after every exit function ran
+        # freed with the module's globals, after every exit function ran. The sleep is bound now, a C function:
+        # by then a module kept alive (torch imports dill when installed; dill holds __main__, threading holds
+        # its own) has its names set to None
+        def __del__(self, sleep=time.sleep):
+            sleep(3600)
 
 
     if accelerator.process_index == 1:
