@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -288,8 +289,9 @@ def check_request(request: LaunchRequest, resolved: Any) -> str:
     interval = request.monitor_interval
     if not isinstance(interval, (int, float)) or isinstance(interval, bool):
         raise TypeError(f"monitor_interval must be a number of seconds, got {interval!r} ({type(interval).__name__})")
-    if interval <= 0:
-        raise ValueError(f"monitor_interval must be a positive number of seconds, got {interval!r}")
+    if not 0 < interval <= threading.TIMEOUT_MAX:  # nan and inf too: the agent's time.sleep refuses them later
+        raise ValueError(f"monitor_interval must be a number of seconds > 0 (at most {threading.TIMEOUT_MAX:.0f}), "
+                         f"got {interval!r}")
     check_rendezvous_backend(resolved.rdzv_backend)
     check_timeout(request.timeout)
     precision = check_precision(resolved.mixed_precision)
