@@ -185,13 +185,13 @@ class Interrupt:  # Ctrl-C lands while torch's C extension imports numpy (the fi
 
 sys.meta_path.insert(0, Interrupt())
 from nbaccel.commands.main import main
-sys.exit(main(["launch", "--help"]))
+sys.exit(main(["config", "update", "--config_file", "none.yaml"]))  # a command that runs imports torch
 """
 
 
 def test_ctrl_c_while_torch_imports_numpy_is_not_lost():
     """torch's C extension imports numpy and drops what that import raises: an interrupt there was lost and
-    the command went on (here: printed its help and exited 0). A real SIGINT, sent in that moment."""
+    the command went on (here: said the file is missing and exited 2). A real SIGINT, sent in that moment."""
     done = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_NUMPYS_IMPORT], capture_output=True, text=True,
                           timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "nbaccel: interrupted\n"), done
@@ -414,6 +414,26 @@ def test_python_dash_m_and_discovered_commands():
     assert code == 1 and "usage: nbaccel" in out
     choices = build_parser()._subparsers._group_actions[0].choices
     assert {"config", "env", "launch", "test"} <= set(choices)
+
+
+def test_help_and_bad_options_load_no_torch(tmp_path):
+    """`nbaccel --help`, `nbaccel launch --help` and a bad option answer without importing torch (2 s here;
+    Accelerate's CLI imports it first); a command that runs imports it (with Ctrl-C held, test above)."""
+    probe = textwrap.dedent("""
+        import contextlib, io, sys
+        from nbaccel.commands.main import main
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            for argv in (["--help"], ["launch", "--help"], ["launch", "--num_processes", "two", "x.py"]):
+                try:
+                    main(argv)
+                except SystemExit:
+                    pass
+        print("torch" in sys.modules)
+        from nbaccel.commands.config.default import write_basic_config  # Accelerate's name, still there
+        print(callable(write_basic_config) and "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr
 
 
 def test_unsupported_config_is_refused_before_start():

@@ -121,12 +121,14 @@ def _ctrl_c_held() -> Iterator[None]:
 
 def _run_command(argv: Sequence[str] | None) -> int:
     with _ctrl_c_held():
-        parser = build_parser()  # the commands' modules import torch
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))  # --help and bad options end here
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 1
+    with _ctrl_c_held():
+        import torch  # noqa: F401  (the commands use it; imported here, where a Ctrl-C in its import is held)
     args._from_cli = True  # errors a caller of the command function gets as exceptions are one line here
     status = func(args)  # an exit status; Accelerate's commands may return something else (env: its report)
     return status if isinstance(status, int) else 0

@@ -7,15 +7,18 @@ import argparse
 
 from ...utils.config_file import ConfigError, default_config_file, display_path
 from ...utils.constants import MIXED_PRECISION_CHOICES
-from ...utils.other import write_basic_config
 
-__all__ = ["default_command_parser", "default_config_command", "description", "write_basic_config"]
+# write_basic_config: imported on first use (__getattr__ below)
+__all__ = ["default_command_parser", "default_config_command", "description", "write_basic_config"]  # noqa: F822
 
 description = "Write a basic config file for this machine (every visible GPU, else the CPU), without questions."
 
 
 def default_config_command(args: argparse.Namespace) -> int:
     """Write the file unless one exists there already (as Accelerate: an existing file is kept)."""
+    # imports torch: not at the top, where `--help` would wait on it
+    from ...utils.other import write_basic_config
+
     try:
         path = write_basic_config(mixed_precision=args.mixed_precision, save_location=args.save_location or getattr(args, "config_file", None))
     except (ValueError, ConfigError) as exc:
@@ -35,3 +38,13 @@ def default_command_parser(parser, parents) -> argparse.ArgumentParser:
                         help="Mixed precision mode to write.")
     parser.set_defaults(func=default_config_command, _parser=parser)
     return parser
+
+
+def __getattr__(name: str):
+    """`write_basic_config`, Accelerate's name in this module, imported on first use: `nbaccel --help` and every
+    command that does not write a config would otherwise wait on torch's import."""
+    if name == "write_basic_config":
+        from ...utils.other import write_basic_config
+
+        return write_basic_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
