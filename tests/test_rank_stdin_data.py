@@ -155,9 +155,9 @@ def _launch(tool: str, tmp_path: Path, mode: str, stdin: bytes | None) -> tuple[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,stdin", [("iter", b'{"a":\n 1}\n'), ("readlines", b'{"a":\n 1}\n'),
-                                        ("buffer", b'{"a":\n 1}\n'), ("json", b'{"a":\n 1}\n'),
-                                        ("read", b"no newline"), ("read", None)])
+# (readlines is iteration: test_iteration_readlines_and_json_load above)
+@pytest.mark.parametrize("mode,stdin", [("iter", b'{"a":\n 1}\n'), ("buffer", b'{"a":\n 1}\n'),
+                                        ("json", b'{"a":\n 1}\n'), ("read", b"no newline"), ("read", None)])
 def test_piped_stdin_reads_as_under_accelerate_launch(tmp_path, mode, stdin):
     ours = shutil.which("nbaccel", path=str(Path(sys.executable).parent))
     theirs = shutil.which("accelerate", path=str(Path(sys.executable).parent))
