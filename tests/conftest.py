@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,65 @@ sys.path.insert(0, str(ROOT / "tests"))
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from process_helpers import kill_and_reap, live_children  # noqa: E402  (needs the path above)
+
+# Files that start the same session service (a fixture started once per pytest-xdist worker): one worker takes
+# them together as one work unit, so the service starts once (a two-node Ray cluster takes 15-35 s), and stops it
+# when it leaves the unit (UNIT_SERVICES) instead of at the end of the session: an idle Ray cluster takes ~12% of
+# a core, a minute of a 2-core run.
+SHARED_SERVICE = {"tests/test_ray_launch.py": "ray cluster", "tests/test_ray_faults.py": "ray cluster"}
+SERVICE_FIXTURES = {"ray_cluster": "ray cluster"}
+UNIT_SERVICES: dict[str, Callable[[], None]] = {}  # unit -> stop of the service it started
+
+
+def _work_unit(nodeid: str) -> str:
+    """What one worker runs as a whole: a file (run.sh's --dist loadfile), or the files of a shared service."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_SERVICE.get(path, path)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heaviest work unit first, each file's tests in their own order: with the longest files started last (as
+    xdist's default order, by number of tests, had them) one worker ran alone for the last minute or two.
+    tests/file_seconds.json holds each file's seconds in a full run (scripts/test_file_seconds.py); a file
+    not in it counts as a median one."""
+    for item in items:
+        for fixture, unit in SERVICE_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()) and _work_unit(item.nodeid) != unit:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its file to SHARED_SERVICE as {unit!r}")
+    seconds = json.loads((ROOT / "tests" / "file_seconds.json").read_text())
+    unknown = statistics.median(seconds.values())
+    units: dict[str, float] = {}
+    for path, value in seconds.items():
+        units[_work_unit(path)] = units.get(_work_unit(path), 0.0) + value
+    position = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-units.get(_work_unit(item.nodeid), unknown), _work_unit(item.nodeid),
+                                 position[id(item)]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """run.sh's `--dist loadfile`, with the work units above taken in the order of collection."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServiceScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # xdist's own order (by number of tests) would undo the one above
+    return SharedServiceScheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Stop a unit's service after its last test here (the order above keeps a unit's tests together)."""
+    result = yield
+    unit = _work_unit(item.nodeid)
+    if unit in UNIT_SERVICES and (nextitem is None or _work_unit(nextitem.nodeid) != unit):
+        UNIT_SERVICES.pop(unit)()
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -99,15 +161,31 @@ def slurm_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A two-node Ray cluster in a private network namespace (tests/ray_cluster.py), one per session. Its
-    processes are not children of this process: nothing to exempt from the per-test check."""
+    """A two-node Ray cluster in a private network namespace (tests/ray_cluster.py), one per session, stopped
+    after the last test of its work unit. Its processes are not children of this process: nothing to exempt
+    from the per-test check."""
     import ray_cluster as cluster_module
 
     # a short folder of its own: Ray's Unix sockets live in it, and a socket's path has at most 107 bytes, which
     # pytest's basetemp under a pytest-xdist worker (.../pytest-345/popen-gw0/ray0/...) overran
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-ray-"))
+    unit = SERVICE_FIXTURES["ray_cluster"]
+    service = _session_service(cluster_module, cluster_module.start_cluster, folder, "a Ray cluster",
+                               lambda cluster: set())
+
+    def stop() -> None:
+        try:
+            next(service, None)  # the code after its yield: the cluster's stop
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     try:
-        yield from _session_service(cluster_module, cluster_module.start_cluster, folder, "a Ray cluster",
-                                    lambda cluster: set())
+        cluster = next(service)  # a skip, saying why, where no cluster can start
+    except BaseException:
+        stop()
+        raise
+    UNIT_SERVICES[unit] = stop
+    try:
+        yield cluster
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        UNIT_SERVICES.pop(unit, lambda: None)()
