@@ -49,10 +49,11 @@ case "${1:-}" in
         # CI images, would have each compile nbaccel again)
         "$VENV/bin/python" -m compileall -q nbaccel tests > /dev/null || true
         set +e
-        # two workers, each taking whole files (a file's fixtures, such as the Ray cluster or the sshd, start once):
-        # much of a test's time is a wait on the processes it started, which the other worker's test fills.
-        # NBACCEL_TEST_WORKERS=0 runs in this process (as does -n 0 after it)
-        "$VENV/bin/python" -m pytest -n "${NBACCEL_TEST_WORKERS:-2}" --dist loadfile "$@"
+        # three workers, each taking whole files (a file's fixtures, such as the Ray cluster or the sshd, start
+        # once): much of a test's time is a wait on the processes it started (a kernel's start, a hang's grace),
+        # which another worker's test fills. On 2 cores, 2 workers kept the CPUs 88% busy (20:50-21:46 for the
+        # suite), 3 kept them 98% busy (20:10). NBACCEL_TEST_WORKERS=0 runs in this process (as does -n 0 after it)
+        "$VENV/bin/python" -m pytest -n "${NBACCEL_TEST_WORKERS:-3}" --dist loadfile "$@"
         rc=$?
         set -e
         if [ "$rc" -eq 5 ]; then

@@ -1,6 +1,6 @@
 """Refresh tests/file_seconds.json, each test file's seconds in a full run, from pytest's `--durations=0` report.
 
-tests/conftest.py starts the heaviest files first, so that on two workers no long file starts last:
+tests/conftest.py starts the heaviest files first, so that no long file starts last on a worker:
 
     ./run.sh test --durations=0 | tee run.log
     .venv/bin/python scripts/test_file_seconds.py run.log
