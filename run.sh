@@ -51,8 +51,9 @@ case "${1:-}" in
         set +e
         # three workers, each taking whole files (a file's fixtures, such as the Ray cluster or the sshd, start
         # once): much of a test's time is a wait on the processes it started (a kernel's start, a hang's grace),
-        # which another worker's test fills. On 2 cores, 2 workers kept the CPUs 88% busy (20:50-21:46 for the
-        # suite), 3 kept them 98% busy (20:10). NBACCEL_TEST_WORKERS=0 runs in this process (as does -n 0 after it)
+        # which another worker's test fills. On 2 cores, 2 workers kept the CPUs 88% busy (the suite: 20:50 and
+        # 21:46), 3 kept them 92-98% busy (16:41-20:10 in three runs; the machine's speed drifts between runs).
+        # NBACCEL_TEST_WORKERS=0 runs in this process (as does -n 0 after it)
         "$VENV/bin/python" -m pytest -n "${NBACCEL_TEST_WORKERS:-3}" --dist loadfile "$@"
         rc=$?
         set -e
