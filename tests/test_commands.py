@@ -416,7 +416,7 @@ def test_python_dash_m_and_discovered_commands():
     assert {"config", "env", "launch", "test"} <= set(choices)
 
 
-def test_help_and_bad_options_load_no_torch(tmp_path):
+def test_help_and_bad_options_load_no_torch():
     """`nbaccel --help`, `nbaccel launch --help` and a bad option answer without importing torch (2 s here;
     Accelerate's CLI imports it first); a command that runs imports it (with Ctrl-C held, test above)."""
     probe = textwrap.dedent("""

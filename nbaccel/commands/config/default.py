@@ -8,7 +8,7 @@ import argparse
 from ...utils.config_file import ConfigError, default_config_file, display_path
 from ...utils.constants import MIXED_PRECISION_CHOICES
 
-# write_basic_config: imported on first use (__getattr__ below)
+# write_basic_config: imported on first use (lazy_namespace below)
 __all__ = ["default_command_parser", "default_config_command", "description", "write_basic_config"]  # noqa: F822
 
 description = "Write a basic config file for this machine (every visible GPU, else the CPU), without questions."
@@ -40,11 +40,9 @@ def default_command_parser(parser, parents) -> argparse.ArgumentParser:
     return parser
 
 
-def __getattr__(name: str):
-    """`write_basic_config`, Accelerate's name in this module, imported on first use: `nbaccel --help` and every
-    command that does not write a config would otherwise wait on torch's import."""
-    if name == "write_basic_config":
-        from ...utils.other import write_basic_config
 
-        return write_basic_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from ..._lazy import lazy_namespace  # noqa: E402
+
+# `write_basic_config`, Accelerate's name in this module, imported on first use: `nbaccel --help` and every command
+# that does not write a config would otherwise wait on torch's import
+__getattr__, __dir__ = lazy_namespace(__name__, {"write_basic_config": "nbaccel.utils.other"})
