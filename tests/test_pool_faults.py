@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 from process_helpers import all_gone
 
-from nbaccel.launch.pool import RankFailedError, RankPool, RankResults
+from nbaccel.launch.pool import (
+    CollectiveMismatchError,
+    RankFailedError,
+    RankPool,
+    RankResults,
+    RankStartError,
+    rank_pool,
+)
 
 # a test that fails by waiting (the fault the file guards against) fails here, not at the suite's limit
 pytestmark = pytest.mark.timeout(60)
@@ -243,3 +250,41 @@ def test_a_wrong_rank_or_pool_argument_in_a_magic_is_one_line(pool):
         if magics.pool is not pool:
             magics.close()  # the pool the magic started
         InteractiveShell.clear_instance()
+
+
+@pytest.mark.parametrize("fault", ["hang", "died", "interrupt"])
+def test_a_restart_that_fails_names_the_first_cause_and_why_the_ranks_did_not_start(monkeypatch, fault):
+    """After a hang, a dead rank or an interrupt a rank does not heed, the pool restarts every rank. When the new
+    ranks cannot start (here: not within the time they are given, as on a machine too busy to start them), the
+    one error says what went wrong first and why the ranks did not start again; the pool is then shut down, and
+    nothing is left."""
+    with RankPool(2, timeout=3) as pool:
+        old = _fresh(pool)
+        monkeypatch.setattr(rank_pool, "START_TIMEOUT", 0.001)  # the next start's limit
+        if fault == "hang":
+            with pytest.raises(CollectiveMismatchError) as caught:
+                pool.exec("if rank == 0:\n    dist.all_reduce(torch.ones(1))\n")
+            first = "not every rank entered the same collective"
+            assert "rank 0 stayed inside a collective, which cannot be undone), but they did not start again: the " \
+                   "RankPool is shut down, start a new one (or `%ranks start`)" in str(caught.value)
+            assert not caught.value.restarted
+        elif fault == "died":
+            with pytest.raises(RankStartError) as caught:
+                pool.exec("if rank == 1:\n    os._exit(3)\n")
+            first = "the process group failed ("
+            assert [result.status for result in caught.value.results] == ["finished", "failed"]
+        else:
+            with pytest.raises(KeyboardInterrupt) as caught:
+                pool.exec("if rank == 0:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                          "print('sleeping', flush=True)\ntime.sleep(600)",
+                          on_progress=_interrupt_once_every_rank_printed)
+            first = "interrupted: rank 0 did not stop within 3 s"
+            assert caught.value._render_traceback_() == [f"KeyboardInterrupt: {caught.value}"]
+        shown = str(caught.value)  # what IPython shows: the message only
+        assert shown.startswith(first), shown
+        assert "did not start again" in shown and "RankStartError: " in shown, shown
+        assert isinstance(caught.value.__cause__, RankStartError)
+        assert "did not start within 0.001 s" in str(caught.value.__cause__)
+        assert not pool.running and all_gone(old)
+        with pytest.raises(RuntimeError, match="the RankPool is shut down"):
+            pool.exec("1")

@@ -395,9 +395,10 @@ class Call:
             for conn in wait(list(conns), left):
                 self._reply(conns[conn])
 
-    def interrupt_report(self) -> str:
+    def interrupt_report(self, restart_failed: str | None = None) -> str:
         """What the interrupt did to each selected rank, in one line (the message of the KeyboardInterrupt the
-        pool raises): which stopped, which had already returned, which did not stop (and so were restarted)."""
+        pool raises): which stopped, which had already returned, which did not stop (and so were restarted, or,
+        when `restart_failed` says why not, left the pool shut down)."""
         groups: dict[str, list[int]] = {}
         for index in self.selected:
             error = self.replies.get(index, {}).get("error") or {}
@@ -411,8 +412,12 @@ class Call:
             groups.setdefault(what, []).append(index)
         parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {what}"
                  for what, ranks in groups.items()]
-        after = ("every rank was restarted: the ranks' variables are lost, re-run the cells that define them"
-                 if self.pending else "the ranks keep their variables")
+        if restart_failed is not None:
+            after = f"the ranks did not start again, so the RankPool is shut down ({restart_failed})"
+        elif self.pending:
+            after = "every rank was restarted: the ranks' variables are lost, re-run the cells that define them"
+        else:
+            after = "the ranks keep their variables"
         return f"interrupted: {'; '.join(parts)}; {after}"
 
     # -------------------------------------------------------------------------------------- results

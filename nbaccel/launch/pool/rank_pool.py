@@ -406,18 +406,15 @@ class RankPool:
                     self._report_results(results)
                 return results
             except Hang as hang:
-                error = self._hang_error(hang, call)  # before the restart: it reads the stuck ranks' output
-                self._recover(graceful=False)
-                raise error from None
+                partial = call.partial_results()  # before the restart: it reads the stuck ranks' output
+                failed = self._recover(graceful=False)
+                raise self._hang_error(hang, call, partial, failed) from failed
             except KeyboardInterrupt:
-                if call.pending:
-                    self._recover(graceful=False)
-                raise _interrupted(call.interrupt_report()) from None
+                failed = self._recover(graceful=False) if call.pending else None
+                raise _interrupted(call.interrupt_report(_first_line(failed))) from failed
             finally:
                 if call.broken and self._workers is not None and not call.pending:
-                    self._recover(graceful=False)
-                    logger.warning(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
-                          "their variables are lost: re-run the cells that define them.")
+                    self._after_broken_group(call)
 
     def _report_results(self, results: RankResults) -> None:
         for result in results:
@@ -445,22 +442,42 @@ class RankPool:
             raise ValueError(f"ranks must be a non-empty list of ranks in 0..{self.world_size - 1}, got {ranks!r}")
         return selected
 
-    def _recover(self, graceful: bool) -> None:
+    def _recover(self, graceful: bool) -> Exception | None:
+        """Restart every rank after a call that could not end cleanly. Returns why the new ranks did not start
+        (the pool is then shut down), so that the error the user gets names the first cause and this one."""
         self._stop(graceful=graceful)
         self.restarts += 1
-        self._start()
+        try:
+            self._start()
+        except Exception as failed:  # _start_once left nothing running
+            return failed
+        return None
 
-    def _hang_error(self, hang: Hang, call: Call) -> RankPoolError:
+    def _after_broken_group(self, call: Call) -> None:
+        failed = self._recover(graceful=False)
+        if failed is None:
+            logger.warning(f"nbaccel: the process group failed ({call.broken}); the ranks were restarted and "
+                           "their variables are lost: re-run the cells that define them.")
+            return
+        raise RankStartError(f"the process group failed ({call.broken}) and the ranks did not start again: "
+                             f"{_SHUT_DOWN}.\n{type(failed).__name__}: {failed}", call.partial_results()) from failed
+
+    def _hang_error(self, hang: Hang, call: Call, partial: list[RankResult], failed: Exception | None) -> RankPoolError:
         diagnosis: Diagnosis = hang.diagnosis
         stuck = [state.rank for state in hang.states if state.waiting(hang.now) is not None]
         head = ("not every rank entered the same collective" if diagnosis.kind == "mismatch"
                 else f"a collective did not complete within timeout={call.timeout:g} s")
         lines = report_lines(diagnosis, head, explain(diagnosis, call.timeout, min(MISMATCH_GRACE, call.timeout)))
-        lines += ["", f"The ranks were restarted: rank{'s' if len(stuck) > 1 else ''} "
-                      f"{', '.join(map(str, stuck))} stayed inside a collective, which cannot be undone. Variables "
-                      "defined on the ranks are lost: re-run the cells that define them."]
+        why = (f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stayed inside a collective, which "
+               "cannot be undone")
+        if failed is None:
+            lines += ["", f"The ranks were restarted: {why}. Variables defined on the ranks are lost: re-run the "
+                          "cells that define them."]
+        else:
+            lines += ["", f"The ranks had to be restarted ({why}), but they did not start again: {_SHUT_DOWN}.",
+                      f"{type(failed).__name__}: {failed}"]
         cls = CollectiveMismatchError if diagnosis.kind == "mismatch" else RankTimeoutError
-        error = cls("\n".join(lines), call.partial_results(), restarted=True)
+        error = cls("\n".join(lines), partial, restarted=failed is None)
         error.full_stacks = diagnosis.full_details
         return error
 
@@ -492,6 +509,13 @@ def _values_loaded(results: RankResults) -> RankResults:
                                          f"in the kernel: {detail or exc_type}", "")
             result.status = RankState.FAILED
     return results
+
+
+_SHUT_DOWN = "the RankPool is shut down, start a new one (or `%ranks start`)"
+
+
+def _first_line(error: Exception | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def _interrupted(report: str) -> KeyboardInterrupt:
