@@ -112,7 +112,9 @@ def test_a_rank_killed_at_its_prompt_withdraws_it(unanswered_input, capfd):
         notebook_launcher(_dies_at_its_prompt, num_processes=2, dashboard=False, timeout=120)
     assert info.value.first_rank == 1 and "SIGKILL" in str(info.value)
     assert unanswered_input == ["[rank 1] name? "]
-    assert "the question of rank 1 was withdrawn: rank 1 ended (killed by SIGKILL)" in capfd.readouterr().err
+    # in the same words as a RankPool's (nbaccel.launch.errors.ended_how), the OOM killer's hint included
+    assert ("the question of rank 1 was withdrawn: rank 1 ended (killed by SIGKILL (out of memory? the OOM killer "
+            "sends SIGKILL))") in capfd.readouterr().err
 
 
 def test_an_interrupt_at_one_prompt_asks_no_other_rank_on_the_way_out(monkeypatch):

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from .kernel.process_trees import signal_name
 from .messages import rank_label
 
 NOT_AVAILABLE = "<N/A>"  # torch's word for a field it does not know
@@ -97,6 +98,17 @@ def oom_hint(last_rss: int | None) -> str:
     if last_rss:
         hint += f"; its last memory sample: {last_rss / 2**20:.1f} MiB resident"
     return hint
+
+
+def ended_how(exitcode: int | None, last_rss: int | None = None) -> str:
+    """How a process ended, in words: "exited with code 1", "killed by SIGTERM"; a SIGKILL adds `oom_hint`.
+    None (no exit status could be read): "exit status unknown"."""
+    if exitcode is None:
+        return "exit status unknown"
+    sig = signal_name(exitcode)
+    if sig == "SIGKILL":
+        return f"killed by SIGKILL ({oom_hint(last_rss)})"
+    return f"killed by {sig}" if sig else f"exited with code {exitcode}"
 
 
 class LaunchError(ChildFailedError, RuntimeError):

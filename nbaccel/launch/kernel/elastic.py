@@ -23,7 +23,7 @@ import shutil
 import signal
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LaunchError, WorkerFailure
+from ..errors import LaunchError, WorkerFailure, ended_how
 from ..private_dirs import ELASTIC_LOGS_PREFIX, make_user_dir
 from ..worker.entry import elastic_entry
 from .loopback_store import LOOPBACK, AttemptStores, open_loopback_store
@@ -263,5 +263,4 @@ def _exited(agent: Any, group: Any) -> dict[int, WorkerFailure]:
 
 
 def _ended(rank: int, code: int) -> WorkerFailure:
-    sig = signal_name(code)
-    return WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}", "", code, sig)
+    return WorkerFailure(rank, None, ended_how(code), "", code, signal_name(code))

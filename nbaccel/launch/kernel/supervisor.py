@@ -22,7 +22,7 @@ from ... import telemetry
 from ...utils.constants import MEMORY_INTERVAL_ENV
 from .. import messages, serialize
 from ..channel import Message, Observer, close_quietly, recv_all
-from ..errors import LaunchError, LaunchTimeout, WorkerFailure, cause_first, format_failures, oom_hint
+from ..errors import LaunchError, LaunchTimeout, WorkerFailure, cause_first, ended_how, format_failures
 from ..hang_report import EXIT_HANG_GRACE, Diagnosis, report_lines
 from ..messages import Failure, LaunchState, MessageKind, RankState, Status
 from ..output import LineForwarder, read_available
@@ -260,12 +260,12 @@ class Supervisor:
         user, so it reads exit codes only (safe from another thread; the ranks' messages are the loop's)."""
         code = asking.exit_code()
         if code is not None:
-            return f"{asking.label} ended ({_ended_how(code)})"
+            return f"{asking.label} ended ({ended_how(code)})"
         if self.backend.fail_fast:
             for worker in self.workers:
                 code = worker.exit_code()
                 if worker is not asking and code not in (None, 0):
-                    return f"{worker.label} failed ({_ended_how(code)}), which stops the launch"
+                    return f"{worker.label} failed ({ended_how(code)}), which stops the launch"
         return self.backend.prompt_moot()
 
     def _attempt_ended(self, restart: int) -> None:
@@ -318,13 +318,10 @@ class Supervisor:
                 self.notify(messages.status(worker.rank, local_rank, RankState.STOPPED))
             return
         if exitcode != 0:
-            sig = signal_name(exitcode)
-            if sig == "SIGKILL":
-                message = f"killed by SIGKILL ({oom_hint(worker.last_rss)})"
-            else:
-                message = _ended_how(exitcode)
+            message = ended_how(exitcode, worker.last_rss)
             reported = worker.rank in self.failures
-            self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, sig, last_rss=worker.last_rss))
+            self._fail(WorkerFailure(worker.rank, None, message, "", exitcode, signal_name(exitcode),
+                                     last_rss=worker.last_rss))
             if not reported:
                 self.notify(messages.status(worker.rank, local_rank, RankState.FAILED, error=message))
         elif not worker.has_result:
@@ -553,9 +550,3 @@ class Supervisor:
         self._displays.flush()
         self._flush()
         self.cell.close()
-
-
-def _ended_how(exitcode: int) -> str:
-    """How a rank's process ended, in words: "killed by SIGTERM", "exited with code 1"."""
-    sig = signal_name(exitcode)
-    return f"killed by {sig}" if sig else f"exited with code {exitcode}"

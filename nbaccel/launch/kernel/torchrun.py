@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...utils.constants import COLLECTIVE_WATCH_ENV, EXEC_ENTRY, LINE_LOCK_ENV, RANK_GROUPS_ENV, SCRIPT_ENTRY
 from ..channel import close_quietly
-from ..errors import WorkerFailure
+from ..errors import WorkerFailure, ended_how
 from ..private_dirs import ELASTIC_LOGS_PREFIX, LINE_LOCK_PREFIX, make_user_dir, remove_dir
 from .process_trees import signal_name
 
@@ -239,9 +239,7 @@ class TorchrunScript:
         failures: dict[int, WorkerFailure] = {}
         for rank in sorted(error.failures, key=lambda r: r != first):
             code = error.failures[rank].exitcode
-            sig = signal_name(code)
-            failures[rank] = WorkerFailure(rank, None, f"killed by {sig}" if sig else f"exited with code {code}",
-                                           "", code, sig)
+            failures[rank] = WorkerFailure(rank, None, ended_how(code), "", code, signal_name(code))
         return failures
 
     def after_failure(self, failed: dict[int, str]) -> Diagnosis | None:

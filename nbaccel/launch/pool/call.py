@@ -16,12 +16,12 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
-from ..errors import WorkerFailure
+from ..errors import WorkerFailure, ended_how
 from ..hang_report import Diagnosis, RankProgress, diagnose
 from ..kernel.prompt_relay import PromptRelay
 from ..messages import MessageKind, RankState, rank_label
 from ..serialize import loads
-from .rank_processes import RankOutput, exit_text
+from .rank_processes import RankOutput
 from .results import RankResult, RankResults
 
 if TYPE_CHECKING:
@@ -283,14 +283,14 @@ class Call:
             rank = self.ranks[index]
             code = rank.exit_code()
             if code is not None:
-                return f"{rank_label(index, rank.host)} ended ({exit_text(code)})"
+                return f"{rank_label(index, rank.host)} ended ({ended_how(code)})"
         return None
 
     def _dead(self, index: int) -> None:
         rank = self.ranks[index]
         code = rank.wait_exit(1.0)
         self.outputs[index] = self.streams[index].take()
-        how = exit_text(code)
+        how = ended_how(code)
         if rank.lost is not None:  # its host's agent ended: the exit code is the agent's session's, not the rank's
             error = {"exc_type": "HostLost", "message": rank.lost, "traceback": ""}
             self.broken = f"{rank_label(index, rank.host)} was lost ({rank.lost})"

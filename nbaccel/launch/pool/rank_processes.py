@@ -18,9 +18,8 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from ..channel import close_quietly
-from ..errors import oom_hint
+from ..errors import ended_how
 from ..kernel.launch_session import LaunchSession
-from ..kernel.process_trees import signal_name
 from ..messages import PoolCommand, Ready
 from ..output import read_available
 from .results import RankStartError
@@ -137,7 +136,7 @@ class RankProcesses:
                     try:
                         message = obj.recv()
                     except (EOFError, OSError):
-                        problem = f"rank {rank.rank} exited while starting"
+                        problem = f"rank {rank.rank} ended while starting"
                         break
                     ready = Ready.from_wire(message)
                     if ready.error:
@@ -147,7 +146,7 @@ class RankProcesses:
                 elif obj in sentinels and sentinels[obj].channel in pending:
                     rank = sentinels[obj]
                     if not rank.channel.poll(0):
-                        problem = f"rank {rank.rank} exited while starting ({exit_text(rank.wait_exit(1.0))})"
+                        problem = f"rank {rank.rank} ended while starting ({ended_how(rank.wait_exit(1.0))})"
                         break
         if problem is not None:
             output = "\n".join(text for out in self.outputs for text in out.take() if text.strip())
@@ -201,10 +200,3 @@ def _close_all() -> None:
 atexit.register(_close_all)
 # multiprocessing's own exit handler joins non-daemon children: close ours before it does
 multiprocessing.util.Finalize(None, _close_all, exitpriority=100)
-
-
-def exit_text(exitcode: int | None) -> str:
-    name = signal_name(exitcode)
-    if name == "SIGKILL":
-        return f"killed by SIGKILL ({oom_hint(None)})"
-    return f"killed by {name}" if name else f"exit code {exitcode}"
