@@ -46,8 +46,8 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerat
     data = {f"t{i}": torch.randn(1024) for i in range(16)}
     flat, out = torch.randn(16 * 1024), torch.empty(world * 16 * 1024)
 
-    def through_torch(group, rows, buffer):  # the start before: torch.distributed's function
-        return dist.all_gather_single(rows, buffer, None, True)
+    def through_torch(group, slots, rows):  # the start before: torch.distributed's function
+        return dist.all_gather(slots, rows, None, True)
 
     def announced_first(op, call, tensors, announce=True):  # the enter before: heard at `with`
         return in_collective(op, call, tensors)

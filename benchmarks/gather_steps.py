@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, tree: str) -> 
         collectives._start_all_gather = lambda *args: TimedWork(timed_start(*args))
     packing.pack = timed("pack", packing.pack)
     packing.unpack_gathered = timed("unpack", packing.unpack_gathered)
-    for name, step in (("stacked_results", "results tensor (made during the all-gather)"),
+    for name, step in (("stacked_results", "results tensor (the all-gather writes into it)"),
                        ("fill_stacked", "unpack (one copy into the results)")):
         if hasattr(packing, name):  # the stacked gather since fast-gather (issue 42)
             setattr(packing, name, timed(step, getattr(packing, name)))

@@ -6,8 +6,8 @@ Gathers a dict of 16 float32 tensors of 1,024 elements with (a) nbaccel.utils.ga
 torch.distributed all-gather of a flat buffer of the same size (the floor: what any implementation must
 at least pay through torch.distributed's functions), and the same all-gather called on the process group
 itself (without torch's Python wrapper, as nbaccel's gather starts its all-gather), (c) the least raw-torch code returning the same dict (cat, all-gather, transpose, split; no
-checks), and the same overlapped (the all-gather started asynchronously, the results made while it
-runs), and that overlapped code inside nbaccel's collective trace with a launcher's telemetry sink
+checks), and the same overlapped (the all-gather started asynchronously, each rank's rows received
+straight into a strided slot of the results, which are made while it runs), and that overlapped code inside nbaccel's collective trace with a launcher's telemetry sink
 attached, its enter announced once the all-gather started (the least a launched rank's gather can cost
 with its hang report on), (d) accelerate.utils.gather
 when Accelerate is installed, (e) nbaccel.utils.gather with a launcher's
@@ -71,14 +71,14 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: boo
         return dict(zip(keys, parts))
 
     def overlapped() -> dict:
-        """The same with the all-gather started asynchronously and the results made while it runs (what
-        nbaccel's gather does for tensors of one shape since issue 42's fast-gather), then one copy."""
-        received = torch.empty(world * flat.numel())
-        work = all_gather(received, torch.cat(list(data.values())), None, True)
-        results = torch.empty(len(keys), world * flat.numel() // len(keys))
-        gathered = dict(zip(keys, results.unbind(0)))
+        """The same with the all-gather started asynchronously and the results made while it runs, each
+        rank's rows received straight into a strided slot of the results (the list-form all-gather, whose
+        copy out of gloo's own buffer is then the reordering): what nbaccel's gather does for tensors of one
+        shape since 2026-12-02."""
+        results = torch.empty(len(keys), world, flat.numel() // len(keys))
+        work = dist.all_gather(list(results.unbind(1)), torch.stack(list(data.values())), None, True)
+        gathered = dict(zip(keys, results.view(len(keys), -1).unbind(0)))
         work.wait()
-        results.view(len(keys), world, -1).copy_(received.view(world, len(keys), -1).transpose(0, 1))
         return gathered
 
     from nbaccel import telemetry
@@ -88,16 +88,14 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, raw_watch: boo
         """The overlapped least code inside nbaccel's collective trace, run with the launcher's sink attached:
         the least a launched rank's gather can cost while a hang can still be named (issue 42's row, whose
         `telemetry on` this is), with none of nbaccel's checks or bookkeeping."""
-        buffer = torch.cat(list(data.values()))
-        received = torch.empty(world * flat.numel())
+        buffer = torch.stack(list(data.values()))
+        results = torch.empty(len(keys), world, flat.numel() // len(keys))
         trace = in_collective("gather", "all_gather", [buffer], announce=False)
         with trace:
-            work = all_gather(received, buffer, None, True)
+            work = dist.all_gather(list(results.unbind(1)), buffer, None, True)
             trace.announce()  # the listeners' work while the data travels, as nbaccel's gather does
-            results = torch.empty(len(keys), world * flat.numel() // len(keys))
-            gathered = dict(zip(keys, results.unbind(0)))
+            gathered = dict(zip(keys, results.view(len(keys), -1).unbind(0)))
             work.wait()
-        results.view(len(keys), world, -1).copy_(received.view(world, len(keys), -1).transpose(0, 1))
         return gathered
 
     sink = drained_sink(rank)

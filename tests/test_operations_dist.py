@@ -31,7 +31,8 @@ def _nested(rank: int):
 
 class Counter:
     """Counts calls to torch.distributed's collectives in this process, and the all-gathers the stacked gather
-    starts on the process group directly (collectives._start_all_gather), each once."""
+    starts on the process group directly (collectives._start_all_gather: `ProcessGroup.allgather`, counted as
+    torch.distributed's "all_gather", which calls it), each once."""
 
     NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
              "all_gather_object", "broadcast_object_list", "barrier")
@@ -55,15 +56,14 @@ class Counter:
                     self.inside -= 1
 
             setattr(dist, name, wrapper)
-        self.method = vars(dist.ProcessGroup).get("all_gather_single")  # the descriptor itself, to put back as is
-        if self.method is not None:
+        self.method = vars(dist.ProcessGroup)["allgather"]  # the descriptor itself, to put back as is
 
-            def direct(group, *args, _original=dist.ProcessGroup.all_gather_single):
-                if not self.inside:  # not already counted as torch.distributed's function
-                    self.calls.append("all_gather_single")
-                return _original(group, *args)
+        def direct(group, *args, _original=dist.ProcessGroup.allgather):
+            if not self.inside:  # not already counted as torch.distributed's function
+                self.calls.append("all_gather")
+            return _original(group, *args)
 
-            dist.ProcessGroup.all_gather_single = direct
+        dist.ProcessGroup.allgather = direct
 
     def take(self) -> list[str]:
         calls, self.calls = self.calls, []
@@ -72,8 +72,7 @@ class Counter:
     def restore(self) -> None:
         for name, original in self.saved.items():
             setattr(self.dist, name, original)
-        if self.method is not None:
-            self.dist.ProcessGroup.all_gather_single = self.method
+        self.dist.ProcessGroup.allgather = self.method
 
 
 def _check_values_and_types(rank: int):
@@ -232,9 +231,11 @@ def _same_shape_gathers(rank: int):
     found = []
     for make in (lambda r: {k: torch.arange(6.0).reshape(2, 3) + 10 * k + 100 * r for k in range(4)},
                  lambda r: (torch.tensor(r), torch.tensor(10 + r)),  # 0-dim: 1-D results
-                 lambda r: [torch.full((2,), r, dtype=torch.int64), torch.full((2,), 5 + r, dtype=torch.int64)]):
+                 lambda r: [torch.full((2,), r, dtype=torch.int64), torch.full((2,), 5 + r, dtype=torch.int64)],
+                 # 16 rows of 1,024 per rank, each distinct: a row taken from the wrong place would show
+                 lambda r: {f"k{k}": torch.arange(1024.0) + 1024 * k + 16384 * r for k in range(16)}):
         mine, everyone = make(rank), [make(r) for r in range(world)]
-        for _ in range(2):  # checked, then remembered (fast path, kept receive buffer)
+        for _ in range(2):  # checked, then remembered (the fast path)
             out = gather(mine)
             assert type(out) is type(mine)
             results = list(out.values()) if isinstance(out, dict) else list(out)
@@ -251,29 +252,38 @@ def _same_shape_gathers(rank: int):
 
 
 def _gathers_while_the_receive_buffer_is_taken(rank: int):
-    """A remembered layout's receive buffer belongs to one gather at a time: while another thread holds it (its
-    lock, taken here), a gather of that layout uses a new buffer, gives the right values, and neither replaces the
-    kept buffer nor releases the lock it does not hold. Both paths: same shapes (stacked) and mixed (packed)."""
+    """A remembered layout's receive buffer (tensors of mixed shapes: the packed path) belongs to one gather at a
+    time: while another thread holds it (its lock, taken here), a gather of that layout uses a new buffer, gives
+    the right values, and neither replaces the kept buffer nor releases the lock it does not hold. Tensors of
+    one shape (the stacked path) are gathered straight into their results: that plan keeps no buffer."""
     from nbaccel.utils import collectives, gather
 
     world = torch.distributed.get_world_size()
-    for make in (lambda r: {f"t{i}": torch.full((3,), 10.0 * i + r) for i in range(4)},
-                 lambda r: [torch.full((2,), float(r)), torch.full((5,), 7.0 + r)]):
-        checked = collectives._group_facts().checked
-        checked.clear()
-        gather(make(rank))  # checked once: the layout and its plan are remembered
-        [plan] = checked.values()
-        assert (plan.stacked is not None) == isinstance(make(0), dict)  # the dict: one shape; the list: two
-        gather(make(rank))  # remembered: the plan keeps its receive buffer
-        kept = plan.receive
-        assert kept is not None
-        with plan.lock:  # "another thread" is inside a gather of this layout
-            out = gather(make(rank + 1))
-            assert plan.lock.locked() and plan.receive is kept
-        assert _is_cat_of_every_rank(out, [make(r + 1) for r in range(world)])
-        again = gather(make(rank))  # the lock is free again: the kept buffer is used, still right
-        assert plan.receive is kept and not plan.lock.locked()
-        assert _is_cat_of_every_rank(again, [make(r) for r in range(world)])
+    checked = collectives._group_facts().checked
+    checked.clear()
+    same_shape = {f"t{i}": torch.full((3,), 10.0 * i + rank) for i in range(4)}
+    gather(same_shape)
+    gather(same_shape)
+    [stacked] = checked.values()
+    assert stacked.stacked is not None and stacked.receive is None and not stacked.lock.locked()
+
+    def make(r):
+        return [torch.full((2,), float(r)), torch.full((5,), 7.0 + r)]
+
+    checked.clear()
+    gather(make(rank))  # checked once: the layout and its plan are remembered
+    [plan] = checked.values()
+    assert plan.stacked is None
+    gather(make(rank))  # remembered: the plan keeps its receive buffer
+    kept = plan.receive
+    assert kept is not None
+    with plan.lock:  # "another thread" is inside a gather of this layout
+        out = gather(make(rank + 1))
+        assert plan.lock.locked() and plan.receive is kept
+    assert _is_cat_of_every_rank(out, [make(r + 1) for r in range(world)])
+    again = gather(make(rank))  # the lock is free again: the kept buffer is used, still right
+    assert plan.receive is kept and not plan.lock.locked()
+    assert _is_cat_of_every_rank(again, [make(r) for r in range(world)])
     return True
 
 
@@ -289,10 +299,10 @@ def test_a_gather_while_another_holds_the_receive_buffer_uses_its_own():
 
 
 def _a_gather_interrupted_while_its_data_travels(rank: int):
-    """An interrupt between the asynchronous all-gather's start and its end (here: while the results are made)
-    leaves the kept receive buffer to that all-gather, which may still write into it: the plan drops it, its
-    lock is free, and the next gather of the layout takes a new buffer and gives the right values."""
-    from nbaccel.utils import collectives, gather, packing
+    """An interrupt between the asynchronous all-gather's start and its end (here: while the results' container
+    is made) leaves that all-gather writing into results no one holds (its work keeps them alive): the next
+    gathers of the layout give the right values, and the plan kept nothing the old one could write into."""
+    from nbaccel.utils import collectives, gather
 
     world = torch.distributed.get_world_size()
 
@@ -304,26 +314,26 @@ def _a_gather_interrupted_while_its_data_travels(rank: int):
     gather(make(rank))
     [plan] = checked.values()
     gather(make(rank))
-    assert plan.stacked is not None and plan.receive is not None
-    original = packing.stacked_results
+    assert plan.stacked is not None
+    original = collectives.rebuild_flat
 
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    packing.stacked_results = interrupted
+    collectives.rebuild_flat = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             gather(make(rank))
     finally:
-        packing.stacked_results = original
+        collectives.rebuild_flat = original
     assert plan.receive is None and not plan.lock.locked()
-    out = gather(make(rank + 2))
-    assert _is_cat_of_every_rank(out, [make(r + 2) for r in range(world)])
-    assert plan.receive is not None  # a new buffer, kept again
+    for step in range(2, 5):
+        out = gather(make(rank + step))
+        assert _is_cat_of_every_rank(out, [make(r + step) for r in range(world)])
     return True
 
 
-def test_an_interrupted_gather_leaves_its_receive_buffer_behind():
+def test_a_gather_interrupted_while_its_data_travels_leaves_the_next_ones_right():
     assert run_ranks(_a_gather_interrupted_while_its_data_travels, init=True) == [True, True]
 
 
@@ -331,6 +341,7 @@ def test_same_shape_tensors_gather_like_torch_cat_on_three_ranks():
     found = run_ranks(_same_shape_gathers, world_size=3, init=True)
     assert found[0] == found[1] == found[2]
     assert found[0][0] == [torch.Size([6, 3])] * 4 and found[0][2] == [torch.Size([3])] * 2
+    assert found[0][6] == [torch.Size([3 * 1024])] * 16
 
 
 def _check_trace(rank: int):

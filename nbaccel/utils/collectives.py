@@ -207,22 +207,28 @@ def _async_options() -> Any:
     return options
 
 
-def _start_all_gather(group: Any, rows: torch.Tensor, buffer: torch.Tensor) -> Any:
-    """Start the all-gather of `buffer` (a dense tensor nbaccel packed) into `rows` on the default `group`,
-    returning its work.
+# the stacked gather's all-gather: torch.distributed.all_gather, the list form (ProcessGroup.allgather)
+_SLOTS_CALL = "all_gather"
 
+
+def _start_all_gather(group: Any, slots: list[torch.Tensor], rows: torch.Tensor) -> Any:
+    """Start the all-gather of `rows` (the dense (count, block) tensor nbaccel packed) into `slots` (one
+    strided view of the results per rank) on the default `group`; return its work.
+
+    The list form, because the process group receives into a flat buffer of its own and then copies each
+    rank's part into its output tensor (gloo and nccl both do): into strided slots, that copy is also the
+    reordering a gather needs, which a single-tensor all-gather leaves to a second copy (2-4% of a 64 KiB
+    gather on 2 gloo ranks, benchmarks/RESULTS.md, 2026-12-02).
     torch.distributed's function is a Python wrapper around the process group's own method: its checks,
     torch-function dispatch and coalescing bookkeeping cost ~17 us a call in a warm loop, 17-37 us between
     real collectives (benchmarks/RESULTS.md, 2026-11-29 18:05). Here the inputs are known, so the method is
     called directly; torch's function is used wherever its extra work could matter: a torch-function mode or
-    subclass active, complex data (viewed as real there), a torch whose process group lacks the method.
-    (Inside torch's private `_coalescing_manager` the all-gather runs at once rather than joining the batch;
-    torch's function would hand back a work that cannot be waited for, which a gather must do.)"""
-    start = getattr(group, "all_gather_single", None)
-    if start is None or buffer.is_complex() or torch.overrides.has_torch_function((buffer, rows)):
-        all_gather, _ = _all_gather_fn()
-        return all_gather(rows, buffer, None, True)
-    return start(rows, buffer, _async_options())
+    subclass active, complex data (viewed as real there). (Inside torch's private `_coalescing_manager` the
+    all-gather runs at once rather than joining the batch; torch's function would hand back a work that
+    cannot be waited for, which a gather must do.)"""
+    if rows.is_complex() or torch.overrides.has_torch_function((rows,)):  # (the slots: views of a new tensor)
+        return dist.all_gather(slots, rows, None, True)
+    return group.allgather([slots], [rows], _async_options())
 
 
 def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -231,8 +237,13 @@ def _call_checked(op: str, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except RuntimeError as exc:
-        if "size" not in str(exc):
-            raise
+        _raise_if_sizes_differ(op, exc)
+        raise
+
+
+def _raise_if_sizes_differ(op: str, exc: RuntimeError) -> None:
+    """For torch's error of a collective whose ranks' sizes differ: raise the error that says what to do."""
+    if "size" in str(exc):
         raise DistributedOperationException(
             f"{op} failed: the ranks most likely passed tensors of different shapes ({exc}). Every rank must "
             "pass the same shapes: pad with pad_across_processes first, or set NBACCEL_DEBUG_MODE=1 to have the "
@@ -529,31 +540,30 @@ def _take_receive_buffer(plan: packing.Plan, buffer: torch.Tensor, world: int) -
 def _gather_stacked(data: Any, tensors: list[torch.Tensor], facts: _GroupFacts, plan: packing.Plan,
                     buffer: torch.Tensor | None = None) -> Any:
     """`_gather_packed` for a plain dict, list or tuple (`data`) of tensors of one dtype and one shape (a
-    stacked plan), returning `data` rebuilt: the all-gather is started asynchronously (`_start_all_gather`),
-    and the trace's listeners and the results' tensors and container are made while the data travels (they
-    are views of one new tensor, as `unpack_gathered` makes them); one reordering copy fills them once it
-    has arrived. `buffer`: the tensors already packed, when the caller has them."""
+    stacked plan), returning `data` rebuilt: the results are one new tensor (as `unpack_gathered` makes
+    them), and the all-gather, started asynchronously, writes each rank's rows straight into their slots
+    there (`_start_all_gather`); the trace's listeners and the results' container are made while the data
+    travels. `buffer`: the tensors already packed, when the caller has them. Nothing is reused between
+    calls, so an interrupted gather leaves nothing behind that a later one could meet."""
     if buffer is None:
         buffer = packing.pack(plan, tensors)
-    rows, held = _take_receive_buffer(plan, buffer, facts.world)
-    try:
-        trace = in_collective("gather", _ALL_GATHER_CALL, _traced(tensors, buffer), announce=False)
+    results = packing.stacked_results(plan, buffer)
+    # rank r's rows (count, block) land in a strided slot of the results: row i is block r of result i.
+    # Inline, not a helper: a call more costs a gather between two ranks ~1.5% (benchmarks/RESULTS.md, 2026-12-02)
+    count, block = plan.stacked[0], plan.groups[0].block
+    slots = list(results.view(count, facts.world, block).unbind(1))
+    trace = in_collective("gather", _SLOTS_CALL, _traced(tensors, buffer), announce=False)
+    try:  # one `try` for the start and the wait, no wrapper call each
         with trace:
-            work = _call_checked("gather", _start_all_gather, facts.group(), rows, buffer)
+            work = _start_all_gather(facts.group(), slots, buffer.view(count, block))
             trace.announce()  # the telemetry's share, while the data travels
-            results = packing.stacked_results(plan, buffer)
             gathered = rebuild_flat(data, list(results.unbind(0)))
             if work is not None:  # (a backend that completes in the call returns no work)
-                _call_checked("gather", work.wait)
-        packing.fill_stacked(plan, rows, results)
-        return gathered
-    except BaseException:
-        if held:  # the all-gather may have started and still write into it: later gathers take a new one
-            plan.receive = None
+                work.wait()
+    except RuntimeError as exc:
+        _raise_if_sizes_differ("gather", exc)
         raise
-    finally:
-        if held:
-            plan.lock.release()
+    return gathered
 
 
 def _gather_one(t: torch.Tensor, world: int) -> torch.Tensor:

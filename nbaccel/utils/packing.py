@@ -146,7 +146,8 @@ def unpack(plan: Plan, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) ->
 
 def stacked_results(plan: Plan, buffer: torch.Tensor) -> torch.Tensor:
     """For a stacked plan: the empty (count, *gathered shape) tensor whose rows become the gathered tensors
-    (`unbind(0)`; `fill_stacked` writes the data), so they can be handed out before the data arrives."""
+    (`unbind(0)`; `fill_stacked`, or an all-gather into its per-rank slots, writes the data), so they can be
+    handed out before the data arrives."""
     return torch.empty(plan.stacked, dtype=buffer.dtype, device=buffer.device)
 
 
