@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # noqa: E402 - beside this file
+from two_ranks import drained_sink, interleaved_walls, join_ranks, leave_ranks, print_ways, run_ranks  # noqa: E402 - beside this file
 
 
 def _worker(rank: int, world: int, port: int, queue, rounds: int, cold: bool) -> None:
@@ -67,26 +64,18 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, cold: bool) ->
     theirs = operations.gather(data)
     collectives._gather_stacked = as_it_is
     assert all(torch.equal(mine[k], theirs[k]) for k in data)
-    variants = [*ways, "floor (one raw all-gather)"]
+
+    def prepare(name: str, round_: int):
+        if cold:
+            junk.fill_(round_)
+        if name not in ways:
+            return lambda: dist.all_gather_single(out, flat)
+        collectives._gather_stacked = ways[name]
+        return lambda: operations.gather(data)
+
     sink = drained_sink(rank)
     telemetry.attach(sink, rank)
-    walls: dict[str, list[float]] = {name: [] for name in variants}
-    clock = time.perf_counter
-    for round_ in range(-20, rounds):
-        order = list(variants)
-        random.Random(round_).shuffle(order)
-        for name in order:
-            if cold:
-                junk.fill_(round_)
-            if name in ways:
-                collectives._gather_stacked = ways[name]
-                start = clock()
-                operations.gather(data)
-            else:
-                start = clock()
-                dist.all_gather_single(out, flat)
-            if round_ >= 0:
-                walls[name].append(clock() - start)
+    walls = interleaved_walls([*ways, "floor (one raw all-gather)"], prepare, rounds)
     collectives._gather_stacked = as_it_is
     telemetry.detach()
     if rank == 0:
@@ -100,14 +89,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="write 32 MiB before each call (cold caches)")
     args = parser.parse_args()
     (walls,) = run_ranks(_worker, args.rounds, args.cold)
-    floor = statistics.median(walls["floor (one raw all-gather)"])
-    mine = walls["nbaccel as it is"]
     print(f"2 gloo processes, torch {torch.__version__}, {args.rounds} rounds, cold caches: {args.cold} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    for name, values in walls.items():
-        paired = statistics.median(a / b for a, b in zip(values, mine))
-        print(f"  {name:<42} {statistics.median(values) * 1e6:7.1f} us  {statistics.median(values) / floor:5.2f}x "
-              f"the floor  {paired:5.3f}x nbaccel as it is (median of per-round ratios)")
+    print_ways(walls, "floor (one raw all-gather)", "nbaccel as it is")
 
 
 if __name__ == "__main__":

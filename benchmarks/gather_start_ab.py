@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from two_ranks import drained_sink, join_ranks, leave_ranks, run_ranks  # noqa: E402 - beside this file
+from two_ranks import drained_sink, interleaved_walls, join_ranks, leave_ranks, print_ways, run_ranks  # noqa: E402 - beside this file
 
 
 def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerate: bool) -> None:
@@ -69,28 +66,20 @@ def _worker(rank: int, world: int, port: int, queue, rounds: int, with_accelerat
         import accelerate.utils as acc
 
         variants.append("accelerate")
+
+    def prepare(name: str, round_: int):
+        if name == "accelerate":
+            return lambda: acc.gather(data)
+        if name not in ways:
+            return lambda: dist.all_gather_single(out, flat)
+        collectives._start_all_gather, collectives.in_collective = ways[name]
+        collectives._gather_known_stacked = whole_key if name == "whole layout key" else stacked_check
+        return lambda: operations.gather(data)
+
     sink = drained_sink(rank)
     telemetry.attach(sink, rank)
     operations.gather(data)  # the layout passes the checks once
-    walls: dict[str, list[float]] = {name: [] for name in variants}
-    clock = time.perf_counter
-    for round_ in range(-20, rounds):
-        order = list(variants)
-        random.Random(round_).shuffle(order)
-        for name in order:
-            if name in ways:
-                collectives._start_all_gather, collectives.in_collective = ways[name]
-                collectives._gather_known_stacked = whole_key if name == "whole layout key" else stacked_check
-                start = clock()
-                operations.gather(data)
-            elif name == "accelerate":
-                start = clock()
-                acc.gather(data)
-            else:
-                start = clock()
-                dist.all_gather_single(out, flat)
-            if round_ >= 0:
-                walls[name].append(clock() - start)
+    walls = interleaved_walls(variants, prepare, rounds)
     collectives._start_all_gather, collectives.in_collective = direct_start, late_trace
     collectives._gather_known_stacked = stacked_check
     telemetry.detach()
@@ -105,16 +94,9 @@ def main() -> None:
     parser.add_argument("--accelerate", action="store_true", help="run Accelerate's gather in each round too")
     args = parser.parse_args()
     (walls,) = run_ranks(_worker, args.rounds, args.accelerate)
-    floor = statistics.median(walls["floor (one raw all-gather)"])
-    mine = walls["nbaccel as it is"]
     print(f"2 gloo processes, torch {torch.__version__}, {args.rounds} rounds, accelerate in each round: "
           f"{args.accelerate} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    for name, values in walls.items():
-        if name == "accelerate":
-            continue
-        paired = statistics.median(a / b for a, b in zip(values, mine))
-        print(f"  {name:<36} {statistics.median(values) * 1e6:7.1f} us  {statistics.median(values) / floor:5.2f}x "
-              f"the floor  {paired:5.3f}x nbaccel as it is (median of per-round ratios)")
+    print_ways(walls, "floor (one raw all-gather)", "nbaccel as it is", skip=("accelerate",))
 
 
 if __name__ == "__main__":

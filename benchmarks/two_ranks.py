@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -101,6 +102,37 @@ def tree_arguments(doc: str, rounds: int) -> argparse.Namespace:
 def medians_us(samples: dict[str, list[int]]) -> dict[str, float]:
     """The median of each list of nanosecond samples, in microseconds."""
     return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
+
+
+def interleaved_walls(names: list[str], prepare: Callable[[str, int], Callable[[], Any]], rounds: int,
+                      warmup: int = 20) -> dict[str, list[float]]:
+    """Wall seconds of one call per name per round, in an order shuffled per round (seeded by the round, so
+    the same on every rank: they run each collective together). `prepare(name, round)` sets the way up
+    (untimed) and returns the call to time; the first `warmup` rounds are not kept."""
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for round_ in range(-warmup, rounds):
+        order = list(names)
+        random.Random(round_).shuffle(order)
+        for name in order:
+            call = prepare(name, round_)
+            start = clock()
+            call()
+            if round_ >= 0:
+                walls[name].append(clock() - start)
+    return walls
+
+
+def print_ways(walls: dict[str, list[float]], floor: str, reference: str, skip: tuple[str, ...] = ()) -> None:
+    """One line per way (but `skip`): its median wall time, its ratio to the `floor` way's median, and the
+    median of its per-round ratios to the `reference` way (the rounds ran them back to back)."""
+    floor_median, mine = statistics.median(walls[floor]), walls[reference]
+    for name, values in walls.items():
+        if name in skip:
+            continue
+        paired = statistics.median(a / b for a, b in zip(values, mine))
+        print(f"  {name:<42} {statistics.median(values) * 1e6:7.1f} us  {statistics.median(values) / floor_median:5.2f}x "
+              f"the floor  {paired:5.3f}x {reference} (median of per-round ratios)")
 
 
 def tree_header(args: argparse.Namespace) -> str:
