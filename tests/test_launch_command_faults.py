@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -273,6 +274,33 @@ def test_a_second_ctrl_c_sends_sigterm_as_under_accelerate(tmp_path):
     assert theirs == 1 and ours == 128 + signal.SIGINT, our_out
     assert our_out.rstrip().endswith("nbaccel launch: stopped by SIGINT; workers stopped"), our_out
 
+
+
+def test_a_stop_cut_short_by_a_second_ctrl_c_still_waits_for_the_launchers_thread():
+    """The window behind an `nbaccel launch` that ended by SIGABRT ("terminate called without an active
+    exception") instead of 130, in 1 run of 15-30 of the test above on a busy machine: the second Ctrl-C cut
+    the first stop short while torchrun's agent thread still ran; the stop after it only killed the ranks, and
+    the process exited while that thread was inside a store call (torch elastic's exit barrier), which Python's
+    exit turns into an abort. Every stop now waits for the thread, up to JOIN_TIMEOUT each."""
+    from nbaccel.launch.kernel.threaded import ThreadedBackend
+
+    release = threading.Event()
+    backend = ThreadedBackend()
+    backend._target = lambda: release.wait(30)  # the other launcher's blocking call, still going
+    backend._thread.start()
+    kills = []
+
+    def kill(*_):  # the first stop's kill is where the second Ctrl-C lands (it waits for the ranks to end)
+        kills.append(time.monotonic())
+        if len(kills) == 1:
+            raise KeyboardInterrupt
+
+    backend._kill_started = kill
+    with pytest.raises(KeyboardInterrupt):
+        backend.stop()
+    threading.Timer(0.5, release.set).start()  # the thread ends 0.5 s later, as the agent's does
+    backend.stop()
+    assert not backend._thread.is_alive()
 
 def test_a_child_that_ignores_sigterm_is_stopped_unlike_under_accelerate(tmp_path):
     """A rank's child that ignores SIGTERM (a tool's subprocess, a server the script started) is SIGKILLed

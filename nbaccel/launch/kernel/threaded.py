@@ -105,13 +105,15 @@ class ThreadedBackend(Backend):
         while that thread runs)."""
 
     def stop(self) -> None:
-        if self._stopped:  # again (the supervisor stopped, then the launch): only what started since
-            self._kill_started()
-            return
-        self._stopped = True
-        self.before_stop()
+        if not self._stopped:
+            self._stopped = True
+            self.before_stop()
         # Stopped early (an interrupt right after the start), the other launcher may start its workers after a
-        # kill: kill what is there until its call returns, rather than wait JOIN_TIMEOUT for it and kill once
+        # kill: kill what is there until its call returns, rather than wait JOIN_TIMEOUT for it and kill once.
+        # Stopped again (the supervisor stopped, then the launch; or a second Ctrl-C cut the first stop short),
+        # the same, so that the caller never goes on, and this process never exits, while that thread is still
+        # inside the other launcher: at exit Python ends such a thread in the middle of its C++ call (torch
+        # elastic's exit barrier, a store's `add`), which aborts the process (SIGABRT instead of its status).
         deadline = time.monotonic() + JOIN_TIMEOUT
         while True:
             self._kill_started()
